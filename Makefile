@@ -1,0 +1,27 @@
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Tests and tools must never reach a model hub.
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export HF_HUB_DISABLE_TELEMETRY := 1
+
+.PHONY: setup test clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first, pinned, so that no CUDA wheels are pulled on a CPU machine
+	$(BIN)/pip install --quiet torch==2.13.0
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+test: setup
+	$(BIN)/python -m pytest -q -ra
+
+clean:
+	rm -rf $(VENV) build *.egg-info
