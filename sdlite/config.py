@@ -1,0 +1,330 @@
+"""Every model fact in one place: frozen configs for the three networks and the named presets.
+
+The presets mirror the upstream configs they cite; a diffusers folder's own ``config.json`` files are
+read through the ``from_diffusers`` constructors, which accept only what our classes really implement and
+name anything else.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .errors import SDLiteError
+
+
+class ConfigError(SDLiteError):
+    """A config file asks for something sdlite does not implement (the message names the field)."""
+
+
+def _tuple(value) -> tuple:
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+@dataclass(frozen=True)
+class TextEncoderConfig:
+    """CLIP text transformer (pre-LayerNorm, causal self-attention).
+
+    ``layers`` counts the layers actually run: the OpenCLIP ViT-H text tower of SD 2.x has 24, of which the
+    reference uses the penultimate one, so its preset has 23 (as diffusers' converted folders do).
+    """
+
+    vocab_size: int = 49408
+    max_positions: int = 77
+    width: int = 768
+    layers: int = 12
+    heads: int = 12
+    mlp_width: int = 3072
+    activation: str = "quick_gelu"  # "quick_gelu" (OpenAI CLIP) | "gelu" (OpenCLIP)
+    eps: float = 1e-5
+    pad_token_id: int = 49407  # SD 1.x pads with <|endoftext|>; SD 2.x (OpenCLIP) with 0
+    eos_token_id: int = 49407
+    projection_dim: int = 768  # text_projection width (not used to condition the UNet)
+
+    def __post_init__(self):
+        if self.width % self.heads:
+            raise ConfigError(f"text encoder width {self.width} is not divisible by heads {self.heads}")
+        if self.activation not in ("quick_gelu", "gelu"):
+            raise ConfigError(f"text encoder activation {self.activation!r}: expected 'quick_gelu' or 'gelu'")
+
+    @classmethod
+    def from_diffusers(cls, cfg: dict, pad_token_id: int | None = None) -> "TextEncoderConfig":
+        """From a transformers ``CLIPTextConfig`` dict (``text_encoder/config.json``)."""
+        return cls(
+            vocab_size=cfg.get("vocab_size", 49408),
+            max_positions=cfg.get("max_position_embeddings", 77),
+            width=cfg["hidden_size"],
+            layers=cfg["num_hidden_layers"],
+            heads=cfg["num_attention_heads"],
+            mlp_width=cfg["intermediate_size"],
+            activation=cfg.get("hidden_act", "quick_gelu"),
+            eps=cfg.get("layer_norm_eps", 1e-5),
+            pad_token_id=cfg.get("pad_token_id", 49407) if pad_token_id is None else pad_token_id,
+            eos_token_id=cfg.get("eos_token_id", 49407),
+            projection_dim=cfg.get("projection_dim", cfg["hidden_size"]),
+        )
+
+    def to_diffusers(self) -> dict:
+        return {
+            "architectures": ["CLIPTextModel"],
+            "model_type": "clip_text_model",
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_positions,
+            "hidden_size": self.width,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "intermediate_size": self.mlp_width,
+            "hidden_act": self.activation,
+            "layer_norm_eps": self.eps,
+            "pad_token_id": self.pad_token_id,
+            "bos_token_id": 49406,
+            "eos_token_id": self.eos_token_id,
+            "projection_dim": self.projection_dim,
+            "torch_dtype": "float32",
+        }
+
+
+@dataclass(frozen=True)
+class UNetConfig:
+    """The conditional denoising UNet of SD 1.x/2.x.
+
+    ``block_channels[i]`` is the width of level i; ``attention[i]`` says whether level i has spatial
+    transformers (the up path mirrors the down path); ``heads[i]`` is the number of attention heads at level i
+    (SD 1.x: 8 everywhere; SD 2.x: width / 64).
+    """
+
+    in_channels: int = 4
+    out_channels: int = 4
+    block_channels: tuple[int, ...] = (320, 640, 1280, 1280)
+    layers_per_block: int = 2
+    attention: tuple[bool, ...] = (True, True, True, False)
+    heads: tuple[int, ...] = (8, 8, 8, 8)
+    context_dim: int = 768
+    linear_projection: bool = False  # SD 2.x: Linear proj_in/proj_out; SD 1.x: 1x1 convolutions
+    transformer_depth: int = 1
+    norm_groups: int = 32
+    norm_eps: float = 1e-5
+    flip_sin_to_cos: bool = True
+    freq_shift: float = 0.0
+    sample_size: int = 64
+
+    def __post_init__(self):
+        n = len(self.block_channels)
+        if len(self.attention) != n or len(self.heads) != n:
+            raise ConfigError(
+                f"UNet config: {n} levels in block_channels but {len(self.attention)} attention flags "
+                f"and {len(self.heads)} head counts"
+            )
+        for ch, h in zip(self.block_channels, self.heads):
+            if ch % h:
+                raise ConfigError(f"UNet config: width {ch} is not divisible by {h} heads")
+            if ch % self.norm_groups:
+                raise ConfigError(f"UNet config: width {ch} is not divisible by {self.norm_groups} norm groups")
+
+    @property
+    def time_embed_dim(self) -> int:
+        return self.block_channels[0] * 4
+
+    @classmethod
+    def from_diffusers(cls, cfg: dict) -> "UNetConfig":
+        """From a diffusers ``UNet2DConditionModel`` config dict (``unet/config.json``)."""
+        unsupported = {
+            "addition_embed_type": None, "class_embed_type": None, "encoder_hid_dim": None,
+            "time_embedding_type": "positional", "resnet_time_scale_shift": "default",
+            "only_cross_attention": False, "dual_cross_attention": False, "num_class_embeds": None,
+            "mid_block_type": "UNetMidBlock2DCrossAttn", "center_input_sample": False,
+            "conv_in_kernel": 3, "conv_out_kernel": 3, "act_fn": "silu", "downsample_padding": 1,
+            "mid_block_scale_factor": 1, "time_cond_proj_dim": None, "class_embeddings_concat": False,
+            "attention_type": "default", "resnet_skip_time_act": False, "resnet_out_scale_factor": 1.0,
+        }
+        for key, default in unsupported.items():
+            value = cfg.get(key, default)
+            if isinstance(value, list) and key == "only_cross_attention":
+                value = any(value)
+            if value != default:
+                raise ConfigError(f"UNet config field {key}={value!r} is not supported (expected {default!r})")
+        down = list(cfg.get("down_block_types", []))
+        up = list(cfg.get("up_block_types", []))
+        channels = _tuple(cfg.get("block_out_channels", (320, 640, 1280, 1280)))
+        known_down = {"CrossAttnDownBlock2D": True, "DownBlock2D": False}
+        known_up = {"CrossAttnUpBlock2D": True, "UpBlock2D": False}
+        for name in down:
+            if name not in known_down:
+                raise ConfigError(f"UNet config: down block type {name!r} is not supported")
+        for name in up:
+            if name not in known_up:
+                raise ConfigError(f"UNet config: up block type {name!r} is not supported")
+        attention = tuple(known_down[n] for n in down)
+        if tuple(known_up[n] for n in reversed(up)) != attention:
+            raise ConfigError(f"UNet config: up_block_types {up} do not mirror down_block_types {down}")
+        # diffusers' historical naming: ``attention_head_dim`` holds the number of heads for SD 1.x/2.x
+        heads = cfg.get("num_attention_heads") or cfg.get("attention_head_dim", 8)
+        heads = _tuple(heads)
+        if len(heads) == 1:
+            heads = heads * len(channels)
+        depth = cfg.get("transformer_layers_per_block", 1)
+        if isinstance(depth, (list, tuple)):
+            if len(set(depth)) != 1:
+                raise ConfigError(f"UNet config: transformer_layers_per_block={depth} must be uniform")
+            depth = depth[0]
+        layers = cfg.get("layers_per_block", 2)
+        if isinstance(layers, (list, tuple)):
+            raise ConfigError(f"UNet config: layers_per_block={layers} must be one integer")
+        return cls(
+            in_channels=cfg.get("in_channels", 4),
+            out_channels=cfg.get("out_channels", 4),
+            block_channels=channels,
+            layers_per_block=layers,
+            attention=attention,
+            heads=heads,
+            context_dim=cfg.get("cross_attention_dim", 768),
+            linear_projection=bool(cfg.get("use_linear_projection", False)),
+            transformer_depth=depth,
+            norm_groups=cfg.get("norm_num_groups", 32),
+            norm_eps=cfg.get("norm_eps", 1e-5),
+            flip_sin_to_cos=cfg.get("flip_sin_to_cos", True),
+            freq_shift=cfg.get("freq_shift", 0),
+            sample_size=cfg.get("sample_size", 64),
+        )
+
+    def to_diffusers(self) -> dict:
+        down = ["CrossAttnDownBlock2D" if a else "DownBlock2D" for a in self.attention]
+        up = ["CrossAttnUpBlock2D" if a else "UpBlock2D" for a in reversed(self.attention)]
+        return {
+            "_class_name": "UNet2DConditionModel",
+            "in_channels": self.in_channels,
+            "out_channels": self.out_channels,
+            "block_out_channels": list(self.block_channels),
+            "layers_per_block": self.layers_per_block,
+            "down_block_types": down,
+            "up_block_types": up,
+            "mid_block_type": "UNetMidBlock2DCrossAttn",
+            "attention_head_dim": list(self.heads),
+            "cross_attention_dim": self.context_dim,
+            "use_linear_projection": self.linear_projection,
+            "transformer_layers_per_block": self.transformer_depth,
+            "norm_num_groups": self.norm_groups,
+            "norm_eps": self.norm_eps,
+            "flip_sin_to_cos": self.flip_sin_to_cos,
+            "freq_shift": self.freq_shift,
+            "sample_size": self.sample_size,
+            "act_fn": "silu",
+            "center_input_sample": False,
+            "downsample_padding": 1,
+            "mid_block_scale_factor": 1,
+        }
+
+
+@dataclass(frozen=True)
+class VAEConfig:
+    """AutoencoderKL: 2**(levels-1) spatial downsampling, ``latent_channels`` latent channels."""
+
+    in_channels: int = 3
+    out_channels: int = 3
+    latent_channels: int = 4
+    block_channels: tuple[int, ...] = (128, 256, 512, 512)
+    layers_per_block: int = 2
+    norm_groups: int = 32
+    scaling_factor: float = 0.18215
+    sample_size: int = 512
+
+    @property
+    def downscale(self) -> int:
+        return 2 ** (len(self.block_channels) - 1)
+
+    @classmethod
+    def from_diffusers(cls, cfg: dict) -> "VAEConfig":
+        for name in list(cfg.get("down_block_types", [])):
+            if name != "DownEncoderBlock2D":
+                raise ConfigError(f"VAE config: down block type {name!r} is not supported")
+        for name in list(cfg.get("up_block_types", [])):
+            if name != "UpDecoderBlock2D":
+                raise ConfigError(f"VAE config: up block type {name!r} is not supported")
+        if cfg.get("shift_factor") not in (None, 0, 0.0):
+            raise ConfigError(f"VAE config field shift_factor={cfg['shift_factor']!r} is not supported")
+        if not cfg.get("mid_block_add_attention", True):
+            raise ConfigError("VAE config field mid_block_add_attention=False is not supported")
+        return cls(
+            in_channels=cfg.get("in_channels", 3),
+            out_channels=cfg.get("out_channels", 3),
+            latent_channels=cfg.get("latent_channels", 4),
+            block_channels=_tuple(cfg.get("block_out_channels", (128, 256, 512, 512))),
+            layers_per_block=cfg.get("layers_per_block", 2),
+            norm_groups=cfg.get("norm_num_groups", 32),
+            scaling_factor=cfg.get("scaling_factor", 0.18215),
+            sample_size=cfg.get("sample_size", 512),
+        )
+
+    def to_diffusers(self) -> dict:
+        n = len(self.block_channels)
+        return {
+            "_class_name": "AutoencoderKL",
+            "in_channels": self.in_channels,
+            "out_channels": self.out_channels,
+            "latent_channels": self.latent_channels,
+            "block_out_channels": list(self.block_channels),
+            "down_block_types": ["DownEncoderBlock2D"] * n,
+            "up_block_types": ["UpDecoderBlock2D"] * n,
+            "layers_per_block": self.layers_per_block,
+            "norm_num_groups": self.norm_groups,
+            "act_fn": "silu",
+            "scaling_factor": self.scaling_factor,
+            "sample_size": self.sample_size,
+        }
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A whole Stable Diffusion model: its family, its three networks and how its UNet is parameterised."""
+
+    family: str
+    text: TextEncoderConfig
+    unet: UNetConfig
+    vae: VAEConfig
+    prediction_type: str = "epsilon"  # "epsilon" | "v_prediction"
+    default_size: int = 512
+    # The standard DDPM training schedule of the family (used when a single file carries no scheduler).
+    scheduler: dict = field(default_factory=lambda: dict(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+        num_train_timesteps=1000, steps_offset=1, clip_sample=False, set_alpha_to_one=False,
+    ))
+
+    def replace(self, **changes) -> "ModelSpec":
+        return dataclasses.replace(self, **changes)
+
+
+# --- presets -------------------------------------------------------------------------------------------
+
+# runwayml/stable-diffusion-v1-5 (text_encoder, unet, vae config.json): CLIP ViT-L/14 text tower
+SD15 = ModelSpec(
+    family="sd1",
+    text=TextEncoderConfig(),
+    unet=UNetConfig(),
+    vae=VAEConfig(),
+)
+
+# runwayml/stable-diffusion-inpainting: 9 input channels (latent 4 + mask 1 + masked-image latent 4)
+SD15_INPAINT = SD15.replace(family="sd1-inpaint", unet=dataclasses.replace(SD15.unet, in_channels=9))
+
+# stabilityai/stable-diffusion-2-1-base: OpenCLIP ViT-H text tower (penultimate layer), head dim 64,
+# linear projections in the spatial transformers
+_SD2_TEXT = TextEncoderConfig(width=1024, layers=23, heads=16, mlp_width=4096, activation="gelu",
+                              pad_token_id=0, projection_dim=512)
+_SD2_UNET = UNetConfig(heads=(5, 10, 20, 20), context_dim=1024, linear_projection=True)
+SD21_BASE = ModelSpec(family="sd2", text=_SD2_TEXT, unet=_SD2_UNET, vae=VAEConfig())
+
+# stabilityai/stable-diffusion-2-1: the 768x768 v-prediction model
+SD21_V = SD21_BASE.replace(prediction_type="v_prediction", default_size=768,
+                           unet=dataclasses.replace(_SD2_UNET, sample_size=96),
+                           vae=dataclasses.replace(VAEConfig(), sample_size=768))
+
+# stabilityai/stable-diffusion-2-inpainting
+SD2_INPAINT = SD21_BASE.replace(family="sd2-inpaint", unet=dataclasses.replace(_SD2_UNET, in_channels=9))
+
+PRESETS: dict[str, ModelSpec] = {
+    "sd15": SD15,
+    "sd15-inpaint": SD15_INPAINT,
+    "sd21-base": SD21_BASE,
+    "sd21": SD21_BASE,
+    "sd21-v": SD21_V,
+    "sd2-inpaint": SD2_INPAINT,
+}

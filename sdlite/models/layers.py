@@ -1,0 +1,122 @@
+"""Building blocks shared by the UNet and the VAE.
+
+Module attribute names equal the canonical (diffusers) checkpoint key names, so that loading is a
+key-for-key copy. Shapes are written as comments where they change: B batch, C channels, H/W spatial,
+N tokens, D head dim.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def timestep_embedding(t: torch.Tensor, dim: int, flip_sin_to_cos: bool = True, shift: float = 0.0,
+                       max_period: float = 10000.0) -> torch.Tensor:
+    """Sinusoidal embedding of (possibly fractional) timesteps, (B,) -> (B, dim), computed in fp32."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device)
+                      / (half - shift))
+    args = t.float()[:, None] * freqs[None]                       # (B, half)
+    sin, cos = torch.sin(args), torch.cos(args)
+    emb = torch.cat([cos, sin] if flip_sin_to_cos else [sin, cos], dim=-1)
+    if dim % 2:
+        emb = F.pad(emb, (0, 1))
+    return emb
+
+
+class TimestepEmbedding(nn.Module):
+    """Linear -> SiLU -> Linear on the sinusoidal embedding."""
+
+    def __init__(self, in_dim: int, dim: int):
+        super().__init__()
+        self.linear_1 = nn.Linear(in_dim, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+class Attention(nn.Module):
+    """Multi-head attention over token sequences (B, N, C); ``context`` (B, M, Cc) makes it cross-attention.
+
+    ``qkv_bias`` is False in the UNet's transformers and True in the VAE's single-head mid-block attention.
+    """
+
+    def __init__(self, dim: int, heads: int, context_dim: int | None = None, qkv_bias: bool = False):
+        super().__init__()
+        self.heads = heads
+        context_dim = context_dim or dim
+        self.to_q = nn.Linear(dim, dim, bias=qkv_bias)
+        self.to_k = nn.Linear(context_dim, dim, bias=qkv_bias)
+        self.to_v = nn.Linear(context_dim, dim, bias=qkv_bias)
+        self.to_out = nn.ModuleList([nn.Linear(dim, dim)])
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        context = x if context is None else context
+        b, n, c = x.shape
+        h = self.heads
+        q = self.to_q(x).view(b, n, h, c // h).transpose(1, 2)          # (B, h, N, D)
+        k = self.to_k(context).view(b, -1, h, c // h).transpose(1, 2)   # (B, h, M, D)
+        v = self.to_v(context).view(b, -1, h, c // h).transpose(1, 2)   # (B, h, M, D)
+        out = F.scaled_dot_product_attention(q, k, v)                  # (B, h, N, D)
+        out = out.transpose(1, 2).reshape(b, n, c)                      # (B, N, C)
+        return self.to_out[0](out)
+
+
+class ResnetBlock(nn.Module):
+    """GroupNorm -> SiLU -> conv, (+ time embedding), GroupNorm -> SiLU -> conv, plus the (1x1) shortcut."""
+
+    def __init__(self, in_ch: int, out_ch: int, temb_dim: int | None, groups: int = 32, eps: float = 1e-5):
+        super().__init__()
+        self.norm1 = nn.GroupNorm(groups, in_ch, eps=eps)
+        self.conv1 = nn.Conv2d(in_ch, out_ch, 3, padding=1)
+        if temb_dim is not None:
+            self.time_emb_proj = nn.Linear(temb_dim, out_ch)
+        self.norm2 = nn.GroupNorm(groups, out_ch, eps=eps)
+        self.conv2 = nn.Conv2d(out_ch, out_ch, 3, padding=1)
+        if in_ch != out_ch:
+            self.conv_shortcut = nn.Conv2d(in_ch, out_ch, 1)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))
+        if temb is not None:
+            h = h + self.time_emb_proj(F.silu(temb))[:, :, None, None]
+        h = self.conv2(F.silu(self.norm2(h)))
+        if hasattr(self, "conv_shortcut"):
+            x = self.conv_shortcut(x)
+        return x + h
+
+
+class Downsample(nn.Module):
+    """3x3 stride-2 convolution. The VAE pads asymmetrically (right/bottom) by hand, the UNet by 1 all round."""
+
+    def __init__(self, ch: int, padding: int = 1):
+        super().__init__()
+        self.padding = padding
+        self.conv = nn.Conv2d(ch, ch, 3, stride=2, padding=padding)
+
+    def forward(self, x):
+        if self.padding == 0:
+            x = F.pad(x, (0, 1, 0, 1))
+        return self.conv(x)
+
+
+class Upsample(nn.Module):
+    """Nearest-neighbour 2x (or to ``size``) followed by a 3x3 convolution."""
+
+    def __init__(self, ch: int):
+        super().__init__()
+        self.conv = nn.Conv2d(ch, ch, 3, padding=1)
+
+    def forward(self, x, size: tuple[int, int] | None = None):
+        dtype = x.dtype
+        if dtype == torch.bfloat16:  # nearest upsampling of bf16 is slow or missing on some backends
+            x = x.float()
+        if size is None:
+            x = F.interpolate(x, scale_factor=2.0, mode="nearest")
+        else:
+            x = F.interpolate(x, size=size, mode="nearest")
+        return self.conv(x.to(dtype))

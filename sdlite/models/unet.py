@@ -1,0 +1,201 @@
+"""The conditional denoising UNet of Stable Diffusion 1.x and 2.x (Rombach et al. 2022, "High-Resolution
+Image Synthesis with Latent Diffusion Models"), module names as in the diffusers layout.
+
+Down path: per level ``layers_per_block`` ResBlocks (each optionally followed by a spatial transformer),
+then a stride-2 convolution except at the last level. Middle: ResBlock, transformer, ResBlock. Up path:
+per level ``layers_per_block + 1`` ResBlocks, each fed the concatenation with one saved skip activation.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import UNetConfig
+from .layers import Attention, Downsample, ResnetBlock, TimestepEmbedding, Upsample, timestep_embedding
+
+
+class GEGLU(nn.Module):
+    """Linear to 2x the inner width, then value * GELU(gate) (Shazeer 2020)."""
+
+    def __init__(self, dim: int, inner: int):
+        super().__init__()
+        self.proj = nn.Linear(dim, inner * 2)
+
+    def forward(self, x):
+        value, gate = self.proj(x).chunk(2, dim=-1)
+        return value * F.gelu(gate)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, mult: int = 4):
+        super().__init__()
+        # index 1 is the (inference no-op) dropout of the reference layout; keep the indices of the keys
+        self.net = nn.ModuleList([GEGLU(dim, dim * mult), nn.Identity(), nn.Linear(dim * mult, dim)])
+
+    def forward(self, x):
+        for layer in self.net:
+            x = layer(x)
+        return x
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LayerNorm self-attention, cross-attention on the text context, and a GEGLU feed-forward."""
+
+    def __init__(self, dim: int, heads: int, context_dim: int):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn1 = Attention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim)
+        self.attn2 = Attention(dim, heads, context_dim=context_dim)
+        self.norm3 = nn.LayerNorm(dim)
+        self.ff = FeedForward(dim)
+
+    def forward(self, x, context):
+        x = x + self.attn1(self.norm1(x))
+        x = x + self.attn2(self.norm2(x), context)
+        return x + self.ff(self.norm3(x))
+
+
+class SpatialTransformer(nn.Module):
+    """GroupNorm, project in, transformer blocks over the H*W tokens, project out, residual.
+
+    SD 1.x projects with 1x1 convolutions before flattening; SD 2.x with Linear layers after flattening.
+    """
+
+    def __init__(self, ch: int, heads: int, context_dim: int, depth: int, linear: bool, groups: int):
+        super().__init__()
+        self.linear = linear
+        self.norm = nn.GroupNorm(groups, ch, eps=1e-6)
+        self.proj_in = nn.Linear(ch, ch) if linear else nn.Conv2d(ch, ch, 1)
+        self.transformer_blocks = nn.ModuleList(TransformerBlock(ch, heads, context_dim) for _ in range(depth))
+        self.proj_out = nn.Linear(ch, ch) if linear else nn.Conv2d(ch, ch, 1)
+
+    def forward(self, x, context):
+        b, c, hgt, wid = x.shape
+        h = self.norm(x)
+        if self.linear:
+            h = self.proj_in(h.permute(0, 2, 3, 1).reshape(b, hgt * wid, c))     # (B, HW, C)
+        else:
+            h = self.proj_in(h).permute(0, 2, 3, 1).reshape(b, hgt * wid, c)     # (B, HW, C)
+        for block in self.transformer_blocks:
+            h = block(h, context)
+        if self.linear:
+            h = self.proj_out(h).reshape(b, hgt, wid, c).permute(0, 3, 1, 2)     # (B, C, H, W)
+        else:
+            h = self.proj_out(h.reshape(b, hgt, wid, c).permute(0, 3, 1, 2).contiguous())
+        return x + h
+
+
+class DownBlock(nn.Module):
+    def __init__(self, cfg: UNetConfig, level: int, in_ch: int, out_ch: int, temb_dim: int):
+        super().__init__()
+        n, g, eps = cfg.layers_per_block, cfg.norm_groups, cfg.norm_eps
+        self.resnets = nn.ModuleList(ResnetBlock(in_ch if i == 0 else out_ch, out_ch, temb_dim, g, eps)
+                                     for i in range(n))
+        if cfg.attention[level]:
+            self.attentions = nn.ModuleList(
+                SpatialTransformer(out_ch, cfg.heads[level], cfg.context_dim, cfg.transformer_depth,
+                                   cfg.linear_projection, g) for _ in range(n))
+        if level < len(cfg.block_channels) - 1:
+            self.downsamplers = nn.ModuleList([Downsample(out_ch, padding=1)])
+
+    def forward(self, x, temb, context, skips: list):
+        for i, resnet in enumerate(self.resnets):
+            x = resnet(x, temb)
+            if hasattr(self, "attentions"):
+                x = self.attentions[i](x, context)
+            skips.append(x)
+        if hasattr(self, "downsamplers"):
+            x = self.downsamplers[0](x)
+            skips.append(x)
+        return x
+
+
+class UpBlock(nn.Module):
+    def __init__(self, cfg: UNetConfig, level: int, prev_ch: int, temb_dim: int):
+        super().__init__()
+        chans, n, g, eps = cfg.block_channels, cfg.layers_per_block, cfg.norm_groups, cfg.norm_eps
+        out_ch = chans[level]
+        resnets = []
+        for i in range(n + 1):
+            # the skip of the last resnet comes from the level below (or the stem at level 0)
+            skip_ch = chans[max(level - 1, 0)] if i == n else out_ch
+            in_ch = prev_ch if i == 0 else out_ch
+            resnets.append(ResnetBlock(in_ch + skip_ch, out_ch, temb_dim, g, eps))
+        self.resnets = nn.ModuleList(resnets)
+        if cfg.attention[level]:
+            self.attentions = nn.ModuleList(
+                SpatialTransformer(out_ch, cfg.heads[level], cfg.context_dim, cfg.transformer_depth,
+                                   cfg.linear_projection, g) for _ in range(n + 1))
+        if level > 0:
+            self.upsamplers = nn.ModuleList([Upsample(out_ch)])
+
+    def forward(self, x, temb, context, skips: list, size=None):
+        for i, resnet in enumerate(self.resnets):
+            x = resnet(torch.cat([x, skips.pop()], dim=1), temb)
+            if hasattr(self, "attentions"):
+                x = self.attentions[i](x, context)
+        if hasattr(self, "upsamplers"):
+            x = self.upsamplers[0](x, size)
+        return x
+
+
+class MidBlock(nn.Module):
+    def __init__(self, cfg: UNetConfig, temb_dim: int):
+        super().__init__()
+        ch, g, eps = cfg.block_channels[-1], cfg.norm_groups, cfg.norm_eps
+        self.resnets = nn.ModuleList([ResnetBlock(ch, ch, temb_dim, g, eps), ResnetBlock(ch, ch, temb_dim, g, eps)])
+        self.attentions = nn.ModuleList([SpatialTransformer(ch, cfg.heads[-1], cfg.context_dim,
+                                                            cfg.transformer_depth, cfg.linear_projection, g)])
+
+    def forward(self, x, temb, context):
+        x = self.resnets[0](x, temb)
+        x = self.attentions[0](x, context)
+        return self.resnets[1](x, temb)
+
+
+class UNet(nn.Module):
+    """eps (or v) prediction: (B, Cin, h, w) latent, (B,) timesteps, (B, 77, Cctx) context -> (B, Cout, h, w)."""
+
+    def __init__(self, cfg: UNetConfig):
+        super().__init__()
+        self.config = cfg
+        chans, temb_dim = cfg.block_channels, cfg.time_embed_dim
+        self.conv_in = nn.Conv2d(cfg.in_channels, chans[0], 3, padding=1)
+        self.time_embedding = TimestepEmbedding(chans[0], temb_dim)
+        self.down_blocks = nn.ModuleList(
+            DownBlock(cfg, i, chans[max(i - 1, 0)], chans[i], temb_dim) for i in range(len(chans)))
+        self.mid_block = MidBlock(cfg, temb_dim)
+        ups, prev = [], chans[-1]
+        for level in reversed(range(len(chans))):
+            ups.append(UpBlock(cfg, level, prev, temb_dim))
+            prev = chans[level]
+        self.up_blocks = nn.ModuleList(ups)
+        self.conv_norm_out = nn.GroupNorm(cfg.norm_groups, chans[0], eps=cfg.norm_eps)
+        self.conv_out = nn.Conv2d(chans[0], cfg.out_channels, 3, padding=1)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.conv_in.weight.dtype
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        t = t.reshape(-1).to(x.device)
+        if t.numel() == 1:
+            t = t.expand(x.shape[0])
+        temb = timestep_embedding(t, cfg.block_channels[0], cfg.flip_sin_to_cos, cfg.freq_shift)
+        temb = self.time_embedding(temb.to(x.dtype))                       # (B, 4*C0)
+
+        x = self.conv_in(x)                                                # (B, C0, h, w)
+        skips = [x]
+        sizes = []
+        for block in self.down_blocks:
+            sizes.append(x.shape[-2:])
+            x = block(x, temb, context, skips)
+        x = self.mid_block(x, temb, context)
+        for i, block in enumerate(self.up_blocks):
+            # upsample to the size the matching down level had, so odd latent sizes round-trip
+            size = sizes[-2 - i] if i < len(self.up_blocks) - 1 else None
+            x = block(x, temb, context, skips, size)
+        return self.conv_out(F.silu(self.conv_norm_out(x)))
