@@ -60,3 +60,64 @@ def transformers_text(cfg: TextEncoderConfig):
 def max_rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     """max |ours - ref| / max |ref|: the figure the issues hold us to."""
     return ((ours.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+
+
+# --- whole pipelines -----------------------------------------------------------------------------------------
+
+# Text encoders at tiny width but with the real 49408-token vocabulary, so real prompts tokenize.
+TINY_TEXT_SD1_FULLVOCAB = TextEncoderConfig(width=32, layers=3, heads=4, mlp_width=37, projection_dim=32)
+TINY_TEXT_SD2_FULLVOCAB = TextEncoderConfig(width=32, layers=3, heads=4, mlp_width=64, activation="gelu",
+                                            pad_token_id=0, projection_dim=32)
+
+
+def write_hf_tokenizer_files(folder, pad_token: str = "<|endoftext|>"):
+    """vocab.json / merges.txt / special tokens derived from the merge list shipped in the package."""
+    import gzip
+    import json
+    from importlib import resources
+    from pathlib import Path
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    raw = resources.files("sdlite").joinpath("data/clip/bpe_simple_vocab_16e6.txt.gz").read_bytes()
+    merges = gzip.decompress(raw).decode("utf-8").split("\n")[1:49152 - 256 - 2 + 1]
+    merges = [tuple(m.split()) for m in merges]
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    byte_chars = [chr(c) for c in cs]
+    vocab = byte_chars + [c + "</w>" for c in byte_chars] + ["".join(m) for m in merges]
+    vocab += ["<|startoftext|>", "<|endoftext|>"]
+    (folder / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(vocab)}), encoding="utf-8")
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n",
+                                       encoding="utf-8")
+    special = {"bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
+               "pad_token": pad_token}
+    (folder / "special_tokens_map.json").write_text(json.dumps(special), encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(json.dumps({**special, "model_max_length": 77}), encoding="utf-8")
+    return folder
+
+
+def diffusers_pipeline(family: str = "sd1", tmp_path=None, prediction_type: str = "epsilon", seed: int = 0):
+    """A tiny diffusers StableDiffusionPipeline (random weights, real tokenizer) built from local configs."""
+    from diffusers import PNDMScheduler, StableDiffusionPipeline
+    from transformers import CLIPTokenizer
+
+    unet_cfg = {"sd1": TINY_UNET_SD1, "sd2": TINY_UNET_SD2, "sd1-inpaint": TINY_UNET_INPAINT}[family]
+    text_cfg = TINY_TEXT_SD2_FULLVOCAB if family == "sd2" else TINY_TEXT_SD1_FULLVOCAB
+    torch.manual_seed(seed)
+    unet = seed_all(diffusers_unet(unet_cfg), seed, scale=0.05)
+    vae = seed_all(diffusers_vae(TINY_VAE), seed + 1, scale=0.05)
+    text = seed_all(transformers_text(text_cfg), seed + 2, scale=0.2)
+    tok_dir = write_hf_tokenizer_files(tmp_path / "hf_tokenizer", pad_token="!" if family == "sd2" else "<|endoftext|>")
+    tokenizer = CLIPTokenizer.from_pretrained(str(tok_dir))
+    scheduler = PNDMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                              num_train_timesteps=1000, set_alpha_to_one=False, skip_prk_steps=True,
+                              steps_offset=1, prediction_type=prediction_type)
+    return StableDiffusionPipeline(vae=vae, text_encoder=text, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
+                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)

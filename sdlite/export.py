@@ -1,0 +1,113 @@
+"""Writing a loaded model in either layout: a diffusers folder or an original single ``.safetensors`` file.
+
+Both writers refuse to replace anything that exists; tensors are written one at a time from the loaded
+modules (converted lazily through the key tables for the single-file layout).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .errors import CheckpointError
+from .loader import META_CONFIG, META_PREDICTION, StableDiffusion
+from .weights.convert import plan_to_original
+from .weights.io import save_safetensors
+
+DIFFUSERS_VERSION = "0.30.0"  # the folder format written (readable by diffusers >= 0.21)
+
+
+def _state(module: torch.nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in module.state_dict().items():
+        v = v.detach().cpu()
+        out[k] = v.to(dtype) if dtype is not None and v.is_floating_point() else v
+    return out
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def save_diffusers(model: StableDiffusion, folder: str | os.PathLike, dtype: torch.dtype | None = None,
+                   variant: str | None = None) -> Path:
+    """Write ``model`` as a diffusers folder (``model_index.json``, ``unet/``, ``vae/``, ``text_encoder/``,
+    ``tokenizer/``, ``scheduler/``). ``variant="fp16"`` names the weight files ``*.fp16.safetensors``."""
+    folder = Path(folder)
+    if folder.exists():
+        raise CheckpointError("refusing to write a diffusers folder over something that exists", folder)
+    suffix = f".{variant}.safetensors" if variant else ".safetensors"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        spec = model.spec
+        for sub, module, config, base in (
+            ("unet", model.unet, spec.unet.to_diffusers(), "diffusion_pytorch_model"),
+            ("vae", model.vae, spec.vae.to_diffusers(), "diffusion_pytorch_model"),
+            ("text_encoder", model.text_encoder, spec.text.to_diffusers(), "model"),
+        ):
+            (tmp / sub).mkdir()
+            config = {**config, "_diffusers_version": DIFFUSERS_VERSION} if sub != "text_encoder" else config
+            _write_json(tmp / sub / "config.json", config)
+            save_safetensors(_state(module, dtype), tmp / sub / f"{base}{suffix}", metadata={"format": "pt"})
+        _write_tokenizer(model, tmp / "tokenizer")
+        (tmp / "scheduler").mkdir()
+        _write_json(tmp / "scheduler" / "scheduler_config.json", {
+            "_class_name": "PNDMScheduler", "_diffusers_version": DIFFUSERS_VERSION, "skip_prk_steps": True,
+            **{k: v for k, v in spec.scheduler.items() if not k.startswith("_")},
+            "prediction_type": spec.prediction_type,
+        })
+        _write_json(tmp / "model_index.json", {
+            "_class_name": "StableDiffusionInpaintPipeline" if spec.unet.in_channels == 9
+            else "StableDiffusionPipeline",
+            "_diffusers_version": DIFFUSERS_VERSION,
+            "feature_extractor": [None, None], "safety_checker": [None, None], "requires_safety_checker": False,
+            "scheduler": ["diffusers", "PNDMScheduler"],
+            "text_encoder": ["transformers", "CLIPTextModel"],
+            "tokenizer": ["transformers", "CLIPTokenizer"],
+            "unet": ["diffusers", "UNet2DConditionModel"],
+            "vae": ["diffusers", "AutoencoderKL"],
+        })
+        os.rename(tmp, folder)  # fails rather than replaces if the folder appeared meanwhile
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def _write_tokenizer(model: StableDiffusion, folder: Path) -> None:
+    tok = model.tokenizer
+    folder.mkdir()
+    (folder / "vocab.json").write_text(json.dumps(tok.encoder, ensure_ascii=False), encoding="utf-8")
+    merges = "\n".join(f"{a} {b}" for a, b in tok.merges)
+    (folder / "merges.txt").write_text(f"#version: 0.2\n{merges}\n", encoding="utf-8")
+    pad = tok.decoder[tok.pad_token_id]
+    special = {"bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
+               "pad_token": pad}
+    _write_json(folder / "special_tokens_map.json", special)
+    _write_json(folder / "tokenizer_config.json", {
+        **special, "tokenizer_class": "CLIPTokenizer", "model_max_length": tok.max_length,
+        "do_lower_case": True, "errors": "replace", "add_prefix_space": False,
+    })
+
+
+def save_single_file(model: StableDiffusion, path: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
+    """Write ``model`` as one original-layout ``.safetensors`` file (``model.diffusion_model.*``,
+    ``first_stage_model.*``, ``cond_stage_model.*``), as A1111, ComfyUI and diffusers' single-file loader read."""
+    path = Path(path)
+    spec = model.spec
+    states = {"unet": _state(model.unet, dtype), "vae": _state(model.vae, dtype),
+              "text_encoder": _state(model.text_encoder, dtype)}
+    plan = plan_to_original({name: list(sd) for name, sd in states.items()},
+                            text_encoder="openclip" if spec.family.startswith("sd2") else "clip",
+                            unet_structure=spec.unet, vae_levels=len(spec.vae.block_channels))
+    merged = plan.merge(states)
+    tensors = {k: merged[k].contiguous() for k in merged}
+    configs = {"text_encoder": spec.text.to_diffusers(), "unet": spec.unet.to_diffusers(),
+               "vae": spec.vae.to_diffusers()}
+    metadata = {META_PREDICTION: spec.prediction_type, META_CONFIG: json.dumps(configs), "sdlite.family": spec.family}
+    save_safetensors(tensors, path, metadata=metadata)
+    return path

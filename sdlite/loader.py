@@ -1,0 +1,432 @@
+"""Opening the checkpoints people have and building our models from them.
+
+``open_model(path)`` reads only headers: it finds the layout (diffusers folder or original single file),
+detects the family, builds the :class:`~sdlite.config.ModelSpec` and prepares a lazy canonical view of each
+component's weights. ``Checkpoint.load(component)`` then builds one network straight into the compute dtype
+(no tensor is read before its module needs it), so callers can hold one sub-model at a time.
+``load_model(path)`` loads everything into a :class:`StableDiffusion`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import PRESETS, ConfigError, ModelSpec, TextEncoderConfig, UNetConfig, VAEConfig
+from .errors import CheckpointError
+from .models.clip import CLIPTextEncoder
+from .models.unet import UNet
+from .models.vae import AutoencoderKL
+from .tokenizer import SD1_PAD_TOKEN_ID, SD2_PAD_TOKEN_ID, CLIPTokenizer
+from .weights.convert import normalize_diffusers_keys, plan_from_original
+from .weights.detect import Detection, detect
+from .weights.io import TensorStore, merge_stores, open_checkpoint, open_sharded
+
+COMPONENTS = ("text_encoder", "unet", "vae")
+PREDICTION_TYPES = ("epsilon", "v_prediction")
+_BUILDERS = {"text_encoder": CLIPTextEncoder, "unet": UNet, "vae": AutoencoderKL}
+_SPEC_FIELD = {"text_encoder": "text", "unet": "unet", "vae": "vae"}
+# weight files of a diffusers component, in order of preference (a variant such as fp16 is tried after)
+_WEIGHT_NAMES = {
+    "unet": "diffusion_pytorch_model", "vae": "diffusion_pytorch_model", "text_encoder": "model",
+}
+_MAX_LISTED = 5
+# metadata keys of the single files we write: the prediction type in the modelspec convention, and the three
+# configs (shapes cannot tell head counts, nor that an SD 2.x file lacks OpenCLIP's unused last block)
+META_PREDICTION = "modelspec.prediction_type"
+META_CONFIG = "sdlite.config"
+
+
+def _listing(keys) -> str:
+    keys = list(keys)
+    return ", ".join(repr(k) for k in keys[:_MAX_LISTED]) + (", ..." if len(keys) > _MAX_LISTED else "")
+
+
+@dataclass
+class ComponentSource:
+    """One component's weights: a lazy canonical-name view and where it came from."""
+
+    view: object            # Mapping[str, Tensor] with canonical keys, lazy
+    shapes: dict            # canonical key -> shape (no tensor read)
+    files: tuple[str, ...]
+    unexpected: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Checkpoint:
+    """An opened checkpoint: what it is, and its components ready to be built on demand."""
+
+    path: str
+    layout: str                      # "diffusers" | "original"
+    spec: ModelSpec
+    detection: Detection
+    storage_dtype: torch.dtype
+    prediction_source: str           # how spec.prediction_type was decided
+    sources: dict[str, ComponentSource]
+    scheduler_config: dict
+    tokenizer_dir: str | None = None
+    notes: list[str] = field(default_factory=list)
+    _stores: list[TensorStore] = field(default_factory=list, repr=False)
+
+    # -- components ------------------------------------------------------------------------------------
+
+    def tokenizer(self) -> CLIPTokenizer:
+        if self.tokenizer_dir is not None:
+            return CLIPTokenizer.from_pretrained_dir(self.tokenizer_dir)
+        return CLIPTokenizer.from_package(pad_token_id=self.spec.text.pad_token_id)
+
+    def load(self, component: str, dtype: torch.dtype = torch.float32, device="cpu") -> nn.Module:
+        """Build one network (``text_encoder``, ``unet`` or ``vae``) with its weights in ``dtype`` on ``device``.
+
+        Shapes are checked against the spec before any tensor is read; each tensor is converted straight
+        from the file's storage into ``dtype`` (zero-copy when the file is memory-mapped and already in it).
+        """
+        if component not in COMPONENTS:
+            raise ValueError(f"unknown component {component!r}: expected one of {', '.join(COMPONENTS)}")
+        source = self.sources.get(component)
+        if source is None:
+            raise CheckpointError(f"the checkpoint has no {component.replace('_', ' ')}", self.path)
+        cfg = getattr(self.spec, _SPEC_FIELD[component])
+        with torch.device("meta"):
+            module = _BUILDERS[component](cfg)
+        expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+        _check_keys(self.path, component, expected, source)
+        state = {}
+        for key in expected:
+            try:
+                tensor = source.view[key]
+            except CheckpointError:
+                raise
+            except Exception as e:  # a corrupt tensor deep in a file: name it rather than show torch internals
+                raise CheckpointError(f"cannot read the {component} tensor: {e}", source.files[0], key) from None
+            state[key] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
+        module.load_state_dict(state, strict=True, assign=True)
+        return module.eval().requires_grad_(False)
+
+    def parameter_counts(self) -> dict[str, int]:
+        """Parameters per component, from shapes only."""
+        counts = {}
+        for name, source in self.sources.items():
+            n = 0
+            for shape in source.shapes.values():
+                size = 1
+                for d in shape:
+                    size *= d
+                n += size
+            counts[name] = n
+        return counts
+
+    def close(self) -> None:
+        for store in self._stores:
+            store.close()
+        self._stores.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+@dataclass
+class StableDiffusion:
+    """A loaded model: tokenizer, the three networks and the facts the sampler needs."""
+
+    spec: ModelSpec
+    tokenizer: CLIPTokenizer
+    text_encoder: CLIPTextEncoder
+    unet: UNet
+    vae: AutoencoderKL
+    scheduler_config: dict
+    checkpoint: Checkpoint | None = None
+
+
+def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device="cpu",
+               prediction_type: str | None = None) -> StableDiffusion:
+    """Open ``path`` and load all three networks into ``dtype`` on ``device``."""
+    ckpt = open_model(path, prediction_type=prediction_type)
+    unet = ckpt.load("unet", dtype, device)
+    if ckpt.prediction_source == "unresolved":
+        resolve_prediction_type(ckpt, unet)
+    return StableDiffusion(spec=ckpt.spec, tokenizer=ckpt.tokenizer(),
+                           text_encoder=ckpt.load("text_encoder", dtype, device), unet=unet,
+                           vae=ckpt.load("vae", dtype, device), scheduler_config=ckpt.scheduler_config,
+                           checkpoint=ckpt)
+
+
+def open_model(path: str | os.PathLike, prediction_type: str | None = None, use_ema: bool = False) -> Checkpoint:
+    """Identify ``path`` (a diffusers folder or a single file) without reading any tensor data.
+
+    ``prediction_type`` overrides what the checkpoint says (``epsilon`` or ``v_prediction``).
+    """
+    if prediction_type is not None and prediction_type not in PREDICTION_TYPES:
+        raise ConfigError(f"prediction type {prediction_type!r} is not valid: expected one of "
+                          f"{', '.join(PREDICTION_TYPES)}")
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError("no such file or folder", path)
+    if path.is_dir():
+        ckpt = _open_diffusers_folder(path)
+    else:
+        ckpt = _open_single_file(path, use_ema=use_ema)
+    if prediction_type is not None:
+        _set_prediction(ckpt, prediction_type, "given by the user")
+    return ckpt
+
+
+# --- diffusers folders --------------------------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError("file is missing", path) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"not valid JSON ({e})", path) from None
+    if not isinstance(data, dict):
+        raise CheckpointError("expected a JSON object", path)
+    return data
+
+
+def _component_store(folder: Path, component: str) -> TensorStore:
+    """The weights of one diffusers component: plain file, then the fp16 variant, sharded or ``.bin``."""
+    sub = folder / component
+    base = _WEIGHT_NAMES[component]
+    bin_base = "pytorch_model" if component == "text_encoder" else base
+    candidates = [f"{base}.safetensors", f"{base}.fp16.safetensors", f"{base}.bf16.safetensors",
+                  f"{base}.safetensors.index.json", f"{base}.fp16.safetensors.index.json",
+                  f"{bin_base}.bin", f"{bin_base}.fp16.bin", f"{bin_base}.bin.index.json"]
+    for name in candidates:
+        file = sub / name
+        if file.is_file():
+            return open_sharded(file) if name.endswith(".index.json") else open_checkpoint(file)
+    raise CheckpointError(f"no weights for the {component}: expected one of {', '.join(candidates[:3])}, ...",
+                          sub)
+
+
+def _open_diffusers_folder(folder: Path) -> Checkpoint:
+    index_file = folder / "model_index.json"
+    if not index_file.is_file():
+        raise CheckpointError("not a diffusers folder (model_index.json is missing) and not a checkpoint file",
+                              folder)
+    index = _read_json(index_file)
+    cls = index.get("_class_name", "")
+    if cls and cls not in ("StableDiffusionPipeline", "StableDiffusionInpaintPipeline",
+                           "StableDiffusionImg2ImgPipeline"):
+        raise CheckpointError(f"pipeline class {cls!r} is not a Stable Diffusion 1.x/2.x pipeline", index_file)
+    stores: list[TensorStore] = []
+    sources: dict[str, ComponentSource] = {}
+    configs: dict[str, dict] = {}
+    try:
+        for component in COMPONENTS:
+            configs[component] = _read_json(folder / component / "config.json")
+            store = _component_store(folder, component)
+            stores.append(store)
+            plan = normalize_diffusers_keys(list(store.keys()), component)
+            sources[component] = ComponentSource(view=plan.apply(store), shapes=plan.shapes(_shapes(store)),
+                                                 files=tuple(store.paths), unexpected=list(plan.unexpected),
+                                                 ignored=list(plan.ignored))
+        detection = detect({name: src.shapes for name, src in sources.items()})
+        tokenizer_dir = folder / "tokenizer"
+        pad = None
+        if (tokenizer_dir / "vocab.json").is_file():
+            pad = CLIPTokenizer.from_pretrained_dir(tokenizer_dir).pad_token_id
+        else:
+            tokenizer_dir = None
+        try:
+            text = TextEncoderConfig.from_diffusers(configs["text_encoder"], pad_token_id=pad)
+            unet = UNetConfig.from_diffusers(configs["unet"])
+            vae = VAEConfig.from_diffusers(configs["vae"])
+        except (ConfigError, KeyError, TypeError) as e:
+            raise CheckpointError(f"unusable component config: {e}", folder) from None
+        if tokenizer_dir is None:
+            text = dataclasses.replace(text, pad_token_id=SD2_PAD_TOKEN_ID if detection.base_family == "sd2"
+                                       else SD1_PAD_TOKEN_ID)
+        sched_file = folder / "scheduler" / "scheduler_config.json"
+        scheduler = _read_json(sched_file) if sched_file.is_file() else {}
+        prediction = scheduler.get("prediction_type", "epsilon")
+        if prediction not in PREDICTION_TYPES:
+            raise CheckpointError(f"prediction_type {prediction!r} is not supported", sched_file)
+        base = _family_preset(detection.family, prediction)
+        spec = base.replace(family=detection.family, text=text, unet=unet, vae=vae, prediction_type=prediction,
+                            scheduler={**base.scheduler, **{k: v for k, v in scheduler.items()
+                                                            if not k.startswith("_")}},
+                            default_size=unet.sample_size * vae.downscale)
+    except BaseException:
+        for store in stores:
+            store.close()
+        raise
+    return Checkpoint(path=str(folder), layout="diffusers", spec=spec, detection=detection,
+                      storage_dtype=_storage_dtype(stores[1]),
+                      prediction_source="scheduler_config.json" if "prediction_type" in scheduler
+                      else "family default",
+                      sources=sources, scheduler_config=dict(spec.scheduler),
+                      tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
+                      notes=list(detection.notes), _stores=stores)
+
+
+# --- single files ---------------------------------------------------------------------------------------------
+
+
+def _open_single_file(path: Path, use_ema: bool) -> Checkpoint:
+    store = open_checkpoint(path)
+    try:
+        shapes = _shapes(store)
+        detection = detect(shapes, store.metadata)
+        base = _family_preset(detection.family, detection.prediction_type or "epsilon")
+        if META_CONFIG in store.metadata:
+            text, unet, vae = _configs_from_metadata(path, store.metadata[META_CONFIG])
+        else:
+            text, unet, vae = _configs_from_detection(path, detection, base)
+        spec = base.replace(family=detection.family, unet=unet, vae=vae, text=text)
+        expected = {}
+        for component in detection.components:
+            with torch.device("meta"):
+                module = _BUILDERS[component](getattr(spec, _SPEC_FIELD[component]))
+            expected[component] = list(module.state_dict())
+        plan = plan_from_original(list(store.keys()), unet_structure=spec.unet, use_ema=use_ema,
+                                  text_encoder_layers=spec.text.layers, expected=expected)
+        sources = {}
+        for component, cplan in plan.components.items():
+            sources[component] = ComponentSource(view=cplan.apply(store), shapes=cplan.shapes(shapes),
+                                                 files=(str(path),), unexpected=list(cplan.unexpected),
+                                                 ignored=list(cplan.ignored))
+        notes = list(detection.notes) + list(plan.notes)
+        if plan.unexpected:
+            notes.append(f"{len(plan.unexpected)} keys outside the known components, first few: "
+                         f"{_listing(plan.unexpected)}")
+    except BaseException:
+        store.close()
+        raise
+    ckpt = Checkpoint(path=str(path), layout="original", spec=spec, detection=detection,
+                      storage_dtype=_storage_dtype(store, prefix=detection.prefixes.get("unet", "")),
+                      prediction_source="unresolved", sources=sources, scheduler_config=dict(spec.scheduler),
+                      notes=notes, _stores=[store])
+    if detection.prediction_type is not None:
+        _set_prediction(ckpt, detection.prediction_type, detection.prediction_source or "file metadata")
+    else:
+        yaml_prediction = _prediction_from_yaml(path)
+        if yaml_prediction is not None:
+            _set_prediction(ckpt, *yaml_prediction)
+        elif detection.base_family == "sd1":
+            _set_prediction(ckpt, "epsilon", "family default (SD 1.x is always epsilon)")
+    return ckpt
+
+
+def _configs_from_detection(path: Path, detection: Detection, base: ModelSpec):
+    """Configs implied by the shapes; what shapes cannot show (head counts) follows the family convention."""
+    try:
+        unet = dataclasses.replace(base.unet, **detection.unet.config_kwargs())
+        if "heads" not in detection.unet.config_kwargs():
+            unet = dataclasses.replace(unet, heads=_family_heads(detection.base_family, unet.block_channels))
+        vae = base.vae
+        if detection.vae is not None:
+            vae = dataclasses.replace(base.vae, **detection.vae.config_kwargs())
+        text = base.text
+        if detection.text_encoder is not None:
+            kwargs = {k: v for k, v in detection.text_encoder.config_kwargs().items() if v is not None}
+            text = dataclasses.replace(base.text, **kwargs)
+    except ConfigError as e:
+        raise CheckpointError(f"the shapes do not form a {detection.family} model: {e}", path) from None
+    return text, unet, vae
+
+
+def _configs_from_metadata(path: Path, raw: str) -> tuple[TextEncoderConfig, UNetConfig, VAEConfig]:
+    try:
+        data = json.loads(raw)
+        return (TextEncoderConfig.from_diffusers(data["text_encoder"]), UNetConfig.from_diffusers(data["unet"]),
+                VAEConfig.from_diffusers(data["vae"]))
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"metadata {META_CONFIG!r} is not a usable config ({e})", path) from None
+
+
+def _prediction_from_yaml(path: Path) -> tuple[str, str] | None:
+    """The original config file people keep beside a single file (``model.yaml`` for ``model.ckpt``)."""
+    for yaml_path in (path.with_suffix(".yaml"), path.with_suffix(".yml")):
+        if yaml_path.is_file():
+            text = yaml_path.read_text(encoding="utf-8", errors="replace")
+            m = re.search(r"^\s*parameterization:\s*[\"']?(\w+)", text, re.MULTILINE)
+            value = m.group(1) if m else "eps"
+            return ("v_prediction" if value == "v" else "epsilon"), f"{yaml_path.name} (parameterization: {value})"
+    return None
+
+
+def resolve_prediction_type(ckpt: Checkpoint, unet: UNet | None = None) -> str:
+    """Decide eps vs v for a SD 2.x single file that does not say, by probing its UNet as A1111 does.
+
+    The probe feeds a constant latent (0.5) at t=999 with a constant context: a v-prediction UNet's output
+    minus its input averages below -1 there, an eps UNet's does not.
+    """
+    if ckpt.prediction_source != "unresolved":
+        return ckpt.spec.prediction_type
+    if unet is None or unet.dtype != torch.float32:
+        unet = ckpt.load("unet", torch.float32)
+    device = unet.conv_in.weight.device
+    with torch.no_grad():
+        x = torch.full((1, unet.config.in_channels, 8, 8), 0.5, device=device)
+        ctx = torch.full((1, 2, unet.config.context_dim), 0.5, device=device)
+        score = (unet(x, torch.tensor([999.0], device=device), ctx) - x).mean().item()
+    prediction = "v_prediction" if score < -1 else "epsilon"
+    _set_prediction(ckpt, prediction, f"probed from the UNet (mean output - input at t=999: {score:.3f})")
+    return prediction
+
+
+def _set_prediction(ckpt: Checkpoint, prediction: str, source: str) -> None:
+    ckpt.spec = ckpt.spec.replace(prediction_type=prediction)
+    if ckpt.layout == "original" and ckpt.detection.base_family == "sd2":
+        ckpt.spec = ckpt.spec.replace(default_size=768 if prediction == "v_prediction" else 512)
+    ckpt.scheduler_config["prediction_type"] = prediction
+    ckpt.prediction_source = source
+
+
+# --- helpers --------------------------------------------------------------------------------------------------
+
+
+def _shapes(store: TensorStore) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(store.shape(k)) for k in store.keys()}
+
+
+def _storage_dtype(store: TensorStore, prefix: str = "") -> torch.dtype:
+    """The dtype most floating-point bytes are stored in (of keys under ``prefix``)."""
+    sizes: Counter = Counter()
+    for key in store.keys():
+        if key.startswith(prefix) and store.dtype(key).is_floating_point:
+            sizes[store.dtype(key)] += store.nbytes(key)
+    return sizes.most_common(1)[0][0] if sizes else torch.float32
+
+
+def _family_preset(family: str, prediction: str) -> ModelSpec:
+    if family.startswith("sd2"):
+        preset = PRESETS["sd21-v"] if prediction == "v_prediction" else PRESETS["sd21-base"]
+    else:
+        preset = PRESETS["sd15"]
+    return preset.replace(family=family)
+
+
+def _family_heads(base_family: str, channels: tuple[int, ...]) -> tuple[int, ...]:
+    if base_family == "sd2":
+        return tuple(max(c // 64, 1) for c in channels)
+    return tuple(8 for _ in channels)
+
+
+def _check_keys(path: str, component: str, expected: dict, source: ComponentSource) -> None:
+    """Missing keys and shape mismatches are errors that name the file, the key and both shapes."""
+    missing = [k for k in expected if k not in source.shapes]
+    if missing:
+        raise CheckpointError(f"{len(missing)} {component} keys are missing, first few: {_listing(missing)}",
+                              source.files[0] if len(source.files) == 1 else path)
+    for key, shape in expected.items():
+        got = tuple(source.shapes[key])
+        if got != shape:
+            raise CheckpointError(f"the {component} tensor has shape {list(got)} but the detected model needs "
+                                  f"{list(shape)}", source.files[0] if len(source.files) == 1 else path, key)

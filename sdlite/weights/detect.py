@@ -1,0 +1,527 @@
+"""What a checkpoint is, from its key names and tensor shapes only (no tensor is read).
+
+Everything sdlite concludes about a weights file is concluded here:
+
+* the layout: ``original`` (one LDM/CompVis/A1111 single file), ``diffusers`` (the per-component state
+  dicts of a diffusers folder, or one bare diffusers UNet) or ``unknown``;
+* the family: ``sd1`` / ``sd2`` (OpenAI CLIP-L vs OpenCLIP ViT-H text tower; UNet cross-attention context
+  768 vs 1024) and their inpainting variants ``sd1-inpaint`` / ``sd2-inpaint`` (9 UNet input channels);
+* a clear refusal, saying what the file looks like, for SDXL, LoRA / LyCORIS adapters, textual-inversion
+  embeddings, ControlNets, standalone VAEs or text encoders, transformer-based models and anything else;
+* the UNet, VAE and text-encoder configs implied by the shapes (:class:`UNetInfo`, :class:`VAEInfo`,
+  :class:`TextEncoderInfo`; ``config_kwargs()`` gives sdlite config field names);
+* for single files, the prediction type when the file's own metadata (or a marker key) states it.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ..errors import CheckpointError
+from .convert import (
+    CLIP_PREFIX, EMA_PREFIX, OPENCLIP_PREFIX, UNET_PREFIX, VAE_PREFIX, UNetStructure, clip_from_original,
+    normalize_diffusers_keys, openclip_from_original, unet_from_original, vae_from_original,
+)
+
+__all__ = [
+    "UnsupportedModelError", "UNetInfo", "VAEInfo", "TextEncoderInfo", "Detection",
+    "detect", "detect_layout", "describe", "unet_structure_from_keys", "infer_unet", "infer_vae",
+    "infer_text_encoder", "prediction_type_from_metadata",
+]
+
+Shapes = Mapping[str, Sequence[int]]
+
+# Head width of the standard text towers: CLIP ViT-L/14 (768 = 12 x 64) and OpenCLIP ViT-H/14 (1024 = 16 x 64).
+TEXT_HEAD_DIM = 64
+# SD 1.x UNets use 8 heads at every level; SD 2.x UNets use 64-channel heads.
+SD1_UNET_HEADS = 8
+SD2_UNET_HEAD_DIM = 64
+CONTEXT_DIMS = {768: "sd1", 1024: "sd2"}
+
+
+class UnsupportedModelError(CheckpointError):
+    """The weights are not an SD 1.x/2.x model sdlite can run; the message says what they look like."""
+
+
+# --- results -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UNetInfo:
+    """UNet hyper-parameters read from shapes (canonical names). ``heads`` follows the family convention
+    (SD 1.x: 8 per level, SD 2.x: width / 64) because head counts leave no trace in the shapes."""
+
+    in_channels: int
+    out_channels: int
+    block_channels: tuple[int, ...]
+    layers_per_block: int
+    attention: tuple[bool, ...]          # down path, highest resolution first
+    up_attention: tuple[bool, ...]       # up_blocks order, lowest resolution first
+    mid_attention: bool
+    context_dim: int | None
+    linear_projection: bool
+    transformer_depth: tuple[int, ...]   # per level, 0 where the level has no attention
+    time_embed_dim: int
+    heads: tuple[int, ...] | None = None
+
+    @property
+    def model_channels(self) -> int:
+        return self.block_channels[0]
+
+    @property
+    def channel_mult(self) -> tuple[int, ...]:
+        return tuple(c // self.block_channels[0] for c in self.block_channels)
+
+    @property
+    def structure(self) -> UNetStructure:
+        return UNetStructure(len(self.block_channels), self.layers_per_block, self.attention, self.up_attention,
+                             self.mid_attention)
+
+    def config_kwargs(self) -> dict:
+        """Keyword arguments with sdlite ``UNetConfig`` field names (``heads`` left out when unknown)."""
+        depths = sorted({d for d in self.transformer_depth if d})
+        depth = depths[0] if len(depths) == 1 else (tuple(self.transformer_depth) if depths else 1)
+        out = dict(in_channels=self.in_channels, out_channels=self.out_channels,
+                   block_channels=self.block_channels, layers_per_block=self.layers_per_block,
+                   attention=self.attention, context_dim=self.context_dim,
+                   linear_projection=self.linear_projection, transformer_depth=depth)
+        if self.heads is not None:
+            out["heads"] = self.heads
+        return out
+
+
+@dataclass(frozen=True)
+class VAEInfo:
+    in_channels: int
+    out_channels: int
+    latent_channels: int
+    block_channels: tuple[int, ...]
+    layers_per_block: int
+    mid_attention: bool
+
+    def config_kwargs(self) -> dict:
+        """Keyword arguments with sdlite ``VAEConfig`` field names."""
+        return dict(in_channels=self.in_channels, out_channels=self.out_channels,
+                    latent_channels=self.latent_channels, block_channels=self.block_channels,
+                    layers_per_block=self.layers_per_block)
+
+
+@dataclass(frozen=True)
+class TextEncoderInfo:
+    """``layers`` counts the layers the canonical model has (for OpenCLIP: the file's count minus the unused
+    last one, ``source_layers``); ``heads`` assumes the standard 64-dim heads (None when the width is not a
+    multiple of 64); ``activation`` follows the tower kind."""
+
+    kind: str                      # "clip" (OpenAI CLIP-L style) | "openclip" | "diffusers" (kind not visible)
+    vocab_size: int
+    max_positions: int
+    width: int
+    layers: int
+    heads: int | None
+    mlp_width: int
+    activation: str
+    source_layers: int
+
+    def config_kwargs(self) -> dict:
+        """Keyword arguments with sdlite ``TextEncoderConfig`` field names (``heads`` left out when unknown)."""
+        out = dict(vocab_size=self.vocab_size, max_positions=self.max_positions, width=self.width,
+                   layers=self.layers, mlp_width=self.mlp_width, activation=self.activation)
+        if self.heads is not None:
+            out["heads"] = self.heads
+        return out
+
+
+@dataclass(frozen=True)
+class Detection:
+    layout: str                                  # "original" | "diffusers"
+    family: str                                  # "sd1" | "sd2" | "sd1-inpaint" | "sd2-inpaint"
+    components: tuple[str, ...]                  # of "unet", "vae", "text_encoder"
+    unet: UNetInfo
+    vae: VAEInfo | None = None
+    text_encoder: TextEncoderInfo | None = None
+    prefixes: Mapping[str, str] = field(default_factory=dict)  # original layout: component -> key prefix
+    prediction_type: str | None = None           # only what the file itself states: "epsilon" | "v_prediction"
+    prediction_source: str | None = None         # where that came from
+    has_ema: bool = False
+    notes: tuple[str, ...] = ()
+
+    @property
+    def base_family(self) -> str:
+        return self.family.split("-")[0]
+
+    @property
+    def inpainting(self) -> bool:
+        return self.family.endswith("-inpaint")
+
+
+# --- helpers -----------------------------------------------------------------------------------------------
+
+
+def _shape(value) -> tuple[int, ...]:
+    return tuple(int(d) for d in getattr(value, "shape", value))
+
+
+def _first(keys: Iterable[str], n: int = 3) -> str:
+    keys = sorted(keys)
+    return ", ".join(repr(k) for k in keys[:n]) + (", ..." if len(keys) > n else "")
+
+
+def _strip(shapes: Shapes, prefix: str) -> dict[str, tuple[int, ...]]:
+    return {k[len(prefix):]: _shape(v) for k, v in shapes.items() if k.startswith(prefix)}
+
+
+# --- UNet structure ----------------------------------------------------------------------------------------
+
+_IN = re.compile(r"input_blocks\.(\d+)\.(\d+)\.(.+)")
+_OUT = re.compile(r"output_blocks\.(\d+)\.(\d+)\.(.+)")
+_DOWN = re.compile(r"down_blocks\.(\d+)\.(resnets|attentions|downsamplers)\.(\d+)\.")
+_UP = re.compile(r"up_blocks\.(\d+)\.(resnets|attentions|upsamplers)\.(\d+)\.")
+
+
+def unet_structure_from_keys(keys: Iterable[str], layout: str = "original",
+                             prefix: str = UNET_PREFIX) -> UNetStructure:
+    """The block structure (levels, resnets per level, attention levels) shown by UNet key names.
+
+    ``layout="original"``: keys under ``prefix`` numbered ``input_blocks.N``/``output_blocks.N``;
+    ``layout="diffusers"``: canonical keys (``prefix`` is stripped first when given).
+    """
+    names = [k[len(prefix):] for k in keys if k.startswith(prefix)]
+    if layout == "diffusers":
+        return _structure_diffusers(names)
+    if layout != "original":
+        raise ValueError(f"layout={layout!r}: expected 'original' or 'diffusers'")
+    inputs: dict[int, set[int]] = {}
+    ops: set[int] = set()
+    for name in names:
+        m = _IN.match(name)
+        if m:
+            n, slot, rest = int(m.group(1)), int(m.group(2)), m.group(3)
+            inputs.setdefault(n, set()).add(slot)
+            if slot == 0 and rest.startswith("op."):
+                ops.add(n)
+    if not inputs:
+        raise UnsupportedModelError(f"no UNet 'input_blocks' keys under {prefix!r}")
+    last = max(inputs)
+    lpb = min(ops) - 1 if ops else last
+    levels = len(ops) + 1
+    if lpb < 1 or ops != {(i + 1) * (lpb + 1) for i in range(levels - 1)} or last != levels * (lpb + 1) - 1:
+        raise UnsupportedModelError(
+            f"UNet input_blocks 0..{last} with downsamplers at {sorted(ops)} do not form a regular "
+            "levels x layers_per_block layout")
+    down = tuple(1 in inputs.get(1 + i * (lpb + 1), set()) for i in range(levels))
+    up_attention = []
+    out_last = -1
+    for u in range(levels):
+        n = u * (lpb + 1)
+        up_attention.append(any((m := _OUT.match(name)) and int(m.group(1)) == n and m.group(2) == "1"
+                                and not m.group(3).startswith("conv.") for name in names))
+    for name in names:
+        m = _OUT.match(name)
+        if m:
+            out_last = max(out_last, int(m.group(1)))
+    if out_last != levels * (lpb + 1) - 1:
+        raise UnsupportedModelError(f"UNet has output_blocks 0..{out_last}, expected 0..{levels * (lpb + 1) - 1} "
+                                    f"for {levels} levels of {lpb} layers")
+    mid = any(name.startswith("middle_block.2.") for name in names)
+    return UNetStructure(levels, lpb, down, tuple(up_attention), mid)
+
+
+def _structure_diffusers(names: Sequence[str]) -> UNetStructure:
+    down: dict[int, dict[str, set[int]]] = {}
+    up: dict[int, dict[str, set[int]]] = {}
+    for name in names:
+        for pattern, table in ((_DOWN, down), (_UP, up)):
+            m = pattern.match(name)
+            if m:
+                table.setdefault(int(m.group(1)), {}).setdefault(m.group(2), set()).add(int(m.group(3)))
+    if not down:
+        raise UnsupportedModelError("no UNet 'down_blocks' keys")
+    levels = max(down) + 1
+    lpb = len(down.get(0, {}).get("resnets", ()))
+    if lpb < 1:
+        raise UnsupportedModelError("UNet down_blocks.0 has no resnets")
+    return UNetStructure(levels, lpb, tuple("attentions" in down.get(i, {}) for i in range(levels)),
+                         tuple("attentions" in up.get(i, {}) for i in range(levels)),
+                         any(n.startswith("mid_block.attentions.") for n in names))
+
+
+# --- config inference (canonical names) --------------------------------------------------------------------
+
+
+def _need(shapes: Mapping[str, tuple[int, ...]], key: str, what: str) -> tuple[int, ...]:
+    if key not in shapes:
+        raise UnsupportedModelError(f"{what}: key {key!r} is missing")
+    return shapes[key]
+
+
+def infer_unet(shapes: Shapes) -> UNetInfo:
+    """UNet config from canonical (diffusers) UNet key shapes."""
+    shapes = {k: _shape(v) for k, v in shapes.items()}
+    st = _structure_diffusers(list(shapes))
+    conv_in = _need(shapes, "conv_in.weight", "UNet")
+    conv_out = _need(shapes, "conv_out.weight", "UNet")
+    channels = tuple(_need(shapes, f"down_blocks.{i}.resnets.0.conv1.weight", "UNet")[0]
+                     for i in range(st.num_levels))
+    context = None
+    linear = False
+    depth = []
+    for i in range(st.num_levels):
+        blocks = {int(m.group(1)) for k in shapes
+                  if (m := re.match(rf"down_blocks\.{i}\.attentions\.0\.transformer_blocks\.(\d+)\.", k))}
+        depth.append(len(blocks))
+    for k, s in shapes.items():
+        if context is None and k.endswith("attn2.to_k.weight"):
+            context = s[1]
+        if k.endswith("proj_in.weight") and len(s) == 2:
+            linear = True
+    if context is not None and (linear or context == 1024):
+        heads = tuple(c // SD2_UNET_HEAD_DIM for c in channels)
+        heads = heads if all(h and c % SD2_UNET_HEAD_DIM == 0 for h, c in zip(heads, channels)) else None
+    else:
+        heads = tuple(SD1_UNET_HEADS for _ in channels) if all(c % SD1_UNET_HEADS == 0 for c in channels) else None
+    return UNetInfo(
+        in_channels=conv_in[1], out_channels=conv_out[0], block_channels=channels,
+        layers_per_block=st.layers_per_block, attention=st.down_attention, up_attention=st.up_attention,
+        mid_attention=st.mid_attention, context_dim=context, linear_projection=linear,
+        transformer_depth=tuple(depth), time_embed_dim=_need(shapes, "time_embedding.linear_1.weight", "UNet")[0],
+        heads=heads)
+
+
+def infer_vae(shapes: Shapes) -> VAEInfo:
+    """VAE config from canonical (diffusers) VAE key shapes."""
+    shapes = {k: _shape(v) for k, v in shapes.items()}
+    levels = {int(m.group(1)) for k in shapes if (m := re.match(r"encoder\.down_blocks\.(\d+)\.", k))}
+    if not levels:
+        raise UnsupportedModelError("VAE: no 'encoder.down_blocks' keys")
+    channels = tuple(_need(shapes, f"encoder.down_blocks.{i}.resnets.0.conv1.weight", "VAE")[0]
+                     for i in range(max(levels) + 1))
+    lpb = len({int(m.group(1)) for k in shapes if (m := re.match(r"encoder\.down_blocks\.0\.resnets\.(\d+)\.", k))})
+    return VAEInfo(
+        in_channels=_need(shapes, "encoder.conv_in.weight", "VAE")[1],
+        out_channels=_need(shapes, "decoder.conv_out.weight", "VAE")[0],
+        latent_channels=_need(shapes, "decoder.conv_in.weight", "VAE")[1],
+        block_channels=channels, layers_per_block=lpb,
+        mid_attention=any(k.startswith("encoder.mid_block.attentions.") for k in shapes))
+
+
+def infer_text_encoder(shapes: Shapes, kind: str = "diffusers", source_layers: int | None = None) -> TextEncoderInfo:
+    """Text encoder config from canonical (transformers ``CLIPTextModel``) key shapes.
+
+    ``kind``: ``clip`` / ``openclip`` when the original layout showed it (sets the activation), else
+    ``diffusers`` (then a 1024-wide tower is taken for SD 2.x's OpenCLIP, which uses GELU).
+    """
+    shapes = {k: _shape(v) for k, v in shapes.items()}
+    tok = _need(shapes, "text_model.embeddings.token_embedding.weight", "text encoder")
+    pos = _need(shapes, "text_model.embeddings.position_embedding.weight", "text encoder")
+    layers = len({int(m.group(1)) for k in shapes if (m := re.match(r"text_model\.encoder\.layers\.(\d+)\.", k))})
+    width = tok[1]
+    mlp = _need(shapes, "text_model.encoder.layers.0.mlp.fc1.weight", "text encoder")[0] if layers else 4 * width
+    openclip = kind == "openclip" or (kind == "diffusers" and width == 1024)
+    return TextEncoderInfo(
+        kind=kind, vocab_size=tok[0], max_positions=pos[0], width=width, layers=layers,
+        heads=width // TEXT_HEAD_DIM if width % TEXT_HEAD_DIM == 0 else None, mlp_width=mlp,
+        activation="gelu" if openclip else "quick_gelu",
+        source_layers=layers if source_layers is None else source_layers)
+
+
+# --- prediction type ---------------------------------------------------------------------------------------
+
+_V_NAMES = {"v", "v_prediction", "v-prediction", "vpred", "v-pred", "v_pred"}
+_EPS_NAMES = {"epsilon", "eps", "noise"}
+
+
+def prediction_type_from_metadata(metadata: Mapping[str, str] | None,
+                                  keys: Iterable[str] = ()) -> tuple[str | None, str | None]:
+    """``(prediction_type, source)`` as the file itself states it, else ``(None, None)``.
+
+    Looked at: ``modelspec.prediction_type`` / ``prediction_type`` metadata, a ``modelspec.architecture``
+    ending in ``-v`` (e.g. ``stable-diffusion-v2-768-v``), kohya's ``ss_v_parameterization=True`` and a
+    ``v_pred`` marker key.
+    """
+    metadata = metadata or {}
+    for name in ("modelspec.prediction_type", "prediction_type"):
+        value = str(metadata.get(name, "")).strip().lower()
+        if value in _V_NAMES:
+            return "v_prediction", f"metadata {name}={metadata[name]!r}"
+        if value in _EPS_NAMES:
+            return "epsilon", f"metadata {name}={metadata[name]!r}"
+    arch = str(metadata.get("modelspec.architecture", "")).strip().lower()
+    if arch.startswith("stable-diffusion") and arch.split("/")[0].endswith("-v"):
+        return "v_prediction", f"metadata modelspec.architecture={metadata['modelspec.architecture']!r}"
+    if str(metadata.get("ss_v_parameterization", "")).strip().lower() == "true":
+        return "v_prediction", "metadata ss_v_parameterization='True'"
+    if "v_pred" in set(keys):
+        return "v_prediction", "marker key 'v_pred'"
+    return None, None
+
+
+# --- what is it? -------------------------------------------------------------------------------------------
+
+_LORA = re.compile(r"(^|[._])(lora_(up|down|A|B|te\d?|unet)|lora|hada_w\d|lokr_w\d|oft_blocks)([._]|$)")
+
+
+def detect_layout(keys: Iterable[str]) -> str:
+    """``original`` (LDM single file, or a bare original-layout UNet), ``diffusers`` (canonical names of a UNet,
+    VAE or text encoder) or ``unknown``."""
+    keys = list(keys)
+    if any(k.startswith((UNET_PREFIX, VAE_PREFIX, CLIP_PREFIX, OPENCLIP_PREFIX)) for k in keys):
+        return "original"
+    if any(k.startswith("input_blocks.0.0.") for k in keys) or any(k.startswith("encoder.down.0.") for k in keys):
+        return "original"
+    if any(k.startswith(("conv_in.", "down_blocks.", "encoder.down_blocks.", "text_model.")) for k in keys):
+        return "diffusers"
+    return "unknown"
+
+
+def describe(keys: Iterable[str]) -> str | None:
+    """What a file that is not an SD 1.x/2.x model looks like (None when it looks like one)."""
+    keys = list(keys)
+    n = len(keys)
+    if not keys:
+        return "an empty file (no tensors)"
+    if any(k.startswith("conditioner.embedders.") for k in keys):
+        return (f"an SDXL checkpoint (has {_first([k for k in keys if k.startswith('conditioner.embedders.')], 1)}); "
+                "SDXL is not supported, only SD 1.x and 2.x")
+    label = [k for k in keys if k.startswith((UNET_PREFIX + "label_emb.", "label_emb.", "add_embedding."))]
+    if label:
+        return (f"an SDXL-style UNet with extra conditioning embeddings (has {_first(label, 1)}); SDXL is not "
+                "supported, only SD 1.x and 2.x")
+    if any(k.startswith((UNET_PREFIX + "joint_blocks.", "joint_blocks.", UNET_PREFIX + "double_blocks.",
+                         "double_blocks.", "transformer_blocks.0.attn.")) for k in keys):
+        return "a transformer-based diffusion model (SD3/Flux-like), not an SD 1.x/2.x UNet"
+    lora = [k for k in keys if _LORA.search(k)]
+    if lora:
+        return (f"a LoRA/LyCORIS adapter ({n} tensors, e.g. {_first(lora, 1)}), not a full model; "
+                "load it as an adapter on top of a base model")
+    if any(k in ("emb_params", "clip_l", "clip_g") or k.startswith("string_to_param") for k in keys):
+        return f"a textual-inversion embedding ({n} tensors), not a model"
+    if any(k.startswith(("control_model.", "input_hint_block.", "controlnet_cond_embedding.")) for k in keys):
+        return "a ControlNet, not a base model"
+    if any(k.startswith(("class_embedding.", "class_embedding_")) for k in keys):
+        return "a UNet with class embeddings (unCLIP/upscaler-like), not supported"
+    has_unet = any(k.startswith((UNET_PREFIX + "input_blocks.", "input_blocks.0.0.", "conv_in.")) for k in keys)
+    if has_unet:
+        return None
+    if any(k.startswith(("encoder.down.", VAE_PREFIX + "encoder.down.", "decoder.up.")) for k in keys):
+        return f"a standalone VAE in the original layout ({n} tensors), not a full model"
+    if any(k.startswith(("encoder.down_blocks.", "decoder.up_blocks.")) for k in keys):
+        return f"a standalone VAE in the diffusers layout ({n} tensors), not a full model"
+    if any(k.startswith(("text_model.", CLIP_PREFIX, OPENCLIP_PREFIX, "transformer.resblocks.")) for k in keys):
+        return f"a standalone text encoder ({n} tensors), not a full model"
+    return (f"not a Stable Diffusion checkpoint: no UNet found ({n} tensors, first keys: {_first(keys)}; expected "
+            f"{UNET_PREFIX + 'input_blocks.0.0.weight'!r} or 'conv_in.weight')")
+
+
+# --- detection ---------------------------------------------------------------------------------------------
+
+
+def _family(unet: UNetInfo, te: TextEncoderInfo | None, notes: list[str]) -> str:
+    context = unet.context_dim
+    if context is None:
+        raise UnsupportedModelError("the UNet has no cross-attention (no 'attn2.to_k.weight'); not a text-to-image "
+                                    "SD 1.x/2.x UNet")
+    if context in (1280, 2048):
+        raise UnsupportedModelError(f"the UNet's cross-attention context dim is {context} (SDXL); only SD 1.x "
+                                    "(768) and SD 2.x (1024) are supported")
+    if te is not None and te.width != context:
+        raise UnsupportedModelError(f"the UNet's cross-attention context dim {context} (attn2.to_k.weight) does "
+                                    f"not match the text encoder width {te.width} (token_embedding)")
+    if te is not None and te.kind in ("clip", "openclip"):
+        base = "sd1" if te.kind == "clip" else "sd2"
+    elif context in CONTEXT_DIMS:
+        base = CONTEXT_DIMS[context]
+    else:
+        base = "sd2" if unet.linear_projection else "sd1"
+        notes.append(f"non-standard context dim {context}: family {base} guessed from "
+                     f"{'linear' if unet.linear_projection else '1x1 conv'} transformer projections")
+    if unet.in_channels == 9:
+        return base + "-inpaint"
+    if unet.in_channels != 4:
+        kind = {8: " (instruct-pix2pix-like)", 7: " (x4-upscaler-like)"}.get(unet.in_channels, "")
+        raise UnsupportedModelError(f"the UNet has {unet.in_channels} input channels{kind} (conv_in.weight); "
+                                    "supported: 4 (text-to-image) and 9 (inpainting)")
+    return base
+
+
+def detect(shapes: Mapping, metadata: Mapping[str, str] | None = None) -> Detection:
+    """Identify a checkpoint from ``{key: shape}`` (values may be shapes or tensors).
+
+    ``shapes`` is either one flat mapping (a single file, or a bare diffusers UNet) or a diffusers folder as
+    ``{"unet": {...}, "vae": {...}, "text_encoder": {...}}``. ``metadata``: the file's safetensors metadata.
+    Raises :class:`UnsupportedModelError` saying what the weights look like when they are not SD 1.x/2.x.
+    """
+    values = list(shapes.values())
+    if values and all(isinstance(v, Mapping) for v in values):
+        return _detect_diffusers_folder(shapes)
+    keys = list(shapes)
+    reason = describe(keys)
+    if reason is not None:
+        raise UnsupportedModelError(reason)
+    layout = detect_layout(keys)
+    if layout == "diffusers":
+        return _detect_diffusers_folder({"unet": shapes})
+    if layout != "original":
+        raise UnsupportedModelError(f"unknown layout ({len(keys)} tensors, first keys: {_first(keys)})")
+    notes: list[str] = []
+    unet_prefix = UNET_PREFIX if any(k.startswith(UNET_PREFIX) for k in keys) else ""
+    prefixes = {"unet": unet_prefix}
+    unet_plan = unet_from_original(keys, prefix=unet_prefix)
+    unet = infer_unet(unet_plan.shapes(shapes))
+    components = ["unet"]
+    vae = te = None
+    if any(k.startswith(VAE_PREFIX) for k in keys):
+        vae = infer_vae(vae_from_original(keys).shapes(shapes))
+        components.append("vae")
+        prefixes["vae"] = VAE_PREFIX
+    if any(k.startswith(CLIP_PREFIX) for k in keys):
+        te = infer_text_encoder(clip_from_original(keys).shapes(shapes), "clip")
+        prefixes["text_encoder"] = CLIP_PREFIX
+    elif any(k.startswith(OPENCLIP_PREFIX) for k in keys):
+        plan = openclip_from_original(keys)
+        blocks = {m.group(1) for k in keys if (m := re.match(re.escape(OPENCLIP_PREFIX) +
+                                                             r"transformer\.resblocks\.(\d+)\.", k))}
+        te = infer_text_encoder(plan.shapes(shapes), "openclip", source_layers=len(blocks))
+        prefixes["text_encoder"] = OPENCLIP_PREFIX
+    if te is not None:
+        components.append("text_encoder")
+    family = _family(unet, te, notes)
+    prediction, source = prediction_type_from_metadata(metadata, keys)
+    ema = sum(k.startswith(EMA_PREFIX) for k in keys)
+    if unet_plan.unexpected:
+        notes.append(f"{len(unet_plan.unexpected)} UNet keys not understood, first: {_first(unet_plan.unexpected)}")
+    return Detection(layout="original", family=family, components=tuple(components), unet=unet, vae=vae,
+                     text_encoder=te, prefixes=prefixes, prediction_type=prediction, prediction_source=source,
+                     has_ema=ema > 0, notes=tuple(notes))
+
+
+def _detect_diffusers_folder(parts: Mapping[str, Mapping]) -> Detection:
+    unknown = [name for name in parts if name not in ("unet", "vae", "text_encoder")]
+    if unknown:
+        raise UnsupportedModelError(f"diffusers components {unknown} are not SD 1.x/2.x parts "
+                                    "(expected unet, vae, text_encoder)")
+    if "unet" not in parts:
+        raise UnsupportedModelError("the diffusers folder has no unet")
+    notes: list[str] = []
+    infos = {}
+    for name, shapes in parts.items():
+        keys = list(shapes)
+        if name == "unet":
+            reason = describe(keys)
+            if reason is not None:
+                raise UnsupportedModelError(f"unet: {reason}")
+        canon = normalize_diffusers_keys(keys, name).shapes(shapes)
+        if name == "unet":
+            infos[name] = infer_unet(canon)
+        elif name == "vae":
+            infos[name] = infer_vae(canon)
+        else:
+            infos[name] = infer_text_encoder(canon, "diffusers")
+    unet = infos["unet"]
+    te = infos.get("text_encoder")
+    family = _family(unet, te, notes)
+    if te is not None and te.width not in CONTEXT_DIMS:
+        notes.append(f"text encoder width {te.width}: activation {te.activation} assumed")
+    return Detection(layout="diffusers", family=family, components=tuple(n for n in ("unet", "vae", "text_encoder")
+                                                                         if n in parts),
+                     unet=unet, vae=infos.get("vae"), text_encoder=te, notes=tuple(notes))
