@@ -58,6 +58,19 @@ class ComponentSource:
     files: tuple[str, ...]
     unexpected: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
+    origin: dict = field(default_factory=dict)   # canonical key -> the file's key(s) it is made from
+
+    @classmethod
+    def from_plan(cls, plan, store: TensorStore, files: tuple[str, ...]) -> "ComponentSource":
+        shapes = {k: tuple(store.shape(k)) for k in store.keys()}
+        return cls(view=plan.apply(store), shapes=plan.shapes(shapes), files=files,
+                   unexpected=list(plan.unexpected), ignored=list(plan.ignored),
+                   origin={k: e.sources for k, e in plan.entries.items()})
+
+    def file_key(self, key: str) -> str:
+        """The key as the file spells it (for messages)."""
+        sources = self.origin.get(key, (key,))
+        return sources[0] if len(sources) == 1 else " + ".join(sources)
 
 
 @dataclass
@@ -80,7 +93,7 @@ class Checkpoint:
 
     def tokenizer(self) -> CLIPTokenizer:
         if self.tokenizer_dir is not None:
-            return CLIPTokenizer.from_pretrained_dir(self.tokenizer_dir)
+            return _folder_tokenizer(Path(self.tokenizer_dir))
         return CLIPTokenizer.from_package(pad_token_id=self.spec.text.pad_token_id)
 
     def load(self, component: str, dtype: torch.dtype = torch.float32, device="cpu") -> nn.Module:
@@ -106,10 +119,30 @@ class Checkpoint:
             except CheckpointError:
                 raise
             except Exception as e:  # a corrupt tensor deep in a file: name it rather than show torch internals
-                raise CheckpointError(f"cannot read the {component} tensor: {e}", source.files[0], key) from None
+                raise CheckpointError(f"cannot read the {component} tensor: {e}", source.files[0],
+                                      source.file_key(key)) from None
             state[key] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
         module.load_state_dict(state, strict=True, assign=True)
         return module.eval().requires_grad_(False)
+
+    def problems(self) -> list[str]:
+        """Everything unusual about the weights, from shapes only: missing keys, shape mismatches, keys that
+        nothing uses. Loading fails on the first two kinds; ``sdlite info`` lists them all."""
+        out = []
+        for component in COMPONENTS:
+            source = self.sources.get(component)
+            if source is None:
+                out.append(f"no {component.replace('_', ' ')} in the checkpoint")
+                continue
+            with torch.device("meta"):
+                module = _BUILDERS[component](getattr(self.spec, _SPEC_FIELD[component]))
+            expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+            out += [msg if key is None else f"{msg} (key {key!r})" for msg, key in
+                    _key_problems(component, expected, source)]
+            if source.unexpected:
+                out.append(f"{len(source.unexpected)} unexpected {component} keys (ignored), first few: "
+                           f"{_listing(source.unexpected)}")
+        return out
 
     def parameter_counts(self) -> dict[str, int]:
         """Parameters per component, from shapes only."""
@@ -173,10 +206,12 @@ def open_model(path: str | os.PathLike, prediction_type: str | None = None, use_
     path = Path(path)
     if not path.exists():
         raise CheckpointError("no such file or folder", path)
-    if path.is_dir():
-        ckpt = _open_diffusers_folder(path)
-    else:
-        ckpt = _open_single_file(path, use_ema=use_ema)
+    try:
+        ckpt = _open_diffusers_folder(path) if path.is_dir() else _open_single_file(path, use_ema=use_ema)
+    except CheckpointError as e:
+        if e.path is None:  # errors from the key tables and detection know keys, not files
+            e.path = str(path)
+        raise
     if prediction_type is not None:
         _set_prediction(ckpt, prediction_type, "given by the user")
     return ckpt
@@ -233,14 +268,12 @@ def _open_diffusers_folder(folder: Path) -> Checkpoint:
             store = _component_store(folder, component)
             stores.append(store)
             plan = normalize_diffusers_keys(list(store.keys()), component)
-            sources[component] = ComponentSource(view=plan.apply(store), shapes=plan.shapes(_shapes(store)),
-                                                 files=tuple(store.paths), unexpected=list(plan.unexpected),
-                                                 ignored=list(plan.ignored))
+            sources[component] = ComponentSource.from_plan(plan, store, tuple(store.paths))
         detection = detect({name: src.shapes for name, src in sources.items()})
         tokenizer_dir = folder / "tokenizer"
         pad = None
-        if (tokenizer_dir / "vocab.json").is_file():
-            pad = CLIPTokenizer.from_pretrained_dir(tokenizer_dir).pad_token_id
+        if (tokenizer_dir / "vocab.json").is_file() or (tokenizer_dir / "tokenizer.json").is_file():
+            pad = _folder_tokenizer(tokenizer_dir).pad_token_id
         else:
             tokenizer_dir = None
         try:
@@ -272,7 +305,7 @@ def _open_diffusers_folder(folder: Path) -> Checkpoint:
                       else "family default",
                       sources=sources, scheduler_config=dict(spec.scheduler),
                       tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
-                      notes=list(detection.notes), _stores=stores)
+                      notes=[], _stores=stores)  # the folder's config.json files settle what detection guesses
 
 
 # --- single files ---------------------------------------------------------------------------------------------
@@ -298,9 +331,7 @@ def _open_single_file(path: Path, use_ema: bool) -> Checkpoint:
                                   text_encoder_layers=spec.text.layers, expected=expected)
         sources = {}
         for component, cplan in plan.components.items():
-            sources[component] = ComponentSource(view=cplan.apply(store), shapes=cplan.shapes(shapes),
-                                                 files=(str(path),), unexpected=list(cplan.unexpected),
-                                                 ignored=list(cplan.ignored))
+            sources[component] = ComponentSource.from_plan(cplan, store, (str(path),))
         notes = list(detection.notes) + list(plan.notes)
         if plan.unexpected:
             notes.append(f"{len(plan.unexpected)} keys outside the known components, first few: "
@@ -326,15 +357,17 @@ def _open_single_file(path: Path, use_ema: bool) -> Checkpoint:
 def _configs_from_detection(path: Path, detection: Detection, base: ModelSpec):
     """Configs implied by the shapes; what shapes cannot show (head counts) follows the family convention."""
     try:
-        unet = dataclasses.replace(base.unet, **detection.unet.config_kwargs())
-        if "heads" not in detection.unet.config_kwargs():
-            unet = dataclasses.replace(unet, heads=_family_heads(detection.base_family, unet.block_channels))
+        kwargs = detection.unet.config_kwargs()
+        kwargs.setdefault("heads", _family_heads(detection.base_family, kwargs["block_channels"]))
+        unet = dataclasses.replace(base.unet, **kwargs)
         vae = base.vae
         if detection.vae is not None:
             vae = dataclasses.replace(base.vae, **detection.vae.config_kwargs())
         text = base.text
         if detection.text_encoder is not None:
             kwargs = {k: v for k, v in detection.text_encoder.config_kwargs().items() if v is not None}
+            if "heads" not in kwargs:  # not a multiple of the standard 64-wide heads: shapes cannot tell
+                kwargs["heads"] = 1
             text = dataclasses.replace(base.text, **kwargs)
     except ConfigError as e:
         raise CheckpointError(f"the shapes do not form a {detection.family} model: {e}", path) from None
@@ -348,6 +381,13 @@ def _configs_from_metadata(path: Path, raw: str) -> tuple[TextEncoderConfig, UNe
                 VAEConfig.from_diffusers(data["vae"]))
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"metadata {META_CONFIG!r} is not a usable config ({e})", path) from None
+
+
+def _folder_tokenizer(folder: Path) -> CLIPTokenizer:
+    try:
+        return CLIPTokenizer.from_pretrained_dir(folder)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"unusable tokenizer: {e}", folder) from None
 
 
 def _prediction_from_yaml(path: Path) -> tuple[str, str] | None:
@@ -419,14 +459,23 @@ def _family_heads(base_family: str, channels: tuple[int, ...]) -> tuple[int, ...
     return tuple(8 for _ in channels)
 
 
-def _check_keys(path: str, component: str, expected: dict, source: ComponentSource) -> None:
-    """Missing keys and shape mismatches are errors that name the file, the key and both shapes."""
+def _key_problems(component: str, expected: dict, source: ComponentSource) -> list[tuple[str, str | None]]:
+    """(message, key) for every missing key (one summary) and every shape mismatch, without reading tensors."""
+    problems: list[tuple[str, str | None]] = []
     missing = [k for k in expected if k not in source.shapes]
     if missing:
-        raise CheckpointError(f"{len(missing)} {component} keys are missing, first few: {_listing(missing)}",
-                              source.files[0] if len(source.files) == 1 else path)
+        problems.append((f"{len(missing)} {component} keys are missing, first few: {_listing(missing)}", None))
     for key, shape in expected.items():
-        got = tuple(source.shapes[key])
-        if got != shape:
-            raise CheckpointError(f"the {component} tensor has shape {list(got)} but the detected model needs "
-                                  f"{list(shape)}", source.files[0] if len(source.files) == 1 else path, key)
+        got = source.shapes.get(key)
+        if got is not None and tuple(got) != shape:
+            problems.append((f"the {component} tensor has shape {list(got)} but the detected model needs "
+                             f"{list(shape)}", source.file_key(key)))
+    return problems
+
+
+def _check_keys(path: str, component: str, expected: dict, source: ComponentSource) -> None:
+    """Missing keys and shape mismatches are errors that name the file, the key and both shapes."""
+    problems = _key_problems(component, expected, source)
+    if problems:
+        message, key = problems[0]
+        raise CheckpointError(message, source.files[0] if len(source.files) == 1 else path, key)

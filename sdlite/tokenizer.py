@@ -239,6 +239,29 @@ class CLIPTokenizer:
             raise ValueError(f"CLIP tokenizer files {str(vocab_json)!r} and {str(merges_txt)!r}: {err}") from None
 
     @classmethod
+    def from_tokenizer_json(
+        cls, path: str | Path, pad_token_id: int = SD1_PAD_TOKEN_ID, max_length: int = MAX_LENGTH
+    ) -> CLIPTokenizer:
+        """Build from a ``tokenizers`` library ``tokenizer.json`` holding a BPE model (vocab and merges)."""
+        path = Path(path)
+        text = _read_text(path, "BPE")
+        try:
+            model = json.loads(text)["model"]
+            encoder, raw_merges = model["vocab"], model["merges"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ValueError(f"{str(path)!r} is not a tokenizers BPE file: {err}") from None
+        merges = []
+        for i, m in enumerate(raw_merges):
+            pair = m.split(" ") if isinstance(m, str) else m
+            if not (isinstance(pair, list) and len(pair) == 2):
+                raise ValueError(f"{str(path)!r}: merge {i} is not a pair of symbols: {m!r}")
+            merges.append((pair[0], pair[1]))
+        try:
+            return cls(encoder, merges, pad_token_id=pad_token_id, max_length=max_length)
+        except ValueError as err:
+            raise ValueError(f"CLIP tokenizer file {str(path)!r}: {err}") from None
+
+    @classmethod
     def from_pretrained_dir(cls, path: str | Path, max_length: int = MAX_LENGTH) -> CLIPTokenizer:
         """Build from a diffusers model folder (its ``tokenizer/`` subfolder) or a tokenizer folder.
 
@@ -248,7 +271,12 @@ class CLIPTokenizer:
         path = Path(path)
         folder = path / "tokenizer" if (path / "tokenizer").is_dir() else path
         vocab_json, merges_txt = folder / "vocab.json", folder / "merges.txt"
-        tok = cls.from_files(vocab_json, merges_txt, max_length=max_length)
+        if not vocab_json.is_file() and (folder / "tokenizer.json").is_file():
+            # transformers 5 saves only the ``tokenizers`` file, which holds the same vocabulary and merges
+            vocab_json = folder / "tokenizer.json"
+            tok = cls.from_tokenizer_json(vocab_json, max_length=max_length)
+        else:
+            tok = cls.from_files(vocab_json, merges_txt, max_length=max_length)
         pad = _read_pad_token(folder)
         if pad is not None:
             name, source = pad

@@ -103,13 +103,24 @@ def write_hf_tokenizer_files(folder, pad_token: str = "<|endoftext|>"):
     return folder
 
 
-def diffusers_pipeline(family: str = "sd1", tmp_path=None, prediction_type: str = "epsilon", seed: int = 0):
+# A tiny SD 1.x model whose head counts follow the family conventions (UNet: 8 heads; text: 64-wide heads), as
+# a single file without config metadata (every real one) must be read by shapes and conventions alone.
+CONVENTIONAL_TEXT_SD1 = TextEncoderConfig(width=64, layers=2, heads=1, mlp_width=96, projection_dim=64)
+CONVENTIONAL_UNET_SD1 = UNetConfig(block_channels=(32, 64), layers_per_block=1, attention=(True, False),
+                                   heads=(8, 8), context_dim=64, sample_size=16)
+
+
+def diffusers_pipeline(family: str = "sd1", tmp_path=None, prediction_type: str = "epsilon", seed: int = 0,
+                       conventional: bool = False):
     """A tiny diffusers StableDiffusionPipeline (random weights, real tokenizer) built from local configs."""
     from diffusers import PNDMScheduler, StableDiffusionPipeline
     from transformers import CLIPTokenizer
 
     unet_cfg = {"sd1": TINY_UNET_SD1, "sd2": TINY_UNET_SD2, "sd1-inpaint": TINY_UNET_INPAINT}[family]
     text_cfg = TINY_TEXT_SD2_FULLVOCAB if family == "sd2" else TINY_TEXT_SD1_FULLVOCAB
+    if conventional:
+        assert family == "sd1"
+        unet_cfg, text_cfg = CONVENTIONAL_UNET_SD1, CONVENTIONAL_TEXT_SD1
     torch.manual_seed(seed)
     unet = seed_all(diffusers_unet(unet_cfg), seed, scale=0.05)
     vae = seed_all(diffusers_vae(TINY_VAE), seed + 1, scale=0.05)

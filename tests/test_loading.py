@@ -43,6 +43,7 @@ def test_diffusers_folder_fp32(tmp_path, family):
     assert ours.spec.family == family
     assert ours.checkpoint.layout == "diffusers"
     assert ours.checkpoint.storage_dtype == torch.float32
+    assert ours.checkpoint.tokenizer_dir is not None  # the folder's own tokenizer files are used
     assert ours.tokenizer.pad_token_id == (0 if family == "sd2" else 49407)
     assert_same_outputs(ours, pipe)
     assert sorted(os.listdir(tmp_path / "model")) == before  # nothing written next to the user's model
