@@ -71,6 +71,9 @@ def save_diffusers(model: StableDiffusion, folder: str | os.PathLike, dtype: tor
             "unet": ["diffusers", "UNet2DConditionModel"],
             "vae": ["diffusers", "AutoencoderKL"],
         })
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the folder gets the usual permissions
         os.rename(tmp, folder)  # fails rather than replaces if the folder appeared meanwhile
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -38,6 +38,7 @@ _WEIGHT_NAMES = {
     "unet": "diffusion_pytorch_model", "vae": "diffusion_pytorch_model", "text_encoder": "model",
 }
 _MAX_LISTED = 5
+_RELEASE_EVERY = 256 << 20  # bytes converted between releases of the file pages they were read from
 # metadata keys of the single files we write: the prediction type in the modelspec convention, and the three
 # configs (shapes cannot tell head counts, nor that an SD 2.x file lacks OpenCLIP's unused last block)
 META_PREDICTION = "modelspec.prediction_type"
@@ -88,6 +89,7 @@ class Checkpoint:
     tokenizer_dir: str | None = None
     notes: list[str] = field(default_factory=list)
     _stores: list[TensorStore] = field(default_factory=list, repr=False)
+    _zero_copy: bool = field(default=False, repr=False)  # some loaded weights are views of the mapped files
 
     # -- components ------------------------------------------------------------------------------------
 
@@ -113,6 +115,7 @@ class Checkpoint:
         expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
         _check_keys(self.path, component, expected, source)
         state = {}
+        converted = 0
         for key in expected:
             try:
                 tensor = source.view[key]
@@ -121,9 +124,23 @@ class Checkpoint:
             except Exception as e:  # a corrupt tensor deep in a file: name it rather than show torch internals
                 raise CheckpointError(f"cannot read the {component} tensor: {e}", source.files[0],
                                       source.file_key(key)) from None
-            state[key] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
+            target = dtype if tensor.is_floating_point() else tensor.dtype
+            if tensor.dtype != target or torch.device(device).type != "cpu":
+                converted += tensor.numel() * tensor.element_size()
+            else:
+                self._zero_copy = True  # this module's weights are views of the mapped file
+            state[key] = tensor.to(device=device, dtype=target)
+            if converted > _RELEASE_EVERY and not self._zero_copy:
+                self._release_pages()  # the converted copy is what stays; the file pages need not
+                converted = 0
+        if not self._zero_copy:
+            self._release_pages()
         module.load_state_dict(state, strict=True, assign=True)
         return module.eval().requires_grad_(False)
+
+    def _release_pages(self) -> None:
+        for store in self._stores:
+            store.release_pages()
 
     def problems(self) -> list[str]:
         """Everything unusual about the weights, from shapes only: missing keys, shape mismatches, keys that

@@ -399,6 +399,23 @@ class TensorStore(Mapping):
             tensor = tensor.to(dtype)
         return tensor
 
+    def release_pages(self) -> None:
+        """Let the kernel drop the file pages read so far from resident memory (Linux ``MADV_DONTNEED``).
+
+        Use it after tensors were *converted* (e.g. fp16 file -> fp32 model), so the file's pages do not count
+        a second time in resident memory. Mapped pages are re-read from the file if touched again, so zero-copy
+        tensors stay correct -- as long as nobody wrote into them (private copies of written pages are
+        discarded); callers must not release a store whose zero-copy tensors may have been modified.
+        """
+        for resource in self._resources:
+            if isinstance(resource, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
+                try:
+                    resource.madvise(mmap.MADV_DONTNEED)
+                except (OSError, ValueError):
+                    pass
+            elif isinstance(resource, TensorStore):
+                resource.release_pages()
+
     # -- lifetime -------------------------------------------------------------------------------
 
     @property

@@ -1,0 +1,107 @@
+"""Denoisers: the one place that knows how the UNet is parameterised.
+
+A denoiser is any callable ``denoiser(x, sigma, **extra) -> denoised`` with ``x`` a latent at noise level
+``sigma`` (``x = x0 + sigma * eps``, shape (B, C, h, w)), ``sigma`` of shape (B,), and ``denoised`` the
+estimate of ``x0``. Samplers only ever see this interface.
+
+:class:`Denoiser` wraps a raw UNet ``model(x, t, **extra) -> eps | v`` trained on a DDPM schedule with the
+preconditioning of Karras et al. 2022 (table 1, "VP"/"DDPM" rows, as in k-diffusion): the UNet is given
+``c_in * x`` with ``c_in = 1 / sqrt(sigma^2 + 1)`` (the DDPM latent) at the timestep ``t(sigma)``, and
+
+* eps-prediction: ``denoised = x - sigma * eps``
+* v-prediction (Salimans & Ho 2022): ``denoised = c_skip * x + c_out * v`` with ``c_skip = 1 / (sigma^2 + 1)``,
+  ``c_out = -sigma / sqrt(sigma^2 + 1)``.
+
+:class:`CFGDenoiser` adds classifier-free guidance (Ho & Salimans 2022) in one doubled batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .schedules import NoiseSchedule, ScheduleError
+
+PREDICTION_TYPES = ("epsilon", "v_prediction")
+
+
+@dataclass(frozen=True, eq=False)
+class Denoiser:
+    """``Denoiser(model, schedule, prediction_type)(x, sigma, **extra) -> denoised``.
+
+    The UNet's timestep for a sigma is the schedule's log-sigma interpolation (exact for its own sigmas);
+    :meth:`with_timesteps` pins the timesteps of a sampling run's sigmas to the ones the schedule builder
+    chose (e.g. linspace-spaced fractional timesteps, or rounded Karras ones), so the UNet sees exactly what
+    the reference scheduler gives it.
+    """
+
+    model: Callable
+    schedule: NoiseSchedule
+    prediction_type: str = "epsilon"
+    timestep_table: tuple[torch.Tensor, torch.Tensor] | None = None  # (sigmas, timesteps), float32
+
+    def __post_init__(self):
+        if self.prediction_type not in PREDICTION_TYPES:
+            raise ScheduleError(f"prediction_type {self.prediction_type!r} is not supported; "
+                                f"expected one of {', '.join(PREDICTION_TYPES)}")
+
+    def with_timesteps(self, sigmas: torch.Tensor, timesteps: torch.Tensor) -> "Denoiser":
+        sigmas = sigmas[: len(timesteps)].detach().to("cpu", torch.float32)
+        return dataclasses.replace(self, timestep_table=(sigmas, timesteps.detach().to("cpu", torch.float32)))
+
+    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        """(B,) float32 UNet timesteps for (B,) sigmas."""
+        s = sigma.detach().to("cpu", torch.float32).reshape(-1)
+        t = self.schedule.sigma_to_t(s).float()
+        if self.timestep_table is not None:
+            table_sigmas, table_t = self.timestep_table
+            hit = s[:, None] == table_sigmas[None, :]  # (B, steps)
+            found = hit.any(1)
+            t = torch.where(found, table_t[hit.float().argmax(1)], t)
+        return t.to(sigma.device)
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, **extra) -> torch.Tensor:
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device)
+        if sigma.ndim == 0:
+            sigma = sigma.expand(x.shape[0])
+        s = sigma.reshape(-1, *([1] * (x.ndim - 1)))                            # (B, 1, 1, 1)
+        out = self.model((x / (s**2 + 1) ** 0.5).to(x.dtype), self.timestep(sigma), **extra)
+        if self.prediction_type == "epsilon":
+            return x - s * out
+        return out * (-s / (s**2 + 1) ** 0.5) + x / (s**2 + 1)
+
+
+@dataclass(frozen=True, eq=False)
+class CFGDenoiser:
+    """Classifier-free guidance: ``uncond + scale * (cond - uncond)``.
+
+    ``CFGDenoiser(denoiser, scale)(x, sigma, context=cond, uncond=uncond_context)`` runs both halves as one
+    batch of 2B, unconditional first (the order the reference concatenates them in); with ``scale == 1`` (or
+    no ``uncond``) the unconditional half is not run at all. Guidance on the denoised estimate equals guidance
+    on the UNet output, since both halves share x and sigma and the wrapper is affine in the output.
+    """
+
+    denoiser: Callable
+    scale: float = 7.5
+
+    def with_timesteps(self, sigmas: torch.Tensor, timesteps: torch.Tensor) -> "CFGDenoiser":
+        inner = self.denoiser
+        if hasattr(inner, "with_timesteps"):
+            inner = inner.with_timesteps(sigmas, timesteps)
+        return dataclasses.replace(self, denoiser=inner)
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, *, context: torch.Tensor,
+                 uncond: torch.Tensor | None = None, **extra) -> torch.Tensor:
+        if uncond is None or self.scale == 1.0:
+            return self.denoiser(x, sigma, context=context, **extra)
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device)
+        if sigma.ndim == 0:
+            sigma = sigma.expand(x.shape[0])
+        if uncond.shape[0] != context.shape[0]:
+            uncond = uncond.expand(context.shape[0], *uncond.shape[1:])
+        out = self.denoiser(torch.cat([x, x]), torch.cat([sigma, sigma]),              # (2B, C, h, w)
+                            context=torch.cat([uncond, context]), **extra)
+        out_uncond, out_cond = out.chunk(2)
+        return out_uncond + self.scale * (out_cond - out_uncond)

@@ -1,0 +1,243 @@
+"""Noise schedules: the training schedule of a model and the sigmas a sampler walks through.
+
+Conventions (k-diffusion's, Karras et al. 2022, "Elucidating the Design Space of Diffusion-Based Generative
+Models"): a latent at noise level ``sigma`` is ``x = x0 + sigma * eps``; a DDPM timestep ``t`` with cumulative
+product ``alpha_bar_t`` has ``sigma_t = sqrt((1 - alpha_bar_t) / alpha_bar_t)``, and the DDPM ("variance
+preserving") latent is ``x / sqrt(1 + sigma^2)``.
+
+The training schedule is a :class:`NoiseSchedule`, built from a diffusers ``scheduler_config.json`` dict.
+:func:`make_sigmas` turns it into a descending sigma tensor for ``steps`` steps (plus a final sigma) and the
+timestep the UNet sees at each sigma. Where the timesteps fall follows the diffusers scheduler each sampler
+mirrors, because the schedulers disagree (``family``):
+
+``"k"``          the k-diffusion ports (Euler, Euler a, Heun, LMS, DPM++ SDE): ``steps`` timesteps, linspace
+                 ones fractional; Karras/exponential sigmas span the chosen timesteps' sigmas; fractional
+                 timesteps from log-sigma interpolation.
+``"multistep"``  DPM-Solver multistep and UniPC: leading/linspace spacing place ``steps + 1`` points and drop
+                 the last; Karras/exponential sigmas span the whole training range; integer timesteps (Karras
+                 ones rounded, exponential ones truncated; the reference's DPM-Solver truncates Karras ones
+                 too for the squaredcos_cap_v2 schedule, its UniPC rounds them: we round).
+``"ddim"``       DDIM, PNDM/PLMS: integer timesteps; the last step goes to ``alpha_bar = 1`` when the config
+                 has ``set_alpha_to_one``, else to ``alpha_bar_0`` (so the final sigma may be non-zero).
+``"ddpm"``       DDPM: as ``"ddim"`` but the last step always goes to ``alpha_bar = 1``.
+``"lcm"``        LCM: ``steps`` timesteps picked from the ``original_steps``-step skipping schedule.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..errors import SDLiteError
+
+BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
+SPACINGS = ("leading", "trailing", "linspace")
+SIGMA_KINDS = ("discrete", "karras", "exponential")
+FAMILIES = ("k", "multistep", "ddim", "ddpm", "lcm")
+
+
+class ScheduleError(SDLiteError, ValueError):
+    """A scheduler config or a schedule request sdlite cannot honour (the message names the field)."""
+
+
+def _choose(what: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ScheduleError(f"{what} {value!r} is not supported; expected one of {', '.join(map(repr, allowed))}")
+
+
+# --- training schedule ---------------------------------------------------------------------------------------
+
+def betas_for(beta_schedule: str, beta_start: float, beta_end: float, num_train_timesteps: int) -> torch.Tensor:
+    """The DDPM betas (float32, as the reference computes them)."""
+    _choose("beta_schedule", beta_schedule, BETA_SCHEDULES)
+    n = num_train_timesteps
+    if beta_schedule == "linear":  # Ho et al. 2020
+        return torch.linspace(beta_start, beta_end, n, dtype=torch.float32)
+    if beta_schedule == "scaled_linear":  # latent diffusion: linear in sqrt(beta)
+        return torch.linspace(beta_start**0.5, beta_end**0.5, n, dtype=torch.float32) ** 2
+
+    # squaredcos_cap_v2: Nichol & Dhariwal 2021 ("Improved DDPM"), alpha_bar(t) = cos^2((t + s)/(1 + s) * pi/2),
+    # s = 0.008, betas capped at 0.999
+    def alpha_bar(u: float) -> float:
+        return math.cos((u + 0.008) / 1.008 * math.pi / 2) ** 2
+
+    return torch.tensor([min(1 - alpha_bar((i + 1) / n) / alpha_bar(i / n), 0.999) for i in range(n)],
+                        dtype=torch.float32)
+
+
+# scheduler_config.json fields that would change what the model's outputs mean; sdlite does not implement them
+_UNSUPPORTED = {
+    "rescale_betas_zero_snr": False, "thresholding": False, "clip_sample": False,
+    "timestep_type": "discrete", "use_flow_sigmas": False, "variance_type": None,
+}
+
+
+@dataclass(frozen=True, eq=False)
+class NoiseSchedule:
+    """The DDPM training schedule of a model: ``alphas_cumprod`` over ``num_train_timesteps`` timesteps.
+
+    ``timestep_spacing`` and ``steps_offset`` say where the inference timesteps fall by default;
+    ``set_alpha_to_one`` where DDIM/PLMS end. Build it with :meth:`from_config`.
+    """
+
+    alphas_cumprod: torch.Tensor  # (N,) float32
+    timestep_spacing: str = "leading"
+    steps_offset: int = 0
+    set_alpha_to_one: bool = False
+    _log_sigmas: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self):
+        _choose("timestep_spacing", self.timestep_spacing, SPACINGS)
+        object.__setattr__(self, "alphas_cumprod", self.alphas_cumprod.detach().to("cpu", torch.float32))
+        object.__setattr__(self, "_log_sigmas", self.sigmas.double().log())
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "NoiseSchedule":
+        """From a diffusers scheduler config dict (``scheduler/scheduler_config.json``; any scheduler class).
+
+        Missing fields take the values SD 1.x/2.x configs imply: ``timestep_spacing`` "leading" (their
+        PNDM/DDIM configs predate the field), ``steps_offset`` 0, ``set_alpha_to_one`` False. Sampler choices
+        in the config (solver order, Karras sigmas, ...) are ignored: sdlite picks the sampler separately.
+        """
+        for key, ok in _UNSUPPORTED.items():
+            value = cfg.get(key, ok)
+            if value != ok and not (key == "variance_type" and value in ("fixed_small", None)):
+                raise ScheduleError(f"scheduler config field {key}={value!r} is not supported (expected {ok!r})")
+        n = int(cfg.get("num_train_timesteps", 1000))
+        if cfg.get("trained_betas") is not None:
+            betas = torch.tensor(cfg["trained_betas"], dtype=torch.float32)
+            if betas.numel() != n:
+                raise ScheduleError(f"scheduler config: trained_betas has {betas.numel()} values, "
+                                    f"num_train_timesteps is {n}")
+        else:
+            betas = betas_for(cfg.get("beta_schedule", "linear"), float(cfg.get("beta_start", 0.0001)),
+                              float(cfg.get("beta_end", 0.02)), n)
+        return cls(
+            alphas_cumprod=torch.cumprod(1.0 - betas, dim=0),
+            timestep_spacing=cfg.get("timestep_spacing") or "leading",
+            steps_offset=int(cfg.get("steps_offset", 0)),
+            set_alpha_to_one=bool(cfg.get("set_alpha_to_one", False)),
+        )
+
+    @property
+    def num_train_timesteps(self) -> int:
+        return self.alphas_cumprod.numel()
+
+    @property
+    def sigmas(self) -> torch.Tensor:
+        """(N,) float32, ascending in t: sigma_t = sqrt((1 - alpha_bar_t) / alpha_bar_t)."""
+        return ((1 - self.alphas_cumprod) / self.alphas_cumprod) ** 0.5
+
+    @property
+    def sigma_min(self) -> float:
+        return self.sigmas[0].item()
+
+    @property
+    def sigma_max(self) -> float:
+        return self.sigmas[-1].item()
+
+    @property
+    def final_sigma(self) -> float:
+        """Where DDIM/PLMS end: alpha_bar = 1 (sigma 0) with ``set_alpha_to_one``, else alpha_bar_0."""
+        return 0.0 if self.set_alpha_to_one else self.sigma_min
+
+    def sigma_to_t(self, sigma) -> torch.Tensor:
+        """Fractional timestep of ``sigma`` by linear interpolation in log sigma (float64, clamped to [0, N-1]).
+
+        Exact (integer) for the training sigmas themselves.
+        """
+        return _log_interp_t(self._log_sigmas, sigma)
+
+    def t_to_sigma(self, t) -> torch.Tensor:
+        """Sigma at a (possibly fractional) timestep by linear interpolation of the training sigmas (float64)."""
+        t = torch.as_tensor(t, dtype=torch.float64).clamp(0, self.num_train_timesteps - 1)
+        sigmas = self.sigmas.double()
+        low = t.floor().long().clamp(max=self.num_train_timesteps - 2)
+        return sigmas[low] + (sigmas[low + 1] - sigmas[low]) * (t - low)
+
+
+def _log_interp_t(log_sigmas: torch.Tensor, sigma) -> torch.Tensor:
+    sigma = torch.as_tensor(sigma, dtype=torch.float64)
+    log_sigma = sigma.clamp(min=1e-10).log().reshape(-1)
+    log_sigmas = log_sigmas.double()
+    low = (torch.searchsorted(log_sigmas, log_sigma, right=True) - 1).clamp(0, len(log_sigmas) - 2)
+    lo, hi = log_sigmas[low], log_sigmas[low + 1]
+    w = ((lo - log_sigma) / (lo - hi)).clamp(0, 1)
+    return ((1 - w) * low + w * (low + 1)).reshape(sigma.shape)
+
+
+# --- sigma sequences -----------------------------------------------------------------------------------------
+
+def karras_sigmas(sigma_min: float, sigma_max: float, steps: int, rho: float = 7.0) -> torch.Tensor:
+    """Karras et al. 2022, eq. (5): sigma_i = (max^(1/rho) + i/(n-1) (min^(1/rho) - max^(1/rho)))^rho (float64)."""
+    ramp = torch.linspace(0, 1, steps, dtype=torch.float64)
+    lo, hi = sigma_min ** (1 / rho), sigma_max ** (1 / rho)
+    return (hi + ramp * (lo - hi)) ** rho
+
+
+def exponential_sigmas(sigma_min: float, sigma_max: float, steps: int) -> torch.Tensor:
+    """Sigmas evenly spaced in log sigma, from sigma_max down to sigma_min (float64)."""
+    return torch.linspace(math.log(sigma_max), math.log(sigma_min), steps, dtype=torch.float64).exp()
+
+
+def spaced_timesteps(schedule: NoiseSchedule, steps: int, spacing: str | None = None, family: str = "k",
+                     original_steps: int = 50) -> np.ndarray:
+    """The ``steps`` inference timesteps (descending, float64) where the ``family``'s diffusers scheduler puts them.
+
+    Spacings (Lin et al. 2023, "Common Diffusion Noise Schedules and Sample Steps are Flawed", table 2):
+    leading ``i * (N // steps) + steps_offset``; trailing ``round(N - i * N / steps) - 1``; linspace evenly from
+    N - 1 to 0.
+    """
+    _choose("schedule family", family, FAMILIES)
+    spacing = spacing or schedule.timestep_spacing
+    _choose("timestep spacing", spacing, SPACINGS)
+    n_train = schedule.num_train_timesteps
+    if not 1 <= steps <= n_train:
+        raise ScheduleError(f"steps={steps}: expected 1 to {n_train}")
+    if family == "lcm":  # Luo et al. 2023: every (N // original_steps)-th timestep, `steps` of them picked evenly
+        if steps > original_steps:
+            raise ScheduleError(f"LCM: steps={steps} exceeds its original_steps={original_steps}")
+        k = n_train // original_steps
+        origin = (np.arange(1, original_steps + 1) * k - 1)[::-1]
+        return origin[np.floor(np.linspace(0, original_steps, steps, endpoint=False)).astype(np.int64)].astype(np.float64)
+    if spacing == "trailing":
+        return np.arange(n_train, 0, -n_train / steps).round() - 1.0
+    if family == "multistep":  # places steps + 1 points and drops the last
+        if spacing == "leading":
+            return (np.arange(0, steps + 1) * (n_train // (steps + 1))).round()[::-1][:-1] + schedule.steps_offset
+        return np.linspace(0, n_train - 1, steps + 1).round()[::-1][:-1].copy()
+    if spacing == "leading":
+        return (np.arange(0, steps) * (n_train // steps)).round()[::-1] + float(schedule.steps_offset)
+    if family == "k":  # fractional, computed in float32 as the reference does
+        return np.linspace(0, n_train - 1, steps, dtype=np.float32)[::-1].astype(np.float64)
+    return np.linspace(0, n_train - 1, steps).round()[::-1].copy()
+
+
+def make_sigmas(schedule: NoiseSchedule, steps: int, kind: str = "discrete", family: str = "k",
+                spacing: str | None = None, original_steps: int = 50) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sigmas, timesteps)``: ``steps + 1`` descending float32 sigmas (the last the family's end point, usually
+    0) and the ``steps`` float32 timesteps the UNet is given at ``sigmas[:-1]``.
+
+    ``kind``: "discrete" (the model's own sigmas at the spaced timesteps, interpolated linearly in sigma for
+    fractional ones), "karras" (rho = 7) or "exponential".
+    """
+    _choose("sigma schedule", kind, SIGMA_KINDS)
+    timesteps = spaced_timesteps(schedule, steps, spacing, family, original_steps)
+    sigmas = schedule.t_to_sigma(torch.from_numpy(timesteps.copy()))
+    if kind != "discrete":
+        if family == "k":  # spans the spaced timesteps' sigmas
+            lo, hi = sigmas[-1].item(), sigmas[0].item()
+        else:  # spans the training sigmas
+            lo, hi = schedule.sigma_min, schedule.sigma_max
+        sigmas = karras_sigmas(lo, hi, steps) if kind == "karras" else exponential_sigmas(lo, hi, steps)
+        # the reference interpolates against float32 logs of the sigma table, and its integer timesteps
+        # (rounded or truncated below) depend on that last bit: interpolate as it does
+        t = _log_interp_t(schedule.sigmas.log(), sigmas)
+        if family == "multistep":  # integer timesteps there: Karras ones rounded, exponential ones truncated
+            t = t.round() if kind == "karras" else t.trunc()
+        timesteps = t.numpy()
+    final = schedule.final_sigma if family == "ddim" else 0.0
+    sigmas = torch.cat([sigmas, torch.tensor([final], dtype=torch.float64)]).float()
+    return sigmas, torch.from_numpy(np.ascontiguousarray(timesteps)).float()
