@@ -40,6 +40,7 @@ class Denoiser:
     model: Callable
     schedule: NoiseSchedule
     prediction_type: str = "epsilon"
+    dtype: torch.dtype | None = None  # the UNet's input dtype (e.g. float16); None: the latent's
     timestep_table: tuple[torch.Tensor, torch.Tensor] | None = None  # (sigmas, timesteps), float32
 
     def __post_init__(self):
@@ -67,10 +68,11 @@ class Denoiser:
         if sigma.ndim == 0:
             sigma = sigma.expand(x.shape[0])
         s = sigma.reshape(-1, *([1] * (x.ndim - 1)))                            # (B, 1, 1, 1)
-        out = self.model((x / (s**2 + 1) ** 0.5).to(x.dtype), self.timestep(sigma), **extra)
+        out = self.model((x / (s**2 + 1) ** 0.5).to(self.dtype or x.dtype), self.timestep(sigma), **extra)
+        out = out.to(x.dtype)
         if self.prediction_type == "epsilon":
-            return x - s * out
-        return out * (-s / (s**2 + 1) ** 0.5) + x / (s**2 + 1)
+            return (x - s * out).to(x.dtype)
+        return (out * (-s / (s**2 + 1) ** 0.5) + x / (s**2 + 1)).to(x.dtype)
 
 
 @dataclass(frozen=True, eq=False)

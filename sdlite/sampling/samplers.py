@@ -17,6 +17,7 @@ sigmas and timesteps, scales the initial noise, runs the sampler and returns the
 """
 from __future__ import annotations
 
+import bisect
 import inspect
 import math
 import re
@@ -213,8 +214,6 @@ class BrownianNoise:
     def _at(self, t: float) -> torch.Tensor:
         if t in self.times:
             return self.values[self.times.index(t)]
-        import bisect
-
         k = bisect.bisect(self.times, t)
         if not self.times:
             w = torch.zeros_like(self.like)
@@ -300,7 +299,11 @@ def sample_pndm(denoiser, x, sigmas, *, generator=None, callback=None, extra_arg
     Models on Manifolds"), started as the reference's PNDM scheduler does with ``skip_prk_steps``: the first step
     is a Heun (pseudo improved Euler) step, then Adams-Bashforth of orders 2, 3, 4 on eps; the transfer
     ``x' = x + (sigma' - sigma) * eps`` is their eq. (9) in sigma form. The derivative of the Heun step's
-    second call is not kept in the history. n + 1 model calls for n steps."""
+    second call is not kept in the history. n + 1 model calls for n steps.
+
+    The history holds eps estimates, for v-prediction models too (each converted at its own sample and
+    noise level); the reference's PNDM scheduler instead combines the raw v outputs, so for v models its
+    PLMS differs from this one (and from eps-PLMS) by more than rounding."""
     sigmas, extra, n = _setup(x, sigmas, extra_args)
     ets = []
     for i in range(n):

@@ -67,10 +67,10 @@ def betas_for(beta_schedule: str, beta_start: float, beta_end: float, num_train_
                         dtype=torch.float32)
 
 
-# scheduler_config.json fields that would change what the model's outputs mean; sdlite does not implement them
+# scheduler_config.json fields that change the training schedule or what the model's outputs mean; sdlite does
+# not implement them
 _UNSUPPORTED = {
-    "rescale_betas_zero_snr": False, "thresholding": False, "clip_sample": False,
-    "timestep_type": "discrete", "use_flow_sigmas": False, "variance_type": None,
+    "rescale_betas_zero_snr": False, "timestep_type": "discrete", "use_flow_sigmas": False, "variance_type": None,
 }
 
 
@@ -99,7 +99,8 @@ class NoiseSchedule:
 
         Missing fields take the values SD 1.x/2.x configs imply: ``timestep_spacing`` "leading" (their
         PNDM/DDIM configs predate the field), ``steps_offset`` 0, ``set_alpha_to_one`` False. Sampler choices
-        in the config (solver order, Karras sigmas, ...) are ignored: sdlite picks the sampler separately.
+        in the config (solver order, Karras sigmas, DDIM's ``clip_sample``/``thresholding``, ...) are ignored:
+        sdlite picks the sampler separately.
         """
         for key, ok in _UNSUPPORTED.items():
             value = cfg.get(key, ok)
@@ -201,7 +202,8 @@ def spaced_timesteps(schedule: NoiseSchedule, steps: int, spacing: str | None = 
             raise ScheduleError(f"LCM: steps={steps} exceeds its original_steps={original_steps}")
         k = n_train // original_steps
         origin = (np.arange(1, original_steps + 1) * k - 1)[::-1]
-        return origin[np.floor(np.linspace(0, original_steps, steps, endpoint=False)).astype(np.int64)].astype(np.float64)
+        picked = np.floor(np.linspace(0, original_steps, steps, endpoint=False)).astype(np.int64)
+        return origin[picked].astype(np.float64)
     if spacing == "trailing":
         return np.arange(n_train, 0, -n_train / steps).round() - 1.0
     if family == "multistep":  # places steps + 1 points and drops the last
