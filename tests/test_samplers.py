@@ -183,8 +183,10 @@ def test_parity_with_diffusers_other_spacings(name, cls_name, sched_kwargs, spac
 @pytest.mark.parametrize("spacing", ["leading", "trailing", "linspace"])
 @pytest.mark.parametrize("beta_schedule", ["scaled_linear", "linear", "squaredcos_cap_v2"])
 def test_sigmas_and_timesteps_match_diffusers(cls_name, sched_kwargs, name, kind, spacing, beta_schedule):
-    if name == "dpmpp_2m" and kind == "karras" and beta_schedule == "squaredcos_cap_v2":
-        pytest.skip("diffusers' DPM-Solver truncates these Karras timesteps where its UniPC (and we) round them")
+    # diffusers' DPM-Solver truncates these Karras timesteps to integers where its UniPC (and we) round them:
+    # there the integer timesteps may differ by one, and nothing else may differ
+    t_atol = 1.0 if (name == "dpmpp_2m" and kind == "karras" and beta_schedule == "squaredcos_cap_v2") \
+        else 1e-4
     config = dict(SD_SCHEDULER, timestep_spacing=spacing, beta_schedule=beta_schedule)
     if beta_schedule == "linear":
         config.update(beta_start=0.0001, beta_end=0.02)
@@ -194,7 +196,7 @@ def test_sigmas_and_timesteps_match_diffusers(cls_name, sched_kwargs, name, kind
     for steps in (1, 7, 10, 25):
         sched.set_timesteps(steps)
         sigmas, timesteps = make_sigmas(schedule, steps, kind, SAMPLERS[name].family)
-        assert torch.allclose(timesteps.double(), sched.timesteps.double(), rtol=0, atol=1e-4)
+        assert torch.allclose(timesteps.double(), sched.timesteps.double(), rtol=0, atol=t_atol)
         if hasattr(sched, "sigmas"):
             assert torch.allclose(sigmas, sched.sigmas.float(), rtol=1e-6, atol=0)
 
