@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+from pathlib import Path
 
 from .errors import SDLiteError
 
@@ -66,6 +68,104 @@ def cmd_info(args) -> int:
     return 0
 
 
+class ProgressBar:
+    """Steps, it/s and ETA on one self-rewriting line of a terminal; silent when stderr is not a terminal."""
+
+    def __init__(self, label: str = "sampling", stream=None, width: int = 28):
+        self.stream = stream or sys.stderr
+        self.enabled = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.label, self.width = label, width
+        self.start = None
+
+    def __call__(self, step: int, total: int) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if self.start is None or step <= 1:
+            self.start = now if self.start is None else self.start
+        elapsed = now - self.start
+        rate = step / elapsed if elapsed > 0 else 0.0
+        eta = (total - step) / rate if rate > 0 else 0.0
+        filled = int(self.width * step / total)
+        bar = "#" * filled + "." * (self.width - filled)
+        self.stream.write(f"\r{self.label} {step:>3}/{total} [{bar}] {rate:5.2f} it/s  ETA {eta:5.1f}s")
+        if step >= total:
+            self.stream.write(f"\r{self.label} {total:>3}/{total} [{'#' * self.width}] {rate:5.2f} it/s  "
+                              f"{elapsed:.1f}s   \n")
+        self.stream.flush()
+
+
+def cmd_samplers(args) -> int:
+    from .sampling.samplers import A1111_NAMES, SAMPLERS
+
+    by_sampler: dict[str, list[str]] = {}
+    for alias, name in A1111_NAMES.items():
+        by_sampler.setdefault(name, []).append(alias)
+    print(f"{'name':<14}{'default schedule':<18}{'A1111 names':<28}reference")
+    for name, info in SAMPLERS.items():
+        aliases = ", ".join(by_sampler.get(name, []))
+        print(f"{name:<14}{info.schedule:<18}{aliases:<28}{info.reference}")
+    print("\nschedules: discrete, karras, exponential (--schedule, or a ' Karras'/' Exponential' suffix "
+          "on an A1111 name: \"DPM++ 2M Karras\")")
+    return 0
+
+
+_DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
+           "bf16": "bfloat16", "bfloat16": "bfloat16"}
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from .images import FORMATS, check_writable, infotext, model_hash, output_paths, save_image
+    from .pipeline import Engine, Request, RequestError, check_device, validate
+
+    if args.model is None:
+        raise SDLiteError("no model given: pass --model PATH (a diffusers folder or a .safetensors/.ckpt file)")
+    request = Request(prompt=args.prompt, negative_prompt=args.negative, width=args.width, height=args.height,
+                      steps=args.steps, cfg_scale=args.cfg, sampler=args.sampler, schedule=args.schedule,
+                      seed=args.seed, batch_size=args.batch, clip_skip=args.clip_skip, eta=args.eta)
+    # everything that can be checked before the (slow) model load is checked first
+    validate(request)
+    if args.format not in FORMATS:
+        raise RequestError(f"format {args.format!r} is not valid: expected one of {', '.join(FORMATS)}")
+    if args.dtype is not None and args.dtype not in _DTYPES:
+        raise RequestError(f"dtype {args.dtype!r} is not valid: expected one of fp32, fp16, bf16")
+    device = check_device(args.device)
+    check_writable(args.output)
+    dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    t0 = time.perf_counter()
+    engine = Engine.load(args.model, device=str(device), dtype=dtype, prediction_type=args.prediction_type)
+    load_s = time.perf_counter() - t0
+    result = engine.generate(request, callback=ProgressBar())
+    for w in result.warnings:
+        print(f"sdlite: warning: {w}", file=sys.stderr)
+    used = result.request
+    mhash = model_hash(args.model)
+    name = Path(args.model).stem if Path(args.model).is_file() else Path(args.model).name
+    paths = output_paths(args.output, len(result.images), args.format, result.seeds)
+    written = []
+    try:
+        for image, seed, path in zip(result.images, result.seeds, paths):
+            written.append(save_image(image, path, infotext(used, seed, mhash, name), args.format))
+    except BaseException:
+        for path in written:  # no partial batch left behind
+            path.unlink(missing_ok=True)
+        raise
+    t = result.timings
+    print(f"seed {used.seed}" + (f" (images use {used.seed}..{used.seed + used.batch_size - 1})"
+                                  if used.batch_size > 1 else "")
+          + f", {used.width}x{used.height}, {used.steps} steps, {used.sampler} ({used.schedule}), "
+            f"cfg {used.cfg_scale:g}; load {load_s:.1f}s, text {t['text']:.1f}s, "
+            f"sampling {t['sampling']:.1f}s, decode {t['decode']:.1f}s", file=sys.stderr)
+    for path in written:
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sdlite", description="Stable Diffusion inference, offline and lean.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -74,6 +174,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prediction-type", choices=["epsilon", "v_prediction"], default=None,
                    help="override what the checkpoint says (SD 2.x single files)")
     p.set_defaults(func=cmd_info)
+
+    g = sub.add_parser("generate", help="text to image")
+    g.add_argument("prompt")
+    g.add_argument("--model", "-m", default=None, help="a diffusers folder or a .safetensors/.ckpt single file")
+    g.add_argument("--negative", "-n", default="", help="negative prompt")
+    g.add_argument("--steps", type=int, default=20)
+    g.add_argument("--cfg", type=float, default=7.5, help="classifier-free guidance scale (1 = off)")
+    g.add_argument("--sampler", default="dpmpp_2m_karras",
+                   help="see `sdlite samplers`; A1111 names work too (default: DPM++ 2M Karras)")
+    g.add_argument("--schedule", default=None,
+                   help="sigma schedule: discrete, karras or exponential (default: what the sampler name implies)")
+    g.add_argument("--seed", type=int, default=-1, help="-1 = random (the seed used is printed)")
+    g.add_argument("--width", type=int, default=None, help="default: the model's native size")
+    g.add_argument("--height", type=int, default=None)
+    g.add_argument("--batch", type=int, default=1, help="images; image i uses seed+i")
+    g.add_argument("--clip-skip", type=int, default=1, help="1 = last text-encoder layer (A1111 numbering)")
+    g.add_argument("--eta", type=float, default=None, help="noise of DDIM / ancestral / SDE samplers")
+    g.add_argument("--output", "-o", default="outputs/", help="a file name, or a folder (numbered names)")
+    g.add_argument("--format", default="png", help="png or jpg")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
+    g.add_argument("--dtype", default=None, help="fp32, fp16 or bf16 (default: fp32 on cpu, fp16 on gpu)")
+    g.add_argument("--prediction-type", choices=["epsilon", "v_prediction"], default=None)
+    g.add_argument("--threads", type=int, default=None, help="CPU threads (default: PyTorch's)")
+    g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("samplers", help="list the samplers, their default schedules and A1111 names")
+    s.set_defaults(func=cmd_samplers)
     return parser
 
 

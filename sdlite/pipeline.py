@@ -1,0 +1,228 @@
+"""The one narrow API: a :class:`Request` in, images and the parameters actually used out.
+
+    engine = Engine.load("model.safetensors")           # or Engine(StableDiffusion, device=...)
+    result = engine.generate(Request(prompt="a red circle on a blue background", seed=42))
+    result.images[0].save("out.png")
+
+Conventions follow the reference implementation (diffusers' StableDiffusionPipeline), so the same seed gives
+the same image: the initial noise is drawn on the CPU from ``torch.Generator().manual_seed(seed + i)`` for
+image i of a batch (so any image can be regenerated alone), whatever the compute device; classifier-free
+guidance runs the negative and positive prompts as one doubled batch, negative first, and only when the scale
+is above 1.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .errors import SDLiteError
+from .loader import StableDiffusion, load_model
+from .sampling.denoisers import CFGDenoiser, Denoiser
+from .sampling.samplers import SAMPLERS, resolve_sampler, sample
+from .sampling.schedules import SIGMA_KINDS, NoiseSchedule
+
+MAX_SEED = 2**32 - 1
+CFG_RANGE = (1.0, 30.0)
+MAX_STEPS = 1000
+MAX_BATCH = 64
+DEFAULT_SAMPLER = "dpmpp_2m_karras"   # A1111's default: "DPM++ 2M" with the "Karras" schedule
+
+
+class RequestError(SDLiteError, ValueError):
+    """A request parameter is out of range; the message names it, its value and what is valid."""
+
+
+@dataclass
+class Request:
+    prompt: str
+    negative_prompt: str = ""
+    width: int | None = None          # None: the model's native size
+    height: int | None = None
+    steps: int = 20
+    cfg_scale: float = 7.5
+    sampler: str = DEFAULT_SAMPLER    # our names or A1111's ("DPM++ 2M Karras", "Euler a", ...)
+    schedule: str | None = None       # discrete | karras | exponential; None: what the sampler name implies
+    seed: int = -1                    # -1: a random seed, reported in the result
+    batch_size: int = 1
+    clip_skip: int = 1                # A1111 numbering: 1 = last layer
+    eta: float | None = None          # DDIM / ancestral / SDE noise amount; None: the sampler's default
+
+    def replace(self, **changes) -> "Request":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class Result:
+    images: list                      # PIL images
+    seeds: list[int]                  # seed of each image (request.seed + i)
+    request: Request                  # the parameters actually used (seed, size, sampler and schedule resolved)
+    latents: torch.Tensor             # (B, 4, h, w) final latents, unscaled by the VAE factor
+    warnings: list[str] = field(default_factory=list)
+    timings: dict = field(default_factory=dict)
+
+
+def validate(request: Request, native_size: int = 512) -> Request:
+    """Check every parameter and resolve the defaults; a bad one raises :class:`RequestError`."""
+    r = request
+    width = native_size if r.width is None else r.width
+    height = native_size if r.height is None else r.height
+    for name, value in (("width", width), ("height", height)):
+        if not isinstance(value, int) or value < 8 or value % 8:
+            raise RequestError(f"{name}={value!r} is not valid: it must be a positive multiple of 8")
+    if not isinstance(r.steps, int) or not 1 <= r.steps <= MAX_STEPS:
+        raise RequestError(f"steps={r.steps!r} is not valid: it must be between 1 and {MAX_STEPS}")
+    if not CFG_RANGE[0] <= float(r.cfg_scale) <= CFG_RANGE[1]:
+        raise RequestError(f"cfg scale {r.cfg_scale!r} is out of range: it must be between {CFG_RANGE[0]:g} "
+                           f"and {CFG_RANGE[1]:g} (1 turns guidance off)")
+    if not isinstance(r.batch_size, int) or not 1 <= r.batch_size <= MAX_BATCH:
+        raise RequestError(f"batch size {r.batch_size!r} is not valid: it must be between 1 and {MAX_BATCH}")
+    if not isinstance(r.clip_skip, int) or r.clip_skip < 1:
+        raise RequestError(f"clip skip {r.clip_skip!r} is not valid: it must be 1 (no skip) or more")
+    if r.eta is not None and not 0.0 <= r.eta <= 1.0:
+        raise RequestError(f"eta={r.eta!r} is not valid: it must be between 0 and 1")
+    try:
+        sampler, implied = resolve_sampler(r.sampler)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    schedule = r.schedule or implied
+    if schedule not in SIGMA_KINDS:
+        raise RequestError(f"schedule {schedule!r} is not valid: expected one of {', '.join(SIGMA_KINDS)}")
+    seed = r.seed
+    if not isinstance(seed, int) or not -1 <= seed <= MAX_SEED:
+        raise RequestError(f"seed {seed!r} is not valid: it must be -1 (random) or 0..{MAX_SEED}")
+    if seed == -1:
+        seed = random.SystemRandom().randrange(0, MAX_SEED - MAX_BATCH)
+    if seed + r.batch_size - 1 > MAX_SEED:
+        raise RequestError(f"seed {seed} + batch {r.batch_size} runs past the largest seed {MAX_SEED}")
+    return r.replace(width=width, height=height, sampler=sampler, schedule=schedule, seed=seed,
+                     cfg_scale=float(r.cfg_scale))
+
+
+def initial_noise(generators: list[torch.Generator], shape: tuple[int, ...]) -> torch.Tensor:
+    """(B, *shape) standard normal noise, image i drawn from ``generators[i]`` (CPU), as the reference does."""
+    return torch.cat([torch.randn((1, *shape), generator=g) for g in generators])
+
+
+def latents_to_images(images: torch.Tensor) -> list:
+    """Decoded images in [-1, 1] (B, 3, H, W) -> PIL images, rounded as the reference does."""
+    arr = (images.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()
+    return [Image.fromarray(a) for a in (arr * 255).round().astype(np.uint8)]
+
+
+class Engine:
+    """A loaded model on a device, ready to generate. Holds no per-request state."""
+
+    def __init__(self, model: StableDiffusion, device: str | torch.device = "cpu"):
+        self.model = model
+        self.device = torch.device(device)
+        self.schedule = NoiseSchedule.from_config(model.scheduler_config)
+
+    @classmethod
+    def load(cls, path, device: str = "cpu", dtype: torch.dtype | None = None,
+             prediction_type: str | None = None) -> "Engine":
+        device = check_device(device)
+        if dtype is None:
+            dtype = torch.float32 if device.type == "cpu" else torch.float16
+        return cls(load_model(path, dtype=dtype, device=device, prediction_type=prediction_type), device)
+
+    @property
+    def spec(self):
+        return self.model.spec
+
+    def encode_prompt(self, prompts: list[str], clip_skip: int = 1) -> tuple[torch.Tensor, list[str]]:
+        """(B, 77, width) contexts; warnings for prompts cut at 77 tokens, saying where."""
+        tok, warnings = self.model.tokenizer, []
+        rows = []
+        for text in prompts:
+            info = tok.tokenize_with_info(text)
+            if info.truncated:
+                warnings.append(f"prompt truncated to 77 tokens: {info.num_dropped} tokens after token "
+                                f"{info.num_kept} were dropped: {info.dropped_text!r}")
+            rows.append(torch.tensor(info.input_ids, dtype=torch.long))
+        layers = self.model.text_encoder.config.layers
+        if clip_skip > layers:
+            raise RequestError(f"clip skip {clip_skip} is not valid for this model: its text encoder has "
+                               f"{layers} layers, so 1..{layers} are valid")
+        with torch.no_grad():
+            ctx = self.model.text_encoder(torch.stack(rows).to(self.device), clip_skip=clip_skip)
+        return ctx, warnings
+
+    def generate(self, request: Request, callback: Callable[[int, int], None] | None = None) -> Result:
+        """Run one request. ``callback(step, total)`` is called after each sampler step."""
+        r = validate(request, self.spec.default_size)
+        if self.spec.unet.in_channels != self.spec.vae.latent_channels:
+            raise RequestError(f"{self.spec.family} models take a source image and a mask besides the prompt; "
+                               "text-to-image needs a text-to-image model")
+        t0 = time.perf_counter()
+        seeds = [r.seed + i for i in range(r.batch_size)]
+        # one prompt context per image, negative first in the doubled batch
+        ctx, warnings = self.encode_prompt([r.prompt], r.clip_skip)
+        use_cfg = r.cfg_scale > 1.0
+        uncond = None
+        if use_cfg:
+            uncond, neg_warnings = self.encode_prompt([r.negative_prompt], r.clip_skip)
+            warnings += [w.replace("prompt", "negative prompt", 1) for w in neg_warnings]
+            uncond = uncond.expand(r.batch_size, -1, -1)
+        ctx = ctx.expand(r.batch_size, -1, -1)
+        t1 = time.perf_counter()
+
+        vae_scale = self.spec.vae.downscale
+        shape = (self.spec.vae.latent_channels, r.height // vae_scale, r.width // vae_scale)
+        # image i's generator draws its initial noise, then (stochastic samplers) its per-step noise
+        generators = [torch.Generator().manual_seed(s) for s in seeds]
+        noise = initial_noise(generators, shape).to(self.device)
+        unet = self.model.unet
+
+        def model_fn(x, t, context):
+            return unet(x, t, context)
+
+        denoiser = CFGDenoiser(Denoiser(model_fn, self.schedule, self.spec.prediction_type, dtype=unet.dtype),
+                               r.cfg_scale if use_cfg else 1.0)
+        steps_done = [0]
+
+        def on_step(i, total, x):
+            steps_done[0] = i + 1
+            if callback is not None:
+                callback(i + 1, total)
+
+        with torch.no_grad():
+            latents = sample(r.sampler, denoiser, noise, self.schedule, r.steps, r.schedule,
+                             generator=generators, eta=r.eta, callback=on_step,
+                             extra_args={"context": ctx, "uncond": uncond})
+            t2 = time.perf_counter()
+            vae = self.model.vae
+            decoded = vae.decode((latents / self.spec.vae.scaling_factor).to(vae.dtype))
+        t3 = time.perf_counter()
+        return Result(images=latents_to_images(decoded), seeds=seeds, request=r, latents=latents,
+                      warnings=warnings, timings={"text": t1 - t0, "sampling": t2 - t1, "decode": t3 - t2,
+                                                  "total": t3 - t0})
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """The device, or a clear error when it is not there."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise RequestError(f"device {device!r} is not a device name (try cpu, cuda, cuda:1, mps)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RequestError(f"device {device!r} is not available: no CUDA GPU is visible to PyTorch")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise RequestError(f"device {device!r} is not available: {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type == "mps":
+        if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+            raise RequestError(f"device {device!r} is not available: Apple MPS is not available here")
+    elif dev.type != "cpu":
+        raise RequestError(f"device {device!r} is not supported: use cpu, cuda or mps")
+    return dev
+
+
+__all__ = ["Engine", "Request", "Result", "RequestError", "validate", "initial_noise", "check_device",
+           "SAMPLERS", "DEFAULT_SAMPLER"]
