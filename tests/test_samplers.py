@@ -422,3 +422,24 @@ def test_noise_schedule_sigma_t_round_trip():
     assert torch.equal(schedule.sigma_to_t(schedule.t_to_sigma(t).float()), t)
     assert schedule.sigma_max == pytest.approx(14.6146, rel=1e-4)
     assert schedule.sigma_min == pytest.approx(0.029168, rel=1e-4)
+
+
+@pytest.mark.parametrize("name,cls_name,extra", [
+    ("euler", "EulerDiscreteScheduler", {}), ("euler_a", "EulerAncestralDiscreteScheduler", {}),
+    ("heun", "HeunDiscreteScheduler", {}), ("lms", "LMSDiscreteScheduler", {}),
+    ("dpmpp_2m", "DPMSolverMultistepScheduler", {}), ("unipc", "UniPCMultistepScheduler", {}),
+    ("ddim", "DDIMScheduler", {}), ("pndm", "PNDMScheduler", {"skip_prk_steps": True}),
+    ("ddpm", "DDPMScheduler", {}), ("lcm", "LCMScheduler", {}),
+])
+def test_config_without_spacing_uses_each_reference_schedulers_default(name, cls_name, extra):
+    """SD 1.x/2.x scheduler configs predate ``timestep_spacing``: diffusers then uses each scheduler class's own
+    default (linspace for the Euler family and the multistep solvers, leading for DDIM/PNDM/DDPM/LCM)."""
+    config = {k: v for k, v in SD_SCHEDULER.items() if k != "timestep_spacing"}
+    sched = getattr(diffusers, cls_name).from_config({**config, **extra})
+    schedule = NoiseSchedule.from_config(config)
+    assert schedule.timestep_spacing is None
+    for steps in (4, 10):
+        sched.set_timesteps(steps)
+        _, timesteps = make_sigmas(schedule, steps, "discrete", SAMPLERS[name].family)
+        ref = torch.unique_consecutive(sched.timesteps.double())  # Heun lists each inner timestep twice
+        assert torch.allclose(timesteps.double(), ref, rtol=0, atol=1e-4)

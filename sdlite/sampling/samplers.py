@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .schedules import SIGMA_KINDS, NoiseSchedule, make_sigmas
+from .schedules import SIGMA_KINDS, NoiseSchedule, make_sigmas, resolve_spacing
 
 # --- helpers -------------------------------------------------------------------------------------------------
 
@@ -497,7 +497,7 @@ def sample(name: str, denoiser, x_T: torch.Tensor, schedule: NoiseSchedule, step
     sigmas, timesteps = make_sigmas(schedule, steps, schedule_kind or default_kind, info.family, spacing)
     if hasattr(denoiser, "with_timesteps"):
         denoiser = denoiser.with_timesteps(sigmas, timesteps)
-    if info.family == "k" and (spacing or schedule.timestep_spacing) in ("linspace", "trailing"):
+    if info.family == "k" and resolve_spacing(schedule, info.family, spacing) in ("linspace", "trailing"):
         init = sigmas[0]
     else:
         init = (sigmas[0] ** 2 + 1) ** 0.5

@@ -83,13 +83,14 @@ class NoiseSchedule:
     """
 
     alphas_cumprod: torch.Tensor  # (N,) float32
-    timestep_spacing: str = "leading"
+    timestep_spacing: str | None = None  # None: the spacing the sampler's reference scheduler defaults to
     steps_offset: int = 0
     set_alpha_to_one: bool = False
     _log_sigmas: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self):
-        _choose("timestep_spacing", self.timestep_spacing, SPACINGS)
+        if self.timestep_spacing is not None:
+            _choose("timestep_spacing", self.timestep_spacing, SPACINGS)
         object.__setattr__(self, "alphas_cumprod", self.alphas_cumprod.detach().to("cpu", torch.float32))
         object.__setattr__(self, "_log_sigmas", self.sigmas.double().log())
 
@@ -97,8 +98,10 @@ class NoiseSchedule:
     def from_config(cls, cfg: dict) -> "NoiseSchedule":
         """From a diffusers scheduler config dict (``scheduler/scheduler_config.json``; any scheduler class).
 
-        Missing fields take the values SD 1.x/2.x configs imply: ``timestep_spacing`` "leading" (their
-        PNDM/DDIM configs predate the field), ``steps_offset`` 0, ``set_alpha_to_one`` False. Sampler choices
+        Missing fields: ``timestep_spacing`` stays unset, so each sampler uses the spacing its reference
+        scheduler class defaults to (SD 1.x/2.x configs predate the field; diffusers then gives Euler-family and
+        multistep schedulers "linspace", DDIM/PNDM/DDPM/LCM "leading"); ``steps_offset`` 0,
+        ``set_alpha_to_one`` False. Sampler choices
         in the config (solver order, Karras sigmas, DDIM's ``clip_sample``/``thresholding``, ...) are ignored:
         sdlite picks the sampler separately.
         """
@@ -117,7 +120,7 @@ class NoiseSchedule:
                               float(cfg.get("beta_end", 0.02)), n)
         return cls(
             alphas_cumprod=torch.cumprod(1.0 - betas, dim=0),
-            timestep_spacing=cfg.get("timestep_spacing") or "leading",
+            timestep_spacing=cfg.get("timestep_spacing") or None,
             steps_offset=int(cfg.get("steps_offset", 0)),
             set_alpha_to_one=bool(cfg.get("set_alpha_to_one", False)),
         )
@@ -183,6 +186,18 @@ def exponential_sigmas(sigma_min: float, sigma_max: float, steps: int) -> torch.
     return torch.linspace(math.log(sigma_max), math.log(sigma_min), steps, dtype=torch.float64).exp()
 
 
+# the timestep spacing each family's diffusers scheduler classes default to when the config does not say
+DEFAULT_SPACING = {"k": "linspace", "multistep": "linspace", "ddim": "leading", "ddpm": "leading", "lcm": "leading"}
+
+
+def resolve_spacing(schedule: NoiseSchedule, family: str, spacing: str | None = None) -> str:
+    """The spacing used: the caller's, else the model's scheduler config's, else the family's default."""
+    _choose("schedule family", family, FAMILIES)
+    spacing = spacing or schedule.timestep_spacing or DEFAULT_SPACING[family]
+    _choose("timestep spacing", spacing, SPACINGS)
+    return spacing
+
+
 def spaced_timesteps(schedule: NoiseSchedule, steps: int, spacing: str | None = None, family: str = "k",
                      original_steps: int = 50) -> np.ndarray:
     """The ``steps`` inference timesteps (descending, float64) where the ``family``'s diffusers scheduler puts them.
@@ -191,9 +206,7 @@ def spaced_timesteps(schedule: NoiseSchedule, steps: int, spacing: str | None = 
     leading ``i * (N // steps) + steps_offset``; trailing ``round(N - i * N / steps) - 1``; linspace evenly from
     N - 1 to 0.
     """
-    _choose("schedule family", family, FAMILIES)
-    spacing = spacing or schedule.timestep_spacing
-    _choose("timestep spacing", spacing, SPACINGS)
+    spacing = resolve_spacing(schedule, family, spacing)
     n_train = schedule.num_train_timesteps
     if not 1 <= steps <= n_train:
         raise ScheduleError(f"steps={steps}: expected 1 to {n_train}")
