@@ -38,35 +38,23 @@ class MidBlock(nn.Module):
         return self.resnets[1](self.attentions[0](self.resnets[0](x)))
 
 
-class EncoderBlock(nn.Module):
-    def __init__(self, in_ch: int, out_ch: int, layers: int, groups: int, downsample: bool):
+class ResnetStack(nn.Module):
+    """ResBlocks at one resolution, then optionally a resampler: ``resample`` is "down", "up" or None."""
+
+    def __init__(self, in_ch: int, out_ch: int, layers: int, groups: int, resample: str | None):
         super().__init__()
         self.resnets = nn.ModuleList(ResnetBlock(in_ch if i == 0 else out_ch, out_ch, None, groups, 1e-6)
                                      for i in range(layers))
-        if downsample:
+        if resample == "down":
             self.downsamplers = nn.ModuleList([Downsample(out_ch, padding=0)])
-
-    def forward(self, x):
-        for resnet in self.resnets:
-            x = resnet(x)
-        if hasattr(self, "downsamplers"):
-            x = self.downsamplers[0](x)
-        return x
-
-
-class DecoderBlock(nn.Module):
-    def __init__(self, in_ch: int, out_ch: int, layers: int, groups: int, upsample: bool):
-        super().__init__()
-        self.resnets = nn.ModuleList(ResnetBlock(in_ch if i == 0 else out_ch, out_ch, None, groups, 1e-6)
-                                     for i in range(layers))
-        if upsample:
+        elif resample == "up":
             self.upsamplers = nn.ModuleList([Upsample(out_ch)])
 
     def forward(self, x):
         for resnet in self.resnets:
             x = resnet(x)
-        if hasattr(self, "upsamplers"):
-            x = self.upsamplers[0](x)
+        for resampler in getattr(self, "downsamplers", ()) or getattr(self, "upsamplers", ()):
+            x = resampler(x)
         return x
 
 
@@ -76,7 +64,8 @@ class Encoder(nn.Module):
         chans, g = cfg.block_channels, cfg.norm_groups
         self.conv_in = nn.Conv2d(cfg.in_channels, chans[0], 3, padding=1)
         self.down_blocks = nn.ModuleList(
-            EncoderBlock(chans[max(i - 1, 0)], chans[i], cfg.layers_per_block, g, i < len(chans) - 1)
+            ResnetStack(chans[max(i - 1, 0)], chans[i], cfg.layers_per_block, g,
+                        "down" if i < len(chans) - 1 else None)
             for i in range(len(chans)))
         self.mid_block = MidBlock(chans[-1], g)
         self.conv_norm_out = nn.GroupNorm(g, chans[-1], eps=1e-6)
@@ -98,7 +87,7 @@ class Decoder(nn.Module):
         self.conv_in = nn.Conv2d(cfg.latent_channels, rev[0], 3, padding=1)
         self.mid_block = MidBlock(rev[0], g)
         self.up_blocks = nn.ModuleList(
-            DecoderBlock(rev[max(i - 1, 0)], rev[i], cfg.layers_per_block + 1, g, i < len(rev) - 1)
+            ResnetStack(rev[max(i - 1, 0)], rev[i], cfg.layers_per_block + 1, g, "up" if i < len(rev) - 1 else None)
             for i in range(len(rev)))
         self.conv_norm_out = nn.GroupNorm(g, rev[-1], eps=1e-6)
         self.conv_out = nn.Conv2d(rev[-1], cfg.out_channels, 3, padding=1)
