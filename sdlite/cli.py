@@ -117,6 +117,7 @@ _DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16"
 def cmd_generate(args) -> int:
     import torch
 
+    from .engine.memory import check_memory_mode
     from .images import FORMATS, check_writable, infotext, model_hash, output_paths, save_image
     from .pipeline import Engine, Request, RequestError, check_device, validate
 
@@ -132,13 +133,18 @@ def cmd_generate(args) -> int:
     if args.dtype is not None and args.dtype not in _DTYPES:
         raise RequestError(f"dtype {args.dtype!r} is not valid: expected one of fp32, fp16, bf16")
     device = check_device(args.device)
+    check_memory_mode(args.memory_mode)
+    if args.weight_dtype is not None and args.weight_dtype not in _DTYPES:
+        raise RequestError(f"weight dtype {args.weight_dtype!r} is not valid: expected one of fp32, fp16, bf16")
     check_writable(args.output)
     dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
     if args.threads:
         torch.set_num_threads(args.threads)
 
     t0 = time.perf_counter()
-    engine = Engine.load(args.model, device=str(device), dtype=dtype, prediction_type=args.prediction_type)
+    engine = Engine.load(args.model, device=str(device), dtype=dtype, prediction_type=args.prediction_type,
+                         memory_mode=args.memory_mode,
+                         weight_dtype=getattr(torch, _DTYPES[args.weight_dtype]) if args.weight_dtype else None)
     load_s = time.perf_counter() - t0
     result = engine.generate(request, callback=ProgressBar())
     for w in result.warnings:
@@ -197,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=None, help="fp32, fp16 or bf16 (default: fp32 on cpu, fp16 on gpu)")
     g.add_argument("--prediction-type", choices=["epsilon", "v_prediction"], default=None)
     g.add_argument("--threads", type=int, default=None, help="CPU threads (default: PyTorch's)")
+    g.add_argument("--memory-mode", type=int, default=1,
+                   help="0 = low (sub-models loaded when needed, UNet weights streamed), 1 = all resident "
+                        "(default, fastest), 2 = balanced (UNet resident)")
+    g.add_argument("--weight-dtype", default=None,
+                   help="keep resident weights in fp16/bf16 and compute in --dtype, block by block")
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("samplers", help="list the samplers, their default schedules and A1111 names")

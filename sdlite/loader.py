@@ -104,16 +104,9 @@ class Checkpoint:
         Shapes are checked against the spec before any tensor is read; each tensor is converted straight
         from the file's storage into ``dtype`` (zero-copy when the file is memory-mapped and already in it).
         """
-        if component not in COMPONENTS:
-            raise ValueError(f"unknown component {component!r}: expected one of {', '.join(COMPONENTS)}")
-        source = self.sources.get(component)
-        if source is None:
-            raise CheckpointError(f"the checkpoint has no {component.replace('_', ' ')}", self.path)
-        cfg = getattr(self.spec, _SPEC_FIELD[component])
-        with torch.device("meta"):
-            module = _BUILDERS[component](cfg)
+        module = self.build_empty(component)
+        source = self.sources[component]
         expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-        _check_keys(self.path, component, expected, source)
         state = {}
         converted = 0
         for key in expected:
@@ -137,6 +130,25 @@ class Checkpoint:
             self._release_pages()
         module.load_state_dict(state, strict=True, assign=True)
         return module.eval().requires_grad_(False)
+
+    def build_empty(self, component: str) -> nn.Module:
+        """The network with its weights on the meta device (no memory), after checking that the checkpoint has
+        every key at the right shape."""
+        if component not in COMPONENTS:
+            raise ValueError(f"unknown component {component!r}: expected one of {', '.join(COMPONENTS)}")
+        source = self.sources.get(component)
+        if source is None:
+            raise CheckpointError(f"the checkpoint has no {component.replace('_', ' ')}", self.path)
+        with torch.device("meta"):
+            module = _BUILDERS[component](getattr(self.spec, _SPEC_FIELD[component]))
+        _check_keys(self.path, component, {k: tuple(v.shape) for k, v in module.state_dict().items()}, source)
+        return module
+
+    def release_pages(self) -> None:
+        """Hand the file pages read so far back to the kernel (they are re-read if needed again). Skipped once
+        weights were loaded as zero-copy views of the file, which must never lose a page written by a user."""
+        if not self._zero_copy:
+            self._release_pages()
 
     def _release_pages(self) -> None:
         for store in self._stores:
@@ -205,7 +217,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
     ckpt = open_model(path, prediction_type=prediction_type)
     unet = ckpt.load("unet", dtype, device)
     if ckpt.prediction_source == "unresolved":
-        resolve_prediction_type(ckpt, unet)
+        resolve_prediction_type(ckpt, unet, device)
     return StableDiffusion(spec=ckpt.spec, tokenizer=ckpt.tokenizer(),
                            text_encoder=ckpt.load("text_encoder", dtype, device), unet=unet,
                            vae=ckpt.load("vae", dtype, device), scheduler_config=ckpt.scheduler_config,
@@ -418,7 +430,7 @@ def _prediction_from_yaml(path: Path) -> tuple[str, str] | None:
     return None
 
 
-def resolve_prediction_type(ckpt: Checkpoint, unet: UNet | None = None) -> str:
+def resolve_prediction_type(ckpt: Checkpoint, unet: UNet | None = None, device="cpu") -> str:
     """Decide eps vs v for a SD 2.x single file that does not say, by probing its UNet as A1111 does.
 
     The probe feeds a constant latent (0.5) at t=999 with a constant context: a v-prediction UNet's output
@@ -427,8 +439,7 @@ def resolve_prediction_type(ckpt: Checkpoint, unet: UNet | None = None) -> str:
     if ckpt.prediction_source != "unresolved":
         return ckpt.spec.prediction_type
     if unet is None or unet.dtype != torch.float32:
-        unet = ckpt.load("unet", torch.float32)
-    device = unet.conv_in.weight.device
+        unet, device = ckpt.load("unet", torch.float32), "cpu"
     with torch.no_grad():
         x = torch.full((1, unet.config.in_channels, 8, 8), 0.5, device=device)
         ctx = torch.full((1, 2, unet.config.context_dim), 0.5, device=device)

@@ -23,7 +23,8 @@ import torch
 from PIL import Image
 
 from .errors import SDLiteError
-from .loader import StableDiffusion, load_model
+from .engine.memory import ModelManager, check_memory_mode
+from .loader import StableDiffusion, open_model, resolve_prediction_type
 from .sampling.denoisers import CFGDenoiser, Denoiser
 from .sampling.samplers import SAMPLERS, resolve_sampler, sample
 from .sampling.schedules import SIGMA_KINDS, NoiseSchedule
@@ -117,41 +118,62 @@ def latents_to_images(images: torch.Tensor) -> list:
 
 
 class Engine:
-    """A loaded model on a device, ready to generate. Holds no per-request state."""
+    """A model on a device, ready to generate. Holds no per-request state.
 
-    def __init__(self, model: StableDiffusion, device: str | torch.device = "cpu"):
-        self.model = model
+    Which networks stay in memory is the :class:`~sdlite.engine.memory.ModelManager`'s business (memory modes
+    0/1/2); the engine asks it for each network when it needs it.
+    """
+
+    def __init__(self, model: StableDiffusion | ModelManager, device: str | torch.device = "cpu",
+                 tokenizer=None, spec=None, scheduler_config: dict | None = None):
+        if isinstance(model, StableDiffusion):
+            tokenizer, spec, scheduler_config = model.tokenizer, model.spec, model.scheduler_config
+            model = ModelManager(model.checkpoint, mode=1, device=device, preloaded=model)
+        self.models = model
         self.device = torch.device(device)
-        self.schedule = NoiseSchedule.from_config(model.scheduler_config)
+        self.tokenizer, self.spec = tokenizer, spec
+        self.schedule = NoiseSchedule.from_config(scheduler_config)
 
     @classmethod
     def load(cls, path, device: str = "cpu", dtype: torch.dtype | None = None,
-             prediction_type: str | None = None) -> "Engine":
+             prediction_type: str | None = None, memory_mode: int = 1,
+             weight_dtype: torch.dtype | None = None) -> "Engine":
+        """Open ``path`` and prepare it in ``memory_mode`` (see :data:`~sdlite.engine.memory.MEMORY_MODES`).
+
+        ``dtype`` is the compute dtype (default fp32 on the CPU, fp16 on a GPU); ``weight_dtype`` the dtype the
+        resident weights are kept in when it differs (e.g. fp16 weights computed in fp32, block by block).
+        """
+        check_memory_mode(memory_mode)
         device = check_device(device)
         if dtype is None:
             dtype = torch.float32 if device.type == "cpu" else torch.float16
-        return cls(load_model(path, dtype=dtype, device=device, prediction_type=prediction_type), device)
+        ckpt = open_model(path, prediction_type=prediction_type)
+        manager = ModelManager(ckpt, memory_mode, dtype, device, weight_dtype=weight_dtype)
+        if memory_mode != 0:
+            manager.get("unet")  # resident from the start: the load is part of getting ready
+        if ckpt.prediction_source == "unresolved":
+            with manager.use("unet") as unet:
+                resolve_prediction_type(ckpt, unet, device=device)
+        return cls(manager, device, ckpt.tokenizer(), ckpt.spec, ckpt.scheduler_config)
 
-    @property
-    def spec(self):
-        return self.model.spec
-
-    def encode_prompt(self, prompts: list[str], clip_skip: int = 1) -> tuple[torch.Tensor, list[str]]:
-        """(B, 77, width) contexts; warnings for prompts cut at 77 tokens, saying where."""
-        tok, warnings = self.model.tokenizer, []
-        rows = []
-        for text in prompts:
-            info = tok.tokenize_with_info(text)
+    def encode_prompt(self, prompts: list[str], clip_skip: int = 1,
+                      labels: list[str] | None = None) -> tuple[torch.Tensor, list[str]]:
+        """(B, 77, width) contexts in one text-encoder pass; a warning for each prompt cut at 77 tokens, saying
+        where (``labels`` name the prompts in those warnings)."""
+        labels = labels or ["prompt"] * len(prompts)
+        warnings, rows = [], []
+        for label, text in zip(labels, prompts):
+            info = self.tokenizer.tokenize_with_info(text)
             if info.truncated:
-                warnings.append(f"prompt truncated to 77 tokens: {info.num_dropped} tokens after token "
+                warnings.append(f"{label} truncated to 77 tokens: {info.num_dropped} tokens after token "
                                 f"{info.num_kept} were dropped: {info.dropped_text!r}")
             rows.append(torch.tensor(info.input_ids, dtype=torch.long))
-        layers = self.model.text_encoder.config.layers
+        layers = self.spec.text.layers
         if clip_skip > layers:
             raise RequestError(f"clip skip {clip_skip} is not valid for this model: its text encoder has "
                                f"{layers} layers, so 1..{layers} are valid")
-        with torch.no_grad():
-            ctx = self.model.text_encoder(torch.stack(rows).to(self.device), clip_skip=clip_skip)
+        with torch.no_grad(), self.models.use("text_encoder") as text_encoder:
+            ctx = text_encoder(torch.stack(rows).to(self.device), clip_skip=clip_skip)
         return ctx, warnings
 
     def generate(self, request: Request, callback: Callable[[int, int], None] | None = None) -> Result:
@@ -162,15 +184,15 @@ class Engine:
                                "text-to-image needs a text-to-image model")
         t0 = time.perf_counter()
         seeds = [r.seed + i for i in range(r.batch_size)]
-        # one prompt context per image, negative first in the doubled batch
-        ctx, warnings = self.encode_prompt([r.prompt], r.clip_skip)
         use_cfg = r.cfg_scale > 1.0
-        uncond = None
         if use_cfg:
-            uncond, neg_warnings = self.encode_prompt([r.negative_prompt], r.clip_skip)
-            warnings += [w.replace("prompt", "negative prompt", 1) for w in neg_warnings]
-            uncond = uncond.expand(r.batch_size, -1, -1)
-        ctx = ctx.expand(r.batch_size, -1, -1)
+            ctx, warnings = self.encode_prompt([r.prompt, r.negative_prompt], r.clip_skip,
+                                               ["prompt", "negative prompt"])
+            uncond = ctx[1:2].expand(r.batch_size, -1, -1)   # (B, 77, width), negative first in the CFG batch
+        else:
+            ctx, warnings = self.encode_prompt([r.prompt], r.clip_skip)
+            uncond = None
+        ctx = ctx[0:1].expand(r.batch_size, -1, -1)
         t1 = time.perf_counter()
 
         vae_scale = self.spec.vae.downscale
@@ -178,26 +200,18 @@ class Engine:
         # image i's generator draws its initial noise, then (stochastic samplers) its per-step noise
         generators = [torch.Generator().manual_seed(s) for s in seeds]
         noise = initial_noise(generators, shape).to(self.device)
-        unet = self.model.unet
-
-        def model_fn(x, t, context):
-            return unet(x, t, context)
-
-        denoiser = CFGDenoiser(Denoiser(model_fn, self.schedule, self.spec.prediction_type, dtype=unet.dtype),
-                               r.cfg_scale if use_cfg else 1.0)
-        steps_done = [0]
 
         def on_step(i, total, x):
-            steps_done[0] = i + 1
             if callback is not None:
                 callback(i + 1, total)
 
-        with torch.no_grad():
-            latents = sample(r.sampler, denoiser, noise, self.schedule, r.steps, r.schedule,
-                             generator=generators, eta=r.eta, callback=on_step,
-                             extra_args={"context": ctx, "uncond": uncond})
-            t2 = time.perf_counter()
-            vae = self.model.vae
+        with torch.no_grad(), self.models.use("unet") as unet:
+            denoiser = CFGDenoiser(Denoiser(unet, self.schedule, self.spec.prediction_type, dtype=unet.dtype),
+                                   r.cfg_scale if use_cfg else 1.0)
+            latents = sample(r.sampler, denoiser, noise, self.schedule, r.steps, r.schedule, generator=generators,
+                             eta=r.eta, callback=on_step, extra_args={"context": ctx, "uncond": uncond})
+        t2 = time.perf_counter()
+        with torch.no_grad(), self.models.use("vae") as vae:
             decoded = vae.decode((latents / self.spec.vae.scaling_factor).to(vae.dtype))
         t3 = time.perf_counter()
         return Result(images=latents_to_images(decoded), seeds=seeds, request=r, latents=latents,

@@ -67,6 +67,7 @@ class Embeddings(nn.Module):
         self.position_embedding = nn.Embedding(cfg.max_positions, cfg.width)
 
     def forward(self, ids):
+        ids = ids.to(self.token_embedding.weight.device)
         return self.token_embedding(ids) + self.position_embedding.weight[: ids.shape[1]]
 
 
@@ -106,7 +107,7 @@ class CLIPTextEncoder(nn.Module):
         if not 1 <= clip_skip <= len(layers):
             raise ValueError(f"clip_skip={clip_skip} is out of range: this text encoder has {len(layers)} "
                              f"layers, so 1..{len(layers)} are valid")
-        x = self.text_model.embeddings(ids.to(self.text_model.embeddings.token_embedding.weight.device))
+        x = self.text_model.embeddings(ids)
         for layer in layers[: len(layers) - (clip_skip - 1)]:
             x = layer(x)
         return self.text_model.final_layer_norm(x)

@@ -1,0 +1,227 @@
+"""Memory modes, as MNN defines them, and weight streaming.
+
+* mode 1 -- all resident: text encoder, UNet and VAE are loaded once and kept (fastest).
+* mode 2 -- balanced: the UNet stays resident; the text encoder and the VAE are loaded when needed and freed.
+* mode 0 -- low memory: every sub-model is loaded when needed and freed after; the UNet is never loaded whole:
+  its weights are streamed from the memory-mapped checkpoint block by block (each ResBlock, transformer,
+  resampler ...), converted to the compute dtype for that block's forward pass and dropped right after, with the
+  file pages handed back to the kernel, so resident memory holds one block's weights at a time.
+
+The same streaming mechanism with the pages kept gives "weights stored in fp16/bf16, computed in fp32": the
+stored weights stay resident in their storage dtype (zero-copy views of the file when it is in that dtype) and
+each block is up-cast only while it runs.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import gc
+
+import torch
+from torch import nn
+
+from ..errors import SDLiteError
+from ..loader import Checkpoint, StableDiffusion
+from ..models.clip import Embeddings, EncoderLayer
+from ..models.layers import Downsample, ResnetBlock, Upsample
+from ..models.unet import SpatialTransformer
+
+MEMORY_MODES = {
+    0: "low: each sub-model loaded when needed and freed after; UNet weights streamed block by block",
+    1: "all resident (fastest)",
+    2: "balanced: UNet resident; text encoder and VAE loaded when needed",
+}
+# modules whose forward uses their weights only through calls of their own children or themselves
+_UNIT_TYPES = (ResnetBlock, SpatialTransformer, Downsample, Upsample, Embeddings, EncoderLayer)
+
+
+class MemoryModeError(SDLiteError, ValueError):
+    pass
+
+
+def _libc():
+    name = ctypes.util.find_library("c")
+    try:
+        lib = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return lib if lib is not None and hasattr(lib, "malloc_trim") else None
+
+
+_LIBC = _libc()
+
+
+def trim_heap() -> None:
+    """Return the C heap's free memory to the system (glibc keeps freed blocks below its mmap threshold,
+    which grows after large frees, so a freed sub-model would otherwise stay in resident memory)."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def check_memory_mode(mode) -> int:
+    if mode not in MEMORY_MODES:
+        valid = "; ".join(f"{k} = {v}" for k, v in MEMORY_MODES.items())
+        raise MemoryModeError(f"memory mode {mode!r} is not valid: {valid}")
+    return mode
+
+
+def stream_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The blocks whose weights are materialised together: ResBlocks, spatial transformers and resamplers, and
+    the model's remaining top-level layers. Every parameter belongs to exactly one unit."""
+    units: list[tuple[str, nn.Module]] = []
+    covered: set[str] = set()
+
+    def visit(prefix: str, module: nn.Module):
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            if isinstance(child, _UNIT_TYPES) or not any(True for _ in child.children()):
+                if any(True for _ in child.parameters(recurse=True)):
+                    units.append((path, child))
+                    covered.update(f"{path}.{k}" for k, _ in child.named_parameters())
+            else:
+                visit(f"{path}.", child)
+
+    visit("", model)
+    missing = [k for k, _ in model.named_parameters() if k not in covered]
+    if missing:  # a structural bug, not a user error
+        raise RuntimeError(f"parameters outside every streaming unit: {missing[:5]}")
+    return units
+
+
+class WeightStreamer:
+    """Materialises each unit's weights just before it runs and drops them right after.
+
+    ``provider(key)`` returns the stored tensor of a parameter (canonical key); it is converted to ``dtype`` on
+    ``device`` for the unit's forward pass. ``release()`` is called after each unit (e.g. to hand the file
+    pages back to the kernel).
+    """
+
+    def __init__(self, model: nn.Module, provider, dtype: torch.dtype, device, release=None):
+        self.model, self.provider, self.dtype, self.device, self.release = model, provider, dtype, device, release
+        self.units = stream_units(model)
+        self._handles = []
+        self._placeholders: dict[str, nn.Parameter] = {}
+        for path, unit in self.units:
+            names = [(f"{path}.{k}", k) for k, _ in unit.named_parameters()]
+            for key, _ in names:
+                p = model.get_parameter(key)
+                self._placeholders[key] = nn.Parameter(torch.empty(p.shape, device="meta", dtype=self.dtype),
+                                                       requires_grad=False)
+            self._handles.append(unit.register_forward_pre_hook(self._loader(unit, names)))
+            self._handles.append(unit.register_forward_hook(self._dropper(unit, names)))
+        self._drop_all()
+
+    @staticmethod
+    def _owner(unit: nn.Module, local: str) -> tuple[nn.Module, str]:
+        path, _, leaf = local.rpartition(".")
+        return (unit.get_submodule(path) if path else unit), leaf
+
+    def _loader(self, unit, names):
+        def hook(module, args):
+            for key, local in names:
+                owner, leaf = self._owner(unit, local)
+                tensor = self.provider(key).to(device=self.device, dtype=self.dtype)
+                owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+        return hook
+
+    def _dropper(self, unit, names):
+        def hook(module, args, output):
+            for key, local in names:
+                owner, leaf = self._owner(unit, local)
+                owner._parameters[leaf] = self._placeholders[key]
+            if self.release is not None:
+                self.release()
+        return hook
+
+    def _drop_all(self):
+        for key, placeholder in self._placeholders.items():
+            owner, leaf = self._owner(self.model, key)
+            owner._parameters[leaf] = placeholder
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def streamed_model(ckpt: Checkpoint, component: str, dtype: torch.dtype, device="cpu",
+                   keep_pages: bool = False, weight_dtype: torch.dtype | None = None) -> nn.Module:
+    """``component`` built with no resident weights: each block's weights come from the checkpoint when it runs.
+
+    ``keep_pages=False`` (memory mode 0): the file pages are released after every block. ``keep_pages=True``
+    with ``weight_dtype``: the weights stay resident in ``weight_dtype`` (zero-copy when the file stores that
+    dtype) and are converted to ``dtype`` block by block.
+    """
+    module = ckpt.build_empty(component)
+    source = ckpt.sources[component]
+    if keep_pages:
+        stored = {}
+        for key in dict(module.named_parameters()):
+            t = source.view[key]
+            stored[key] = t if weight_dtype is None or t.dtype == weight_dtype else t.to(weight_dtype)
+        provider = stored.__getitem__
+        release = None
+    else:
+        provider = source.view.__getitem__
+        release = ckpt.release_pages
+    for key, buf in list(module.named_buffers()):  # buffers are tiny: resident
+        owner, _, leaf = key.rpartition(".")
+        (module.get_submodule(owner) if owner else module)._buffers[leaf] = source.view[key].to(device)
+    module._streamer = WeightStreamer(module, provider, dtype, device, release)
+    return module.eval().requires_grad_(False)
+
+
+class ModelManager:
+    """Hands out the three networks according to the memory mode; ``use(name)`` is a context manager."""
+
+    def __init__(self, ckpt: Checkpoint | None, mode: int = 1, dtype: torch.dtype = torch.float32, device="cpu",
+                 weight_dtype: torch.dtype | None = None, preloaded: StableDiffusion | None = None):
+        self.ckpt, self.mode, self.dtype, self.device = ckpt, check_memory_mode(mode), dtype, torch.device(device)
+        self.weight_dtype = weight_dtype
+        self._resident: dict[str, nn.Module] = {}
+        if preloaded is not None:
+            self._resident = {"text_encoder": preloaded.text_encoder, "unet": preloaded.unet, "vae": preloaded.vae}
+
+    def _keeps(self, name: str) -> bool:
+        return self.mode == 1 or (self.mode == 2 and name == "unet") or (self.mode == 0 and name == "unet")
+
+    def _build(self, name: str) -> nn.Module:
+        if self.mode == 0 and name == "unet":
+            return streamed_model(self.ckpt, name, self.dtype, self.device)
+        if self.weight_dtype is not None and self.weight_dtype != self.dtype:
+            return streamed_model(self.ckpt, name, self.dtype, self.device, keep_pages=True,
+                                  weight_dtype=self.weight_dtype)
+        return self.ckpt.load(name, self.dtype, self.device)
+
+    def get(self, name: str) -> nn.Module:
+        """The network, resident from now on (modes 1 and 2 for the UNet)."""
+        if name not in self._resident:
+            self._resident[name] = self._build(name)
+        return self._resident[name]
+
+    @contextlib.contextmanager
+    def use(self, name: str):
+        if name in self._resident or self._keeps(name):
+            yield self.get(name)
+            return
+        module = self._build(name)
+        try:
+            yield module
+        finally:
+            # the caller may still hold the module object: empty it, so its weights are freed regardless
+            module.to(device="meta")
+            del module
+            self.free()
+
+    def free(self) -> None:
+        """Hand freed memory back: Python objects, the allocators' caches and the file pages read so far."""
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        trim_heap()
+        if self.ckpt is not None:
+            self.ckpt.release_pages()
+
+    def resident(self) -> list[str]:
+        return sorted(self._resident)

@@ -1,0 +1,126 @@
+"""Memory modes give the same image as mode 1, and mode 0 really frees what it loads."""
+from __future__ import annotations
+
+import dataclasses
+import gc
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+from sdlite.config import TextEncoderConfig
+from sdlite.engine.memory import MEMORY_MODES, ModelManager, check_memory_mode, stream_units
+from sdlite.loader import open_model
+from sdlite.pipeline import Engine, Request
+from tests.reference import diffusers_pipeline
+
+REQUEST = Request(prompt="a red circle on a blue background", negative_prompt="green", steps=4, seed=11,
+                  width=64, height=64, sampler="euler_a")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mem")
+    diffusers_pipeline("sd1", tmp).save_pretrained(tmp / "model")
+    return tmp / "model"
+
+
+def _pixels(result):
+    return np.stack([np.asarray(im) for im in result.images]).astype(int)
+
+
+def test_every_mode_gives_the_mode_1_image(model_dir):
+    reference = Engine.load(model_dir, memory_mode=1).generate(REQUEST)
+    for mode in (0, 2):
+        engine = Engine.load(model_dir, memory_mode=mode)
+        got = engine.generate(REQUEST)
+        assert torch.equal(got.latents, reference.latents), f"memory mode {mode}"
+        assert np.array_equal(_pixels(got), _pixels(reference))
+        # what stays resident after a generation is what the mode promises
+        assert engine.models.resident() == (["unet"] if mode in (0, 2) else ["text_encoder", "unet", "vae"])
+
+
+def test_fp16_weights_computed_in_fp32(model_dir, tmp_path):
+    """Weights kept in fp16, up-cast block by block: the same image as fp32 weights rounded to fp16."""
+    engine = Engine.load(model_dir, weight_dtype=torch.float16)
+    unet = engine.models.get("unet")
+    assert unet.conv_in.weight.device.type == "meta"  # nothing resident in fp32 between calls
+    got = engine.generate(REQUEST)
+    # reference: the same model with its weights rounded to fp16 and loaded in fp32
+    from sdlite.export import save_diffusers
+    from sdlite.loader import load_model
+
+    save_diffusers(load_model(model_dir), tmp_path / "half", dtype=torch.float16)
+    expected = Engine.load(tmp_path / "half").generate(REQUEST)
+    assert torch.allclose(got.latents, expected.latents, rtol=0, atol=1e-5)
+
+
+def test_streaming_units_cover_every_weight(model_dir):
+    ckpt = open_model(model_dir)
+    unet = ckpt.build_empty("unet")
+    units = stream_units(unet)
+    names = [n for n, _ in units]
+    assert "conv_in" in names and "down_blocks.0.resnets.0" in names and "mid_block.attentions.0" in names
+    owned = sum(sum(p.numel() for p in u.parameters()) for _, u in units)
+    assert owned == sum(p.numel() for p in unet.parameters())
+
+
+def test_bad_memory_mode():
+    with pytest.raises(ValueError, match=r"memory mode 5 is not valid: 0 = low.*1 = all resident.*2 = balanced"):
+        check_memory_mode(5)
+    assert set(MEMORY_MODES) == {0, 1, 2}
+
+
+MEASURE = r"""
+import gc, json, sys, psutil, torch
+from sdlite.engine.memory import ModelManager
+from sdlite.loader import open_model
+
+def rss():
+    gc.collect()
+    return psutil.Process().memory_info().rss
+
+manager = ModelManager(open_model(sys.argv[1]), mode=0)
+# a first use pays one-time costs (library code pages, thread pools and their arenas); measure the second
+for _ in range(2):
+    before = rss()
+    with manager.use("text_encoder") as enc:
+        during = rss()
+        dtype = str(enc.text_model.final_layer_norm.weight.dtype)
+    after = rss()
+print(json.dumps({"before": before, "during": during, "after": after, "dtype": dtype,
+                  "resident": manager.resident()}))
+"""
+
+
+def test_mode_0_frees_each_sub_model(tmp_path):
+    """A ~300 MB (fp32) text encoder: resident while used, handed back after. RSS is measured in a fresh
+    process, before, during and after the sub-model's (second) use."""
+    import json
+    import subprocess
+    import sys
+
+    from sdlite.config import SD15
+    from sdlite.export import save_diffusers
+    from sdlite.loader import StableDiffusion
+    from sdlite.models.clip import CLIPTextEncoder
+    from sdlite.models.unet import UNet
+    from sdlite.models.vae import AutoencoderKL
+    from sdlite.tokenizer import CLIPTokenizer
+    from tests.reference import TINY_UNET_SD1, TINY_VAE
+
+    text = TextEncoderConfig(width=512, layers=16, heads=8, mlp_width=2048)  # ~76M params = ~300 MB fp32
+    spec = SD15.replace(text=text, unet=dataclasses.replace(TINY_UNET_SD1, context_dim=512), vae=TINY_VAE)
+    with torch.no_grad():
+        model = StableDiffusion(spec=spec, tokenizer=CLIPTokenizer.from_package(),
+                                text_encoder=CLIPTextEncoder(spec.text), unet=UNet(spec.unet),
+                                vae=AutoencoderKL(spec.vae), scheduler_config=dict(spec.scheduler))
+    save_diffusers(model, tmp_path / "big_text", dtype=torch.float16)
+    size = sum(p.numel() for p in model.text_encoder.parameters()) * 4
+    out = subprocess.run([sys.executable, "-c", MEASURE, str(tmp_path / "big_text")], capture_output=True,
+                         text=True, check=True)
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    assert m["dtype"] == "torch.float32" and m["resident"] == []
+    assert m["during"] - m["before"] > 0.8 * size, m
+    assert m["after"] - m["before"] < 0.1 * size, m
