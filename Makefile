@@ -6,7 +6,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: setup test clean
+.PHONY: setup test bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,11 @@ setup: $(VENV)/.installed
 
 test: setup
 	$(BIN)/python -m pytest -q -ra
+
+# sdlite against diffusers on a cached full-size SD 1.5 checkpoint; writes BENCHMARKS.md (about an hour on 2 cores)
+bench: setup
+	$(BIN)/pip install --quiet -e '.[test,bench]'
+	$(BIN)/python bench/run.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -176,6 +176,11 @@ class Engine:
             ctx = text_encoder(torch.stack(rows).to(self.device), clip_skip=clip_skip)
         return ctx, warnings
 
+    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Unscaled latents (B, 4, h, w) -> images (B, 3, 8h, 8w) in about [-1, 1]."""
+        with torch.no_grad(), self.models.use("vae") as vae:
+            return vae.decode(latents.to(self.device, vae.dtype))
+
     def generate(self, request: Request, callback: Callable[[int, int], None] | None = None) -> Result:
         """Run one request. ``callback(step, total)`` is called after each sampler step."""
         r = validate(request, self.spec.default_size)
@@ -211,8 +216,7 @@ class Engine:
             latents = sample(r.sampler, denoiser, noise, self.schedule, r.steps, r.schedule, generator=generators,
                              eta=r.eta, callback=on_step, extra_args={"context": ctx, "uncond": uncond})
         t2 = time.perf_counter()
-        with torch.no_grad(), self.models.use("vae") as vae:
-            decoded = vae.decode((latents / self.spec.vae.scaling_factor).to(vae.dtype))
+        decoded = self.decode_latents(latents / self.spec.vae.scaling_factor)
         t3 = time.perf_counter()
         return Result(images=latents_to_images(decoded), seeds=seeds, request=r, latents=latents,
                       warnings=warnings, timings={"text": t1 - t0, "sampling": t2 - t1, "decode": t3 - t2,

@@ -1,0 +1,240 @@
+"""sdlite against diffusers, side by side, on the same full-size SD 1.5 fp16 checkpoint (random weights).
+
+    python bench/run.py [--quick] [--out BENCHMARKS.md]        (what `make bench` runs)
+
+Every configuration runs in its own fresh process, so import time, load time and peak RSS are each engine's own.
+Per process: import + load to ready, text encoding (prompt + negative), one UNet step with cfg on (batch 2) at
+256^2 and 512^2, VAE decode at 512^2, a whole 512^2 20-step generation (DPM++ 2M Karras, cfg 7.5), and the
+process's peak RSS. Timed sections are repeated and the median is kept (the whole generation runs once: it is
+20 steps). A second sweep measures UNet step time, VAE decode time and peak RSS against resolution (one process
+per engine and resolution) and is plotted. BENCHMARKS.md gets the tables, ratios, machine and command.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PROMPT, NEGATIVE = "a red circle on a blue background, highly detailed", "blurry, low quality"
+
+CHILD = r"""
+import json, os, resource, statistics, sys, time
+t_start = time.perf_counter()
+cfg = json.loads(sys.argv[1])
+import torch
+if cfg.get("threads"):
+    torch.set_num_threads(cfg["threads"])
+out = {}
+
+def med(fn, n):
+    times = []
+    for _ in range(n):
+        t = time.perf_counter(); fn(); times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+sizes = cfg["unet_sizes"]
+if cfg["engine"] == "diffusers":
+    from diffusers import StableDiffusionPipeline, DPMSolverMultistepScheduler
+    pipe = StableDiffusionPipeline.from_pretrained(cfg["model"], dtype=torch.float32, local_files_only=True,
+                                                   safety_checker=None, requires_safety_checker=False)
+    pipe.scheduler = DPMSolverMultistepScheduler.from_config(pipe.scheduler.config, use_karras_sigmas=True)
+    pipe.set_progress_bar_config(disable=True)
+    out["ready_s"] = time.perf_counter() - t_start
+    encode = lambda: pipe.encode_prompt(cfg["prompt"], "cpu", 1, True, cfg["negative"])
+    unet_call = lambda x, t, c: pipe.unet(x, t, encoder_hidden_states=c).sample
+    decode = lambda z: pipe.vae.decode(z).sample
+    def generate(size):
+        pipe(cfg["prompt"], negative_prompt=cfg["negative"], num_inference_steps=cfg["steps"], guidance_scale=7.5,
+             generator=torch.Generator().manual_seed(42), height=size, width=size)
+    ctx_dim = pipe.unet.config.cross_attention_dim
+else:
+    from sdlite.pipeline import Engine, Request
+    kw = {k: cfg[k] for k in ("memory_mode", "quantize", "tiled_decode") if cfg.get(k) is not None}
+    if cfg.get("weight_dtype"):
+        kw["weight_dtype"] = getattr(torch, cfg["weight_dtype"])
+    engine = Engine.load(cfg["model"], **kw)
+    out["ready_s"] = time.perf_counter() - t_start
+    encode = lambda: engine.encode_prompt([cfg["prompt"], cfg["negative"]])
+    def unet_call(x, t, c):
+        with engine.models.use("unet") as unet:
+            return unet(x, t, c)
+    def decode(z):
+        return engine.decode_latents(z)
+    def generate(size):
+        engine.generate(Request(prompt=cfg["prompt"], negative_prompt=cfg["negative"], steps=cfg["steps"],
+                                cfg_scale=7.5, sampler="dpmpp_2m_karras", seed=42, width=size, height=size))
+    ctx_dim = engine.spec.unet.context_dim
+
+with torch.no_grad():
+    if cfg.get("text"):
+        out["text_s"] = med(encode, 3)
+    g = torch.Generator().manual_seed(0)
+    for size in sizes:
+        x = torch.randn(2, 4, size // 8, size // 8, generator=g)
+        c = torch.randn(2, 77, ctx_dim, generator=g)
+        t = torch.tensor([500.0, 500.0])
+        if cfg.get("warmup"):
+            unet_call(x, t, c)
+        out[f"unet_{size}_s"] = med(lambda: unet_call(x, t, c), cfg["repeat"])
+    for size in cfg["decode_sizes"]:
+        z = torch.randn(1, 4, size // 8, size // 8, generator=g)
+        out[f"decode_{size}_s"] = med(lambda: decode(z), cfg["decode_repeat"])
+    if cfg.get("e2e"):
+        t = time.perf_counter(); generate(cfg["e2e"]); out["e2e_s"] = time.perf_counter() - t
+out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print("RESULT " + json.dumps(out))
+"""
+
+
+def run_child(cfg: dict) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cfg)], capture_output=True, text=True, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"benchmark child failed ({cfg['engine']} {cfg.get('label')}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import torch
+
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, {platform.system()} {platform.machine()}, "
+            f"Python {platform.python_version()}, torch {torch.__version__}, torch threads {torch.get_num_threads()}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer repeats, no resolution sweep (a smoke run)")
+    ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
+    ap.add_argument("--only", default=None, help="comma-separated configuration labels to run")
+    args = ap.parse_args()
+    sys.path.insert(0, str(HERE))
+    from checkpoint import build
+
+    folder, single = build()
+    base = dict(model=str(folder), prompt=PROMPT, negative=NEGATIVE, steps=20, text=True, warmup=True,
+                unet_sizes=[256, 512], decode_sizes=[512], repeat=1 if args.quick else 3,
+                decode_repeat=1 if args.quick else 2, e2e=512)
+    configs = [
+        ("diffusers fp32", dict(engine="diffusers")),
+        ("sdlite mode 1 fp32", dict(engine="sdlite", memory_mode=1)),
+        ("sdlite mode 1 fp32, single file", dict(engine="sdlite", memory_mode=1, model=str(single))),
+        ("sdlite mode 1, fp16 weights", dict(engine="sdlite", memory_mode=1, weight_dtype="float16")),
+        ("sdlite mode 2 fp32", dict(engine="sdlite", memory_mode=2)),
+        ("sdlite mode 0 fp32", dict(engine="sdlite", memory_mode=0)),
+        ("sdlite mode 1 int8", dict(engine="sdlite", memory_mode=1, quantize="int8")),
+    ]
+    if args.only:
+        wanted = set(args.only.split(","))
+        configs = [c for c in configs if c[0] in wanted or c[0] == "diffusers fp32"]
+    results = {}
+    for label, extra in configs:
+        t = time.perf_counter()
+        results[label] = run_child({**base, **extra, "label": label})
+        print(f"{label}: {results[label]}  ({time.perf_counter() - t:.0f}s)", flush=True)
+
+    sweep = {}
+    if not args.quick:
+        for engine in ("diffusers", "sdlite"):
+            for size in (256, 512, 768, 1024):
+                cfg = {**base, "engine": engine, "text": False, "warmup": False, "unet_sizes": [size],
+                       "decode_sizes": [size], "repeat": 1, "decode_repeat": 1, "e2e": None,
+                       "label": f"{engine} {size}"}
+                sweep[(engine, size)] = run_child(cfg)
+                print(f"sweep {engine} {size}: {sweep[(engine, size)]}", flush=True)
+    write_report(Path(args.out), results, sweep, quick=args.quick)
+
+
+def _ratio(a, b):
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def write_report(path: Path, results: dict, sweep: dict, quick: bool) -> None:
+    ref = results["diffusers fp32"]
+    rows = [("import + load to ready, s", "ready_s"), ("text encoding, s", "text_s"),
+            ("UNet step 256^2 (cfg, batch 2), s", "unet_256_s"), ("UNet step 512^2 (cfg, batch 2), s", "unet_512_s"),
+            ("VAE decode 512^2, s", "decode_512_s"), ("end to end 512^2, 20 steps, s", "e2e_s"),
+            ("peak RSS, MB", "peak_rss_mb")]
+    labels = list(results)
+    lines = ["# Benchmarks", "",
+             "sdlite against diffusers on the same full-size SD 1.5 checkpoint (fp16 safetensors, random weights at "
+             "the real shapes, built by `bench/checkpoint.py`), each configuration in its own process. "
+             "Prompt and negative prompt as in `bench/run.py`, DPM++ 2M Karras, cfg 7.5, seed 42, fp32 compute "
+             "unless stated. Medians of repeated runs inside each process (the 20-step generation runs once).", "",
+             f"Machine: {machine()}", "", f"Command: `make bench` (`python bench/run.py{' --quick' if quick else ''}`)",
+             "", "| measure | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+    for name, key in rows:
+        cells = []
+        for label in labels:
+            v = results[label].get(key)
+            cell = "-" if v is None else (f"{v:.0f}" if key == "peak_rss_mb" else f"{v:.2f}")
+            if label != "diffusers fp32" and v is not None:
+                cell += f" ({_ratio(v, ref.get(key))})"
+            cells.append(cell)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "Ratios in parentheses are against diffusers fp32 in the same run (lower is better)."]
+    if sweep:
+        lines += ["", "## Against resolution", "",
+                  "One process per engine and resolution: one UNet step (cfg, batch 2), one VAE decode, peak RSS.",
+                  "", "| resolution | diffusers UNet s | sdlite UNet s | diffusers decode s | sdlite decode s | "
+                  "diffusers peak MB | sdlite peak MB |", "|---|---|---|---|---|---|---|"]
+        for size in sorted({s for _, s in sweep}):
+            d, s = sweep.get(("diffusers", size), {}), sweep.get(("sdlite", size), {})
+            lines.append(f"| {size}^2 | {d.get(f'unet_{size}_s', 0):.2f} | {s.get(f'unet_{size}_s', 0):.2f} | "
+                         f"{d.get(f'decode_{size}_s', 0):.2f} | {s.get(f'decode_{size}_s', 0):.2f} | "
+                         f"{d.get('peak_rss_mb', 0):.0f} | {s.get('peak_rss_mb', 0):.0f} |")
+        plot = path.parent / "bench" / "resolution.png"
+        if _plot(sweep, plot):
+            lines += ["", f"![time and peak memory against resolution]({plot.relative_to(path.parent)})"]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (path.parent / "bench" / "results.json").write_text(json.dumps(
+        {"results": results, "sweep": {f"{e} {s}": v for (e, s), v in sweep.items()}}, indent=1))
+    print(f"wrote {path}")
+
+
+def _plot(sweep: dict, dest: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install '.[bench]'): no plot", file=sys.stderr)
+        return False
+    sizes = sorted({s for _, s in sweep})
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for engine, style in (("diffusers", "o--"), ("sdlite", "s-")):
+        axes[0].plot(sizes, [sweep[(engine, s)][f"unet_{s}_s"] for s in sizes], style, label=engine)
+        axes[1].plot(sizes, [sweep[(engine, s)][f"decode_{s}_s"] for s in sizes], style, label=engine)
+        axes[2].plot(sizes, [sweep[(engine, s)]["peak_rss_mb"] / 1024 for s in sizes], style, label=engine)
+    for ax, title in zip(axes, ("UNet step (cfg), s", "VAE decode, s", "peak RSS, GiB")):
+        ax.set_title(title)
+        ax.set_xlabel("image side, px")
+        ax.set_xticks(sizes)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(dest, dpi=110)
+    return True
+
+
+if __name__ == "__main__":
+    main()
