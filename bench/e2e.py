@@ -66,10 +66,13 @@ def main():
     print(f"{args.size}x{args.size}, {args.steps} steps, DPM++ 2M Karras, cfg 7.5, fp16 checkpoint computed in fp32, "
           f"median of {args.repeat}")
     print("| run | wall s | peak RSS MB |\n|---|---|---|")
+    runs = {name: [] for name in cases}
+    for _ in range(args.repeat):  # interleaved, so that a noisy spell of the machine hits every case alike
+        for name, cmd in cases.items():
+            runs[name].append(measure(cmd))
     results = {}
-    for name, cmd in cases.items():
-        runs = [measure(cmd) for _ in range(args.repeat)]
-        results[name] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
+    for name, r in runs.items():
+        results[name] = (statistics.median(x[0] for x in r), statistics.median(x[1] for x in r))
         print(f"| {name} | {results[name][0]:.1f} | {results[name][1]:.0f} |", flush=True)
     ref = results["diffusers, diffusers folder"]
     for name, (wall, rss) in results.items():
