@@ -20,6 +20,17 @@ FAMILY_NAMES = {
 }
 
 
+def demo_model_path() -> str:
+    """The small demo model shipped inside the package: the default when no --model is given."""
+    from importlib import resources
+
+    folder = resources.files("sdlite") / "data" / "demo"
+    if not folder.joinpath("model_index.json").is_file():
+        raise SDLiteError("no model given and the demo model is not installed: pass --model PATH "
+                          "(a diffusers folder or a .safetensors/.ckpt file)")
+    return str(folder)
+
+
 def _describe_component(name: str, spec) -> str:
     if name == "text_encoder":
         t = spec.text
@@ -38,7 +49,7 @@ def _describe_component(name: str, spec) -> str:
 def cmd_info(args) -> int:
     from .loader import open_model, resolve_prediction_type
 
-    with open_model(args.path, prediction_type=args.prediction_type) as ckpt:
+    with open_model(args.path or demo_model_path(), prediction_type=args.prediction_type) as ckpt:
         if ckpt.prediction_source == "unresolved":
             resolve_prediction_type(ckpt)
         spec = ckpt.spec
@@ -122,7 +133,7 @@ def cmd_generate(args) -> int:
     from .pipeline import Engine, Request, RequestError, check_device, validate
 
     if args.model is None:
-        raise SDLiteError("no model given: pass --model PATH (a diffusers folder or a .safetensors/.ckpt file)")
+        args.model = demo_model_path()
     request = Request(prompt=args.prompt, negative_prompt=args.negative, width=args.width, height=args.height,
                       steps=args.steps, cfg_scale=args.cfg, sampler=args.sampler, schedule=args.schedule,
                       seed=args.seed, batch_size=args.batch, clip_skip=args.clip_skip, eta=args.eta)
@@ -176,14 +187,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sdlite", description="Stable Diffusion inference, offline and lean.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="describe a checkpoint (family, layout, dtype, parameters, anything unusual)")
-    p.add_argument("path", help="a diffusers folder or a .safetensors/.ckpt single file")
+    p.add_argument("path", nargs="?", default=None,
+                   help="a diffusers folder or a .safetensors/.ckpt single file (default: the shipped demo model)")
     p.add_argument("--prediction-type", choices=["epsilon", "v_prediction"], default=None,
                    help="override what the checkpoint says (SD 2.x single files)")
     p.set_defaults(func=cmd_info)
 
     g = sub.add_parser("generate", help="text to image")
     g.add_argument("prompt")
-    g.add_argument("--model", "-m", default=None, help="a diffusers folder or a .safetensors/.ckpt single file")
+    g.add_argument("--model", "-m", default=None,
+                   help="a diffusers folder or a .safetensors/.ckpt single file (default: the shipped demo model)")
     g.add_argument("--negative", "-n", default="", help="negative prompt")
     g.add_argument("--steps", type=int, default=20)
     g.add_argument("--cfg", type=float, default=7.5, help="classifier-free guidance scale (1 = off)")
