@@ -43,11 +43,17 @@ class Attention(nn.Module):
     """Multi-head attention over token sequences (B, N, C); ``context`` (B, M, Cc) makes it cross-attention.
 
     ``qkv_bias`` is False in the UNet's transformers and True in the VAE's single-head mid-block attention.
+
+    ``slice_tokens`` (None: off) bounds the attention-score memory: the queries are processed in slices of at
+    most that many tokens, one (batch, head) at a time, so no more than ``slice_tokens x M`` scores exist at
+    once. Each query row's result does not depend on the other rows, so slicing changes only fp rounding. Set it
+    on a whole model with :func:`sdlite.engine.attention.set_attention_slicing`.
     """
 
     def __init__(self, dim: int, heads: int, context_dim: int | None = None, qkv_bias: bool = False):
         super().__init__()
         self.heads = heads
+        self.slice_tokens: int | None = None
         context_dim = context_dim or dim
         self.to_q = nn.Linear(dim, dim, bias=qkv_bias)
         self.to_k = nn.Linear(context_dim, dim, bias=qkv_bias)
@@ -61,8 +67,19 @@ class Attention(nn.Module):
         q = self.to_q(x).view(b, n, h, c // h).transpose(1, 2)          # (B, h, N, D)
         k = self.to_k(context).view(b, -1, h, c // h).transpose(1, 2)   # (B, h, M, D)
         v = self.to_v(context).view(b, -1, h, c // h).transpose(1, 2)   # (B, h, M, D)
-        out = F.scaled_dot_product_attention(q, k, v)                  # (B, h, N, D)
-        out = out.transpose(1, 2).reshape(b, n, c)                      # (B, N, C)
+        s = self.slice_tokens
+        if s is None or (n <= s and b * h == 1):
+            out = F.scaled_dot_product_attention(q, k, v)              # (B, h, N, D)
+            out = out.transpose(1, 2).reshape(b, n, c)                  # (B, N, C)
+        else:
+            out = q.new_empty(b, n, h, c // h)                          # (B, N, h, D), written slice by slice
+            for i in range(b):
+                for j in range(h):
+                    for t in range(0, n, s):
+                        qs = q[i:i + 1, j:j + 1, t:t + s]               # (1, 1, <=s, D)
+                        out[i:i + 1, t:t + s, j:j + 1] = F.scaled_dot_product_attention(
+                            qs, k[i:i + 1, j:j + 1], v[i:i + 1, j:j + 1]).transpose(1, 2)
+            out = out.view(b, n, c)                                     # (B, N, C)
         return self.to_out[0](out)
 
 
