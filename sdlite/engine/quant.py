@@ -1,0 +1,368 @@
+"""Low precision on the CPU: int8 weights on PyTorch's own oneDNN (VNNI) kernels, and bf16.
+
+``quantize_model(unet, "int8")`` replaces, in place, the ``nn.Linear`` and ``nn.Conv2d`` layers of a network
+by int8 versions (:class:`Int8Linear`, :class:`Int8Conv2d`) and returns the same module, whose ``forward``
+signature does not change. The scheme is W8A8 with *dynamic* activation scales:
+
+* weights: symmetric int8, one scale per output channel (``max |w| / 127``), reordered once into oneDNN's
+  blocked layout (``torch.ops.onednn.qlinear_prepack`` / ``qconv_prepack``);
+* activations: asymmetric uint8, one scale and zero point per call from the tensor's own min and max, so there
+  is nothing to calibrate and no range to overflow;
+* compute: ``torch.ops.onednn.qlinear_pointwise`` / ``qconv_pointwise``: u8 x s8 products summed in int32
+  (AVX512-VNNI ``vpdpbusd`` here, AMX where a CPU has it), scaled back and biased on the way out. These are
+  the kernels that ``torch.compile``'s x86 int8 path (Inductor with ``X86InductorQuantizer``) emits. They
+  take plain ``uint8``/``int8`` tensors. ``torch.ao.nn.quantized.dynamic`` is measured too (same speed for
+  Linear), but it builds on the quantized tensor types whose creation functions torch 2.13 deprecates, and its
+  only dynamic convolution (oneDNN engine) lost accuracy in our tests (one layer's output cosine 0.96-0.99,
+  against 0.9999 here). ``torch._weight_int8pack_mm`` (weight-only int8) is a GEMV kernel: 30-100x slower than
+  fp32 at these shapes.
+
+Left in fp32 (:data:`KEEP_FP32` and :data:`MIN_CHANNELS`): the UNet's first and last convolutions (4 latent
+channels: too few for int8 to pay, and the last one writes the prediction itself), the timestep-embedding MLP,
+and everything that is not a Linear or a Conv2d: GroupNorm, LayerNorm, attention (softmax included), SiLU/GELU
+and the residual adds.
+
+The modes (:data:`QUANTIZE_MODES`) were chosen by ``bench/quant.py`` (SD 1.5 UNet, batch 2, PyTorch default
+init, 2-core Zen 4 with AVX512-VNNI/BF16, 1 thread; step time as a fraction of fp32, which equals diffusers'):
+
+============  ========  ========  ==========  ===================  ==================================
+mode          256²      512²      weights     UNet output cosine   final latent cosine, 8 DPM++ steps
+============  ========  ========  ==========  ===================  ==================================
+int8          0.47x     0.52x     828 MB      0.9995               0.9993
+int8-bf16     0.51x     0.59x     1389 MB     0.99993              0.99990
+bf16          0.56x     0.64x     1644 MB     0.99997              0.99997
+(fp32)        1         1         3279 MB     1                    1
+============  ========  ========  ==========  ===================  ==================================
+
+int8 Linear layers with fp32 convolutions only reach 0.8x: the convolutions are most of the work. At 512² the
+fp32 attention (untouched by int8; bf16 attention is no faster on this CPU) is about 40% of the int8 step.
+The int8 error is spread over all layer kinds: keeping any one kind in fp32 removes at most about a quarter
+of it (the transformers' 1x1 projections: 28%; the skip 1x1 convolutions, conv1, conv2: 18-25% each).
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import SDLiteError
+
+QUANTIZE_MODES = {
+    "none": "fp32 weights and compute (no change)",
+    "int8": "int8 weights (per output channel) and int8 activations (dynamic, per tensor) for the Linear and "
+            "Conv2d layers, on oneDNN's VNNI kernels; norms, attention and the timestep embedding in fp32",
+    "int8-bf16": "int8 Linear layers as in int8, convolutions with bf16 weights computed in bf16 "
+                 "(closer to fp32, a little slower)",
+    "bf16": "bf16 weights and bf16 compute for the Linear and Conv2d layers; norms and attention in fp32",
+}
+QUANTIZE_CHOICES = tuple(QUANTIZE_MODES)
+# what each mode makes of a Linear and of a Conv2d
+_PLAN = {"int8": ("int8", "int8"), "int8-bf16": ("int8", "bf16"), "bf16": ("bf16", "bf16")}
+
+# Submodule names (relative to the model given) left in fp32: the UNet's stem, head and timestep MLP.
+KEEP_FP32 = ("conv_in", "conv_out", "time_embedding")
+# A layer with fewer input or output channels than this stays fp32 (int8 would save nothing and cost accuracy).
+MIN_CHANNELS = 16
+# The weights are symmetric, so their zero point is 0; oneDNN takes it as a tensor.
+_ZERO_POINT = torch.zeros((), dtype=torch.int64)
+
+
+class QuantizeError(SDLiteError, ValueError):
+    """A bad quantization mode, or a model that cannot be quantized (the message says which and why)."""
+
+
+def check_quantize_mode(mode) -> str:
+    """``mode`` if it is one of :data:`QUANTIZE_CHOICES`, else a :class:`QuantizeError` listing them."""
+    if not isinstance(mode, str) or mode not in QUANTIZE_MODES:
+        described = "; ".join(f"{name}: {what}" for name, what in QUANTIZE_MODES.items())
+        raise QuantizeError(f"quantize mode {mode!r} is not valid: expected one of {', '.join(QUANTIZE_CHOICES)} "
+                            f"({described})")
+    return mode
+
+
+# --- int8 -------------------------------------------------------------------------------------------------
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8, ``w ~= q * scale[:, None, ...]``. Returns (int8 q, fp32 scale)."""
+    w = w.detach().float()
+    amax = w.abs().reshape(w.shape[0], -1).amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))          # an all-zero row: any scale
+    q = torch.round(w / scale.view(-1, *([1] * (w.dim() - 1)))).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, float, int]:
+    """Asymmetric per-tensor uint8 over ``[min(x, 0), max(x, 0)]``, ``x ~= (q - zero_point) * scale``.
+
+    The range always holds 0, so zero padding stays exact. Returns (uint8 q, scale, zero_point).
+    """
+    lo, hi = torch.aminmax(x)
+    lo, hi = min(lo.item(), 0.0), max(hi.item(), 0.0)
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        raise FloatingPointError(f"an int8 layer's input holds non-finite values (min {lo}, max {hi})")
+    scale = (hi - lo) / 255.0 or 1.0                                        # all zeros: any scale
+    zero_point = min(max(round(-lo / scale), 0), 255)
+    # x / scale + zero_point, rounded half up (the +0.5, then truncation by the cast) into 0..255
+    q = (x * (1.0 / scale)).add_(zero_point + 0.5).clamp_(0.0, 255.0).to(torch.uint8)
+    return q, scale, zero_point
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    return x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+
+
+class Int8Linear(nn.Module):
+    """``nn.Linear`` with int8 weights on oneDNN's u8 x s8 GEMM; the output has the input's dtype (fp32/bf16)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        q, scale = quantize_weight(linear.weight)
+        self.register_buffer("weight_scale", scale)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
+        # oneDNN's blocked int8 layout is an opaque tensor (no storage to save or copy): a plain attribute
+        self.packed_weight = torch.ops.onednn.qlinear_prepack(q.contiguous(), None)
+        self.packed_nbytes = q.numel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, scale, zero_point = quantize_activation(x)
+        return torch.ops.onednn.qlinear_pointwise(q, scale, zero_point, self.packed_weight, self.weight_scale,
+                                                  _ZERO_POINT, self.bias, 1.0, 0, _out_dtype(x), "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel (oneDNN)"
+
+
+class Int8Conv2d(nn.Module):
+    """``nn.Conv2d`` (zero padding, groups 1) with int8 weights on oneDNN's u8 x s8 convolution.
+
+    oneDNN writes NHWC; the output is made NCHW-contiguous again, since model code may ``view`` it.
+    """
+
+    def __init__(self, conv: nn.Conv2d):
+        super().__init__()
+        if conv.groups != 1 or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+            raise QuantizeError(f"int8 convolutions need groups=1 and numeric zero padding; this one has "
+                                f"groups={conv.groups}, padding={conv.padding!r}, padding_mode={conv.padding_mode!r}")
+        self.in_channels, self.out_channels = conv.in_channels, conv.out_channels
+        self.kernel_size, self.stride = tuple(conv.kernel_size), list(conv.stride)
+        self.padding, self.dilation = list(conv.padding), list(conv.dilation)
+        q, scale = quantize_weight(conv.weight)
+        self.register_buffer("weight_scale", scale)
+        self.register_buffer("bias", None if conv.bias is None else conv.bias.detach().float().contiguous())
+        self.packed_weight = torch.ops.onednn.qconv_prepack(q, scale, 1.0, 0, self.stride, self.padding,
+                                                            self.dilation, 1, None)
+        self.packed_nbytes = q.numel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, scale, zero_point = quantize_activation(x)
+        out = torch.ops.onednn.qconv_pointwise(q, scale, zero_point, self.packed_weight, self.weight_scale,
+                                               _ZERO_POINT, self.bias, self.stride, self.padding, self.dilation, 1,
+                                               1.0, 0, _out_dtype(x), "none", [], "")
+        return out.contiguous()
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+                f"stride={tuple(self.stride)}, padding={tuple(self.padding)}, int8 per channel (oneDNN)")
+
+
+# --- bf16 -------------------------------------------------------------------------------------------------
+
+
+class BF16Linear(nn.Module):
+    """bf16 weights and compute (oneDNN ``vdpbf16ps``); the input is cast in, the output back to its dtype."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
+        self.bias = (None if linear.bias is None
+                     else nn.Parameter(linear.bias.detach().to(torch.bfloat16), requires_grad=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bf16"
+
+
+class BF16Conv2d(nn.Module):
+    """bf16 weights and compute for a convolution; the input is cast in, the output back to its dtype."""
+
+    def __init__(self, conv: nn.Conv2d):
+        super().__init__()
+        if conv.padding_mode != "zeros":
+            raise QuantizeError(f"bf16 convolutions need zero padding; this one has padding_mode={conv.padding_mode!r}")
+        self.in_channels, self.out_channels = conv.in_channels, conv.out_channels
+        self.stride, self.padding, self.dilation, self.groups = conv.stride, conv.padding, conv.dilation, conv.groups
+        self.weight = nn.Parameter(conv.weight.detach().to(torch.bfloat16), requires_grad=False)
+        self.bias = (None if conv.bias is None
+                     else nn.Parameter(conv.bias.detach().to(torch.bfloat16), requires_grad=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.conv2d(x.to(torch.bfloat16), self.weight, self.bias, self.stride, self.padding, self.dilation,
+                       self.groups)
+        return out.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_channels}, {self.out_channels}, kernel_size={tuple(self.weight.shape[2:])}, bf16"
+
+
+_CONVERTERS = {("int8", nn.Linear): Int8Linear, ("int8", nn.Conv2d): Int8Conv2d,
+               ("bf16", nn.Linear): BF16Linear, ("bf16", nn.Conv2d): BF16Conv2d}
+
+
+# --- whole models -----------------------------------------------------------------------------------------
+
+
+def _kept(name: str, layer: nn.Module, keep: tuple[str, ...]) -> bool:
+    if any(name == k or name.startswith(k + ".") for k in keep):
+        return True
+    if isinstance(layer, nn.Linear):
+        return min(layer.in_features, layer.out_features) < MIN_CHANNELS
+    return min(layer.in_channels, layer.out_channels) < MIN_CHANNELS
+
+
+def quantize_model(module: nn.Module, mode: str, keep: tuple[str, ...] = KEEP_FP32) -> nn.Module:
+    """Convert ``module``'s Linear and Conv2d layers in place as ``mode`` says, and return it.
+
+    ``keep`` names submodules (relative to ``module``) left in fp32; layers with fewer than
+    :data:`MIN_CHANNELS` input or output channels stay fp32 too. ``"none"`` changes nothing. The model must be on
+    the CPU; whatever float dtype it has, everything not converted is made fp32 (the int8/bf16 layers return
+    their input's dtype, and the norms and attention compute in fp32). Quantized layers hold packed weights that
+    ``state_dict``, ``copy.deepcopy`` and ``.to()`` do not carry: quantize after loading, on the final device.
+    """
+    check_quantize_mode(mode)
+    if mode == "none":
+        return module
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        if t.device.type != "cpu":
+            raise QuantizeError(f"quantize mode {mode!r} runs on the CPU only, but {name or 'the model'} is on "
+                                f"{t.device} (load the model on the CPU, with its weights, before quantizing)")
+    _rest_to_fp32(module)
+    linear_as, conv_as = _PLAN[mode]
+    targets = [(name, layer) for name, layer in module.named_modules()
+               if type(layer) in (nn.Linear, nn.Conv2d) and not _kept(name, layer, keep)]
+    for name, layer in targets:
+        kind = linear_as if isinstance(layer, nn.Linear) else conv_as
+        _set_submodule(module, name, _CONVERTERS[kind, type(layer)](layer))
+    return module
+
+
+def _rest_to_fp32(module: nn.Module) -> None:
+    """Make every floating-point tensor fp32, except in layers already converted (a second call keeps them)."""
+    converted = tuple(_CONVERTERS.values())
+    for layer in module.modules():
+        if isinstance(layer, converted):
+            continue
+        for name, p in layer.named_parameters(recurse=False):
+            if p.is_floating_point() and p.dtype != torch.float32:
+                p.data = p.data.float()
+        for name, b in layer.named_buffers(recurse=False):
+            if b.is_floating_point() and b.dtype != torch.float32:
+                layer._buffers[name] = b.float()
+
+
+def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, new)
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of the weights: parameters and buffers (each tensor once) plus the packed int8 weights."""
+    seen, total = set(), 0
+    for t in [*module.parameters(), *module.buffers()]:
+        key = (t.data_ptr(), t.numel(), t.dtype)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total + sum(getattr(m, "packed_nbytes", 0) for m in module.modules())
+
+
+def layer_counts(module: nn.Module) -> dict[str, int]:
+    """How many layers of each kind: ``{"Int8Conv2d": 96, "Int8Linear": 182, "Conv2d": 2, "Linear": 2}``."""
+    kinds = (Int8Linear, Int8Conv2d, BF16Linear, BF16Conv2d, nn.Linear, nn.Conv2d)
+    counts: dict[str, int] = {}
+    for layer in module.modules():
+        if isinstance(layer, kinds):
+            counts[type(layer).__name__] = counts.get(type(layer).__name__, 0) + 1
+    return counts
+
+
+# --- image quality ----------------------------------------------------------------------------------------
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor, peak: float = 255.0) -> float:
+    """Peak signal-to-noise ratio in dB of ``a`` against ``b`` (same shape); ``inf`` when they are equal."""
+    if a.shape != b.shape:
+        raise ValueError(f"psnr of tensors of different shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    mse = (a.double() - b.double()).pow(2).mean().item()
+    return math.inf if mse == 0 else 10.0 * math.log10(peak * peak / mse)
+
+
+@dataclass
+class QualityReport:
+    """How a quantized model's images compare with the fp32 model's, same prompt, seed and sampler."""
+
+    mode: str
+    psnr_db: float            # decoded 8-bit images, quantized against fp32
+    latent_cosine: float      # final latents (cosine similarity, 1 = same direction)
+    max_pixel_diff: int       # largest difference of an 8-bit channel value
+    image_std: float          # spread of the fp32 image's 8-bit values (a flat image makes any PSNR meaningless)
+    size: int
+    steps: int
+
+    def __str__(self) -> str:
+        return (f"{self.mode}: PSNR {self.psnr_db:.2f} dB, latent cosine {self.latent_cosine:.6f}, largest pixel "
+                f"difference {self.max_pixel_diff}/255, fp32 image std {self.image_std:.1f} ({self.size}x{self.size}, "
+                f"{self.steps} steps)")
+
+
+def compare_quality(model, mode: str, prompt: str = "a red circle on a blue background",
+                    negative_prompt: str = "", size: int | None = None, steps: int = 20, cfg_scale: float = 7.5,
+                    sampler: str = "dpmpp_2m_karras", seed: int = 0, text_encoder: bool = False) -> QualityReport:
+    """Generate one image with ``model`` (a :class:`sdlite.loader.StableDiffusion` with fp32 weights) as it is and
+    with a quantized copy of its UNet (and of its text encoder when ``text_encoder``), and compare them.
+
+    ``model`` is left as it was. Both runs use the same noise, prompt, sampler and CFG; the images are compared
+    as the 8-bit images the pipeline would save.
+    """
+    from ..sampling.denoisers import CFGDenoiser, Denoiser
+    from ..sampling.samplers import sample
+    from ..sampling.schedules import NoiseSchedule
+
+    check_quantize_mode(mode)
+    spec = model.spec
+    size = size or spec.default_size
+    multiple = spec.vae.downscale * 2 ** (len(spec.unet.block_channels) - 1)
+    if size % multiple:
+        raise ValueError(f"size {size} is not valid for this model: it must be a multiple of {multiple}")
+    schedule = NoiseSchedule.from_config(model.scheduler_config)
+    ids = model.tokenizer([prompt, negative_prompt])
+    latent_shape = (1, spec.vae.latent_channels, size // spec.vae.downscale, size // spec.vae.downscale)
+
+    def generate(unet, text):
+        generator = torch.Generator().manual_seed(seed)
+        noise = torch.randn(latent_shape, generator=generator)
+        with torch.no_grad():
+            ctx = text(ids).float()                                     # (2, 77, width)
+            denoiser = CFGDenoiser(Denoiser(unet, schedule, spec.prediction_type), cfg_scale)
+            latents = sample(sampler, denoiser, noise, schedule, steps, generator=[generator],
+                             extra_args={"context": ctx[0:1], "uncond": ctx[1:2]})
+            image = model.vae.decode(latents / spec.vae.scaling_factor)
+        return latents, ((image.float() / 2 + 0.5).clamp(0, 1) * 255).round()
+
+    ref_latents, ref_image = generate(model.unet, model.text_encoder)
+    unet = quantize_model(copy.deepcopy(model.unet), mode)
+    text = quantize_model(copy.deepcopy(model.text_encoder), mode) if text_encoder else model.text_encoder
+    latents, image = generate(unet, text)
+    cosine = F.cosine_similarity(latents.double().flatten(), ref_latents.double().flatten(), dim=0).item()
+    return QualityReport(mode=mode, psnr_db=psnr(image, ref_image), latent_cosine=cosine,
+                         max_pixel_diff=int((image - ref_image).abs().max().item()),
+                         image_std=ref_image.std().item(), size=size, steps=steps)
