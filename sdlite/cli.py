@@ -129,6 +129,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from .engine.memory import check_memory_mode
+    from .engine.quant import check_quantize_mode
     from .images import FORMATS, check_writable, infotext, model_hash, output_paths, save_image
     from .pipeline import Engine, Request, RequestError, check_device, validate
 
@@ -145,6 +146,13 @@ def cmd_generate(args) -> int:
         raise RequestError(f"dtype {args.dtype!r} is not valid: expected one of fp32, fp16, bf16")
     device = check_device(args.device)
     check_memory_mode(args.memory_mode)
+    check_quantize_mode(args.quantize)
+    vae_tile = None
+    if args.vae_tile is not None:
+        if args.vae_tile != 0 and (args.vae_tile < 64 or args.vae_tile % 8):
+            raise RequestError(f"VAE tile {args.vae_tile} is not valid: expected 0 (no tiling) or a multiple of 8 "
+                               "of at least 64 image pixels, e.g. 512")
+        vae_tile = args.vae_tile // 8
     if args.weight_dtype is not None and args.weight_dtype not in _DTYPES:
         raise RequestError(f"weight dtype {args.weight_dtype!r} is not valid: expected one of fp32, fp16, bf16")
     check_writable(args.output)
@@ -155,7 +163,8 @@ def cmd_generate(args) -> int:
     t0 = time.perf_counter()
     engine = Engine.load(args.model, device=str(device), dtype=dtype, prediction_type=args.prediction_type,
                          memory_mode=args.memory_mode,
-                         weight_dtype=getattr(torch, _DTYPES[args.weight_dtype]) if args.weight_dtype else None)
+                         weight_dtype=getattr(torch, _DTYPES[args.weight_dtype]) if args.weight_dtype else None,
+                         quantize=args.quantize, vae_tile=vae_tile)
     load_s = time.perf_counter() - t0
     result = engine.generate(request, callback=ProgressBar())
     for w in result.warnings:
@@ -219,6 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--memory-mode", type=int, default=1,
                    help="0 = low (sub-models loaded when needed, UNet weights streamed), 1 = all resident "
                         "(default, fastest), 2 = balanced (UNet resident)")
+    g.add_argument("--quantize", default="none",
+                   help="UNet weights: none, int8 (VNNI kernels, ~0.5x the fp32 step time), int8-bf16 or bf16")
+    g.add_argument("--vae-tile", type=int, default=None,
+                   help="decode in tiles of this many image pixels (0 = never; default: tiles of 512 above 768 px)")
     g.add_argument("--weight-dtype", default=None,
                    help="keep resident weights in fp16/bf16 and compute in --dtype, block by block")
     g.set_defaults(func=cmd_generate)

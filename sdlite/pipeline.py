@@ -24,12 +24,14 @@ from PIL import Image
 
 from .errors import SDLiteError
 from .engine.memory import ModelManager, check_memory_mode
+from .engine.tiling import tiled_decode
 from .loader import StableDiffusion, open_model, resolve_prediction_type
 from .sampling.denoisers import CFGDenoiser, Denoiser
 from .sampling.samplers import SAMPLERS, resolve_sampler, sample
 from .sampling.schedules import SIGMA_KINDS, NoiseSchedule
 
 MAX_SEED = 2**32 - 1
+AUTO_TILE, AUTO_TILE_ABOVE = 64, 96   # latent pixels: tile 512 px when an image side exceeds 768 px
 CFG_RANGE = (1.0, 30.0)
 MAX_STEPS = 1000
 MAX_BATCH = 64
@@ -131,30 +133,36 @@ class Engine:
             model = ModelManager(model.checkpoint, mode=1, device=device, preloaded=model)
         self.models = model
         self.device = torch.device(device)
+        self.vae_tile: int | None = None  # tiled-decode tile in latent pixels; None: automatic; 0: off
         self.tokenizer, self.spec = tokenizer, spec
         self.schedule = NoiseSchedule.from_config(scheduler_config)
 
     @classmethod
     def load(cls, path, device: str = "cpu", dtype: torch.dtype | None = None,
              prediction_type: str | None = None, memory_mode: int = 1,
-             weight_dtype: torch.dtype | None = None) -> "Engine":
+             weight_dtype: torch.dtype | None = None, quantize: str = "none",
+             vae_tile: int | None = None) -> "Engine":
         """Open ``path`` and prepare it in ``memory_mode`` (see :data:`~sdlite.engine.memory.MEMORY_MODES`).
 
         ``dtype`` is the compute dtype (default fp32 on the CPU, fp16 on a GPU); ``weight_dtype`` the dtype the
-        resident weights are kept in when it differs (e.g. fp16 weights computed in fp32, block by block).
+        resident weights are kept in when it differs (e.g. fp16 weights computed in fp32, block by block);
+        ``quantize`` one of :data:`~sdlite.engine.quant.QUANTIZE_MODES` for the UNet; ``vae_tile`` the tiled-decode
+        tile in latent pixels (None: tile latents larger than 96x96, i.e. images above 768 px; 0: never).
         """
         check_memory_mode(memory_mode)
         device = check_device(device)
         if dtype is None:
             dtype = torch.float32 if device.type == "cpu" else torch.float16
         ckpt = open_model(path, prediction_type=prediction_type)
-        manager = ModelManager(ckpt, memory_mode, dtype, device, weight_dtype=weight_dtype)
+        manager = ModelManager(ckpt, memory_mode, dtype, device, weight_dtype=weight_dtype, quantize=quantize)
         if memory_mode != 0:
             manager.get("unet")  # resident from the start: the load is part of getting ready
         if ckpt.prediction_source == "unresolved":
             with manager.use("unet") as unet:
                 resolve_prediction_type(ckpt, unet, device=device)
-        return cls(manager, device, ckpt.tokenizer(), ckpt.spec, ckpt.scheduler_config)
+        engine = cls(manager, device, ckpt.tokenizer(), ckpt.spec, ckpt.scheduler_config)
+        engine.vae_tile = vae_tile
+        return engine
 
     def encode_prompt(self, prompts: list[str], clip_skip: int = 1,
                       labels: list[str] | None = None) -> tuple[torch.Tensor, list[str]]:
@@ -178,8 +186,12 @@ class Engine:
 
     def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """Unscaled latents (B, 4, h, w) -> images (B, 3, 8h, 8w) in about [-1, 1]."""
+        tile = self.vae_tile
+        if tile is None:  # automatic: large images are decoded in tiles, which bounds the decoder's temporaries
+            tile = AUTO_TILE if max(latents.shape[-2:]) > AUTO_TILE_ABOVE else 0
         with torch.no_grad(), self.models.use("vae") as vae:
-            return vae.decode(latents.to(self.device, vae.dtype))
+            z = latents.to(self.device, vae.dtype)
+            return tiled_decode(vae, z, tile) if tile else vae.decode(z)
 
     def generate(self, request: Request, callback: Callable[[int, int], None] | None = None) -> Result:
         """Run one request. ``callback(step, total)`` is called after each sampler step."""

@@ -46,6 +46,10 @@ def _gen(model, out, *extra):
     (["--schedule", "cosine"], "schedule 'cosine' is not valid: expected one of discrete, karras, exponential"),
     (["--format", "gif"], "format 'gif' is not valid"),
     (["--seed", "-7"], "seed -7 is not valid"),
+    (["--memory-mode", "5"], "memory mode 5 is not valid: 0 = low"),
+    (["--quantize", "int3"], "quantize mode 'int3' is not valid: expected one of none, int8"),
+    (["--vae-tile", "100"], "VAE tile 100 is not valid: expected 0 (no tiling) or a multiple of 8"),
+    (["--memory-mode", "0", "--quantize", "int8"], "quantize mode 'int8' needs the UNet loaded whole"),
 ])
 def test_bad_generate_arguments(model, tmp_path, capsys, extra, expected):
     out = tmp_path / "out"

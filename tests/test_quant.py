@@ -20,6 +20,16 @@ from sdlite.models.unet import UNet
 from tests.reference import TINY_TEXT_SD1, TINY_UNET_SD1, TINY_UNET_SD2, seed_all
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny layers gain nothing from threads, and on a busy machine the thread barriers cost 5-10x; the bench
+    (bench/quant.py) runs the kernels with all threads at full size."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
 

@@ -26,6 +26,7 @@ from ..loader import Checkpoint, StableDiffusion
 from ..models.clip import Embeddings, EncoderLayer
 from ..models.layers import Downsample, ResnetBlock, Upsample
 from ..models.unet import SpatialTransformer
+from .quant import check_quantize_mode, quantize_model
 
 MEMORY_MODES = {
     0: "low: each sub-model loaded when needed and freed after; UNet weights streamed block by block",
@@ -176,9 +177,14 @@ class ModelManager:
     """Hands out the three networks according to the memory mode; ``use(name)`` is a context manager."""
 
     def __init__(self, ckpt: Checkpoint | None, mode: int = 1, dtype: torch.dtype = torch.float32, device="cpu",
-                 weight_dtype: torch.dtype | None = None, preloaded: StableDiffusion | None = None):
+                 weight_dtype: torch.dtype | None = None, preloaded: StableDiffusion | None = None,
+                 quantize: str = "none"):
         self.ckpt, self.mode, self.dtype, self.device = ckpt, check_memory_mode(mode), dtype, torch.device(device)
         self.weight_dtype = weight_dtype
+        self.quantize = check_quantize_mode(quantize)
+        if quantize != "none" and (mode == 0 or weight_dtype is not None):
+            raise MemoryModeError(f"quantize mode {quantize!r} needs the UNet loaded whole: use memory mode 1 or 2 "
+                                  "and no weight dtype")
         self._resident: dict[str, nn.Module] = {}
         if preloaded is not None:
             self._resident = {"text_encoder": preloaded.text_encoder, "unet": preloaded.unet, "vae": preloaded.vae}
@@ -192,7 +198,10 @@ class ModelManager:
         if self.weight_dtype is not None and self.weight_dtype != self.dtype:
             return streamed_model(self.ckpt, name, self.dtype, self.device, keep_pages=True,
                                   weight_dtype=self.weight_dtype)
-        return self.ckpt.load(name, self.dtype, self.device)
+        module = self.ckpt.load(name, self.dtype, self.device)
+        if name == "unet" and self.quantize != "none":
+            module = quantize_model(module, self.quantize)
+        return module
 
     def get(self, name: str) -> nn.Module:
         """The network, resident from now on (modes 1 and 2 for the UNet)."""
