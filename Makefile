@@ -6,7 +6,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: setup test bench clean
+.PHONY: setup test run bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,10 @@ setup: $(VENV)/.installed
 
 test: setup
 	$(BIN)/python -m pytest -q -ra
+
+# one image from the shipped demo model, no download: prints where the PNG is
+run: setup
+	$(BIN)/sdlite generate "a red circle on a blue background" --seed 1 --output outputs/
 
 # sdlite against diffusers on a cached full-size SD 1.5 checkpoint; writes BENCHMARKS.md (about an hour on 2 cores)
 bench: setup

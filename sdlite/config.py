@@ -320,6 +320,21 @@ SD21_V = SD21_BASE.replace(prediction_type="v_prediction", default_size=768,
 # stabilityai/stable-diffusion-2-inpainting
 SD2_INPAINT = SD21_BASE.replace(family="sd2-inpaint", unet=dataclasses.replace(_SD2_UNET, in_channels=9))
 
+# sdlite's own demo model (sdlite/data/demo, trained by tools/train_demo.py; issue 5): the SD 1.x architecture
+# at toy size for 64x64 images (8x8 latents) of coloured shapes. The real CLIP tokenizer and vocabulary, a
+# 2-layer width-64 text tower; norm groups of 4+ channels (a GroupNorm over single channels would erase flat
+# colours). The VAE scaling factor is measured on the training latents (1 / their std) by the training script,
+# which writes it into the folder's vae/config.json; the value here is the shipped model's.
+DEMO = ModelSpec(
+    family="sd1",
+    text=TextEncoderConfig(width=64, layers=2, heads=4, mlp_width=256, projection_dim=64),
+    unet=UNetConfig(block_channels=(32, 64, 64), layers_per_block=1, attention=(False, True, True),
+                    heads=(2, 4, 4), context_dim=64, norm_groups=8, sample_size=8),
+    vae=VAEConfig(block_channels=(16, 32, 64, 64), layers_per_block=1, norm_groups=4, scaling_factor=0.42832,
+                  sample_size=64),
+    default_size=64,
+)
+
 PRESETS: dict[str, ModelSpec] = {
     "sd15": SD15,
     "sd15-inpaint": SD15_INPAINT,
@@ -327,4 +342,5 @@ PRESETS: dict[str, ModelSpec] = {
     "sd21": SD21_BASE,
     "sd21-v": SD21_V,
     "sd2-inpaint": SD2_INPAINT,
+    "demo": DEMO,
 }
