@@ -34,7 +34,7 @@ def demo_model_path() -> str:
 def _describe_component(name: str, spec) -> str:
     if name == "text_encoder":
         t = spec.text
-        kind = "OpenCLIP ViT-H text tower" if spec.family.startswith("sd2") else "CLIP ViT-L/14 text tower"
+        kind = {768: "CLIP ViT-L/14 text tower", 1024: "OpenCLIP ViT-H text tower"}.get(t.width, "CLIP text tower")
         return f"{kind}: {t.layers} layers, width {t.width}, {t.heads} heads, {t.activation}"
     if name == "unet":
         u = spec.unet

@@ -93,14 +93,18 @@ QUICK = dict(train_images=4000, vae_steps=600, vae_full_steps=100, steps=500, wa
 
 
 class Log:
-    """Everything printed goes to the terminal and the log file, flushed at once (the run is polled)."""
+    """Everything printed goes to the terminal and the log file, flushed at once (the run is polled).
+    Each line also samples the machine's load average (how shared the machine was)."""
 
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(path, "w", encoding="utf-8")
         self.t0 = time.perf_counter()
+        self.loads: list[float] = []
 
     def __call__(self, msg: str = "") -> None:
+        if hasattr(os, "getloadavg"):
+            self.loads.append(os.getloadavg()[0])
         line = f"[{time.perf_counter() - self.t0:7.1f}s] {msg}"
         print(line, flush=True)
         self.file.write(line + "\n")
@@ -425,15 +429,26 @@ def write_report(path: Path, hp: HParams, info: dict, figures: dict, curve: Path
     hp_rows = "\n".join(f"| `{k}` | {v} |" for k, v in dataclasses.asdict(hp).items())
     stage_rows = "\n".join(f"| {k} | {v:.0f} s |" for k, v in info["times"].items())
     p = info["params"]
+    source = f"\n- Training facts {info['_source']}" if "_source" in info else ""
+    unguided, guided = figures["cfg_sweep"].get("1"), figures["cfg_sweep"][f"{hp.eval_cfg:g}"]
+    if unguided is None:
+        guidance = ""
+    elif unguided["all"] >= guided["all"] - 0.05:
+        guidance = ("Without guidance (cfg 1) the classes are about as often right: this model's conditional "
+                    "prediction alone is already accurate on these prompts. What guidance adds is fidelity: "
+                    f"colour error {unguided['colour_error']:.1f} -> {guided['colour_error']:.1f}, star solidity "
+                    f"{unguided['star_solidity']:.3f} -> {guided['star_solidity']:.3f} at cfg {hp.eval_cfg:g}.")
+    else:
+        guidance = (f"Without guidance (cfg 1) fewer images are right in all three respects: {pct(unguided['all'])} "
+                    f"against {pct(guided['all'])} at cfg {hp.eval_cfg:g}.")
     text = f"""# The demo model: training log summary
 
 Written by `tools/train_demo.py` (re-running it with its defaults reproduces this file, the model in
 `sdlite/data/demo/` and the figures below; `--eval-only` redoes only the evaluation of the saved model).
 
 - Hardware: {info['hardware']}
-- Training time, data to saved model: {info['train_s'] / 60:.1f} min; evaluation {figures['eval_s'] / 60:.1f} min.
-  The machine was shared with other jobs throughout (load average 4-7 on its 2 cores), so these are
-  slowed-down figures: the stage times below are wall-clock.
+- Training time, data to saved model: {info['train_s'] / 60:.1f} min wall-clock (1-minute load average
+  {info['load_average']} during training: other jobs shared the cores); evaluation {figures['eval_s'] / 60:.1f} min.{source}
 - Model: {p['text_encoder']:,} + {p['unet']:,} + {p['vae']:,} = {sum(p.values()):,} parameters (text encoder,
   UNet, VAE); stored in fp16: {info['size_bytes'] / 2**20:.1f} MiB on disk, tokenizer files included
 - VAE latent scaling factor (1 / std of the training latents): {info['scaling_factor']}
@@ -467,9 +482,7 @@ shape's colour and the named palette colour. *Star solidity*: area / convex-hull
 |---|---|---|---|---|---|---|
 {sweep_rows}
 
-Without guidance (cfg 1) the classes are about as often right: this model's conditional prediction alone is
-already accurate on these prompts. What guidance adds is fidelity: colours nearer the palette (without it an
-occasional shape comes out in the wrong colour) and crisper stars.
+{guidance}
 
 Negative prompts ({neg['n']} shapes and backgrounds):
 
@@ -604,6 +617,7 @@ def train(hp: HParams, out: Path, g: torch.Generator, log: Log, curve: Path) -> 
         "hardware": hardware(), "times": times, "train_s": train_s, "size_bytes": size, "scaling_factor": scale,
         "final_vae_mse": float(np.mean(vae_hist[-50:])), "final_eps_mse": float(np.mean(unet_hist[-200:])),
         "vae_roundtrip": roundtrip,
+        "load_average": f"{min(log.loads):.1f}-{max(log.loads):.1f}" if log.loads else "unknown",
         "params": {"text_encoder": sum(p.numel() for p in te.parameters()),
                    "unet": sum(p.numel() for p in unet.parameters()),
                    "vae": sum(p.numel() for p in vae.parameters())},
