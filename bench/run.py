@@ -7,7 +7,10 @@ Per process: import + load to ready, text encoding (prompt + negative), one UNet
 256^2 and 512^2, VAE decode at 512^2, a whole 512^2 20-step generation (DPM++ 2M Karras, cfg 7.5), and the
 process's peak RSS. Timed sections are repeated and the median is kept (the whole generation runs once: it is
 20 steps). A second sweep measures UNet step time, VAE decode time and peak RSS against resolution (one process
-per engine and resolution) and is plotted. BENCHMARKS.md gets the tables, ratios, machine and command.
+per engine and resolution) and is plotted. Then, for sdlite alone: the peak RSS of a whole 1024^2 generation and
+of a 2048^2 tiled decode; the image quality of the quantized UNet (PSNR on the demo model, final-latent cosine on
+the full-size checkpoint); and the profile of bench/profile_unet.py. BENCHMARKS.md gets the tables, ratios, the
+targets with the measured figures, the machine and the command.
 """
 from __future__ import annotations
 
@@ -94,9 +97,33 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def run_child(cfg: dict) -> dict:
+QUALITY = r"""
+import json, statistics, sys
+import torch
+from sdlite.demo import model_path
+from sdlite.engine.quant import compare_quality
+from sdlite.loader import load_model
+cfg = json.loads(sys.argv[1])
+out = {"demo": {}, "full": {}}
+demo = load_model(model_path())
+prompts = ["a red circle on a blue background", "a yellow star on a black background",
+           "a green triangle on a white background", "a purple square on an orange background"]
+for mode in cfg["modes"]:
+    reports = [compare_quality(demo, mode, prompt=p, seed=seed) for p in prompts for seed in (1, 2)]
+    out["demo"][mode] = {"psnr_median": statistics.median(r.psnr_db for r in reports),
+                         "psnr_min": min(r.psnr_db for r in reports),
+                         "max_pixel_diff": max(r.max_pixel_diff for r in reports), "images": len(reports)}
+full = load_model(cfg["model"])
+for mode in cfg["full_modes"]:
+    r = compare_quality(full, mode, prompt=cfg["prompt"], negative_prompt=cfg["negative"], size=256, steps=8, seed=42)
+    out["full"][mode] = {"latent_cosine": r.latent_cosine, "psnr": r.psnr_db}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def run_child(cfg: dict, code: str = CHILD) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cfg)], capture_output=True, text=True, env=env)
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(cfg)], capture_output=True, text=True, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise SystemExit(f"benchmark child failed ({cfg['engine']} {cfg.get('label')}):\n{proc.stderr[-3000:]}")
@@ -150,7 +177,7 @@ def main():
         results[label] = run_child({**base, **extra, "label": label})
         print(f"{label}: {results[label]}  ({time.perf_counter() - t:.0f}s)", flush=True)
 
-    sweep = {}
+    sweep, large = {}, {}
     if not args.quick:
         for engine in ("diffusers", "sdlite"):
             for size in (256, 512, 768, 1024):
@@ -159,14 +186,31 @@ def main():
                        "label": f"{engine} {size}"}
                 sweep[(engine, size)] = run_child(cfg)
                 print(f"sweep {engine} {size}: {sweep[(engine, size)]}", flush=True)
-    write_report(Path(args.out), results, sweep, quick=args.quick)
+        # peak memory of a whole 1024^2 generation (2 steps: the peak does not grow with the step count; the
+        # decode is tiled automatically above 768 px) and of a 2048^2 tiled decode, each in its own process
+        large["e2e_1024"] = run_child({**base, "engine": "sdlite", "memory_mode": 1, "text": False, "unet_sizes": [],
+                                       "decode_sizes": [], "e2e": 1024, "steps": 2, "label": "sdlite 1024 e2e"})
+        print(f"sdlite 1024^2 generation: {large['e2e_1024']}", flush=True)
+        large["decode_2048"] = run_child({**base, "engine": "sdlite", "memory_mode": 1, "text": False,
+                                          "unet_sizes": [], "decode_sizes": [2048], "decode_repeat": 1,
+                                          "e2e": None, "label": "sdlite 2048 decode"})
+        print(f"sdlite 2048^2 tiled decode: {large['decode_2048']}", flush=True)
+        large["quality"] = run_child({"model": base["model"], "prompt": PROMPT, "negative": NEGATIVE,
+                                      "modes": ["int8", "int8-bf16", "bf16"], "full_modes": ["int8"]}, QUALITY)
+        print(f"quality: {large['quality']}", flush=True)
+        prof = subprocess.run([sys.executable, str(HERE / "profile_unet.py")], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        if prof.returncode:
+            raise SystemExit(f"bench/profile_unet.py failed:\n{prof.stderr[-3000:]}")
+        large["profile"] = prof.stdout
+    write_report(Path(args.out), results, sweep, large, quick=args.quick)
 
 
 def _ratio(a, b):
     return f"{a / b:.2f}x" if a and b else "-"
 
 
-def write_report(path: Path, results: dict, sweep: dict, quick: bool) -> None:
+def write_report(path: Path, results: dict, sweep: dict, large: dict, quick: bool) -> None:
     ref = results["diffusers fp32"]
     rows = [("import + load to ready, s", "ready_s"), ("text encoding, s", "text_s"),
             ("UNet step 256^2 (cfg, batch 2), s", "unet_256_s"), ("UNet step 512^2 (cfg, batch 2), s", "unet_512_s"),
@@ -190,6 +234,7 @@ def write_report(path: Path, results: dict, sweep: dict, quick: bool) -> None:
             cells.append(cell)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "Ratios in parentheses are against diffusers fp32 in the same run (lower is better)."]
+    lines += targets(results, large)
     if sweep:
         lines += ["", "## Against resolution", "",
                   "One process per engine and resolution: one UNet step (cfg, batch 2), one VAE decode, peak RSS.",
@@ -203,10 +248,68 @@ def write_report(path: Path, results: dict, sweep: dict, quick: bool) -> None:
         plot = path.parent / "bench" / "resolution.png"
         if _plot(sweep, plot):
             lines += ["", f"![time and peak memory against resolution]({plot.relative_to(path.parent)})"]
+    if large:
+        e2e, dec = large["e2e_1024"], large["decode_2048"]
+        lines += ["", "## Large images (sdlite, mode 1, fp32)", "",
+                  "| run | time, s | peak RSS, MB |", "|---|---|---|",
+                  f"| whole 1024^2 generation, 2 steps (tiled decode, automatic above 768 px) | {e2e['e2e_s']:.1f} | "
+                  f"{e2e['peak_rss_mb']:.0f} |",
+                  f"| 2048^2 tiled decode | {dec['decode_2048_s']:.1f} | {dec['peak_rss_mb']:.0f} |", "",
+                  "The 1024^2 generation's peak does not grow with the step count: every step reuses the same "
+                  "buffers. Tiled against untiled decoding (max difference, seams, a crop): `python "
+                  "bench/tiled_vae.py --only accuracy`."]
+        q = large["quality"]
+        lines += ["", "## Quantized UNet: image quality against our fp32 output", "",
+                  f"Demo model (`sdlite/data/demo`), 20 steps DPM++ 2M Karras, cfg 7.5, "
+                  f"{q['demo']['int8']['images']} images (4 prompts x 2 seeds), 8-bit PSNR of each image against the "
+                  f"fp32 image:", "", "| mode | median PSNR, dB | lowest PSNR, dB | largest pixel difference |",
+                  "|---|---|---|---|"]
+        for mode, r in q["demo"].items():
+            lines.append(f"| {mode} | {r['psnr_median']:.1f} | {r['psnr_min']:.1f} | {r['max_pixel_diff']}/255 |")
+        for mode, r in q["full"].items():
+            lines += ["", f"Full-size random checkpoint, {mode}, 256^2, 8 steps, cfg 7.5: cosine similarity of the "
+                          f"final latent against fp32: {r['latent_cosine']:.5f}."]
+        lines += ["", large["profile"].strip()]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     (path.parent / "bench" / "results.json").write_text(json.dumps(
         {"results": results, "sweep": {f"{e} {s}": v for (e, s), v in sweep.items()}}, indent=1))
     print(f"wrote {path}")
+
+
+def targets(results: dict, large: dict) -> list[str]:
+    """The issue's targets, each with the measured figure and whether it is met."""
+    ref = results.get("diffusers fp32", {})
+    m1, m0, q8 = (results.get(k, {}) for k in ("sdlite mode 1 fp32", "sdlite mode 0 fp32", "sdlite mode 1 int8"))
+    rows = []
+
+    def ratio(a, b, key, limit, what):
+        if a.get(key) and b.get(key):
+            r = a[key] / b[key]
+            rows.append(f"| {what} | <= {limit}x | {r:.2f}x | {'met' if r <= limit else 'not met'} |")
+
+    ratio(m1, ref, "unet_512_s", 1.0, "mode 1 fp32: UNet step 512^2 / diffusers'")
+    ratio(m1, ref, "e2e_s", 0.95, "mode 1 fp32: 20-step 512^2 generation / diffusers'")
+    ratio(m1, ref, "peak_rss_mb", 0.6, "mode 1 fp32: peak RSS / diffusers'")
+    ratio(results.get("sdlite mode 1, fp16 weights", {}), ref, "peak_rss_mb", 0.6,
+          "mode 1, fp16 weights: peak RSS / diffusers'")
+    ratio(m1, ref, "ready_s", 0.25, "mode 1 fp32: import + load / diffusers'")
+    ratio(results.get("sdlite mode 1, fp16 weights", {}), ref, "ready_s", 0.25,
+          "mode 1, fp16 weights: import + load / diffusers'")
+    if m0.get("peak_rss_mb"):
+        v = m0["peak_rss_mb"]
+        rows.append(f"| mode 0: peak RSS, whole 512^2 generation | <= 1536 MB | {v:.0f} MB | "
+                    f"{'met' if v <= 1536 else 'not met'} |")
+    ratio(m0, m1, "e2e_s", 1.5, "mode 0: 20-step generation / mode 1's")
+    ratio(q8, ref, "unet_512_s", 0.6, "int8: UNet step 512^2 / diffusers' fp32")
+    if large:
+        psnr = large["quality"]["demo"]["int8"]["psnr_min"]
+        rows.append(f"| int8: demo-model PSNR against fp32 (lowest of 8 images) | >= 30 dB | {psnr:.1f} dB | "
+                    f"{'met' if psnr >= 30 else 'not met'} |")
+        for key, limit, what in (("e2e_1024", 6144, "1024^2 generation, mode 1, tiled decode: peak RSS"),
+                                 ("decode_2048", 8192, "2048^2 tiled decode: peak RSS")):
+            v = large[key]["peak_rss_mb"]
+            rows.append(f"| {what} | <= {limit} MB | {v:.0f} MB | {'met' if v <= limit else 'not met'} |")
+    return ["", "## Targets", "", "| target | wanted | measured | |", "|---|---|---|---|", *rows]
 
 
 def _plot(sweep: dict, dest: Path) -> bool:

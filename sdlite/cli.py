@@ -164,7 +164,7 @@ def cmd_generate(args) -> int:
     engine = Engine.load(args.model, device=str(device), dtype=dtype, prediction_type=args.prediction_type,
                          memory_mode=args.memory_mode,
                          weight_dtype=getattr(torch, _DTYPES[args.weight_dtype]) if args.weight_dtype else None,
-                         quantize=args.quantize, vae_tile=vae_tile)
+                         quantize=args.quantize, vae_tile=vae_tile, prepack=False if args.no_prepack else None)
     load_s = time.perf_counter() - t0
     result = engine.generate(request, callback=ProgressBar())
     for w in result.warnings:
@@ -234,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode in tiles of this many image pixels (0 = never; default: tiles of 512 above 768 px)")
     g.add_argument("--weight-dtype", default=None,
                    help="keep resident weights in fp16/bf16 and compute in --dtype, block by block")
+    g.add_argument("--no-prepack", action="store_true",
+                   help="leave fp32 CPU weights in PyTorch's layout instead of reordering them once for oneDNN "
+                        "(slower; for comparison)")
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("samplers", help="list the samplers, their default schedules and A1111 names")

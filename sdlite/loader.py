@@ -412,9 +412,19 @@ def _configs_from_metadata(path: Path, raw: str) -> tuple[TextEncoderConfig, UNe
         raise CheckpointError(f"metadata {META_CONFIG!r} is not a usable config ({e})", path) from None
 
 
+_TOKENIZERS: dict[tuple, CLIPTokenizer] = {}
+
+
 def _folder_tokenizer(folder: Path) -> CLIPTokenizer:
+    """The folder's tokenizer, built once per version of its files (building one takes about 0.4 s: opening a
+    model asks for it twice, once for its pad token and once to use it)."""
     try:
-        return CLIPTokenizer.from_pretrained_dir(folder)
+        key = (str(folder.resolve()),) + tuple(sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size)
+                                                      for p in folder.iterdir() if p.is_file()))
+        if key not in _TOKENIZERS:
+            _TOKENIZERS.clear()  # one at a time: a tokenizer holds about 10 MB of tables
+            _TOKENIZERS[key] = CLIPTokenizer.from_pretrained_dir(folder)
+        return _TOKENIZERS[key]
     except (OSError, ValueError) as e:
         raise CheckpointError(f"unusable tokenizer: {e}", folder) from None
 

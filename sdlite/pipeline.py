@@ -141,20 +141,23 @@ class Engine:
     def load(cls, path, device: str = "cpu", dtype: torch.dtype | None = None,
              prediction_type: str | None = None, memory_mode: int = 1,
              weight_dtype: torch.dtype | None = None, quantize: str = "none",
-             vae_tile: int | None = None) -> "Engine":
+             vae_tile: int | None = None, prepack: bool | None = None) -> "Engine":
         """Open ``path`` and prepare it in ``memory_mode`` (see :data:`~sdlite.engine.memory.MEMORY_MODES`).
 
         ``dtype`` is the compute dtype (default fp32 on the CPU, fp16 on a GPU); ``weight_dtype`` the dtype the
         resident weights are kept in when it differs (e.g. fp16 weights computed in fp32, block by block);
         ``quantize`` one of :data:`~sdlite.engine.quant.QUANTIZE_MODES` for the UNet; ``vae_tile`` the tiled-decode
-        tile in latent pixels (None: tile latents larger than 96x96, i.e. images above 768 px; 0: never).
+        tile in latent pixels (None: tile latents larger than 96x96, i.e. images above 768 px; 0: never);
+        ``prepack`` whether fp32 CPU weights are reordered once for oneDNN (:mod:`sdlite.engine.packing`; None:
+        wherever that applies).
         """
         check_memory_mode(memory_mode)
         device = check_device(device)
         if dtype is None:
             dtype = torch.float32 if device.type == "cpu" else torch.float16
         ckpt = open_model(path, prediction_type=prediction_type)
-        manager = ModelManager(ckpt, memory_mode, dtype, device, weight_dtype=weight_dtype, quantize=quantize)
+        manager = ModelManager(ckpt, memory_mode, dtype, device, weight_dtype=weight_dtype, quantize=quantize,
+                               prepack=prepack)
         if memory_mode != 0:
             manager.get("unet")  # resident from the start: the load is part of getting ready
         if ckpt.prediction_source == "unresolved":

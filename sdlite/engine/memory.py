@@ -26,6 +26,7 @@ from ..loader import Checkpoint, StableDiffusion
 from ..models.clip import Embeddings, EncoderLayer
 from ..models.layers import Downsample, ResnetBlock, Upsample
 from ..models.unet import SpatialTransformer
+from .packing import prepack_available, prepack_model, release_packed
 from .quant import check_quantize_mode, quantize_model
 
 MEMORY_MODES = {
@@ -178,8 +179,14 @@ class ModelManager:
 
     def __init__(self, ckpt: Checkpoint | None, mode: int = 1, dtype: torch.dtype = torch.float32, device="cpu",
                  weight_dtype: torch.dtype | None = None, preloaded: StableDiffusion | None = None,
-                 quantize: str = "none"):
+                 quantize: str = "none", prepack: bool | None = None):
         self.ckpt, self.mode, self.dtype, self.device = ckpt, check_memory_mode(mode), dtype, torch.device(device)
+        # fp32 CPU weights reordered once for oneDNN (engine.packing); None: wherever it applies
+        available = prepack_available(self.device, dtype)
+        self.prepack = available if prepack is None else bool(prepack)
+        if self.prepack and not available:
+            raise MemoryModeError(f"prepacked weights need fp32 compute on a CPU with oneDNN; this is {dtype} on "
+                                  f"{self.device.type}")
         self.weight_dtype = weight_dtype
         self.quantize = check_quantize_mode(quantize)
         if quantize != "none" and (mode == 0 or weight_dtype is not None):
@@ -201,6 +208,8 @@ class ModelManager:
         module = self.ckpt.load(name, self.dtype, self.device)
         if name == "unet" and self.quantize != "none":
             module = quantize_model(module, self.quantize)
+        if self.prepack:
+            module = prepack_model(module)
         return module
 
     def get(self, name: str) -> nn.Module:
@@ -219,6 +228,7 @@ class ModelManager:
             yield module
         finally:
             # the caller may still hold the module object: empty it, so its weights are freed regardless
+            release_packed(module)
             module.to(device="meta")
             del module
             self.free()

@@ -42,6 +42,7 @@ from torch import nn
 from ..errors import SDLiteError
 from ..models.layers import Downsample, ResnetBlock, Upsample
 from ..models.vae import AutoencoderKL
+from .packing import conv2d
 
 
 class TilingError(SDLiteError, ValueError):
@@ -101,7 +102,7 @@ def _conv(conv: nn.Conv2d, x: torch.Tensor, pad: tuple[int, int, int, int]) -> t
     top, bottom, left, right = pad
     if top or bottom or left or right:
         x = F.pad(x, (left, right, top, bottom))
-    return F.conv2d(x, conv.weight, conv.bias, conv.stride, 0)
+    return conv2d(conv, x, (0, 0))
 
 
 def _act(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, pad: tuple[int, int, int, int]) -> torch.Tensor:

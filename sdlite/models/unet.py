@@ -177,7 +177,8 @@ class UNet(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.conv_in.weight.dtype
+        layer = self.conv_in  # prepacked layers (engine.packing) say so themselves
+        return getattr(layer, "compute_dtype", None) or layer.weight.dtype
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         cfg = self.config

@@ -110,7 +110,8 @@ class AutoencoderKL(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.post_quant_conv.weight.dtype
+        layer = self.post_quant_conv  # prepacked layers (engine.packing) say so themselves
+        return getattr(layer, "compute_dtype", None) or layer.weight.dtype
 
     def encode_moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Image (B, 3, H, W) in [-1, 1] -> (mean, logvar), each (B, 4, H/8, W/8), logvar clamped as in LDM."""

@@ -1,0 +1,105 @@
+"""Prepacked oneDNN weights (engine.packing): the same outputs as PyTorch's plain layers, to fp32 rounding."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from sdlite.engine.memory import MemoryModeError, ModelManager
+from sdlite.engine.packing import PackedConv2d, PackedLinear, conv2d, prepack_available, prepack_model, release_packed
+from sdlite.engine.tiling import tiled_decode
+from sdlite.loader import open_model
+from tests.reference import diffusers_pipeline
+
+pytestmark = pytest.mark.skipif(not prepack_available(), reason="this PyTorch build has no oneDNN")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pack")
+    diffusers_pipeline("sd1", tmp).save_pretrained(tmp / "model")
+    return tmp / "model"
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("cin,cout,k,stride,padding,bias", [
+    (8, 16, 3, 1, 1, True), (16, 8, 1, 1, 0, True), (8, 8, 3, 2, 0, True), (8, 12, 3, 2, 1, False),
+    (4, 320, 3, 1, 1, True)])
+def test_conv_equals_plain(cin, cout, k, stride, padding, bias):
+    torch.manual_seed(0)
+    conv = nn.Conv2d(cin, cout, k, stride=stride, padding=padding, bias=bias)
+    x = torch.randn(2, cin, 13, 10)
+    expected = conv(x)
+    packed = PackedConv2d(conv)
+    got = packed(x)
+    assert got.shape == expected.shape
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    assert _rel(got, expected) < 1e-5
+    # a padding override, as tiled decoding uses it, and a channels-last input
+    assert _rel(conv2d(packed, x.contiguous(memory_format=torch.channels_last), (0, 0)),
+                nn.functional.conv2d(x, conv.weight, conv.bias, stride, 0)) < 1e-5
+
+
+@pytest.mark.parametrize("shape", [(5, 32), (2, 7, 32), (2, 3, 4, 32)])
+def test_linear_equals_plain(shape):
+    torch.manual_seed(0)
+    for bias in (True, False):
+        linear = nn.Linear(32, 48, bias=bias)
+        x = torch.randn(*shape)
+        assert _rel(PackedLinear(linear)(x), linear(x)) < 1e-5
+    # a strided (non-contiguous) input
+    x = torch.randn(3, 32, 7).transpose(1, 2)
+    assert _rel(PackedLinear(linear)(x), linear(x)) < 1e-5
+
+
+def test_whole_networks_equal_plain(model_dir):
+    ckpt = open_model(model_dir)
+    torch.manual_seed(0)
+    x, t, ctx = torch.randn(2, 4, 16, 16), torch.tensor([10.0, 900.0]), torch.randn(2, 77, 32)
+    z, ids = torch.randn(1, 4, 16, 16), torch.randint(0, 1000, (2, 77))
+    with torch.no_grad():
+        for name, run in (("unet", lambda m: m(x, t, ctx)), ("vae", lambda m: m.decode(z)),
+                          ("text_encoder", lambda m: m(ids))):
+            plain = ckpt.load(name, torch.float32, "cpu")
+            expected = run(plain)
+            packed = prepack_model(ckpt.load(name, torch.float32, "cpu"))
+            kinds = {type(m) for m in packed.modules()}
+            assert nn.Conv2d not in kinds and nn.Linear not in kinds, name
+            assert _rel(run(packed), expected) < 1e-5, name
+    assert packed.dtype == torch.float32
+
+
+def test_tiled_decode_with_packed_vae(model_dir):
+    """Tiling calls the convolutions with its own padding: prepacked layers give the untiled image too."""
+    vae = prepack_model(open_model(model_dir).load("vae", torch.float32, "cpu"))
+    torch.manual_seed(1)
+    z = torch.randn(1, 4, 24, 20)
+    with torch.no_grad():
+        assert (tiled_decode(vae, z, 8) - vae.decode(z)).abs().max().item() < 1e-4
+
+
+def test_manager_packs_and_frees(model_dir):
+    ckpt = open_model(model_dir)
+    manager = ModelManager(ckpt, mode=0)
+    assert manager.prepack
+    with manager.use("vae") as vae:
+        layer = vae.decoder.conv_in
+        assert isinstance(layer, PackedConv2d) and layer.packed is not None
+    assert layer.packed is None  # freed with the sub-model even though this test still holds the layer
+    assert not any(isinstance(m, (PackedConv2d, PackedLinear)) for m in manager.get("unet").modules())  # streamed
+    assert not ModelManager(ckpt, mode=1, prepack=False).prepack
+
+
+def test_prepack_refused_where_it_does_not_apply(model_dir):
+    with pytest.raises(MemoryModeError, match=r"prepacked weights need fp32 compute on a CPU.*torch.bfloat16"):
+        ModelManager(open_model(model_dir), mode=1, dtype=torch.bfloat16, prepack=True)
+    assert not ModelManager(open_model(model_dir), mode=1, dtype=torch.bfloat16).prepack  # automatic: off
+
+
+def test_release_packed():
+    module = nn.Sequential(PackedLinear(nn.Linear(4, 4)), nn.ReLU())
+    release_packed(module)
+    assert module[0].packed is None
