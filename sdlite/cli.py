@@ -231,7 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quantize", default="none",
                    help="UNet weights: none, int8 (VNNI kernels, ~0.5x the fp32 step time), int8-bf16 or bf16")
     g.add_argument("--vae-tile", type=int, default=None,
-                   help="decode in tiles of this many image pixels (0 = never; default: tiles of 512 above 768 px)")
+                   help="decode in tiles of this many image pixels (0 = never; default: tiles of 512 above 768 px, "
+                        "in memory mode 0 tiles of 256 above 256 px)")
     g.add_argument("--weight-dtype", default=None,
                    help="keep resident weights in fp16/bf16 and compute in --dtype, block by block")
     g.add_argument("--no-prepack", action="store_true",

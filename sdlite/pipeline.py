@@ -32,6 +32,7 @@ from .sampling.schedules import SIGMA_KINDS, NoiseSchedule
 
 MAX_SEED = 2**32 - 1
 AUTO_TILE, AUTO_TILE_ABOVE = 64, 96   # latent pixels: tile 512 px when an image side exceeds 768 px
+LOW_MEMORY_TILE = 32                  # memory mode 0: tiles of 256 px above 256 px (a 512^2 decode in 4 tiles)
 CFG_RANGE = (1.0, 30.0)
 MAX_STEPS = 1000
 MAX_BATCH = 64
@@ -191,7 +192,11 @@ class Engine:
         """Unscaled latents (B, 4, h, w) -> images (B, 3, 8h, 8w) in about [-1, 1]."""
         tile = self.vae_tile
         if tile is None:  # automatic: large images are decoded in tiles, which bounds the decoder's temporaries
-            tile = AUTO_TILE if max(latents.shape[-2:]) > AUTO_TILE_ABOVE else 0
+            side = max(latents.shape[-2:])
+            if self.models.mode == 0:  # low memory: an untiled 512^2 decode alone needs about 1 GB of temporaries
+                tile = LOW_MEMORY_TILE if side > LOW_MEMORY_TILE else 0
+            else:
+                tile = AUTO_TILE if side > AUTO_TILE_ABOVE else 0
         with torch.no_grad(), self.models.use("vae") as vae:
             z = latents.to(self.device, vae.dtype)
             return tiled_decode(vae, z, tile) if tile else vae.decode(z)

@@ -105,6 +105,16 @@ def test_existing_files_are_never_overwritten(model, tmp_path, capsys):
     assert sorted(os.listdir(tmp_path / "dir")) == ["00007-1.png", "00008-11.png", "00009-12.png"]
 
 
+def test_no_prepack_draws_the_same_image(model, tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    assert main(_gen(model, tmp_path / "packed.png", "--seed", "5")) == 0
+    assert main(_gen(model, tmp_path / "plain.png", "--seed", "5", "--no-prepack")) == 0
+    a, b = (np.asarray(Image.open(tmp_path / f"{n}.png")).astype(int) for n in ("packed", "plain"))
+    assert a.shape == b.shape and np.abs(a - b).max() <= 1  # the same math; only the summation order differs
+
+
 def test_seed_minus_one_is_random_and_reported(model, tmp_path, capsys):
     assert main(_gen(model, tmp_path / "r.png", "--seed", "-1")) == 0
     err = capsys.readouterr().err

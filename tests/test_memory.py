@@ -146,3 +146,19 @@ def test_int8_and_tiled_decode_through_the_engine(model_dir):
     assert any(type(m).__name__ == "Int8Conv2d" for m in int8.models.get("unet").modules())
     tiled = Engine.load(model_dir, vae_tile=8)  # 64 px images: 32x32 latents here (2x VAE), 4 tiles of 8
     assert np.abs(_pixels(tiled.generate(REQUEST)) - _pixels(reference)).max() <= 1
+
+
+def test_mode_0_decodes_in_tiles(model_dir, monkeypatch):
+    """Low memory: from 256 px up the VAE decodes in 256 px tiles, which give the untiled image."""
+    import sdlite.pipeline as pipeline
+
+    tiles = []
+    real = pipeline.tiled_decode
+    monkeypatch.setattr(pipeline, "tiled_decode", lambda vae, z, tile: tiles.append(tile) or real(vae, z, tile))
+    torch.manual_seed(0)
+    z = torch.randn(1, 4, 48, 40)
+    low = Engine.load(model_dir, memory_mode=0).decode_latents(z)
+    assert tiles == [pipeline.LOW_MEMORY_TILE]
+    full = Engine.load(model_dir, memory_mode=1).decode_latents(z)  # 384 px: untiled in mode 1
+    assert tiles == [pipeline.LOW_MEMORY_TILE]
+    assert (low - full).abs().max().item() < 1e-4
