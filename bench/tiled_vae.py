@@ -165,7 +165,8 @@ def _write_crop(ref, out, tile_px: int, path: Path, half: int = 48, zoom: int = 
         draw.line([(0, margin + e * zoom), (margin - 3, margin + e * zoom)], fill="red", width=2)
     path.parent.mkdir(parents=True, exist_ok=True)
     canvas.save(path)
-    return f"{path} (pixels {lo}..{hi} in x and y; tile edges at {[e + lo for e in edges]})"
+    shown = path.resolve().relative_to(ROOT) if path.resolve().is_relative_to(ROOT) else path.name
+    return f"{shown} (pixels {lo}..{hi} in x and y; tile edges at {[e + lo for e in edges]})"
 
 
 # --- parent side -----------------------------------------------------------------------------------------------

@@ -13,6 +13,18 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def norm_silu(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``silu(norm(x))``; when no gradient is being recorded the SiLU runs in place on the norm's output, so the
+    pair needs one activation-sized buffer instead of two."""
+    return F.silu(norm(x), inplace=not torch.is_grad_enabled())
+
+
+def residual(x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+    """``x + branch``, where ``branch`` is a fresh tensor of ``x``'s shape that nothing else holds: when no
+    gradient is being recorded the sum is written into it (one activation-sized buffer less; same values)."""
+    return x + branch if torch.is_grad_enabled() else branch.add_(x)
+
+
 def timestep_embedding(t: torch.Tensor, dim: int, flip_sin_to_cos: bool = True, shift: float = 0.0,
                        max_period: float = 10000.0) -> torch.Tensor:
     """Sinusoidal embedding of (possibly fractional) timesteps, (B,) -> (B, dim), computed in fp32."""
@@ -98,13 +110,13 @@ class ResnetBlock(nn.Module):
             self.conv_shortcut = nn.Conv2d(in_ch, out_ch, 1)
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.conv1(F.silu(self.norm1(x)))
+        h = self.conv1(norm_silu(self.norm1, x))
         if temb is not None:
-            h = h + self.time_emb_proj(F.silu(temb))[:, :, None, None]
-        h = self.conv2(F.silu(self.norm2(h)))
+            h = residual(self.time_emb_proj(F.silu(temb))[:, :, None, None], h)
+        h = self.conv2(norm_silu(self.norm2, h))
         if hasattr(self, "conv_shortcut"):
             x = self.conv_shortcut(x)
-        return x + h
+        return residual(x, h)
 
 
 class Downsample(nn.Module):

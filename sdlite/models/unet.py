@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import UNetConfig
-from .layers import Attention, Downsample, ResnetBlock, TimestepEmbedding, Upsample, timestep_embedding
+from .layers import (Attention, Downsample, ResnetBlock, TimestepEmbedding, Upsample, norm_silu, residual,
+                     timestep_embedding)
 
 
 class GEGLU(nn.Module):
@@ -52,9 +53,9 @@ class TransformerBlock(nn.Module):
         self.ff = FeedForward(dim)
 
     def forward(self, x, context):
-        x = x + self.attn1(self.norm1(x))
-        x = x + self.attn2(self.norm2(x), context)
-        return x + self.ff(self.norm3(x))
+        x = residual(x, self.attn1(self.norm1(x)))
+        x = residual(x, self.attn2(self.norm2(x), context))
+        return residual(x, self.ff(self.norm3(x)))
 
 
 class SpatialTransformer(nn.Module):
@@ -84,7 +85,7 @@ class SpatialTransformer(nn.Module):
             h = self.proj_out(h).reshape(b, hgt, wid, c).permute(0, 3, 1, 2)     # (B, C, H, W)
         else:
             h = self.proj_out(h.reshape(b, hgt, wid, c).permute(0, 3, 1, 2).contiguous())
-        return x + h
+        return residual(x, h)
 
 
 class DownBlock(nn.Module):
@@ -199,4 +200,4 @@ class UNet(nn.Module):
             # upsample to the size the matching down level had, so odd latent sizes round-trip
             size = sizes[-2 - i] if i < len(self.up_blocks) - 1 else None
             x = block(x, temb, context, skips, size)
-        return self.conv_out(F.silu(self.conv_norm_out(x)))
+        return self.conv_out(norm_silu(self.conv_norm_out, x))

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import VAEConfig
-from .layers import Attention, Downsample, ResnetBlock, Upsample
+from .layers import Attention, Downsample, ResnetBlock, Upsample, norm_silu, residual
 
 
 class VAEAttention(Attention):
@@ -25,7 +25,7 @@ class VAEAttention(Attention):
         b, c, h, w = x.shape
         tokens = self.group_norm(x).view(b, c, h * w).transpose(1, 2)   # (B, HW, C)
         out = super().forward(tokens).transpose(1, 2).reshape(b, c, h, w)
-        return x + out
+        return residual(x, out)
 
 
 class MidBlock(nn.Module):
@@ -76,7 +76,7 @@ class Encoder(nn.Module):
         for block in self.down_blocks:
             x = block(x)
         x = self.mid_block(x)
-        return self.conv_out(F.silu(self.conv_norm_out(x)))
+        return self.conv_out(norm_silu(self.conv_norm_out, x))
 
 
 class Decoder(nn.Module):
@@ -96,7 +96,7 @@ class Decoder(nn.Module):
         x = self.mid_block(self.conv_in(z))
         for block in self.up_blocks:
             x = block(x)
-        return self.conv_out(F.silu(self.conv_norm_out(x)))
+        return self.conv_out(norm_silu(self.conv_norm_out, x))
 
 
 class AutoencoderKL(nn.Module):
