@@ -197,9 +197,11 @@ class Engine:
                 tile = LOW_MEMORY_TILE if side > LOW_MEMORY_TILE else 0
             else:
                 tile = AUTO_TILE if side > AUTO_TILE_ABOVE else 0
-        with torch.no_grad(), self.models.use("vae") as vae:
-            z = latents.to(self.device, vae.dtype)
-            return tiled_decode(vae, z, tile) if tile else vae.decode(z)
+        if not tile:
+            with torch.no_grad(), self.models.use("vae") as vae:
+                return vae.decode(latents.to(self.device, vae.dtype))
+        with torch.no_grad(), self.models.use_whole("vae") as vae:  # tiling calls the layers one by one
+            return tiled_decode(vae, latents.to(self.device, vae.dtype), tile)
 
     def generate(self, request: Request, callback: Callable[[int, int], None] | None = None) -> Result:
         """Run one request. ``callback(step, total)`` is called after each sampler step."""

@@ -162,3 +162,14 @@ def test_mode_0_decodes_in_tiles(model_dir, monkeypatch):
     full = Engine.load(model_dir, memory_mode=1).decode_latents(z)  # 384 px: untiled in mode 1
     assert tiles == [pipeline.LOW_MEMORY_TILE]
     assert (low - full).abs().max().item() < 1e-4
+
+
+def test_tiled_decode_with_streamed_weights(model_dir):
+    """fp16 weights stream block by block; tiled decoding calls the VAE's layers one by one, so it gets a whole
+    copy for the duration: the same image as the untiled, streamed decode."""
+    torch.manual_seed(2)
+    z = torch.randn(1, 4, 40, 48)
+    tiled = Engine.load(model_dir, weight_dtype=torch.float16, vae_tile=16).decode_latents(z)
+    plain = Engine.load(model_dir, weight_dtype=torch.float16, vae_tile=0).decode_latents(z)
+    assert tiled.shape == plain.shape and tiled.shape[-1] > z.shape[-1]
+    assert (tiled - plain).abs().max().item() < 1e-3

@@ -233,6 +233,26 @@ class ModelManager:
             del module
             self.free()
 
+    @contextlib.contextmanager
+    def use_whole(self, name: str):
+        """Like :meth:`use`, but with every weight in memory for the duration, also where the network normally
+        streams its weights block by block (``weight_dtype``): for callers such as tiled decoding that call
+        its layers piecewise rather than through the blocks' ``forward``. The whole copy is freed after."""
+        with self.use(name) as module:
+            if not any(p.device.type == "meta" for p in module.parameters()):
+                yield module
+                return
+        whole = self.ckpt.load(name, self.dtype, self.device)
+        if self.prepack:
+            whole = prepack_model(whole)
+        try:
+            yield whole
+        finally:
+            release_packed(whole)
+            whole.to(device="meta")
+            del whole
+            self.free()
+
     def free(self) -> None:
         """Hand freed memory back: Python objects, the allocators' caches and the file pages read so far."""
         gc.collect()

@@ -10,18 +10,20 @@ the kernel (``torch.ops.mkldnn._convolution_pointwise`` / ``_linear_pointwise``)
 channels-last activations, the layout oneDNN's direct convolutions want, so no activation is reordered either;
 GroupNorm, SiLU, the residual adds and the attention's token reshapes all accept that layout.
 
-Measured with ``bench/profile_unet.py`` (2-core Zen 4, fp32, batch 2, GFLOP/s; this CPU reaches about 225 on a
-large 3x3 convolution):
+Measured by ``bench/profile_unet.py`` in ``make bench`` (BENCHMARKS.md; 2-core Zen 4, fp32, batch 2, GFLOP/s;
+the best layer reaches about 228):
 
 =========================================  =========  ===========
 layer (input)                              plain      prepacked
 =========================================  =========  ===========
-3x3 conv 320->320 (64x64)                  186        230
-3x3 conv 1280->1280 (16x16)                171        224
-3x3 conv 1280->1280 (8x8)                  89         219
-linear 320->320 (8192 tokens)              140        207
-linear 1280->320 (8192 tokens)             174        211
+3x3 conv 320->320 (64x64)                  184        198
+3x3 conv 1280->1280 (16x16)                157        200
+3x3 conv 1280->1280 (8x8)                  102        228
+linear 320->320 (8192 tokens)              163        204
+linear 1280->320 (8192 tokens)             175        215
 =========================================  =========  ===========
+
+A whole UNet step at 512^2 in the same run: 10.9 s plain, 9.9 s prepacked (the linear layers gain most).
 
 The results equal the plain layers' to fp32 rounding (a different summation order: about 1e-6 relative).
 Only fp32 on the CPU is prepacked; other dtypes and devices are left as they are.
