@@ -90,13 +90,15 @@ class Checkpoint:
     notes: list[str] = field(default_factory=list)
     _stores: list[TensorStore] = field(default_factory=list, repr=False)
     _zero_copy: bool = field(default=False, repr=False)  # some loaded weights are views of the mapped files
+    _tokenizer: CLIPTokenizer | None = field(default=None, repr=False)  # built once (about 0.4 s from files)
 
     # -- components ------------------------------------------------------------------------------------
 
     def tokenizer(self) -> CLIPTokenizer:
-        if self.tokenizer_dir is not None:
-            return _folder_tokenizer(Path(self.tokenizer_dir))
-        return CLIPTokenizer.from_package(pad_token_id=self.spec.text.pad_token_id)
+        if self._tokenizer is None:
+            self._tokenizer = (_folder_tokenizer(Path(self.tokenizer_dir)) if self.tokenizer_dir is not None
+                               else CLIPTokenizer.from_package(pad_token_id=self.spec.text.pad_token_id))
+        return self._tokenizer
 
     def load(self, component: str, dtype: torch.dtype = torch.float32, device="cpu") -> nn.Module:
         """Build one network (``text_encoder``, ``unet`` or ``vae``) with its weights in ``dtype`` on ``device``.
@@ -300,9 +302,10 @@ def _open_diffusers_folder(folder: Path) -> Checkpoint:
             sources[component] = ComponentSource.from_plan(plan, store, tuple(store.paths))
         detection = detect({name: src.shapes for name, src in sources.items()})
         tokenizer_dir = folder / "tokenizer"
-        pad = None
+        pad, folder_tokenizer = None, None
         if (tokenizer_dir / "vocab.json").is_file() or (tokenizer_dir / "tokenizer.json").is_file():
-            pad = _folder_tokenizer(tokenizer_dir).pad_token_id
+            folder_tokenizer = _folder_tokenizer(tokenizer_dir)  # kept by the Checkpoint: built once
+            pad = folder_tokenizer.pad_token_id
         else:
             tokenizer_dir = None
         try:
@@ -334,7 +337,7 @@ def _open_diffusers_folder(folder: Path) -> Checkpoint:
                       else "family default",
                       sources=sources, scheduler_config=dict(spec.scheduler),
                       tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
-                      notes=[], _stores=stores)  # the folder's config.json files settle what detection guesses
+                      notes=[], _stores=stores, _tokenizer=folder_tokenizer)  # the folder's config.json files settle what detection guesses
 
 
 # --- single files ---------------------------------------------------------------------------------------------
@@ -412,19 +415,9 @@ def _configs_from_metadata(path: Path, raw: str) -> tuple[TextEncoderConfig, UNe
         raise CheckpointError(f"metadata {META_CONFIG!r} is not a usable config ({e})", path) from None
 
 
-_TOKENIZERS: dict[tuple, CLIPTokenizer] = {}
-
-
 def _folder_tokenizer(folder: Path) -> CLIPTokenizer:
-    """The folder's tokenizer, built once per version of its files (building one takes about 0.4 s: opening a
-    model asks for it twice, once for its pad token and once to use it)."""
     try:
-        key = (str(folder.resolve()),) + tuple(sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size)
-                                                      for p in folder.iterdir() if p.is_file()))
-        if key not in _TOKENIZERS:
-            _TOKENIZERS.clear()  # one at a time: a tokenizer holds about 10 MB of tables
-            _TOKENIZERS[key] = CLIPTokenizer.from_pretrained_dir(folder)
-        return _TOKENIZERS[key]
+        return CLIPTokenizer.from_pretrained_dir(folder)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"unusable tokenizer: {e}", folder) from None
 

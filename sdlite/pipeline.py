@@ -128,13 +128,13 @@ class Engine:
     """
 
     def __init__(self, model: StableDiffusion | ModelManager, device: str | torch.device = "cpu",
-                 tokenizer=None, spec=None, scheduler_config: dict | None = None):
+                 tokenizer=None, spec=None, scheduler_config: dict | None = None, vae_tile: int | None = None):
         if isinstance(model, StableDiffusion):
             tokenizer, spec, scheduler_config = model.tokenizer, model.spec, model.scheduler_config
             model = ModelManager(model.checkpoint, mode=1, device=device, preloaded=model)
         self.models = model
         self.device = torch.device(device)
-        self.vae_tile: int | None = None  # tiled-decode tile in latent pixels; None: automatic; 0: off
+        self.vae_tile = vae_tile  # tiled-decode tile in latent pixels; None: automatic; 0: off
         self.tokenizer, self.spec = tokenizer, spec
         self.schedule = NoiseSchedule.from_config(scheduler_config)
 
@@ -164,9 +164,7 @@ class Engine:
         if ckpt.prediction_source == "unresolved":
             with manager.use("unet") as unet:
                 resolve_prediction_type(ckpt, unet, device=device)
-        engine = cls(manager, device, ckpt.tokenizer(), ckpt.spec, ckpt.scheduler_config)
-        engine.vae_tile = vae_tile
-        return engine
+        return cls(manager, device, ckpt.tokenizer(), ckpt.spec, ckpt.scheduler_config, vae_tile=vae_tile)
 
     def encode_prompt(self, prompts: list[str], clip_skip: int = 1,
                       labels: list[str] | None = None) -> tuple[torch.Tensor, list[str]]:

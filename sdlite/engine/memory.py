@@ -199,18 +199,32 @@ class ModelManager:
     def _keeps(self, name: str) -> bool:
         return self.mode == 1 or (self.mode == 2 and name == "unet") or (self.mode == 0 and name == "unet")
 
+    def _streams(self, name: str) -> bool:
+        """Whether the network's weights are streamed block by block (on the meta device between blocks)."""
+        return (self.mode == 0 and name == "unet") or (self.weight_dtype is not None
+                                                       and self.weight_dtype != self.dtype)
+
     def _build(self, name: str) -> nn.Module:
         if self.mode == 0 and name == "unet":
             return streamed_model(self.ckpt, name, self.dtype, self.device)
-        if self.weight_dtype is not None and self.weight_dtype != self.dtype:
+        if self._streams(name):
             return streamed_model(self.ckpt, name, self.dtype, self.device, keep_pages=True,
                                   weight_dtype=self.weight_dtype)
+        return self._load_whole(name)
+
+    def _load_whole(self, name: str) -> nn.Module:
         module = self.ckpt.load(name, self.dtype, self.device)
         if name == "unet" and self.quantize != "none":
             module = quantize_model(module, self.quantize)
         if self.prepack:
             module = prepack_model(module)
         return module
+
+    def _discard(self, module: nn.Module) -> None:
+        # the caller may still hold the module object: empty it, so its weights are freed regardless
+        release_packed(module)
+        module.to(device="meta")
+        self.free()
 
     def get(self, name: str) -> nn.Module:
         """The network, resident from now on (modes 1 and 2 for the UNet)."""
@@ -227,31 +241,22 @@ class ModelManager:
         try:
             yield module
         finally:
-            # the caller may still hold the module object: empty it, so its weights are freed regardless
-            release_packed(module)
-            module.to(device="meta")
-            del module
-            self.free()
+            self._discard(module)
 
     @contextlib.contextmanager
     def use_whole(self, name: str):
         """Like :meth:`use`, but with every weight in memory for the duration, also where the network normally
-        streams its weights block by block (``weight_dtype``): for callers such as tiled decoding that call
-        its layers piecewise rather than through the blocks' ``forward``. The whole copy is freed after."""
-        with self.use(name) as module:
-            if not any(p.device.type == "meta" for p in module.parameters()):
+        streams its weights block by block: for callers such as tiled decoding that call its layers piecewise
+        rather than through the blocks' ``forward``. A whole copy made for the purpose is freed after."""
+        if not self._streams(name):
+            with self.use(name) as module:
                 yield module
-                return
-        whole = self.ckpt.load(name, self.dtype, self.device)
-        if self.prepack:
-            whole = prepack_model(whole)
+            return
+        module = self._load_whole(name)
         try:
-            yield whole
+            yield module
         finally:
-            release_packed(whole)
-            whole.to(device="meta")
-            del whole
-            self.free()
+            self._discard(module)
 
     def free(self) -> None:
         """Hand freed memory back: Python objects, the allocators' caches and the file pages read so far."""

@@ -94,14 +94,12 @@ def prepack_model(module: nn.Module) -> nn.Module:
     """Replace every Conv2d and Linear of ``module`` (fp32, CPU) by its prepacked version, in place, layer by
     layer (so memory grows by one layer at most); returns ``module``."""
     for name, layer in list(module.named_modules()):
-        if isinstance(layer, nn.Conv2d) and type(layer) is nn.Conv2d:
-            new = PackedConv2d(layer)
-        elif isinstance(layer, nn.Linear) and type(layer) is nn.Linear:
-            new = PackedLinear(layer)
+        if type(layer) is nn.Conv2d:  # exact types: quantized and other subclasses are left alone
+            module.set_submodule(name, PackedConv2d(layer))
+        elif type(layer) is nn.Linear:
+            module.set_submodule(name, PackedLinear(layer))
         else:
             continue
-        parent, _, child = name.rpartition(".")
-        setattr(module.get_submodule(parent) if parent else module, child, new)
         layer.to(device="meta")  # the plain weights go now, even if someone still holds the old layer
     return module
 

@@ -250,7 +250,7 @@ def quantize_model(module: nn.Module, mode: str, keep: tuple[str, ...] = KEEP_FP
                if type(layer) in (nn.Linear, nn.Conv2d) and not _kept(name, layer, keep)]
     for name, layer in targets:
         kind = linear_as if isinstance(layer, nn.Linear) else conv_as
-        _set_submodule(module, name, _CONVERTERS[kind, type(layer)](layer))
+        module.set_submodule(name, _CONVERTERS[kind, type(layer)](layer))
     return module
 
 
@@ -266,12 +266,6 @@ def _rest_to_fp32(module: nn.Module) -> None:
         for name, b in layer.named_buffers(recurse=False):
             if b.is_floating_point() and b.dtype != torch.float32:
                 layer._buffers[name] = b.float()
-
-
-def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = root.get_submodule(parent_name) if parent_name else root
-    setattr(parent, child, new)
 
 
 def weight_bytes(module: nn.Module) -> int:
