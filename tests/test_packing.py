@@ -11,7 +11,12 @@ from sdlite.engine.tiling import tiled_decode
 from sdlite.loader import open_model
 from tests.reference import diffusers_pipeline
 
-pytestmark = pytest.mark.skipif(not prepack_available(), reason="this PyTorch build has no oneDNN")
+
+
+def test_prepacking_applies_on_this_cpu():
+    """The supported install (CPU torch from the Makefile) has oneDNN: prepacking is on by default there."""
+    assert prepack_available()
+    assert not prepack_available("cpu", torch.float16) and not prepack_available("meta")
 
 
 @pytest.fixture(scope="module")
