@@ -272,6 +272,72 @@ class VAEConfig:
         }
 
 
+# --- scheduler configs ----------------------------------------------------------------------------------
+
+# The latent diffusion training schedule, as every SD 1.x/2.x reference repository publishes it in
+# scheduler/scheduler_config.json (runwayml/stable-diffusion-v1-5, runwayml/stable-diffusion-inpainting,
+# stabilityai/stable-diffusion-2-1-base, stabilityai/stable-diffusion-2-1, stabilityai/stable-diffusion-2-inpainting):
+# scaled-linear betas from 0.00085 to 0.012 over 1000 training steps, inference timesteps offset by 1, no clipping.
+_LDM_SCHEDULE = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
+                     steps_offset=1, set_alpha_to_one=False, clip_sample=False, skip_prk_steps=True,
+                     trained_betas=None)
+
+# Single files carry no scheduler. As diffusers does when it loads one, a single file gets the scheduler config
+# published with its family's reference weights: key -> (repository, its scheduler_config.json). The class named
+# there matters for one thing only, the timestep spacing (below); PNDM and DDIM both default to "leading".
+PUBLISHED_SCHEDULERS: dict[str, tuple[str, dict]] = {
+    "sd1": ("runwayml/stable-diffusion-v1-5", {"_class_name": "PNDMScheduler", **_LDM_SCHEDULE}),
+    "sd1-inpaint": ("runwayml/stable-diffusion-inpainting", {"_class_name": "DDIMScheduler", **_LDM_SCHEDULE}),
+    "sd2": ("stabilityai/stable-diffusion-2-1-base",
+            {"_class_name": "PNDMScheduler", **_LDM_SCHEDULE, "prediction_type": "epsilon"}),
+    "sd2-v": ("stabilityai/stable-diffusion-2-1",
+              {"_class_name": "DDIMScheduler", **_LDM_SCHEDULE, "prediction_type": "v_prediction"}),
+    "sd2-inpaint": ("stabilityai/stable-diffusion-2-inpainting",
+                    {"_class_name": "DDIMScheduler", **_LDM_SCHEDULE, "prediction_type": "epsilon"}),
+}
+
+# The published files predate the ``timestep_spacing`` field. diffusers fills a missing field with the default of the
+# scheduler class the file names when it builds that scheduler (the pipeline then samples with that spacing), and
+# writes the filled-in value when it saves the folder again. sdlite does the same, so that a folder downloaded from
+# the hub, the same folder saved again by diffusers, and the single file made from it all give one image. These are
+# the defaults of diffusers' scheduler classes (``__init__`` signatures, diffusers 0.42).
+SCHEDULER_CLASS_SPACING = {
+    "PNDMScheduler": "leading", "DDIMScheduler": "leading", "DDPMScheduler": "leading", "LCMScheduler": "leading",
+    "TCDScheduler": "leading",
+    "EulerDiscreteScheduler": "linspace", "EulerAncestralDiscreteScheduler": "linspace",
+    "HeunDiscreteScheduler": "linspace", "LMSDiscreteScheduler": "linspace", "KDPM2DiscreteScheduler": "linspace",
+    "KDPM2AncestralDiscreteScheduler": "linspace", "DPMSolverMultistepScheduler": "linspace",
+    "DPMSolverSDEScheduler": "linspace", "UniPCMultistepScheduler": "linspace", "DEISMultistepScheduler": "linspace",
+}
+
+
+def published_scheduler(family: str, prediction_type: str = "epsilon") -> tuple[str, dict]:
+    """(repository, scheduler config) published for ``family`` ("sd1", "sd2", "sd1-inpaint", "sd2-inpaint")."""
+    key = "sd2-v" if family == "sd2" and prediction_type == "v_prediction" else family
+    if key not in PUBLISHED_SCHEDULERS:
+        raise ConfigError(f"no published scheduler config is known for model family {family!r}")
+    repo, cfg = PUBLISHED_SCHEDULERS[key]
+    return repo, {**cfg, "prediction_type": prediction_type}
+
+
+def explicit_spacing(cfg: dict) -> tuple[dict, str]:
+    """``cfg`` with ``timestep_spacing`` stated, and where the value came from.
+
+    A config that names its spacing keeps it. One that does not gets the default of the scheduler class it names,
+    as diffusers gives it when it loads the config. With no class, or one we do not know, the spacing stays unset
+    and each sampler uses the one its reference scheduler class defaults to.
+    """
+    if cfg.get("timestep_spacing"):
+        return dict(cfg), "stated in the config"
+    cls = cfg.get("_class_name")
+    if cls in SCHEDULER_CLASS_SPACING:
+        spacing = SCHEDULER_CLASS_SPACING[cls]
+        return {**cfg, "timestep_spacing": spacing}, f"not stated: the default of the {cls} it names"
+    return {k: v for k, v in cfg.items() if k != "timestep_spacing"}, \
+        "not stated" + (f" and {cls} is not a known scheduler" if cls else ", no scheduler class named") + \
+        ": each sampler's reference default"
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A whole Stable Diffusion model: its family, its three networks and how its UNet is parameterised."""
@@ -282,11 +348,8 @@ class ModelSpec:
     vae: VAEConfig
     prediction_type: str = "epsilon"  # "epsilon" | "v_prediction"
     default_size: int = 512
-    # The standard DDPM training schedule of the family (used when a single file carries no scheduler).
-    scheduler: dict = field(default_factory=lambda: dict(
-        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-        num_train_timesteps=1000, steps_offset=1, clip_sample=False, set_alpha_to_one=False,
-    ))
+    # The family's published scheduler config (see PUBLISHED_SCHEDULERS; the values are the same for all).
+    scheduler: dict = field(default_factory=lambda: dict(_LDM_SCHEDULE))
 
     def replace(self, **changes) -> "ModelSpec":
         return dataclasses.replace(self, **changes)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from .config import explicit_spacing
 from .errors import CheckpointError
 from .loader import META_CONFIG, META_PREDICTION, StableDiffusion
 from .weights.convert import plan_to_original
@@ -55,9 +56,12 @@ def save_diffusers(model: StableDiffusion, folder: str | os.PathLike, dtype: tor
             save_safetensors(_state(module, dtype), tmp / sub / f"{base}{suffix}", metadata={"format": "pt"})
         _write_tokenizer(model, tmp / "tokenizer")
         (tmp / "scheduler").mkdir()
+        # the spacing is written out, resolved from the class the model's config names (PNDM by default), so
+        # that the folder means the same to any reader whatever scheduler class it is later given
+        scheduler, _ = explicit_spacing({"_class_name": "PNDMScheduler", **spec.scheduler})
         _write_json(tmp / "scheduler" / "scheduler_config.json", {
             "_class_name": "PNDMScheduler", "_diffusers_version": DIFFUSERS_VERSION, "skip_prk_steps": True,
-            **{k: v for k, v in spec.scheduler.items() if not k.startswith("_")},
+            **{k: v for k, v in scheduler.items() if not k.startswith("_")},
             "prediction_type": spec.prediction_type,
         })
         _write_json(tmp / "model_index.json", {

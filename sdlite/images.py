@@ -53,6 +53,7 @@ def infotext(request, seed: int, model_hash: str | None = None, model_name: str 
         "Model": model_name,
         "Clip skip": request.clip_skip if request.clip_skip > 1 else None,
         "Eta": request.eta,
+        "Timestep spacing": getattr(request, "timestep_spacing", None),  # only when the request overrides it
         "Version": f"sdlite {__version__}",
     }
     line = ", ".join(f"{k}: {_quote(v)}" for k, v in fields.items() if v is not None)

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .config import PRESETS, ConfigError, ModelSpec, TextEncoderConfig, UNetConfig, VAEConfig
+from .config import (PRESETS, ConfigError, ModelSpec, TextEncoderConfig, UNetConfig, VAEConfig, explicit_spacing,
+                     published_scheduler)
 from .errors import CheckpointError
 from .models.clip import CLIPTextEncoder
 from .models.unet import UNet
@@ -85,9 +86,10 @@ class Checkpoint:
     storage_dtype: torch.dtype
     prediction_source: str           # how spec.prediction_type was decided
     sources: dict[str, ComponentSource]
-    scheduler_config: dict
+    scheduler_config: dict           # timestep_spacing made explicit where the config implies it
     tokenizer_dir: str | None = None
     notes: list[str] = field(default_factory=list)
+    scheduler_source: str = ""       # where scheduler_config (and its timestep spacing) came from
     _stores: list[TensorStore] = field(default_factory=list, repr=False)
     _zero_copy: bool = field(default=False, repr=False)  # some loaded weights are views of the mapped files
     _tokenizer: CLIPTokenizer | None = field(default=None, repr=False)  # built once (about 0.4 s from files)
@@ -323,10 +325,17 @@ def _open_diffusers_folder(folder: Path) -> Checkpoint:
         if prediction not in PREDICTION_TYPES:
             raise CheckpointError(f"prediction_type {prediction!r} is not supported", sched_file)
         base = _family_preset(detection.family, prediction)
+        repo, published = published_scheduler(detection.family, prediction)
+        if sched_file.is_file():  # what the folder does not say, the family's published config does
+            sched_cfg, spacing_note = explicit_spacing({**published, **{k: v for k, v in scheduler.items()
+                                                                       if k != "_diffusers_version"}})
+            sched_source = f"scheduler/scheduler_config.json (timestep spacing {spacing_note})"
+        else:
+            sched_cfg, spacing_note = explicit_spacing(published)
+            sched_source = (f"no scheduler/scheduler_config.json: the config published with {repo} (timestep "
+                            f"spacing {spacing_note})")
         spec = base.replace(family=detection.family, text=text, unet=unet, vae=vae, prediction_type=prediction,
-                            scheduler={**base.scheduler, **{k: v for k, v in scheduler.items()
-                                                            if not k.startswith("_")}},
-                            default_size=unet.sample_size * vae.downscale)
+                            scheduler=sched_cfg, default_size=unet.sample_size * vae.downscale)
     except BaseException:
         for store in stores:
             store.close()
@@ -335,7 +344,7 @@ def _open_diffusers_folder(folder: Path) -> Checkpoint:
                       storage_dtype=_storage_dtype(stores[1]),
                       prediction_source="scheduler_config.json" if "prediction_type" in scheduler
                       else "family default",
-                      sources=sources, scheduler_config=dict(spec.scheduler),
+                      sources=sources, scheduler_config=dict(spec.scheduler), scheduler_source=sched_source,
                       tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
                       notes=[], _stores=stores, _tokenizer=folder_tokenizer)  # the folder's config.json files settle what detection guesses
 
@@ -354,6 +363,7 @@ def _open_single_file(path: Path, use_ema: bool) -> Checkpoint:
         else:
             text, unet, vae = _configs_from_detection(path, detection, base)
         spec = base.replace(family=detection.family, unet=unet, vae=vae, text=text)
+        spec, sched_source = _with_published_scheduler(spec)
         expected = {}
         for component in detection.components:
             with torch.device("meta"):
@@ -374,7 +384,7 @@ def _open_single_file(path: Path, use_ema: bool) -> Checkpoint:
     ckpt = Checkpoint(path=str(path), layout="original", spec=spec, detection=detection,
                       storage_dtype=_storage_dtype(store, prefix=detection.prefixes.get("unet", "")),
                       prediction_source="unresolved", sources=sources, scheduler_config=dict(spec.scheduler),
-                      notes=notes, _stores=[store])
+                      scheduler_source=sched_source, notes=notes, _stores=[store])
     if detection.prediction_type is not None:
         _set_prediction(ckpt, detection.prediction_type, detection.prediction_source or "file metadata")
     else:
@@ -454,10 +464,22 @@ def resolve_prediction_type(ckpt: Checkpoint, unet: UNet | None = None, device="
 
 def _set_prediction(ckpt: Checkpoint, prediction: str, source: str) -> None:
     ckpt.spec = ckpt.spec.replace(prediction_type=prediction)
-    if ckpt.layout == "original" and ckpt.detection.base_family == "sd2":
-        ckpt.spec = ckpt.spec.replace(default_size=768 if prediction == "v_prediction" else 512)
+    if ckpt.layout == "original":
+        if ckpt.detection.base_family == "sd2":
+            ckpt.spec = ckpt.spec.replace(default_size=768 if prediction == "v_prediction" else 512)
+        # SD 2.x base and v models publish different scheduler configs (same schedule values)
+        ckpt.spec, ckpt.scheduler_source = _with_published_scheduler(ckpt.spec)
+        ckpt.scheduler_config = dict(ckpt.spec.scheduler)
     ckpt.scheduler_config["prediction_type"] = prediction
     ckpt.prediction_source = source
+
+
+def _with_published_scheduler(spec: ModelSpec) -> tuple[ModelSpec, str]:
+    """A single file's spec with its family's published scheduler config, and a line saying so."""
+    repo, cfg = published_scheduler(spec.family, spec.prediction_type)
+    cfg, spacing_note = explicit_spacing(cfg)
+    return (spec.replace(scheduler=cfg),
+            f"the file carries none: the config published with {repo} (timestep spacing {spacing_note})")
 
 
 # --- helpers --------------------------------------------------------------------------------------------------

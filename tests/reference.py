@@ -132,3 +132,25 @@ def diffusers_pipeline(family: str = "sd1", tmp_path=None, prediction_type: str 
                               steps_offset=1, prediction_type=prediction_type)
     return StableDiffusionPipeline(vae=vae, text_encoder=text, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
                                    safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+
+
+def with_contrast(pipe, gain: float = 30.0):
+    """Scale the VAE decoder's output layer so the tiny random model's images span the 8-bit range (std about 70
+    instead of 4): at 4, two different schedules can give PNGs within 2/255 of each other, and a pixel test
+    could not tell them apart."""
+    with torch.no_grad():
+        pipe.vae.decoder.conv_out.weight.mul_(gain)
+    return pipe
+
+
+def saved_pipeline(pipe, folder):
+    """``pipe`` saved by diffusers and loaded back: the reference for what sdlite reads from that folder.
+
+    diffusers writes a scheduler field it filled with its class default (``timestep_spacing``) into the file, so
+    the reloaded pipeline keeps it when its scheduler is swapped, where the in-memory one falls back to the new
+    class's default."""
+    from diffusers import StableDiffusionPipeline
+
+    pipe.save_pretrained(folder)
+    return StableDiffusionPipeline.from_pretrained(folder, dtype=torch.float32, local_files_only=True,
+                                                   safety_checker=None, requires_safety_checker=False)

@@ -9,7 +9,7 @@ from PIL import Image
 
 from sdlite.cli import main
 from sdlite.images import parse_infotext, read_parameters
-from tests.reference import diffusers_pipeline
+from tests.reference import diffusers_pipeline, saved_pipeline, with_contrast
 
 PROMPT = "a red circle on a blue background"
 NEGATIVE = "blurry, green"
@@ -25,12 +25,23 @@ SCHEDULERS = {
 }
 
 
-def reference_images(pipe, sampler, *, steps, seed, size, cfg=7.5, negative=NEGATIVE, batch=1, clip_skip=None):
+_BASE_SCHEDULERS: dict = {}
+
+
+def reference_images(pipe, sampler, *, steps, seed, size, cfg=7.5, negative=NEGATIVE, batch=1, clip_skip=None,
+                     spacing=None):
     import diffusers
 
     cls, extra = SCHEDULERS[sampler]
+    # Each swap starts from the pipeline's own scheduler config: a swapped-in scheduler lists the fields it
+    # defaulted (``_use_default_values``), and the next from_config would drop them even when given explicitly
+    # (use_karras_sigmas=True after Euler, say).
+    base = _BASE_SCHEDULERS.setdefault(id(pipe), (pipe, dict(pipe.scheduler.config)))[1]
     # real SD folders' scheduler configs say clip_sample: false (DDIM/DDPM would otherwise default to true)
-    pipe.scheduler = getattr(diffusers, cls).from_config({**pipe.scheduler.config, "clip_sample": False, **extra})
+    config = {**base, "clip_sample": False, **extra}
+    if spacing is not None:
+        config["timestep_spacing"] = spacing
+    pipe.scheduler = getattr(diffusers, cls).from_config(config)
     generators = [torch.Generator().manual_seed(seed + i) for i in range(batch)]
     kwargs = dict(prompt=PROMPT, negative_prompt=negative)
     if clip_skip:
@@ -67,8 +78,7 @@ def max_pixel_diff(a, b) -> int:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tiny")
-    pipe = diffusers_pipeline("sd1", tmp)
-    pipe.save_pretrained(tmp / "model")
+    pipe = saved_pipeline(with_contrast(diffusers_pipeline("sd1", tmp)), tmp / "model")
     return pipe, tmp / "model"
 
 

@@ -99,8 +99,9 @@ class NoiseSchedule:
         """From a diffusers scheduler config dict (``scheduler/scheduler_config.json``; any scheduler class).
 
         Missing fields: ``timestep_spacing`` stays unset, so each sampler uses the spacing its reference
-        scheduler class defaults to (SD 1.x/2.x configs predate the field; diffusers then gives Euler-family and
-        multistep schedulers "linspace", DDIM/PNDM/DDPM/LCM "leading"); ``steps_offset`` 0,
+        scheduler class defaults to ("linspace" for the Euler family and the multistep solvers, "leading" for
+        DDIM/PNDM/DDPM/LCM). The loader states the spacing before it gets here: a model's config that names a
+        scheduler class gets that class's default (:func:`sdlite.config.explicit_spacing`); ``steps_offset`` 0,
         ``set_alpha_to_one`` False. Sampler choices
         in the config (solver order, Karras sigmas, DDIM's ``clip_sample``/``thresholding``, ...) are ignored:
         sdlite picks the sampler separately.
