@@ -20,8 +20,12 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 
 setup: $(VENV)/.installed
 
+# then the CPU-dependent tests again as an AVX2-only CPU runs them (no AVX-512, no VNNI: 7-bit int8
+# activations, no prepacking by default), by capping oneDNN's and PyTorch's kernels on this one
 test: setup
 	$(BIN)/python -m pytest -q -ra
+	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(BIN)/python -m pytest -q -ra \
+		tests/test_cpu.py tests/test_quant.py tests/test_packing.py
 
 # one image from the shipped demo model, no download: prints where the PNG is
 run: setup

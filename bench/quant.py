@@ -3,6 +3,9 @@
     python bench/quant.py [--sizes 256 512] [--repeat 3] [--threads N] [--modes int8,int8-bf16,bf16]
                           [--no-diffusers] [--steps 8]
 
+Run it under ``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`` to measure what an AVX2-only CPU gets (no
+VNNI: 7-bit int8 activations; bf16 emulated); ``--activation-bits`` forces the int8 range.
+
 One process: the SD 1.5 UNet (sdlite.config.SD15.unet) with PyTorch's default random init, copied into each
 variant: our fp32 UNet, diffusers' UNet2DConditionModel (same weights; our UNet is numerically the same), and
 our UNet quantized by each mode. Per size (batch 2 = one CFG step, 77-token context), every variant runs once
@@ -18,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import platform
 import statistics
 import sys
 import time
@@ -35,24 +37,21 @@ from sdlite.models.unet import UNet  # noqa: E402
 
 
 def cpu_description() -> str:
-    name, flags = platform.processor() or "?", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    wanted = ["avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16", "avx_vnni"]
-    return f"{name}; {', '.join(f for f in wanted if f in flags) or 'no AVX-512/VNNI/AMX flags'}"
+    """CPU model, the ISA oneDNN may use (after any ONEDNN_MAX_CPU_ISA cap) and the int8 activation range."""
+    from sdlite.engine.cpu import int8_activation_bits, this_cpu
+
+    cpu = this_cpu()
+    caps = ", ".join(f"{k}={v}" for k, v in (("ONEDNN_MAX_CPU_ISA", cpu.onednn_cap),
+                                             ("ATEN_CPU_CAPABILITY", cpu.aten_cap)) if v)
+    return (f"{cpu.model}; oneDNN ISA {cpu.isa_level}{' (' + caps + ')' if caps else ''}; "
+            f"int8 activations {int8_activation_bits()}-bit by default")
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
 
 
-def build_variants(modes: list[str], with_diffusers: bool) -> tuple[dict, dict]:
+def build_variants(modes: list[str], with_diffusers: bool, activation_bits=None) -> tuple[dict, dict]:
     """name -> callable(x, t, ctx), name -> weight bytes."""
     torch.manual_seed(0)
     base = UNet(SD15.unet).eval().requires_grad_(False)
@@ -67,7 +66,7 @@ def build_variants(modes: list[str], with_diffusers: bool) -> tuple[dict, dict]:
         variants["fp32 (diffusers)"] = lambda x, t, c, m=ref: m(x, t, c, return_dict=False)[0]
         memory["fp32 (diffusers)"] = sum(p.numel() * p.element_size() for p in ref.parameters())
     for mode in modes:
-        variants[mode] = quantize_model(copy.deepcopy(base), mode)
+        variants[mode] = quantize_model(copy.deepcopy(base), mode, activation_bits=activation_bits)
         memory[mode] = weight_bytes(variants[mode])
     return variants, memory
 
@@ -131,13 +130,15 @@ def main():
                     help=f"comma-separated quantize modes, of {', '.join(QUANTIZE_CHOICES[1:])}")
     ap.add_argument("--no-diffusers", action="store_true")
     ap.add_argument("--steps", type=int, default=8, help="sampler steps for the latent cosine (0: skip)")
+    ap.add_argument("--activation-bits", type=int, choices=[7, 8], default=None,
+                    help="int8 activation range (default: this CPU's, 8 with VNNI/AMX, else 7)")
     args = ap.parse_args()
     modes = [check_quantize_mode(m) for m in args.modes.split(",") if m and m != "none"]
     if args.threads:
         torch.set_num_threads(args.threads)
 
     print(f"machine: {cpu_description()}; {torch.get_num_threads()} torch threads; torch {torch.__version__}")
-    variants, memory = build_variants(modes, not args.no_diffusers)
+    variants, memory = build_variants(modes, not args.no_diffusers, args.activation_bits)
     timing, cos = {}, {}
     for size in args.sizes:
         timing[size], cos[size] = time_size(variants, size, args.repeat)

@@ -46,9 +46,24 @@ def _describe_component(name: str, spec) -> str:
            f"{v.downscale}x downsampling, scaling factor {v.scaling_factor}"
 
 
+def _describe_schedule(cfg: dict) -> str:
+    spacing = cfg.get("timestep_spacing") or "each sampler's default"
+    betas = cfg.get("beta_schedule", "linear") if cfg.get("trained_betas") is None else "trained"
+    return (f"{betas} betas {cfg.get('beta_start', 0.0001)}..{cfg.get('beta_end', 0.02)} over "
+            f"{cfg.get('num_train_timesteps', 1000)} steps, timestep spacing {spacing}, steps offset "
+            f"{cfg.get('steps_offset', 0)}" + (f" ({cfg['_class_name']})" if cfg.get("_class_name") else ""))
+
+
 def cmd_info(args) -> int:
     from .loader import open_model, resolve_prediction_type
 
+    if getattr(args, "system", False):
+        from .engine.cpu import system_report
+
+        print("\n".join(system_report()))
+        if args.path is None:
+            return 0
+        print()
     with open_model(args.path or demo_model_path(), prediction_type=args.prediction_type) as ckpt:
         if ckpt.prediction_source == "unresolved":
             resolve_prediction_type(ckpt)
@@ -61,6 +76,8 @@ def cmd_info(args) -> int:
         print(f"prediction:  {spec.prediction_type} ({ckpt.prediction_source})")
         print(f"storage:     {str(ckpt.storage_dtype).replace('torch.', '')}")
         print(f"image size:  {spec.default_size}x{spec.default_size} (native)")
+        print(f"schedule:    {_describe_schedule(ckpt.scheduler_config)}")
+        print(f"             from {ckpt.scheduler_source}")
         counts = ckpt.parameter_counts()
         print("components:")
         for name in ("text_encoder", "unet", "vae"):
@@ -126,18 +143,20 @@ _DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16"
 
 
 def cmd_generate(args) -> int:
+    from .pipeline import Engine, Request, RequestError, check_device, validate  # first: it imports torch fastest
+
     import torch
 
     from .engine.memory import check_memory_mode
-    from .engine.quant import check_quantize_mode
+    from .engine.quant import check_quantize_supported
     from .images import FORMATS, check_writable, infotext, model_hash, output_paths, save_image
-    from .pipeline import Engine, Request, RequestError, check_device, validate
 
     if args.model is None:
         args.model = demo_model_path()
     request = Request(prompt=args.prompt, negative_prompt=args.negative, width=args.width, height=args.height,
                       steps=args.steps, cfg_scale=args.cfg, sampler=args.sampler, schedule=args.schedule,
-                      seed=args.seed, batch_size=args.batch, clip_skip=args.clip_skip, eta=args.eta)
+                      seed=args.seed, batch_size=args.batch, clip_skip=args.clip_skip, eta=args.eta,
+                      timestep_spacing=args.timestep_spacing)
     # everything that can be checked before the (slow) model load is checked first
     validate(request)
     if args.format not in FORMATS:
@@ -146,7 +165,7 @@ def cmd_generate(args) -> int:
         raise RequestError(f"dtype {args.dtype!r} is not valid: expected one of fp32, fp16, bf16")
     device = check_device(args.device)
     check_memory_mode(args.memory_mode)
-    check_quantize_mode(args.quantize)
+    check_quantize_supported(args.quantize)  # bf16 modes need bf16 kernels on this CPU
     vae_tile = None
     if args.vae_tile is not None:
         if args.vae_tile != 0 and (args.vae_tile < 64 or args.vae_tile % 8):
@@ -200,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a diffusers folder or a .safetensors/.ckpt single file (default: the shipped demo model)")
     p.add_argument("--prediction-type", choices=["epsilon", "v_prediction"], default=None,
                    help="override what the checkpoint says (SD 2.x single files)")
+    p.add_argument("--system", action="store_true",
+                   help="describe this machine instead (CPU, ISA flags and caps, torch, and the engine's choices: "
+                        "prepacking, int8 activation range, quantize modes); with a PATH, the checkpoint too")
     p.set_defaults(func=cmd_info)
 
     g = sub.add_parser("generate", help="text to image")
@@ -213,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="see `sdlite samplers`; A1111 names work too (default: DPM++ 2M Karras)")
     g.add_argument("--schedule", default=None,
                    help="sigma schedule: discrete, karras or exponential (default: what the sampler name implies)")
+    g.add_argument("--timestep-spacing", default=None,
+                   help="leading, linspace or trailing: where the sampler's timesteps fall (default: what the "
+                        "model's scheduler config says; `sdlite info` shows it)")
     g.add_argument("--seed", type=int, default=-1, help="-1 = random (the seed used is printed)")
     g.add_argument("--width", type=int, default=None, help="default: the model's native size")
     g.add_argument("--height", type=int, default=None)
@@ -229,7 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="0 = low (sub-models loaded when needed, UNet weights streamed), 1 = all resident "
                         "(default, fastest), 2 = balanced (UNet resident)")
     g.add_argument("--quantize", default="none",
-                   help="UNet weights: none, int8 (VNNI kernels, ~0.5x the fp32 step time), int8-bf16 or bf16")
+                   help="UNet weights: none, int8 (~0.5x the fp32 step time with VNNI; 7-bit activations without), "
+                        "int8-bf16 or bf16 (slower than fp32 without native bf16); see `sdlite info --system`")
     g.add_argument("--vae-tile", type=int, default=None,
                    help="decode in tiles of this many image pixels (0 = never; default: tiles of 512 above 768 px, "
                         "in memory mode 0 tiles of 256 above 256 px)")
@@ -237,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep resident weights in fp16/bf16 and compute in --dtype, block by block")
     g.add_argument("--no-prepack", action="store_true",
                    help="leave fp32 CPU weights in PyTorch's layout instead of reordering them once for oneDNN "
-                        "(slower; for comparison)")
+                        "(by default they are where this CPU gains from it: see `sdlite info --system`)")
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("samplers", help="list the samplers, their default schedules and A1111 names")

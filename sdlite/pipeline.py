@@ -28,7 +28,7 @@ from .engine.tiling import tiled_decode
 from .loader import StableDiffusion, open_model, resolve_prediction_type
 from .sampling.denoisers import CFGDenoiser, Denoiser
 from .sampling.samplers import SAMPLERS, resolve_sampler, sample
-from .sampling.schedules import SIGMA_KINDS, NoiseSchedule
+from .sampling.schedules import SIGMA_KINDS, SPACINGS, NoiseSchedule
 
 MAX_SEED = 2**32 - 1
 AUTO_TILE, AUTO_TILE_ABOVE = 64, 96   # latent pixels: tile 512 px when an image side exceeds 768 px
@@ -57,6 +57,7 @@ class Request:
     batch_size: int = 1
     clip_skip: int = 1                # A1111 numbering: 1 = last layer
     eta: float | None = None          # DDIM / ancestral / SDE noise amount; None: the sampler's default
+    timestep_spacing: str | None = None  # leading | linspace | trailing; None: what the model's scheduler says
 
     def replace(self, **changes) -> "Request":
         return dataclasses.replace(self, **changes)
@@ -98,6 +99,9 @@ def validate(request: Request, native_size: int = 512) -> Request:
     schedule = r.schedule or implied
     if schedule not in SIGMA_KINDS:
         raise RequestError(f"schedule {schedule!r} is not valid: expected one of {', '.join(SIGMA_KINDS)}")
+    if r.timestep_spacing is not None and r.timestep_spacing not in SPACINGS:
+        raise RequestError(f"timestep spacing {r.timestep_spacing!r} is not valid: expected one of "
+                           f"{', '.join(SPACINGS)}")
     seed = r.seed
     if not isinstance(seed, int) or not -1 <= seed <= MAX_SEED:
         raise RequestError(f"seed {seed!r} is not valid: it must be -1 (random) or 0..{MAX_SEED}")
@@ -150,7 +154,7 @@ class Engine:
         ``quantize`` one of :data:`~sdlite.engine.quant.QUANTIZE_MODES` for the UNet; ``vae_tile`` the tiled-decode
         tile in latent pixels (None: tile latents larger than 96x96, i.e. images above 768 px; 0: never);
         ``prepack`` whether fp32 CPU weights are reordered once for oneDNN (:mod:`sdlite.engine.packing`; None:
-        wherever that applies).
+        where that applies and this CPU gains from it, as :func:`sdlite.engine.cpu.default_prepack` decides).
         """
         check_memory_mode(memory_mode)
         device = check_device(device)
@@ -234,7 +238,7 @@ class Engine:
             denoiser = CFGDenoiser(Denoiser(unet, self.schedule, self.spec.prediction_type, dtype=unet.dtype),
                                    r.cfg_scale if use_cfg else 1.0)
             latents = sample(r.sampler, denoiser, noise, self.schedule, r.steps, r.schedule, generator=generators,
-                             eta=r.eta, callback=on_step, extra_args={"context": ctx, "uncond": uncond})
+                             spacing=r.timestep_spacing, eta=r.eta, callback=on_step, extra_args={"context": ctx, "uncond": uncond})
         t2 = time.perf_counter()
         decoded = self.decode_latents(latents / self.spec.vae.scaling_factor)
         t3 = time.perf_counter()

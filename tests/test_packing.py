@@ -14,7 +14,8 @@ from tests.reference import diffusers_pipeline
 
 
 def test_prepacking_applies_on_this_cpu():
-    """The supported install (CPU torch from the Makefile) has oneDNN: prepacking is on by default there."""
+    """The supported install (CPU torch from the Makefile) has oneDNN: prepacking can be used (whether it is by
+    default depends on the CPU: tests/test_cpu.py)."""
     assert prepack_available()
     assert not prepack_available("cpu", torch.float16) and not prepack_available("meta")
 
@@ -88,7 +89,7 @@ def test_tiled_decode_with_packed_vae(model_dir):
 
 def test_manager_packs_and_frees(model_dir):
     ckpt = open_model(model_dir)
-    manager = ModelManager(ckpt, mode=0)
+    manager = ModelManager(ckpt, mode=0, prepack=True)
     assert manager.prepack
     with manager.use("vae") as vae:
         layer = vae.decoder.conv_in
@@ -108,3 +109,24 @@ def test_release_packed():
     module = nn.Sequential(PackedLinear(nn.Linear(4, 4)), nn.ReLU())
     release_packed(module)
     assert module[0].packed is None
+
+
+@pytest.mark.parametrize("cpu_says", [True, False])
+def test_manager_default_comes_from_the_cpu_and_explicit_choices_win(model_dir, monkeypatch, cpu_says):
+    from sdlite.engine import memory
+    from sdlite.engine.cpu import PrepackChoice
+
+    monkeypatch.setattr(memory, "default_prepack", lambda: PrepackChoice(cpu_says, "flags", "injected"))
+    ckpt = open_model(model_dir)
+    assert ModelManager(ckpt, mode=1).prepack is cpu_says
+    assert ModelManager(ckpt, mode=1, prepack=True).prepack is True
+    assert ModelManager(ckpt, mode=1, prepack=False).prepack is False
+    unet = ModelManager(ckpt, mode=1).get("unet")
+    assert any(isinstance(m, PackedConv2d) for m in unet.modules()) is cpu_says
+
+
+def test_manager_default_on_this_cpu(model_dir):
+    from sdlite.engine.cpu import default_prepack, this_cpu
+
+    manager = ModelManager(open_model(model_dir), mode=1)
+    assert manager.prepack == default_prepack().use == this_cpu().avx512   # AVX2 (or capped to it): plain

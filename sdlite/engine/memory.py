@@ -26,8 +26,9 @@ from ..loader import Checkpoint, StableDiffusion
 from ..models.clip import Embeddings, EncoderLayer
 from ..models.layers import Downsample, ResnetBlock, Upsample
 from ..models.unet import SpatialTransformer
+from .cpu import default_prepack
 from .packing import prepack_available, prepack_model, release_packed
-from .quant import check_quantize_mode, quantize_model
+from .quant import check_quantize_supported, quantize_model
 
 MEMORY_MODES = {
     0: "low: each sub-model loaded when needed and freed after; UNet weights streamed block by block",
@@ -181,14 +182,16 @@ class ModelManager:
                  weight_dtype: torch.dtype | None = None, preloaded: StableDiffusion | None = None,
                  quantize: str = "none", prepack: bool | None = None):
         self.ckpt, self.mode, self.dtype, self.device = ckpt, check_memory_mode(mode), dtype, torch.device(device)
-        # fp32 CPU weights reordered once for oneDNN (engine.packing); None: wherever it applies
+        # fp32 CPU weights reordered once for oneDNN (engine.packing); None: where it applies and this CPU gains
+        # from it (engine.cpu: decided by the ISA flags, or by a short cached measurement)
         available = prepack_available(self.device, dtype)
-        self.prepack = available if prepack is None else bool(prepack)
+        self.prepack = (available and default_prepack().use) if prepack is None else bool(prepack)
         if self.prepack and not available:
             raise MemoryModeError(f"prepacked weights need fp32 compute on a CPU with oneDNN; this is {dtype} on "
                                   f"{self.device.type}")
         self.weight_dtype = weight_dtype
-        self.quantize = check_quantize_mode(quantize)
+        check_quantize_supported(quantize)  # a valid mode, and bf16 ones only on CPUs with bf16 kernels
+        self.quantize = quantize
         if quantize != "none" and (mode == 0 or weight_dtype is not None):
             raise MemoryModeError(f"quantize mode {quantize!r} needs the UNet loaded whole: use memory mode 1 or 2 "
                                   "and no weight dtype")

@@ -25,6 +25,17 @@ linear 1280->320 (8192 tokens)             175        215
 
 A whole UNet step at 512^2 in the same run: 10.9 s plain, 9.9 s prepacked (the linear layers gain most).
 
+Per CPU, on by default only where it is faster (:func:`sdlite.engine.cpu.prepack_choice`). With AVX-512 it
+is (above). On an AVX2-only CPU it is slower: oneDNN's AVX2 channels-last convolutions with weights packed for
+no particular input size lose to PyTorch's plain path at the 16-32 px latents of a 256-512 px image. UNet-shaped
+layers (:func:`sdlite.engine.cpu.measure_prepack`, sum of medians, busy 2-core Zen 4): prepacked 0.38-0.54x the
+plain time natively, 1.22-1.64x under ``ONEDNN_MAX_CPU_ISA=AVX2``. A full-size SD 1.5 UNet step (256^2, batch 2,
+1 thread, CPU time, median of 2): 5.94 s plain, 5.36 s prepacked natively (0.90x); 6.16 s against 6.72 s under
+``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`` (1.09x); a whole run on a real AVX2 machine sampled in 25.7 s
+prepacked against 18.2 s plain. So the ISA flags decide on x86 (AVX-512: on; AVX2: off),
+and elsewhere a short measurement, cached per CPU, torch version and thread count. ``--no-prepack`` /
+``prepack=False`` and ``prepack=True`` override it.
+
 The results equal the plain layers' to fp32 rounding (a different summation order: about 1e-6 relative).
 Only fp32 on the CPU is prepacked; other dtypes and devices are left as they are.
 """

@@ -1,4 +1,4 @@
-"""Low precision on the CPU: int8 weights on PyTorch's own oneDNN (VNNI) kernels, and bf16.
+"""Low precision on the CPU: int8 weights on PyTorch's own oneDNN kernels, and bf16.
 
 ``quantize_model(unet, "int8")`` replaces, in place, the ``nn.Linear`` and ``nn.Conv2d`` layers of a network
 by int8 versions (:class:`Int8Linear`, :class:`Int8Conv2d`) and returns the same module, whose ``forward``
@@ -7,9 +7,10 @@ signature does not change. The scheme is W8A8 with *dynamic* activation scales:
 * weights: symmetric int8, one scale per output channel (``max |w| / 127``), reordered once into oneDNN's
   blocked layout (``torch.ops.onednn.qlinear_prepack`` / ``qconv_prepack``);
 * activations: asymmetric uint8, one scale and zero point per call from the tensor's own min and max, so there
-  is nothing to calibrate and no range to overflow;
+  is nothing to calibrate and no range to overflow. 8 bits (0..255) where the CPU has VNNI or AMX, 7 bits
+  (0..127, scale = range / 127) elsewhere, as :func:`sdlite.engine.cpu.int8_activation_bits` decides (below);
 * compute: ``torch.ops.onednn.qlinear_pointwise`` / ``qconv_pointwise``: u8 x s8 products summed in int32
-  (AVX512-VNNI ``vpdpbusd`` here, AMX where a CPU has it), scaled back and biased on the way out. These are
+  (AVX512-VNNI ``vpdpbusd`` or AVX-VNNI, AMX where a CPU has it), scaled back and biased on the way out. These are
   the kernels that ``torch.compile``'s x86 int8 path (Inductor with ``X86InductorQuantizer``) emits. They
   take plain ``uint8``/``int8`` tensors. ``torch.ao.nn.quantized.dynamic`` is measured too (same speed for
   Linear), but it builds on the quantized tensor types whose creation functions torch 2.13 deprecates, and its
@@ -34,6 +35,39 @@ bf16          0.56x     0.64x     1644 MB     0.99997              0.99997
 (fp32)        1         1         3279 MB     1                    1
 ============  ========  ========  ==========  ===================  ==================================
 
+Per CPU. Without VNNI (an AVX2-only CPU, or this one under ``ONEDNN_MAX_CPU_ISA=AVX2``) oneDNN multiplies with
+``vpmaddubsw``, which adds each pair of adjacent u8 x s8 products into a saturating int16: 255 * 127 * 2 = 64770
+becomes 32767 (measured: the kernel returns exactly 32767 per pair of all-255 x all-127 inputs, and differs
+from exact integer arithmetic by 1-2% on random activations). fbgemm's remedy is used: 7-bit activations, whose
+pair sums (at most 127 * 127 * 2 = 32258) always fit, so the kernel equals exact integer arithmetic again. The
+7-bit step is twice as coarse, so its error (1 - cosine) is about 4x the 8-bit one; at the tests' tiny configs
+(output cosine against fp32):
+
+==================  ===============  ===============  ===============  ================
+activations         UNet sd1         UNet sd2         text encoder     int8-bf16 UNet sd2
+==================  ===============  ===============  ===============  ================
+8-bit, VNNI         0.99991          0.99988          0.99997          0.99996
+8-bit, AVX2         0.99961          0.99833          0.98993          0.99845
+7-bit, either       0.99966          0.99957          0.99993          0.99987
+==================  ===============  ===============  ===============  ================
+
+7 bits give the same values on every CPU, and int8 stays faster than fp32 without VNNI. bf16 (``int8-bf16``'s
+convolutions, ``bf16``) has the same accuracy everywhere, but not the same speed. UNet-shaped layers (3x3
+convolutions 640 ch at 16x16 and 320 ch at 32x32, a 320->1280 Linear on 2048 tokens; batch 2, 1 thread, CPU
+time, time as a fraction of fp32):
+
+===============================================  ============  ============  ============
+oneDNN ISA                                       int8          bf16 conv     bf16 linear
+===============================================  ============  ============  ============
+AVX512_CORE_BF16 (native: VNNI, avx512_bf16)     0.31-0.34x    0.50-0.52x    0.53x
+AVX512_CORE (``ONEDNN_MAX_CPU_ISA=AVX512_CORE``)  0.51-0.60x    2.6-2.9x      2.5x
+AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``)                0.53-0.74x    66-120x       5.9x
+===============================================  ============  ============  ============
+
+So (:func:`check_quantize_supported`): with native bf16 the bf16 modes run as designed; with AVX-512 but no
+bf16 they run with a :class:`BF16Warning`; below AVX-512 they are refused with a message pointing to ``int8``.
+``sdlite info --system`` shows what this CPU gets.
+
 int8 Linear layers with fp32 convolutions only reach 0.8x: the convolutions are most of the work. At 512² the
 fp32 attention (untouched by int8; bf16 attention is no faster on this CPU) is about 40% of the int8 step.
 The int8 error is spread over all layer kinds: keeping any one kind in fp32 removes at most about a quarter
@@ -43,6 +77,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -50,14 +85,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import SDLiteError
+from .cpu import bf16_support, int8_activation_bits, this_cpu
 
 QUANTIZE_MODES = {
     "none": "fp32 weights and compute (no change)",
-    "int8": "int8 weights (per output channel) and int8 activations (dynamic, per tensor) for the Linear and "
-            "Conv2d layers, on oneDNN's VNNI kernels; norms, attention and the timestep embedding in fp32",
+    "int8": "int8 weights (per output channel) and int8 activations (dynamic, per tensor; 8-bit with VNNI/AMX, "
+            "7-bit without) for the Linear and Conv2d layers, on oneDNN's kernels; norms, attention and the "
+            "timestep embedding in fp32",
     "int8-bf16": "int8 Linear layers as in int8, convolutions with bf16 weights computed in bf16 "
                  "(closer to fp32, a little slower)",
-    "bf16": "bf16 weights and bf16 compute for the Linear and Conv2d layers; norms and attention in fp32",
+    "bf16": "bf16 weights and bf16 compute for the Linear and Conv2d layers; norms and attention in fp32 (slower "
+            "than fp32 on CPUs without native bf16)",
 }
 QUANTIZE_CHOICES = tuple(QUANTIZE_MODES)
 # what each mode makes of a Linear and of a Conv2d
@@ -67,12 +105,18 @@ _PLAN = {"int8": ("int8", "int8"), "int8-bf16": ("int8", "bf16"), "bf16": ("bf16
 KEEP_FP32 = ("conv_in", "conv_out", "time_embedding")
 # A layer with fewer input or output channels than this stays fp32 (int8 would save nothing and cost accuracy).
 MIN_CHANNELS = 16
+# int8 activation ranges: 0..255, or 0..127 where u8 x s8 pairs are summed in a saturating int16 (no VNNI)
+ACTIVATION_BITS = (8, 7)
 # The weights are symmetric, so their zero point is 0; oneDNN takes it as a tensor.
 _ZERO_POINT = torch.zeros((), dtype=torch.int64)
 
 
 class QuantizeError(SDLiteError, ValueError):
     """A bad quantization mode, or a model that cannot be quantized (the message says which and why)."""
+
+
+class BF16Warning(UserWarning):
+    """A bf16 mode on a CPU that has no native bf16: it works, slowly."""
 
 
 def check_quantize_mode(mode) -> str:
@@ -82,6 +126,25 @@ def check_quantize_mode(mode) -> str:
         raise QuantizeError(f"quantize mode {mode!r} is not valid: expected one of {', '.join(QUANTIZE_CHOICES)} "
                             f"({described})")
     return mode
+
+
+def check_quantize_supported(mode) -> str:
+    """``mode`` checked (:func:`check_quantize_mode`) and whether this CPU can run it at a useful speed; returns
+    how it runs bf16 (:func:`sdlite.engine.cpu.bf16_support`, "" for modes without bf16). A bf16 mode on a CPU
+    without bf16 kernels (x86 below AVX-512) is a :class:`QuantizeError` saying why and what to use."""
+    check_quantize_mode(mode)
+    if mode == "none" or "bf16" not in _PLAN[mode]:
+        return ""
+    support = bf16_support()
+    if support == "none":
+        cpu = this_cpu()
+        capped = f" under ONEDNN_MAX_CPU_ISA={cpu.onednn_cap}" if cpu.onednn_cap else ""
+        raise QuantizeError(
+            f"quantize mode {mode!r} needs bf16 kernels, and this CPU{capped} has neither native bf16 (avx512_bf16, "
+            f"amx_bf16, avx_ne_convert) nor AVX-512 to emulate it (oneDNN ISA {cpu.isa_level}): oneDNN falls back "
+            "to a reference kernel, 6-120x slower than fp32 for the UNet's layers. Use --quantize int8 (int8 "
+            f"weights and {int8_activation_bits()}-bit activations, faster than fp32 here) or none")
+    return support
 
 
 # --- int8 -------------------------------------------------------------------------------------------------
@@ -96,19 +159,27 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, float, int]:
+def check_activation_bits(bits) -> int:
+    if bits not in ACTIVATION_BITS:
+        raise QuantizeError(f"int8 activation bits must be 8 (0..255, needs VNNI/AMX) or 7 (0..127), not {bits!r}")
+    return bits
+
+
+def quantize_activation(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, float, int]:
     """Asymmetric per-tensor uint8 over ``[min(x, 0), max(x, 0)]``, ``x ~= (q - zero_point) * scale``.
 
-    The range always holds 0, so zero padding stays exact. Returns (uint8 q, scale, zero_point).
+    ``bits`` 8 uses 0..255, 7 uses 0..127 (scale = range / 127: for CPUs without VNNI, see the module
+    docstring). The range always holds 0, so zero padding stays exact. Returns (uint8 q, scale, zero_point).
     """
+    top = float((1 << check_activation_bits(bits)) - 1)
     lo, hi = torch.aminmax(x)
     lo, hi = min(lo.item(), 0.0), max(hi.item(), 0.0)
     if not (math.isfinite(lo) and math.isfinite(hi)):
         raise FloatingPointError(f"an int8 layer's input holds non-finite values (min {lo}, max {hi})")
-    scale = (hi - lo) / 255.0 or 1.0                                        # all zeros: any scale
-    zero_point = min(max(round(-lo / scale), 0), 255)
-    # x / scale + zero_point, rounded half up (the +0.5, then truncation by the cast) into 0..255
-    q = (x * (1.0 / scale)).add_(zero_point + 0.5).clamp_(0.0, 255.0).to(torch.uint8)
+    scale = (hi - lo) / top or 1.0                                          # all zeros: any scale
+    zero_point = min(max(round(-lo / scale), 0), int(top))
+    # x / scale + zero_point, rounded half up (the +0.5, then truncation by the cast) into 0..top
+    q = (x * (1.0 / scale)).add_(zero_point + 0.5).clamp_(0.0, top).to(torch.uint8)
     return q, scale, zero_point
 
 
@@ -119,9 +190,10 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
 class Int8Linear(nn.Module):
     """``nn.Linear`` with int8 weights on oneDNN's u8 x s8 GEMM; the output has the input's dtype (fp32/bf16)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, activation_bits: int = 8):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.activation_bits = check_activation_bits(activation_bits)
         q, scale = quantize_weight(linear.weight)
         self.register_buffer("weight_scale", scale)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
@@ -130,12 +202,13 @@ class Int8Linear(nn.Module):
         self.packed_nbytes = q.numel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, scale, zero_point = quantize_activation(x)
+        q, scale, zero_point = quantize_activation(x, self.activation_bits)
         return torch.ops.onednn.qlinear_pointwise(q, scale, zero_point, self.packed_weight, self.weight_scale,
                                                   _ZERO_POINT, self.bias, 1.0, 0, _out_dtype(x), "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel (oneDNN)"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel, "
+                f"{self.activation_bits}-bit activations (oneDNN)")
 
 
 class Int8Conv2d(nn.Module):
@@ -144,12 +217,13 @@ class Int8Conv2d(nn.Module):
     oneDNN writes NHWC; the output is made NCHW-contiguous again, since model code may ``view`` it.
     """
 
-    def __init__(self, conv: nn.Conv2d):
+    def __init__(self, conv: nn.Conv2d, activation_bits: int = 8):
         super().__init__()
         if conv.groups != 1 or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
             raise QuantizeError(f"int8 convolutions need groups=1 and numeric zero padding; this one has "
                                 f"groups={conv.groups}, padding={conv.padding!r}, padding_mode={conv.padding_mode!r}")
         self.in_channels, self.out_channels = conv.in_channels, conv.out_channels
+        self.activation_bits = check_activation_bits(activation_bits)
         self.kernel_size, self.stride = tuple(conv.kernel_size), list(conv.stride)
         self.padding, self.dilation = list(conv.padding), list(conv.dilation)
         q, scale = quantize_weight(conv.weight)
@@ -160,7 +234,7 @@ class Int8Conv2d(nn.Module):
         self.packed_nbytes = q.numel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, scale, zero_point = quantize_activation(x)
+        q, scale, zero_point = quantize_activation(x, self.activation_bits)
         out = torch.ops.onednn.qconv_pointwise(q, scale, zero_point, self.packed_weight, self.weight_scale,
                                                _ZERO_POINT, self.bias, self.stride, self.padding, self.dilation, 1,
                                                1.0, 0, _out_dtype(x), "none", [], "")
@@ -168,7 +242,8 @@ class Int8Conv2d(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
-                f"stride={tuple(self.stride)}, padding={tuple(self.padding)}, int8 per channel (oneDNN)")
+                f"stride={tuple(self.stride)}, padding={tuple(self.padding)}, int8 per channel, "
+                f"{self.activation_bits}-bit activations (oneDNN)")
 
 
 # --- bf16 -------------------------------------------------------------------------------------------------
@@ -228,7 +303,8 @@ def _kept(name: str, layer: nn.Module, keep: tuple[str, ...]) -> bool:
     return min(layer.in_channels, layer.out_channels) < MIN_CHANNELS
 
 
-def quantize_model(module: nn.Module, mode: str, keep: tuple[str, ...] = KEEP_FP32) -> nn.Module:
+def quantize_model(module: nn.Module, mode: str, keep: tuple[str, ...] = KEEP_FP32,
+                   activation_bits: int | None = None) -> nn.Module:
     """Convert ``module``'s Linear and Conv2d layers in place as ``mode`` says, and return it.
 
     ``keep`` names submodules (relative to ``module``) left in fp32; layers with fewer than
@@ -236,10 +312,20 @@ def quantize_model(module: nn.Module, mode: str, keep: tuple[str, ...] = KEEP_FP
     the CPU; whatever float dtype it has, everything not converted is made fp32 (the int8/bf16 layers return
     their input's dtype, and the norms and attention compute in fp32). Quantized layers hold packed weights that
     ``state_dict``, ``copy.deepcopy`` and ``.to()`` do not carry: quantize after loading, on the final device.
+
+    ``activation_bits`` (int8 layers): 8 or 7; None: what :func:`sdlite.engine.cpu.int8_activation_bits` says
+    for this CPU (8 with VNNI/AMX, else 7).
     """
     check_quantize_mode(mode)
     if mode == "none":
         return module
+    if activation_bits is None:
+        activation_bits = int8_activation_bits() if "int8" in _PLAN[mode] else 8
+    check_activation_bits(activation_bits)
+    if check_quantize_supported(mode) == "emulated":
+        warnings.warn(f"quantize mode {mode!r}: this CPU has no native bf16 (avx512_bf16, amx_bf16), so oneDNN emulates "
+                      "bf16 with AVX-512: same accuracy, but about 2.5-3x slower than fp32. Use 'int8' for speed and "
+                      "memory, or 'none'.", BF16Warning, stacklevel=2)
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
         if t.device.type != "cpu":
             raise QuantizeError(f"quantize mode {mode!r} runs on the CPU only, but {name or 'the model'} is on "
@@ -250,7 +336,8 @@ def quantize_model(module: nn.Module, mode: str, keep: tuple[str, ...] = KEEP_FP
                if type(layer) in (nn.Linear, nn.Conv2d) and not _kept(name, layer, keep)]
     for name, layer in targets:
         kind = linear_as if isinstance(layer, nn.Linear) else conv_as
-        module.set_submodule(name, _CONVERTERS[kind, type(layer)](layer))
+        convert = _CONVERTERS[kind, type(layer)]
+        module.set_submodule(name, convert(layer, activation_bits) if kind == "int8" else convert(layer))
     return module
 
 
