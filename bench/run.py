@@ -1,6 +1,9 @@
 """sdlite against diffusers, side by side, on the same full-size SD 1.5 fp16 checkpoint (random weights).
 
     python bench/run.py [--quick] [--out BENCHMARKS.md]        (what `make bench` runs)
+    python bench/run.py --isa-only [--isa native,avx2]         (only the per-ISA rows; the rest kept)
+    python bench/run.py --startup-only [--isa native,avx2]     (only the per-ISA start-up breakdown)
+    python bench/run.py --report-only                          (BENCHMARKS.md again from bench/results.json)
 
 Every configuration runs in its own fresh process, so import time, load time and peak RSS are each engine's own;
 the checkpoint's files are read once before each process starts, so every engine loads from the page cache.
@@ -10,8 +13,12 @@ process's peak RSS. Timed sections are repeated and the median is kept (the whol
 20 steps). A second sweep measures UNet step time, VAE decode time and peak RSS against resolution (one process
 per engine and resolution) and is plotted. Then, for sdlite alone: the peak RSS of a whole 1024^2 generation and
 of a 2048^2 tiled decode; the image quality of the quantized UNet (PSNR on the demo model, final-latent cosine on
-the full-size checkpoint); and the profile of bench/profile_unet.py. BENCHMARKS.md gets the tables, ratios, the
-targets with the measured figures, the machine and the command.
+the full-size checkpoint); and the profile of bench/profile_unet.py. Last, the key rows natively and with the CPU
+capped to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`` in the child processes): a whole 20-step 512^2
+generation and peak RSS, sdlite mode 1 fp32 against diffusers fp32 under the same cap, and the start-up breakdown of
+bench/startup.py (import, load, first and second text encoding, each engine in fresh processes). BENCHMARKS.md gets
+the tables, ratios, the targets with the measured figures, the machine (CPU model, ISA flags, torch's CPU
+capability) and the command.
 """
 from __future__ import annotations
 
@@ -94,6 +101,7 @@ with torch.no_grad():
     if cfg.get("e2e"):
         t = time.perf_counter(); generate(cfg["e2e"]); out["e2e_s"] = time.perf_counter() - t
 out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+out["capability"] = torch.backends.cpu.get_cpu_capability()
 print("RESULT " + json.dumps(out))
 """
 
@@ -132,8 +140,8 @@ def warm_page_cache(path: str) -> None:
                     pass
 
 
-def run_child(cfg: dict, code: str = CHILD) -> dict:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+def run_child(cfg: dict, code: str = CHILD, env: dict | None = None) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     if cfg.get("model"):
         warm_page_cache(cfg["model"])
     proc = subprocess.run([sys.executable, "-c", code, json.dumps(cfg)], capture_output=True, text=True, env=env)
@@ -143,20 +151,75 @@ def run_child(cfg: dict, code: str = CHILD) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+# the ISA flags BENCHMARKS.md names (sdlite.engine.cpu.SHOWN_FLAGS where that module exists)
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16",
+             "amx_tile", "amx_int8", "amx_bf16")
+# the ISA caps the per-ISA mode runs under, set in the child processes' environment
+ISAS = {"native": {}, "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}}
+
+
+def cpu_facts() -> dict:
+    """CPU model, its ISA flags (those of ISA_FLAGS it has) and torch's CPU capability, natively."""
     import torch
 
+    try:
+        from sdlite.engine.cpu import detect
+
+        info = detect(environ={})
+        model, flags = info.model, info.flags
+        capability = info.torch_capability
+    except ImportError:  # an older tree without sdlite.engine.cpu: read /proc/cpuinfo here
+        model, flags = "unknown CPU", None
+        try:
+            for line in open("/proc/cpuinfo"):
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown CPU":
+                    model = value.strip()
+                elif key.strip() == "flags" and flags is None:
+                    flags = frozenset(value.split())
+        except OSError:
+            pass
+        capability = torch.backends.cpu.get_cpu_capability()
+    return {"model": model, "flags": None if flags is None else [f for f in ISA_FLAGS if f in flags],
+            "capability": capability}
+
+
+def machine(facts: dict | None = None) -> str:
+    import torch
+
+    facts = facts or cpu_facts()
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, {platform.system()} {platform.machine()}, "
-            f"Python {platform.python_version()}, torch {torch.__version__}, torch threads {torch.get_num_threads()}")
+    flags = "unknown" if facts["flags"] is None else (", ".join(facts["flags"]) or "none of " + ", ".join(ISA_FLAGS))
+    return (f"{facts['model']}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, {platform.system()} {platform.machine()}, "
+            f"Python {platform.python_version()}, torch {torch.__version__}, torch threads {torch.get_num_threads()}"
+            f"; ISA flags: {flags}; torch CPU capability: {facts['capability']}")
+
+
+def measure_isas(isas: list[str], base: dict, results: dict, startup_only: bool, repeat: int) -> dict:
+    """The key rows under each ISA cap: mode 1 fp32 20-step 512^2 generation and peak RSS, sdlite and diffusers
+    (each in its own process: load, generate), and the start-up breakdown of bench/startup.py. Natively, a full
+    run's own rows are reused."""
+    import startup
+
+    out = {}
+    for isa in isas:
+        env = ISAS[isa]
+        row = {"env": env}
+        for label, engine in (("diffusers fp32", "diffusers"), ("sdlite mode 1 fp32", "sdlite")):
+            if startup_only:
+                continue
+            if isa == "native" and label in results:
+                row[label] = results[label]
+                continue
+            cfg = {**base, "engine": engine, "text": False, "unet_sizes": [], "decode_sizes": [],
+                   "label": f"{label} {isa}", **({"memory_mode": 1} if engine == "sdlite" else {})}
+            row[label] = run_child(cfg, env=env)
+            print(f"{isa}: {label}: {row[label]}", flush=True)
+        row["startup"] = startup.measure(base["model"], repeat=repeat, env=env, log=lambda m: print(m, flush=True))
+        row["capability"] = row["startup"]["sdlite"]["capability"]
+        print(f"{isa}: start-up: " + json.dumps({e: r["median"] for e, r in row["startup"].items()}), flush=True)
+        out[isa] = row
+    return out
 
 
 def main():
@@ -166,11 +229,22 @@ def main():
     ap.add_argument("--only", default=None, help="comma-separated configuration labels to run")
     ap.add_argument("--report-only", action="store_true",
                     help="write BENCHMARKS.md again from bench/results.json, measuring nothing")
+    ap.add_argument("--isa", default="native,avx2",
+                    help="ISA caps for the per-ISA rows: native and/or avx2 (ONEDNN_MAX_CPU_ISA=AVX2 "
+                         "ATEN_CPU_CAPABILITY=avx2 in the child processes); empty: none")
+    ap.add_argument("--isa-only", action="store_true",
+                    help="measure only the per-ISA rows (20-step 512^2 generation, peak RSS, start-up breakdown), "
+                         "keep the rest of bench/results.json")
+    ap.add_argument("--startup-only", action="store_true",
+                    help="measure only the per-ISA start-up breakdown (bench/startup.py), keep the rest")
+    ap.add_argument("--startup-repeat", type=int, default=5, help="fresh processes per engine for the start-up rows")
     args = ap.parse_args()
+    raw_file = HERE / "results.json"
     if args.report_only:
-        raw = json.loads((HERE / "results.json").read_text())
+        raw = json.loads(raw_file.read_text())
         sweep = {(k.split()[0], int(k.split()[1])): v for k, v in raw["sweep"].items()}
-        write_report(Path(args.out), raw["results"], sweep, raw["large"], quick=raw["quick"])
+        write_report(Path(args.out), raw["results"], sweep, raw["large"], quick=raw["quick"], isa=raw.get("isa"),
+                     facts=raw.get("cpu"))
         return
     sys.path.insert(0, str(HERE))
     from checkpoint import build
@@ -179,6 +253,23 @@ def main():
     base = dict(model=str(folder), prompt=PROMPT, negative=NEGATIVE, steps=20, text=True, warmup=True,
                 unet_sizes=[256, 512], decode_sizes=[512], repeat=1 if args.quick else 3,
                 decode_repeat=1 if args.quick else 2, e2e=512)
+    isas = [i for i in args.isa.split(",") if i]
+    unknown = [i for i in isas if i not in ISAS]
+    if unknown:
+        raise SystemExit(f"unknown ISA {unknown[0]!r}: expected {', '.join(ISAS)}")
+    if args.isa_only or args.startup_only:  # the other rows stay as the last full run measured them
+        raw = json.loads(raw_file.read_text()) if raw_file.is_file() else \
+            {"results": {}, "sweep": {}, "large": {}, "quick": args.quick}
+        measured = measure_isas(isas, base, {}, args.startup_only, args.startup_repeat)
+        merged = raw.get("isa") or {}
+        for isa, row in measured.items():
+            merged[isa] = {**merged.get(isa, {}), **row}  # --startup-only keeps that ISA's generation rows
+        raw["isa"], raw["cpu"] = merged, cpu_facts()
+        raw_file.write_text(json.dumps(raw, indent=1))
+        sweep = {(k.split()[0], int(k.split()[1])): v for k, v in raw["sweep"].items()}
+        write_report(Path(args.out), raw["results"], sweep, raw["large"], quick=raw["quick"], isa=merged,
+                     facts=raw["cpu"])
+        return
     configs = [
         ("diffusers fp32", dict(engine="diffusers")),
         ("sdlite mode 1 fp32", dict(engine="sdlite", memory_mode=1)),
@@ -234,18 +325,20 @@ def main():
         if prof.returncode:
             raise SystemExit(f"bench/profile_unet.py failed:\n{prof.stderr[-3000:]}")
         large["profile"] = prof.stdout
-    raw = HERE / "results.json"
-    raw.write_text(json.dumps({"results": results, "sweep": {f"{e} {s}": v for (e, s), v in sweep.items()},
-                               "large": large, "quick": args.quick}, indent=1))
-    write_report(Path(args.out), results, sweep, large, quick=args.quick)
+    isa = measure_isas(isas, base, results, False, args.startup_repeat) if isas else {}
+    facts = cpu_facts()
+    raw_file.write_text(json.dumps({"results": results, "sweep": {f"{e} {s}": v for (e, s), v in sweep.items()},
+                                    "large": large, "quick": args.quick, "isa": isa, "cpu": facts}, indent=1))
+    write_report(Path(args.out), results, sweep, large, quick=args.quick, isa=isa, facts=facts)
 
 
 def _ratio(a, b):
     return f"{a / b:.2f}x" if a and b else "-"
 
 
-def write_report(path: Path, results: dict, sweep: dict, large: dict, quick: bool) -> None:
-    ref = results["diffusers fp32"]
+def write_report(path: Path, results: dict, sweep: dict, large: dict, quick: bool, isa: dict | None = None,
+                 facts: dict | None = None) -> None:
+    ref = results.get("diffusers fp32", {})
     rows = [("import + load to ready, s", "ready_s"), ("text encoding, s", "text_s"),
             ("UNet step 256^2 (cfg, batch 2), s", "unet_256_s"), ("UNet step 512^2 (cfg, batch 2), s", "unet_512_s"),
             ("VAE decode 512^2, s", "decode_512_s"), ("end to end 512^2, 20 steps, s", "e2e_s"),
@@ -256,7 +349,7 @@ def write_report(path: Path, results: dict, sweep: dict, large: dict, quick: boo
              "the real shapes, built by `bench/checkpoint.py`), each configuration in its own process. "
              "Prompt and negative prompt as in `bench/run.py`, DPM++ 2M Karras, cfg 7.5, seed 42, fp32 compute "
              "unless stated. Medians of repeated runs inside each process (the 20-step generation runs once).", "",
-             f"Machine: {machine()}", "", f"Command: `make bench` (`python bench/run.py{' --quick' if quick else ''}`)",
+             f"Machine: {machine(facts)}", "", f"Command: `make bench` (`python bench/run.py{' --quick' if quick else ''}`)",
              "", "| measure | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
     for name, key in rows:
         cells = []
@@ -268,7 +361,8 @@ def write_report(path: Path, results: dict, sweep: dict, large: dict, quick: boo
             cells.append(cell)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "Ratios in parentheses are against diffusers fp32 in the same run (lower is better)."]
-    lines += targets(results, large)
+    lines += targets(results, large, isa or {})
+    lines += isa_section(isa or {})
     if sweep:
         lines += ["", "## Against resolution", "",
                   "One process per engine and resolution: one UNet step (cfg, batch 2), one VAE decode, peak RSS.",
@@ -280,7 +374,7 @@ def write_report(path: Path, results: dict, sweep: dict, large: dict, quick: boo
                          f"{d.get(f'decode_{size}_s', 0):.2f} | {s.get(f'decode_{size}_s', 0):.2f} | "
                          f"{d.get('peak_rss_mb', 0):.0f} | {s.get('peak_rss_mb', 0):.0f} |")
         plot = path.parent / "bench" / "resolution.png"
-        if _plot(sweep, plot):
+        if _plot(sweep, plot) or plot.is_file():  # --report-only without matplotlib keeps the last plot
             lines += ["", f"![time and peak memory against resolution]({plot.relative_to(path.parent)})"]
     if large:
         e2e, dec = large["e2e_1024"], large["decode_2048"]
@@ -318,7 +412,61 @@ def write_report(path: Path, results: dict, sweep: dict, large: dict, quick: boo
     print(f"wrote {path}")
 
 
-def targets(results: dict, large: dict) -> list[str]:
+STARTUP_ROWS = (("import (interpreter start included), s", "import"), ("load to ready, s", "load"),
+                ("first text encoding (prompt + negative), s", "text1"), ("second text encoding, s", "text2"),
+                ("import + load + first text encoding, s", "before_unet"),
+                ("sdlite's VAE load (at its first decode, after sampling), s", "vae"))
+
+
+def isa_section(isa: dict) -> list[str]:
+    """Natively and under each ISA cap, side by side: the key rows, sdlite mode 1 fp32 against diffusers fp32
+    measured under the same cap."""
+    if not isa:
+        return []
+    names = list(isa)
+    lines = ["", "## Per ISA", "",
+             "The key rows natively and with the CPU capped to AVX2 (`ONEDNN_MAX_CPU_ISA=AVX2 "
+             "ATEN_CPU_CAPABILITY=avx2` in each child process's environment): sdlite mode 1 fp32 against diffusers "
+             "fp32, each ratio against diffusers under the same cap. The generation rows: one process per engine "
+             "that loads and runs one 20-step 512^2 generation (DPM++ 2M Karras, cfg 7.5); the natively measured "
+             "ones are the main table's. The start-up rows: `bench/startup.py`, medians over fresh processes, "
+             "engines alternating.", "",
+             "torch CPU capability: " + ", ".join(f"{n}: {isa[n].get('capability', '?')}" for n in names), "",
+             "| measure | " + " | ".join(f"{n}: sdlite | {n}: diffusers | {n}: ratio" for n in names) + " |",
+             "|---|" + "---|---|---|" * len(names)]
+
+    def cells(get, fmt, own):
+        out = []
+        for n in names:
+            s, d = get(isa[n], "sdlite"), get(isa[n], "diffusers")
+            if own:  # sdlite's alone: diffusers did it inside its load
+                out += [fmt(s), "(in load)", "-"]
+            else:
+                out += [fmt(s), fmt(d), _ratio(s, d) if s is not None and d else "-"]
+        return out
+
+    def gen(key):
+        return lambda row, e: row.get("sdlite mode 1 fp32" if e == "sdlite" else "diffusers fp32", {}).get(key)
+
+    def start(key):
+        return lambda row, e: row.get("startup", {}).get(e, {}).get("median", {}).get(key)
+
+    fmt_s = lambda v: "-" if v is None else f"{v:.2f}"
+    rows = [("whole 512^2 generation, 20 steps, s", gen("e2e_s"), fmt_s),
+            ("peak RSS, MB", gen("peak_rss_mb"), lambda v: "-" if v is None else f"{v:.0f}")]
+    rows += [(name, start(key), fmt_s) for name, key in STARTUP_ROWS]
+    for name, get, fmt in rows:
+        lines.append(f"| {name} | " + " | ".join(cells(get, fmt, name.startswith("sdlite's"))) + " |")
+    runs = {n: len(isa[n]["startup"]["sdlite"]["runs"]) for n in names if "startup" in isa[n]}
+    if runs:
+        lines += ["", "Start-up: " + ", ".join(f"{n} median of {k} processes per engine" for n, k in runs.items())
+                  + ". sdlite builds its text encoder at the first encoding and its VAE at the first decode; "
+                  "diffusers builds all three networks in `from_pretrained`. Command: "
+                  "`python bench/run.py --startup-only` (or `python bench/startup.py [--isa avx2]`)."]
+    return lines
+
+
+def targets(results: dict, large: dict, isa: dict | None = None) -> list[str]:
     """The issue's targets, each with the measured figure and whether it is met."""
     ref = results.get("diffusers fp32", {})
     m1, m0, q8 = (results.get(k, {}) for k in ("sdlite mode 1 fp32", "sdlite mode 0 fp32", "sdlite mode 1 int8"))
@@ -360,6 +508,14 @@ def targets(results: dict, large: dict) -> list[str]:
             v = max(levels)
             rows.append(f"| tiled vs untiled decode at 512^2: max difference | <= 3/255 | {v}/255 | "
                         f"{'met' if v <= 3 else 'not met'} |")
+    for name, row in (isa or {}).items():
+        m1i, refi = row.get("sdlite mode 1 fp32", {}), row.get("diffusers fp32", {})
+        ratio(m1i, refi, "e2e_s", 0.90, f"{name}: mode 1 fp32 20-step 512^2 generation / diffusers' (same ISA)")
+        ratio(m1i, refi, "peak_rss_mb", 0.90, f"{name}: mode 1 fp32 peak RSS / diffusers' (same ISA)")
+        st = row.get("startup", {})
+        if "sdlite" in st and "diffusers" in st:
+            ratio(st["sdlite"]["median"], st["diffusers"]["median"], "before_unet", 0.5,
+                  f"{name}: import + load + first text encoding / diffusers' (same ISA)")
     return ["", "## Targets", "", "| target | wanted | measured | |", "|---|---|---|---|", *rows]
 
 

@@ -104,9 +104,10 @@ def test_batch_seeds_and_clip_skip_match_diffusers(tiny, tmp_path):
     files, got = run_cli(model, tmp_path / "batch", "euler_a", steps=4, seed=77, size=64, batch=2, clip_skip=2)
     assert max_pixel_diff(got, expected) <= 2
     assert [parse_infotext(read_parameters(f))["Seed"] for f in files] == ["77", "78"]
-    # the second image regenerated alone from its own seed is the same image
+    # the second image regenerated alone from its own seed is the same image, to one level of rounding: a batch
+    # of 1 and a batch of 2 may be summed in a different order by the CPU's kernels (AVX2's do)
     _, alone = run_cli(model, tmp_path / "alone.png", "euler_a", steps=4, seed=78, size=64, clip_skip=2)
-    assert max_pixel_diff(alone[0], got[1]) == 0
+    assert max_pixel_diff(alone[0], got[1]) <= 1
 
 
 def test_cfg_one_runs_without_guidance(tiny, tmp_path):

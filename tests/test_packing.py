@@ -97,6 +97,10 @@ def test_manager_packs_and_frees(model_dir):
     assert layer.packed is None  # freed with the sub-model even though this test still holds the layer
     assert not any(isinstance(m, (PackedConv2d, PackedLinear)) for m in manager.get("unet").modules())  # streamed
     assert not ModelManager(ckpt, mode=1, prepack=False).prepack
+    # the text encoder runs once per prompt: prepacking it would only delay the first encoding
+    with ModelManager(ckpt, mode=1, prepack=True).use("text_encoder") as text:
+        kinds = {type(m) for m in text.modules()}
+        assert nn.Linear in kinds and PackedLinear not in kinds
 
 
 def test_prepack_refused_where_it_does_not_apply(model_dir):

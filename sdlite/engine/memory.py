@@ -175,6 +175,12 @@ def streamed_model(ckpt: Checkpoint, component: str, dtype: torch.dtype, device=
     return module.eval().requires_grad_(False)
 
 
+# The networks whose weights are prepacked. Not the text encoder: it runs once per prompt, so each of its layers
+# would reorder its weight once either way, and the 72 reorders (about 10 ms each: oneDNN sets up a primitive for
+# each) only delay the first text encoding.
+PREPACKED = ("unet", "vae")
+
+
 class ModelManager:
     """Hands out the three networks according to the memory mode; ``use(name)`` is a context manager."""
 
@@ -219,7 +225,7 @@ class ModelManager:
         module = self.ckpt.load(name, self.dtype, self.device)
         if name == "unet" and self.quantize != "none":
             module = quantize_model(module, self.quantize)
-        if self.prepack:
+        if self.prepack and name in PREPACKED:
             module = prepack_model(module)
         return module
 

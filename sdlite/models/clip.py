@@ -60,11 +60,25 @@ class EncoderLayer(nn.Module):
         return x + self.mlp(self.layer_norm2(x))
 
 
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` that skips its random initialisation on the meta device.
+
+    The loader builds every network on the meta device before it assigns the checkpoint's tensors. There,
+    ``nn.Embedding``'s ``normal_`` initialisation goes through a Python reference kernel whose first call imports
+    ``torch._dynamo``: more than a second for values that never exist. Elsewhere (real tensors) the
+    initialisation is PyTorch's, unchanged.
+    """
+
+    def reset_parameters(self) -> None:
+        if self.weight.device.type != "meta":
+            super().reset_parameters()
+
+
 class Embeddings(nn.Module):
     def __init__(self, cfg: TextEncoderConfig):
         super().__init__()
-        self.token_embedding = nn.Embedding(cfg.vocab_size, cfg.width)
-        self.position_embedding = nn.Embedding(cfg.max_positions, cfg.width)
+        self.token_embedding = Embedding(cfg.vocab_size, cfg.width)
+        self.position_embedding = Embedding(cfg.max_positions, cfg.width)
 
     def forward(self, ids):
         ids = ids.to(self.token_embedding.weight.device)
