@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from startup import warm_page_cache  # bench/ is this script's folder, first on sys.path
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PROMPT, NEGATIVE = "a red circle on a blue background, highly detailed", "blurry, low quality"
@@ -128,16 +130,6 @@ for mode in cfg["full_modes"]:
     out["full"][mode] = {"latent_cosine": r.latent_cosine, "psnr": r.psnr_db}
 print("RESULT " + json.dumps(out))
 """
-
-
-def warm_page_cache(path: str) -> None:
-    """Read the checkpoint's files once, so that every engine loads from the page cache (not the disk)."""
-    p = Path(path)
-    for f in sorted(p.rglob("*") if p.is_dir() else [p]):
-        if f.is_file():
-            with open(f, "rb") as fh:
-                while fh.read(1 << 24):
-                    pass
 
 
 def run_child(cfg: dict, code: str = CHILD, env: dict | None = None) -> dict:
