@@ -102,25 +102,24 @@ class Checkpoint:
                                else CLIPTokenizer.from_package(pad_token_id=self.spec.text.pad_token_id))
         return self._tokenizer
 
-    def load(self, component: str, dtype: torch.dtype = torch.float32, device="cpu") -> nn.Module:
+    def load(self, component: str, dtype: torch.dtype = torch.float32, device="cpu",
+             defer: frozenset[str] = frozenset()) -> nn.Module:
         """Build one network (``text_encoder``, ``unet`` or ``vae``) with its weights in ``dtype`` on ``device``.
 
         Shapes are checked against the spec before any tensor is read; each tensor is converted straight
         from the file's storage into ``dtype`` (zero-copy when the file is memory-mapped and already in it).
+        Keys in ``defer`` are left on the meta device, for the caller to fill from :meth:`tensor` (prepacking
+        converts those weights straight into their final layout).
         """
         module = self.build_empty(component)
-        source = self.sources[component]
         expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
         state = {}
         converted = 0
         for key in expected:
-            try:
-                tensor = source.view[key]
-            except CheckpointError:
-                raise
-            except Exception as e:  # a corrupt tensor deep in a file: name it rather than show torch internals
-                raise CheckpointError(f"cannot read the {component} tensor: {e}", source.files[0],
-                                      source.file_key(key)) from None
+            if key in defer:
+                state[key] = torch.empty(expected[key], device="meta")
+                continue
+            tensor = self.tensor(component, key)
             target = dtype if tensor.is_floating_point() else tensor.dtype
             if tensor.dtype != target or torch.device(device).type != "cpu":
                 converted += tensor.numel() * tensor.element_size()
@@ -134,6 +133,18 @@ class Checkpoint:
             self._release_pages()
         module.load_state_dict(state, strict=True, assign=True)
         return module.eval().requires_grad_(False)
+
+    def tensor(self, component: str, key: str) -> torch.Tensor:
+        """One tensor of a component under its canonical key, as stored (a view of the mapped file where it can
+        be); a tensor that cannot be read is a :class:`CheckpointError` naming the file and the key."""
+        source = self.sources[component]
+        try:
+            return source.view[key]
+        except CheckpointError:
+            raise
+        except Exception as e:  # a corrupt tensor deep in a file: name it rather than show torch internals
+            raise CheckpointError(f"cannot read the {component} tensor: {e}", source.files[0],
+                                  source.file_key(key)) from None
 
     def build_empty(self, component: str) -> nn.Module:
         """The network with its weights on the meta device (no memory), after checking that the checkpoint has

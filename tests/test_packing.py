@@ -6,7 +6,9 @@ import torch
 from torch import nn
 
 from sdlite.engine.memory import MemoryModeError, ModelManager
-from sdlite.engine.packing import PackedConv2d, PackedLinear, conv2d, prepack_available, prepack_model, release_packed
+from sdlite.engine.packing import (
+    PackedConv2d, PackedLinear, conv2d, load_prepacked, prepack_available, prepack_model, release_packed,
+)
 from sdlite.engine.tiling import tiled_decode
 from sdlite.loader import open_model
 from tests.reference import diffusers_pipeline
@@ -76,6 +78,31 @@ def test_whole_networks_equal_plain(model_dir):
             assert nn.Conv2d not in kinds and nn.Linear not in kinds, name
             assert _rel(run(packed), expected) < 1e-5, name
     assert packed.dtype == torch.float32
+
+
+@pytest.mark.parametrize("stored", [torch.float16, torch.float32])
+def test_one_pass_load_equals_load_then_prepack(model_dir, tmp_path, stored):
+    """load_prepacked converts each weight straight into oneDNN's layout: the very same network as loading it
+    plain and prepacking it, from an fp16 file (converted through the shared buffer) and an fp32 one."""
+    from sdlite.export import save_diffusers
+    from sdlite.loader import load_model
+
+    folder = tmp_path / "copy"
+    save_diffusers(load_model(model_dir), folder, dtype=stored)
+    ckpt = open_model(folder)
+    torch.manual_seed(0)
+    x, t, ctx = torch.randn(2, 4, 16, 16), torch.tensor([10.0, 900.0]), torch.randn(2, 77, 32)
+    z = torch.randn(1, 4, 16, 16)
+    with torch.no_grad():
+        for name, run in (("unet", lambda m: m(x, t, ctx)), ("vae", lambda m: m.decode(z))):
+            two_step = prepack_model(ckpt.load(name, torch.float32, "cpu"))
+            one_pass = load_prepacked(ckpt, name)
+            assert [type(m) for m in one_pass.modules()] == [type(m) for m in two_step.modules()], name
+            assert not any(p.is_meta for p in [*one_pass.parameters(), *one_pass.buffers()]), name
+            assert torch.equal(run(one_pass), run(two_step)), name
+    # the memory manager uses it for the prepacked networks
+    with ModelManager(ckpt, mode=1, prepack=True).use("unet") as unet:
+        assert isinstance(unet.conv_in, PackedConv2d) and isinstance(unet.time_embedding.linear_1, PackedLinear)
 
 
 def test_tiled_decode_with_packed_vae(model_dir):

@@ -27,7 +27,7 @@ from ..models.clip import Embeddings, EncoderLayer
 from ..models.layers import Downsample, ResnetBlock, Upsample
 from ..models.unet import SpatialTransformer
 from .cpu import default_prepack
-from .packing import prepack_available, prepack_model, release_packed
+from .packing import load_prepacked, prepack_available, prepack_model, release_packed
 from .quant import check_quantize_supported, quantize_model
 
 MEMORY_MODES = {
@@ -222,8 +222,11 @@ class ModelManager:
         return self._load_whole(name)
 
     def _load_whole(self, name: str) -> nn.Module:
+        quantized = name == "unet" and self.quantize != "none"
+        if self.prepack and name in PREPACKED and not quantized:
+            return load_prepacked(self.ckpt, name)   # the same as loading and then prepacking, in one pass
         module = self.ckpt.load(name, self.dtype, self.device)
-        if name == "unet" and self.quantize != "none":
+        if quantized:
             module = quantize_model(module, self.quantize)
         if self.prepack and name in PREPACKED:
             module = prepack_model(module)
