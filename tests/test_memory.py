@@ -173,3 +173,28 @@ def test_tiled_decode_with_streamed_weights(model_dir):
     plain = Engine.load(model_dir, weight_dtype=torch.float16, vae_tile=0).decode_latents(z)
     assert tiled.shape == plain.shape and tiled.shape[-1] > z.shape[-1]
     assert (tiled - plain).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("stored", [torch.float16, torch.float32])
+def test_mode_1_keeps_a_half_precision_text_encoder_as_stored(model_dir, tmp_path, stored):
+    """Mode 1 keeps a half-precision file's text encoder weights as stored (zero-copy, up-cast block by block
+    while it runs): the same encodings as the fp32-converted network. An fp32 file's are used as they are."""
+    from sdlite.export import save_diffusers
+    from sdlite.loader import load_model
+
+    folder = tmp_path / "copy"
+    save_diffusers(load_model(model_dir), folder, dtype=stored)
+    ckpt = open_model(folder)
+    ids = ckpt.tokenizer()(["a red circle on a blue background", "blurry"])
+    with torch.no_grad():
+        expected = ckpt.load("text_encoder", torch.float32)(ids)
+        manager = ModelManager(ckpt, mode=1)
+        with manager.use("text_encoder") as text:
+            got = text(ids)
+            kept = hasattr(text, "_streamer")
+        assert torch.equal(got, expected)
+    assert kept == (stored == torch.float16)
+    assert manager.resident() == ["text_encoder"]
+    # other modes and an explicit weight dtype are unchanged
+    assert not ModelManager(ckpt, mode=2)._keeps_as_stored("text_encoder")
+    assert not ModelManager(ckpt, mode=1)._keeps_as_stored("unet")

@@ -211,11 +211,27 @@ class ModelManager:
     def _streams(self, name: str) -> bool:
         """Whether the network's weights are streamed block by block (on the meta device between blocks)."""
         return (self.mode == 0 and name == "unet") or (self.weight_dtype is not None
-                                                       and self.weight_dtype != self.dtype)
+                                                       and self.weight_dtype != self.dtype) \
+            or self._keeps_as_stored(name)
+
+    def _keeps_as_stored(self, name: str) -> bool:
+        """Mode 1 keeps the text encoder's weights as a half-precision file stores them (zero-copy), each block
+        up-cast to fp32 while it runs: the same values as converting them all at load, half the memory (about
+        250 MB for SD 1.5, resident beside the decoder's buffers at the peak), and about 0.1 s more per prompt,
+        which is encoded once per generation."""
+        if not (name == "text_encoder" and self.mode == 1 and self.weight_dtype is None and self.ckpt is not None
+                and self.dtype == torch.float32 and self.device.type == "cpu"
+                and "text_encoder" in self.ckpt.sources):
+            return False
+        source = self.ckpt.sources["text_encoder"]
+        stored = source.view[next(iter(source.shapes))]
+        return stored.dtype in (torch.float16, torch.bfloat16)
 
     def _build(self, name: str) -> nn.Module:
         if self.mode == 0 and name == "unet":
             return streamed_model(self.ckpt, name, self.dtype, self.device)
+        if self._keeps_as_stored(name):
+            return streamed_model(self.ckpt, name, self.dtype, self.device, keep_pages=True)
         if self._streams(name):
             return streamed_model(self.ckpt, name, self.dtype, self.device, keep_pages=True,
                                   weight_dtype=self.weight_dtype)
