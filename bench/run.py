@@ -420,8 +420,9 @@ def isa_section(isa: dict) -> list[str]:
              "The key rows natively and with the CPU capped to AVX2 (`ONEDNN_MAX_CPU_ISA=AVX2 "
              "ATEN_CPU_CAPABILITY=avx2` in each child process's environment): sdlite mode 1 fp32 against diffusers "
              "fp32, each ratio against diffusers under the same cap. The generation rows: one process per engine "
-             "that loads and runs one 20-step 512^2 generation (DPM++ 2M Karras, cfg 7.5); the natively measured "
-             "ones are the main table's. The start-up rows: `bench/startup.py`, medians over fresh processes, "
+             "that loads and runs one 20-step 512^2 generation (DPM++ 2M Karras, cfg 7.5); in a full run the "
+             "native ones are the main table's, with `--isa-only` they are measured here (and may then differ "
+             "from the main table, which is not re-measured). The start-up rows: `bench/startup.py`, medians over fresh processes, "
              "engines alternating.", "",
              "torch CPU capability: " + ", ".join(f"{n}: {isa[n].get('capability', '?')}" for n in names), "",
              "| measure | " + " | ".join(f"{n}: sdlite | {n}: diffusers | {n}: ratio" for n in names) + " |",
