@@ -39,7 +39,7 @@ _WEIGHT_NAMES = {
     "unet": "diffusion_pytorch_model", "vae": "diffusion_pytorch_model", "text_encoder": "model",
 }
 _MAX_LISTED = 5
-_RELEASE_EVERY = 256 << 20  # bytes converted between releases of the file pages they were read from
+RELEASE_EVERY = 256 << 20  # bytes converted between releases of the file pages they were read from
 # metadata keys of the single files we write: the prediction type in the modelspec convention, and the three
 # configs (shapes cannot tell head counts, nor that an SD 2.x file lacks OpenCLIP's unused last block)
 META_PREDICTION = "modelspec.prediction_type"
@@ -102,16 +102,19 @@ class Checkpoint:
                                else CLIPTokenizer.from_package(pad_token_id=self.spec.text.pad_token_id))
         return self._tokenizer
 
-    def load(self, component: str, dtype: torch.dtype = torch.float32, device="cpu",
-             defer: frozenset[str] = frozenset()) -> nn.Module:
+    def load(self, component: str, dtype: torch.dtype = torch.float32, device="cpu") -> nn.Module:
         """Build one network (``text_encoder``, ``unet`` or ``vae``) with its weights in ``dtype`` on ``device``.
 
         Shapes are checked against the spec before any tensor is read; each tensor is converted straight
         from the file's storage into ``dtype`` (zero-copy when the file is memory-mapped and already in it).
-        Keys in ``defer`` are left on the meta device, for the caller to fill from :meth:`tensor` (prepacking
-        converts those weights straight into their final layout).
         """
-        module = self.build_empty(component)
+        return self.load_into(self.build_empty(component), component, dtype, device)
+
+    def load_into(self, module: nn.Module, component: str, dtype: torch.dtype = torch.float32, device="cpu",
+                  defer: frozenset[str] = frozenset()) -> nn.Module:
+        """:meth:`load` into ``module``, a network from :meth:`build_empty`. Keys in ``defer`` are left on the meta
+        device, for the caller to fill from :meth:`tensor` (prepacking converts those weights straight into their
+        final layout)."""
         expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
         state = {}
         converted = 0
@@ -126,7 +129,7 @@ class Checkpoint:
             else:
                 self._zero_copy = True  # this module's weights are views of the mapped file
             state[key] = tensor.to(device=device, dtype=target)
-            if converted > _RELEASE_EVERY and not self._zero_copy:
+            if converted > RELEASE_EVERY and not self._zero_copy:
                 self._release_pages()  # the converted copy is what stays; the file pages need not
                 converted = 0
         if not self._zero_copy:

@@ -230,8 +230,6 @@ class ModelManager:
     def _build(self, name: str) -> nn.Module:
         if self.mode == 0 and name == "unet":
             return streamed_model(self.ckpt, name, self.dtype, self.device)
-        if self._keeps_as_stored(name):
-            return streamed_model(self.ckpt, name, self.dtype, self.device, keep_pages=True)
         if self._streams(name):
             return streamed_model(self.ckpt, name, self.dtype, self.device, keep_pages=True,
                                   weight_dtype=self.weight_dtype)

@@ -45,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..loader import RELEASE_EVERY
+
 
 def prepack_available(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> bool:
     """Whether :func:`prepack_model` applies here: fp32 on a CPU whose PyTorch build has the oneDNN kernels."""
@@ -118,9 +120,6 @@ def prepack_model(module: nn.Module) -> nn.Module:
     return module
 
 
-_RELEASE_EVERY = 256 << 20  # bytes read from the file between hand-backs of its pages
-
-
 def load_prepacked(ckpt, component: str) -> nn.Module:
     """``prepack_model(ckpt.load(component, torch.float32))`` in one pass: the same module, bit for bit.
 
@@ -130,21 +129,19 @@ def load_prepacked(ckpt, component: str) -> nn.Module:
     full-size SD 1.5 UNet (fp16 file, 2-core Zen 4) about 1.7 s instead of 5-6 s. The file's pages are handed
     back as they are read, as :meth:`~sdlite.loader.Checkpoint.load` does.
     """
-    with torch.device("meta"):
-        layers = [(name, layer) for name, layer in ckpt.build_empty(component).named_modules()
-                  if type(layer) in (nn.Conv2d, nn.Linear)]
-    weights = frozenset(f"{name}.weight" for name, _ in layers)
-    module = ckpt.load(component, torch.float32, "cpu", defer=weights)
+    module = ckpt.build_empty(component)
+    layers = [(name, layer) for name, layer in module.named_modules() if type(layer) in (nn.Conv2d, nn.Linear)]
+    module = ckpt.load_into(module, component, torch.float32, "cpu",
+                            defer=frozenset(f"{name}.weight" for name, _ in layers))
     largest = max((layer.weight.numel() for _, layer in layers), default=0)
     buffer = torch.empty(largest)       # each weight is converted into this, then reordered out of it
     read = 0
     for name, layer in layers:
-        layer = module.get_submodule(name)
         stored = ckpt.tensor(component, f"{name}.weight")
         weight = buffer[:stored.numel()].view(stored.shape).copy_(stored)
         module.set_submodule(name, (PackedConv2d if type(layer) is nn.Conv2d else PackedLinear)(layer, weight))
         read += stored.numel() * stored.element_size()
-        if read > _RELEASE_EVERY:
+        if read > RELEASE_EVERY:
             ckpt.release_pages()
             read = 0
     ckpt.release_pages()
