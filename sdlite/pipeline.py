@@ -34,7 +34,7 @@ try:
     from .errors import SDLiteError
     from .loader import StableDiffusion, open_model, resolve_prediction_type
     from .sampling.denoisers import CFGDenoiser, Denoiser
-    from .sampling.samplers import SAMPLERS, resolve_sampler, sample
+    from .sampling.samplers import SAMPLERS, img2img_start, plan, resolve_sampler, sample
     from .sampling.schedules import SIGMA_KINDS, SPACINGS, NoiseSchedule
 finally:
     if _GC_WAS_ENABLED:
@@ -68,6 +68,29 @@ class Request:
     clip_skip: int = 1                # A1111 numbering: 1 = last layer
     eta: float | None = None          # DDIM / ancestral / SDE noise amount; None: the sampler's default
     timestep_spacing: str | None = None  # leading | linspace | trailing; None: what the model's scheduler says
+    # image to image, inpainting, outpainting (see sdlite.sources for the pixel side, A1111's rules)
+    init_image: object = None         # a path or a PIL image: image to image (and inpainting with a mask)
+    mask: object = None               # a path or a PIL image; white = repaint
+    strength: float = 0.75            # (0, 1]: the last int(steps * strength) steps are run
+    mask_blur: int = 4                # px, A1111's default
+    inpaint_fill: str | None = None   # original | fill | latent-noise | latent-nothing; None: original (fill
+                                      # when outpainting)
+    invert_mask: bool = False
+    inpaint_area: str = "whole"       # whole | masked (crop around the mask, generate at full size, paste back)
+    inpaint_padding: int = 32         # px around the mask's box for inpaint_area="masked"
+    overlay: bool = True              # paste the source back outside the (blurred) mask, as A1111 does
+    outpaint: tuple | None = None     # (left, top, right, bottom) px, multiples of 8: extend the canvas
+    resize_mode: str = "just-resize"  # just-resize | crop | fill: how a source of another size is fitted
+    mask_from_alpha: bool = False     # the init image's transparency is the mask
+
+    @property
+    def is_img2img(self) -> bool:
+        return self.init_image is not None
+
+    @property
+    def is_inpaint(self) -> bool:
+        return self.init_image is not None and (self.mask is not None or self.mask_from_alpha
+                                                or self.outpaint is not None)
 
     def replace(self, **changes) -> "Request":
         return dataclasses.replace(self, **changes)
@@ -83,12 +106,67 @@ class Result:
     timings: dict = field(default_factory=dict)
 
 
+def _validate_image_options(r: Request) -> Request:
+    """The image-to-image options: each checked, the fill mode resolved. Images are not opened here."""
+    from .sources import INPAINT_AREAS, INPAINT_FILLS, RESIZE_MODES
+
+    if r.init_image is None:
+        for name, value, default in (("mask", r.mask, None), ("outpaint", r.outpaint, None),
+                                     ("mask_from_alpha", r.mask_from_alpha, False)):
+            if value != default:
+                raise RequestError(f"{name} needs a source image (init_image / --init-image)")
+        return r
+    strength = r.strength
+    if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not 0.0 < strength <= 1.0:
+        raise RequestError(f"strength {strength!r} is not valid: it must be above 0 and at most 1 "
+                           "(1 repaints everything, 0.3 keeps most of the source)")
+    if int(r.steps * strength) < 1:
+        raise RequestError(f"strength {strength:g} with {r.steps} steps runs int({r.steps} x {strength:g}) = 0 "
+                           f"steps: raise the strength to at least {1 / r.steps:.3g} or the steps")
+    if r.mask is not None and r.mask_from_alpha:
+        raise RequestError("give either a mask or mask_from_alpha (--mask-from-alpha), not both")
+    if isinstance(r.mask_blur, bool) or not isinstance(r.mask_blur, int) or r.mask_blur < 0:
+        raise RequestError(f"mask blur {r.mask_blur!r} is not valid: it must be 0 or more pixels")
+    if isinstance(r.inpaint_padding, bool) or not isinstance(r.inpaint_padding, int) or r.inpaint_padding < 0:
+        raise RequestError(f"inpaint padding {r.inpaint_padding!r} is not valid: it must be 0 or more pixels")
+    fill = r.inpaint_fill or ("fill" if r.outpaint is not None else "original")
+    if fill not in INPAINT_FILLS:
+        raise RequestError(f"inpaint fill {fill!r} is not valid: expected one of {', '.join(INPAINT_FILLS)}")
+    if r.inpaint_area not in INPAINT_AREAS:
+        raise RequestError(f"inpaint area {r.inpaint_area!r} is not valid: expected one of {', '.join(INPAINT_AREAS)}")
+    if r.resize_mode not in RESIZE_MODES:
+        raise RequestError(f"resize mode {r.resize_mode!r} is not valid: expected one of {', '.join(RESIZE_MODES)}")
+    outpaint = r.outpaint
+    if outpaint is not None:
+        try:
+            outpaint = tuple(outpaint)
+        except TypeError:
+            outpaint = (outpaint,)
+        if len(outpaint) != 4:
+            raise RequestError(f"outpaint {r.outpaint!r} is not valid: expected four values LEFT,TOP,RIGHT,BOTTOM "
+                               "in pixels, multiples of 8 (e.g. 64,0,64,0)")
+        for side, value in zip(("left", "top", "right", "bottom"), outpaint):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value % 8:
+                raise RequestError(f"outpaint {side}={value!r} is not valid: it must be a multiple of 8 pixels, "
+                                   "0 or more")
+        if not any(outpaint):
+            raise RequestError("outpaint 0,0,0,0 extends nothing: give at least one side a multiple of 8 above 0")
+    return r.replace(inpaint_fill=fill if r.is_inpaint else r.inpaint_fill, outpaint=outpaint,
+                     strength=float(strength))
+
+
 def validate(request: Request, native_size: int = 512) -> Request:
-    """Check every parameter and resolve the defaults; a bad one raises :class:`RequestError`."""
+    """Check every parameter and resolve the defaults; a bad one raises :class:`RequestError`.
+
+    With a source image, a width or height left None stays None: it comes from the source's size when the
+    source is read (:meth:`Engine.generate`)."""
     r = request
-    width = native_size if r.width is None else r.width
-    height = native_size if r.height is None else r.height
+    sized_by_source = r.init_image is not None
+    width = (None if sized_by_source else native_size) if r.width is None else r.width
+    height = (None if sized_by_source else native_size) if r.height is None else r.height
     for name, value in (("width", width), ("height", height)):
+        if value is None:
+            continue
         if not isinstance(value, int) or value < 8 or value % 8:
             raise RequestError(f"{name}={value!r} is not valid: it must be a positive multiple of 8")
     if not isinstance(r.steps, int) or not 1 <= r.steps <= MAX_STEPS:
@@ -119,8 +197,8 @@ def validate(request: Request, native_size: int = 512) -> Request:
         seed = random.SystemRandom().randrange(0, MAX_SEED - MAX_BATCH)
     if seed + r.batch_size - 1 > MAX_SEED:
         raise RequestError(f"seed {seed} + batch {r.batch_size} runs past the largest seed {MAX_SEED}")
-    return r.replace(width=width, height=height, sampler=sampler, schedule=schedule, seed=seed,
-                     cfg_scale=float(r.cfg_scale))
+    return _validate_image_options(r).replace(width=width, height=height, sampler=sampler, schedule=schedule,
+                                              seed=seed, cfg_scale=float(r.cfg_scale))
 
 
 def initial_noise(generators: list[torch.Generator], shape: tuple[int, ...]) -> torch.Tensor:
@@ -215,13 +293,83 @@ class Engine:
         with torch.no_grad(), self.models.use_whole("vae") as vae:  # tiling calls the layers one by one
             return tiled_decode(vae, latents.to(self.device, vae.dtype), tile)
 
+    def encode_image(self, image: torch.Tensor, generators: list[torch.Generator] | None) -> torch.Tensor:
+        """Images (1, 3, H, W) in [-1, 1] -> scaled latents (B, 4, H/8, W/8): one encoder pass, then one sample
+        of the latent distribution per generator, each drawn as the reference draws it (``randn`` of the
+        latent's shape from generator i; diffusers encodes the image once per batch item to the same moments).
+        Without generators, the distribution's mean (B = 1)."""
+        with torch.no_grad(), self.models.use("vae") as vae:
+            mean, logvar = vae.encode_moments(image.to(self.device, vae.dtype))
+        mean, std = mean.float(), torch.exp(0.5 * logvar.float())
+        if not generators:
+            return mean * self.spec.vae.scaling_factor
+        draws = torch.cat([torch.randn(mean.shape, generator=g) for g in generators]).to(mean.device)
+        return (mean + std * draws) * self.spec.vae.scaling_factor
+
+    def prepare_source(self, r: Request) -> "Source":
+        """Read the source image (and mask) of an image-to-image request and prepare the pixels as A1111 does:
+        outpaint canvas, mask inversion and blur, fitting to the generation size (or the crop around the mask),
+        the fill mode's pre-fill. Returns the pixels to encode and what the paste-back needs."""
+        from . import sources
+
+        try:
+            loaded = sources.load_image(r.init_image, "init image")
+            mask = None
+            if r.mask_from_alpha:
+                mask = sources.load_mask(loaded, "init image's transparency", from_alpha=True)
+            elif r.mask is not None:
+                mask = sources.load_mask(r.mask, "mask")
+            image = sources.to_rgb(loaded)
+            if mask is not None and mask.size != image.size:
+                mask = mask.resize(image.size, Image.Resampling.LANCZOS).point(lambda v: 255 if v > 128 else 0)
+            if mask is not None and r.invert_mask:
+                mask = sources.invert_mask(mask)
+            if r.outpaint is not None:
+                image, border = sources.outpaint_canvas(image, *r.outpaint)
+                if mask is None:
+                    mask = border
+                else:  # the given mask over the source, plus the new border
+                    padded = Image.new("L", image.size, 0)
+                    padded.paste(mask, (r.outpaint[0], r.outpaint[1]))
+                    mask = Image.fromarray(np.maximum(np.asarray(padded), np.asarray(border)))
+            if mask is not None:
+                sources.check_mask_not_empty(mask, "the mask" + (" (inverted)" if r.invert_mask else ""))
+        except sources.ImageInputError as e:
+            raise RequestError(str(e)) from None
+        width = r.width or max(8, round(image.width / 8) * 8)
+        height = r.height or max(8, round(image.height / 8) * 8)
+        blurred = sources.blur_mask(mask, r.mask_blur) if mask is not None and r.mask_blur else mask
+        paste_box = None
+        if mask is not None and r.inpaint_area == "masked":
+            paste_box = sources.crop_region(blurred, r.inpaint_padding, width, height)
+            overlay_source, overlay_mask = image, blurred
+            image = sources.resize_image(image.crop(paste_box), width, height, "fill")
+            blurred = sources.resize_image(blurred.crop(paste_box), width, height, "fill")
+        else:
+            image = sources.resize_image(image, width, height, r.resize_mode)
+            if blurred is not None:
+                blurred = sources.resize_image(blurred, width, height, r.resize_mode)
+            overlay_source, overlay_mask = image, blurred
+        if blurred is not None and r.inpaint_fill == "fill":
+            image = sources.fill_masked(image, blurred)
+        return Source(image=image, mask=blurred, width=width, height=height, overlay_source=overlay_source,
+                      overlay_mask=overlay_mask, paste_box=paste_box)
+
     def generate(self, request: Request, callback: Callable[[int, int], None] | None = None) -> Result:
         """Run one request. ``callback(step, total)`` is called after each sampler step."""
         r = validate(request, self.spec.default_size)
-        if self.spec.unet.in_channels != self.spec.vae.latent_channels:
-            raise RequestError(f"{self.spec.family} models take a source image and a mask besides the prompt; "
-                               "text-to-image needs a text-to-image model")
+        inpaint_model = self.spec.unet.in_channels != self.spec.vae.latent_channels
+        if inpaint_model and self.spec.unet.in_channels != 2 * self.spec.vae.latent_channels + 1:
+            raise RequestError(f"this UNet takes {self.spec.unet.in_channels} input channels: sdlite runs "
+                               f"{self.spec.vae.latent_channels} (text to image, image to image) or "
+                               f"{2 * self.spec.vae.latent_channels + 1} (inpainting models)")
+        if inpaint_model and r.is_img2img and not r.is_inpaint:
+            raise RequestError(f"{self.spec.family} is an inpainting model: image to image needs a mask "
+                               "(--mask, --mask-from-alpha or --outpaint); without one it would repaint everything")
         t0 = time.perf_counter()
+        source = self.prepare_source(r) if r.is_img2img else None
+        if source is not None:
+            r = r.replace(width=source.width, height=source.height)
         seeds = [r.seed + i for i in range(r.batch_size)]
         use_cfg = r.cfg_scale > 1.0
         if use_cfg:
@@ -236,29 +384,153 @@ class Engine:
 
         vae_scale = self.spec.vae.downscale
         shape = (self.spec.vae.latent_channels, r.height // vae_scale, r.width // vae_scale)
-        # image i's generator draws its initial noise, then (stochastic samplers) its per-step noise
+        # image i's generator draws (source latent sample,) its initial noise, (masked-image latent sample,) then
+        # (stochastic samplers) its per-step noise: the reference's order
         generators = [torch.Generator().manual_seed(s) for s in seeds]
-        noise = initial_noise(generators, shape).to(self.device)
+        extra = {"context": ctx, "uncond": uncond}
+        start, noised, blend = 0, False, None
+        if source is None and not inpaint_model:
+            x = initial_noise(generators, shape).to(self.device)
+        else:
+            x, start, noised, concat, blend = self._image_latents(r, source, generators, shape, inpaint_model)
+            if concat is not None:
+                extra["concat"] = concat
 
         def on_step(i, total, x):
+            if blend is not None:
+                x = blend(i, total, x)
             if callback is not None:
                 callback(i + 1, total)
+            return x
 
         with torch.no_grad(), self.models.use("unet") as unet:
             denoiser = CFGDenoiser(Denoiser(unet, self.schedule, self.spec.prediction_type, dtype=unet.dtype),
                                    r.cfg_scale if use_cfg else 1.0)
-            latents = sample(r.sampler, denoiser, noise, self.schedule, r.steps, r.schedule, generator=generators,
-                             spacing=r.timestep_spacing, eta=r.eta, callback=on_step, extra_args={"context": ctx, "uncond": uncond})
+            latents = sample(r.sampler, denoiser, x, self.schedule, r.steps, r.schedule, generator=generators,
+                             spacing=r.timestep_spacing, eta=r.eta, callback=on_step, extra_args=extra,
+                             start=start, noised=noised)
         # glibc keeps the sampling loop's freed activations in its heap (they are reused step after step); hand
         # them back before the decoder allocates its own, larger ones, or both count in the peak (about 250 MB
         # less peak at 512^2 for SD 1.5)
         trim_heap()
         t2 = time.perf_counter()
         decoded = self.decode_latents(latents / self.spec.vae.scaling_factor)
+        images = latents_to_images(decoded)
+        if source is not None and source.mask is not None:
+            images = [source.finish(im, r.overlay) for im in images]
         t3 = time.perf_counter()
-        return Result(images=latents_to_images(decoded), seeds=seeds, request=r, latents=latents,
+        return Result(images=images, seeds=seeds, request=r, latents=latents,
                       warnings=warnings, timings={"text": t1 - t0, "sampling": t2 - t1, "decode": t3 - t2,
                                                   "total": t3 - t0})
+
+    def _image_latents(self, r: Request, source: "Source | None", generators, shape, inpaint_model: bool):
+        """The start of an image-to-image or inpainting run, as diffusers' img2img and inpainting pipelines
+        build it: ``(x, start, noised, concat, blend)``, the start latent, the planned steps skipped, whether
+        ``x`` is already noised, the inpainting UNet's extra channels and the 4-channel model's per-step
+        re-imposition of the unmasked region."""
+        if source is None:  # an inpainting model asked for text to image: all repainted, from a blank source
+            pixels = torch.zeros(1, 3, r.height, r.width)
+            mask = torch.ones(1, 1, r.height, r.width)
+        else:
+            pixels = image_to_tensor(source.image)
+            mask = None if source.mask is None else mask_to_tensor(source.mask)
+        strength = r.strength if source is not None else 1.0
+        start = img2img_start(r.steps, strength)
+        strength_max = strength == 1.0
+        p = plan(r.sampler, self.schedule, r.steps, r.schedule, r.timestep_spacing)
+        sigmas = p.sigmas[start:]
+        is_inpaint = mask is not None
+        # diffusers' inpainting pipeline starts from pure noise at strength 1 and needs no source latents then,
+        # unless a 4-channel UNet re-imposes them; its img2img pipeline always noises the source
+        need_source = not is_inpaint or not strength_max or not inpaint_model
+        x0 = self.encode_image(pixels, generators) if need_source else None
+        noise = initial_noise(generators, shape)
+        concat = blend = None
+        if is_inpaint:
+            lat_mask = torch.nn.functional.interpolate(mask, size=shape[1:])             # nearest, as diffusers
+            masked = pixels * (mask < 0.5)
+            if inpaint_model:
+                masked_latents = self.encode_image(masked, generators)
+                concat = torch.cat([lat_mask.expand(len(generators), -1, -1, -1), masked_latents], dim=1)
+            else:  # the reference encodes the masked image here too; only its draws matter to what follows
+                for g in generators:
+                    torch.randn(shape, generator=g)
+            if x0 is not None and r.inpaint_fill in ("latent-noise", "latent-nothing"):
+                fill = initial_noise(generators, shape) if r.inpaint_fill == "latent-noise" else torch.zeros_like(x0)
+                x0 = x0 * (1 - lat_mask) + fill * lat_mask
+            if not inpaint_model:
+                blend = _Blend(x0.to(self.device), noise.to(self.device), lat_mask.to(self.device), sigmas)
+        if is_inpaint and strength_max:
+            return noise.to(self.device), start, False, _to(concat, self.device), blend
+        x = x0 + noise * sigmas[0]
+        return x.to(self.device), start, True, _to(concat, self.device), blend
+
+
+def _to(t: torch.Tensor | None, device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)
+
+
+@dataclass
+class _Blend:
+    """A 4-channel UNet's inpainting (diffusers' StableDiffusionInpaintPipeline): after each step, the
+    unmasked region is replaced by the source latents noised to the step's new level (the same noise as the
+    start), and after the last by the source latents themselves."""
+
+    x0: torch.Tensor
+    noise: torch.Tensor
+    mask: torch.Tensor     # (1, 1, h, w), 1 = repaint
+    sigmas: torch.Tensor   # the run's sigmas (after the img2img start)
+
+    def __call__(self, i: int, total: int, x: torch.Tensor) -> torch.Tensor:
+        sigma = self.sigmas[i + 1].to(x.device)
+        if i < total - 1:
+            proper = self.x0 + self.noise * sigma
+        else:  # the reference blends its unscaled latents with the clean source: in sigma form, scaled
+            proper = self.x0 * (sigma**2 + 1) ** 0.5
+        return (1 - self.mask) * proper.to(x.dtype) + self.mask * x
+
+
+@dataclass
+class Source:
+    """A prepared source: the pixels to encode (``image``, RGB at width x height) and their ``mask`` ("L",
+    blurred, 255 = repaint; None for plain image to image), and what pasting back needs: the source as the
+    user sees it (``overlay_source``), the blurred mask at its size, and the crop box the generation covered
+    (``paste_box``, inpaint area "masked")."""
+
+    image: Image.Image
+    mask: Image.Image | None
+    width: int
+    height: int
+    overlay_source: Image.Image
+    overlay_mask: Image.Image | None
+    paste_box: tuple[int, int, int, int] | None = None
+
+    def finish(self, result: Image.Image, overlay: bool) -> Image.Image:
+        """A generated image as the user gets it: pasted back into the source where only a crop was generated,
+        and (``overlay``) with the source's pixels composited back outside the blurred mask, as A1111 does."""
+        from . import sources
+
+        if overlay:
+            return sources.apply_overlay(result, self.overlay_source, self.overlay_mask, self.paste_box)
+        if self.paste_box is None:
+            return result
+        x1, y1, x2, y2 = self.paste_box
+        out = self.overlay_source.copy()
+        out.paste(result.resize((x2 - x1, y2 - y1), Image.Resampling.LANCZOS), (x1, y1))
+        return out
+
+
+def image_to_tensor(image: Image.Image) -> torch.Tensor:
+    """An RGB image -> (1, 3, H, W) float32 in [-1, 1], as the reference's image processor normalises it."""
+    arr = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
+    return torch.from_numpy(arr).permute(2, 0, 1)[None] * 2.0 - 1.0
+
+
+def mask_to_tensor(mask: Image.Image) -> torch.Tensor:
+    """An "L" mask -> (1, 1, H, W) of 0/1: repaint where the (blurred) mask is at least half white, as the
+    reference binarises it."""
+    arr = np.asarray(mask.convert("L"), dtype=np.float32) / 255.0
+    return torch.from_numpy((arr >= 0.5).astype(np.float32))[None, None]
 
 
 def check_device(device: str | torch.device) -> torch.device:

@@ -154,3 +154,42 @@ def saved_pipeline(pipe, folder):
     pipe.save_pretrained(folder)
     return StableDiffusionPipeline.from_pretrained(folder, dtype=torch.float32, local_files_only=True,
                                                    safety_checker=None, requires_safety_checker=False)
+
+
+# our sampler name -> (diffusers scheduler class, its extra config)
+SCHEDULERS = {
+    "euler": ("EulerDiscreteScheduler", {}),
+    "euler_a": ("EulerAncestralDiscreteScheduler", {}),
+    "dpmpp_2m_karras": ("DPMSolverMultistepScheduler", {"algorithm_type": "dpmsolver++", "solver_order": 2,
+                                                         "use_karras_sigmas": True}),
+    "ddim": ("DDIMScheduler", {}),
+    "pndm": ("PNDMScheduler", {"skip_prk_steps": True}),
+}
+# more of them, for the image-to-image tests
+MORE_SCHEDULERS = {
+    "heun": ("HeunDiscreteScheduler", {}),
+    "lms": ("LMSDiscreteScheduler", {}),
+    "unipc": ("UniPCMultistepScheduler", {"solver_type": "bh2", "solver_order": 2}),
+    "dpmpp_2m_sde": ("DPMSolverMultistepScheduler", {"algorithm_type": "sde-dpmsolver++", "solver_order": 2}),
+    "ddpm": ("DDPMScheduler", {}),
+}
+
+_BASE_SCHEDULERS: dict = {}
+
+
+def use_scheduler(pipe, sampler: str, spacing: str | None = None):
+    """Give ``pipe`` the diffusers scheduler that our ``sampler`` follows, built from the pipeline's own
+    scheduler config (plus ``timestep_spacing=spacing`` when given)."""
+    import diffusers
+
+    cls, extra = {**SCHEDULERS, **MORE_SCHEDULERS}[sampler]
+    # Each swap starts from the pipeline's own scheduler config: a swapped-in scheduler lists the fields it
+    # defaulted (``_use_default_values``), and the next from_config would drop them even when given explicitly
+    # (use_karras_sigmas=True after Euler, say).
+    base = _BASE_SCHEDULERS.setdefault(id(pipe), (pipe, dict(pipe.scheduler.config)))[1]
+    # real SD folders' scheduler configs say clip_sample: false (DDIM/DDPM would otherwise default to true)
+    config = {**base, "clip_sample": False, **extra}
+    if spacing is not None:
+        config["timestep_spacing"] = spacing
+    pipe.scheduler = getattr(diffusers, cls).from_config(config)
+    return pipe

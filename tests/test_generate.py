@@ -9,39 +9,14 @@ from PIL import Image
 
 from sdlite.cli import main
 from sdlite.images import parse_infotext, read_parameters
-from tests.reference import diffusers_pipeline, saved_pipeline, with_contrast
+from tests.reference import SCHEDULERS, diffusers_pipeline, saved_pipeline, use_scheduler, with_contrast
 
 PROMPT = "a red circle on a blue background"
 NEGATIVE = "blurry, green"
 
-# our sampler name -> (diffusers scheduler class, its extra config)
-SCHEDULERS = {
-    "euler": ("EulerDiscreteScheduler", {}),
-    "euler_a": ("EulerAncestralDiscreteScheduler", {}),
-    "dpmpp_2m_karras": ("DPMSolverMultistepScheduler", {"algorithm_type": "dpmsolver++", "solver_order": 2,
-                                                         "use_karras_sigmas": True}),
-    "ddim": ("DDIMScheduler", {}),
-    "pndm": ("PNDMScheduler", {"skip_prk_steps": True}),
-}
-
-
-_BASE_SCHEDULERS: dict = {}
-
-
 def reference_images(pipe, sampler, *, steps, seed, size, cfg=7.5, negative=NEGATIVE, batch=1, clip_skip=None,
                      spacing=None):
-    import diffusers
-
-    cls, extra = SCHEDULERS[sampler]
-    # Each swap starts from the pipeline's own scheduler config: a swapped-in scheduler lists the fields it
-    # defaulted (``_use_default_values``), and the next from_config would drop them even when given explicitly
-    # (use_karras_sigmas=True after Euler, say).
-    base = _BASE_SCHEDULERS.setdefault(id(pipe), (pipe, dict(pipe.scheduler.config)))[1]
-    # real SD folders' scheduler configs say clip_sample: false (DDIM/DDPM would otherwise default to true)
-    config = {**base, "clip_sample": False, **extra}
-    if spacing is not None:
-        config["timestep_spacing"] = spacing
-    pipe.scheduler = getattr(diffusers, cls).from_config(config)
+    use_scheduler(pipe, sampler, spacing)
     generators = [torch.Generator().manual_seed(seed + i) for i in range(batch)]
     kwargs = dict(prompt=PROMPT, negative_prompt=negative)
     if clip_skip:

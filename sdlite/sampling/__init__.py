@@ -6,7 +6,8 @@
                     extra_args={"context": cond, "uncond": uncond})
 """
 from .denoisers import CFGDenoiser, Denoiser
-from .samplers import (A1111_NAMES, SAMPLERS, BrownianNoise, SamplerInfo, resolve_sampler, sample,
+from .samplers import (A1111_NAMES, SAMPLERS, BrownianNoise, Plan, SamplerInfo, img2img_start, plan,
+                       resolve_sampler, sample,
                        sample_ddim, sample_ddpm, sample_dpmpp_2m, sample_dpmpp_2m_sde, sample_dpmpp_sde,
                        sample_euler, sample_euler_ancestral, sample_heun, sample_lcm, sample_lms, sample_pndm,
                        sample_unipc)
@@ -14,7 +15,8 @@ from .schedules import (NoiseSchedule, ScheduleError, betas_for, exponential_sig
                         spaced_timesteps)
 
 __all__ = [
-    "A1111_NAMES", "SAMPLERS", "BrownianNoise", "CFGDenoiser", "Denoiser", "NoiseSchedule", "SamplerInfo",
+    "A1111_NAMES", "SAMPLERS", "BrownianNoise", "CFGDenoiser", "Denoiser", "NoiseSchedule", "Plan", "SamplerInfo",
+    "img2img_start", "plan",
     "ScheduleError", "betas_for", "exponential_sigmas", "karras_sigmas", "make_sigmas", "resolve_sampler",
     "sample", "sample_ddim", "sample_ddpm", "sample_dpmpp_2m", "sample_dpmpp_2m_sde", "sample_dpmpp_sde",
     "sample_euler", "sample_euler_ancestral", "sample_heun", "sample_lcm", "sample_lms", "sample_pndm",

@@ -63,12 +63,18 @@ class Denoiser:
             t = torch.where(found, table_t[hit.float().argmax(1)], t)
         return t.to(sigma.device)
 
-    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, **extra) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, *, concat: torch.Tensor | None = None,
+                 **extra) -> torch.Tensor:
+        """``concat`` (B, C', h, w): channels appended to the scaled latent before the UNet sees it (an
+        inpainting UNet's mask and masked-image latents, which are not scaled by ``c_in``)."""
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device)
         if sigma.ndim == 0:
             sigma = sigma.expand(x.shape[0])
         s = sigma.reshape(-1, *([1] * (x.ndim - 1)))                            # (B, 1, 1, 1)
-        out = self.model((x / (s**2 + 1) ** 0.5).to(self.dtype or x.dtype), self.timestep(sigma), **extra)
+        x_in = x / (s**2 + 1) ** 0.5
+        if concat is not None:
+            x_in = torch.cat([x_in, concat.to(x_in)], dim=1)
+        out = self.model(x_in.to(self.dtype or x.dtype), self.timestep(sigma), **extra)
         out = out.to(x.dtype)
         if self.prediction_type == "epsilon":
             return (x - s * out).to(x.dtype)
@@ -103,6 +109,8 @@ class CFGDenoiser:
             sigma = sigma.expand(x.shape[0])
         if uncond.shape[0] != context.shape[0]:
             uncond = uncond.expand(context.shape[0], *uncond.shape[1:])
+        if extra.get("concat") is not None:
+            extra["concat"] = torch.cat([extra["concat"]] * 2)
         out = self.denoiser(torch.cat([x, x]), torch.cat([sigma, sigma]),              # (2B, C, h, w)
                             context=torch.cat([uncond, context]), **extra)
         out_uncond, out_cond = out.chunk(2)

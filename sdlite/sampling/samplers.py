@@ -4,7 +4,7 @@ Every sampler is ``sample_<name>(denoiser, x, sigmas, *, generator=None, callbac
 ``x`` is the start latent at ``sigmas[0]`` in k-diffusion's scaling (``x = x0 + sigma * eps``), ``sigmas`` a
 descending 1-D tensor of ``steps + 1`` noise levels (the last usually 0), ``denoiser(x, sigma, **extra_args)``
 the model's estimate of x0 (see :mod:`.denoisers`), ``callback(step_index, total, x)`` is called after every
-step and ``generator`` (a ``torch.Generator`` or one per batch item) feeds every random draw. Samplers keep no
+step (a tensor it returns replaces ``x``: inpainting uses that) and ``generator`` (a ``torch.Generator`` or one per batch item) feeds every random draw. Samplers keep no
 state between calls and never see eps/v.
 
 Samplers first published on the DDPM parameterisation (DDIM, PLMS, DDPM, UniPC, LCM) are written here in the
@@ -65,8 +65,13 @@ def _setup(x, sigmas, extra_args):
 
 
 def _report(callback, i, n, x):
+    """Call ``callback(i, n, x)``; a tensor it returns replaces ``x`` (inpainting re-imposes the unmasked region
+    this way), anything else leaves ``x`` as it is."""
     if callback is not None:
-        callback(i, n, x)
+        out = callback(i, n, x)
+        if isinstance(out, torch.Tensor):
+            return out
+    return x
 
 
 # --- samplers on sigmas --------------------------------------------------------------------------------------
@@ -80,7 +85,7 @@ def sample_euler(denoiser, x, sigmas, *, generator=None, callback=None, extra_ar
         denoised = denoiser(x, _sigma_in(sigmas[i], x), **extra)
         d = (x - denoised) / sigmas[i]
         x = x + d * (sigmas[i + 1] - sigmas[i])
-        _report(callback, i, n, x)
+        x = _report(callback, i, n, x)
     return x
 
 
@@ -95,7 +100,7 @@ def sample_euler_ancestral(denoiser, x, sigmas, *, generator=None, callback=None
         d = (x - denoised) / sigmas[i]
         x = x + d * (sigma_down - sigmas[i])
         x = x + _noise(x, generator) * sigma_up
-        _report(callback, i, n, x)
+        x = _report(callback, i, n, x)
     return x
 
 
@@ -114,7 +119,7 @@ def sample_heun(denoiser, x, sigmas, *, generator=None, callback=None, extra_arg
             denoised_2 = denoiser(x_2, _sigma_in(sigmas[i + 1], x), **extra)
             d_2 = (x_2 - denoised_2) / sigmas[i + 1]
             x = x + (d + d_2) / 2 * dt
-        _report(callback, i, n, x)
+        x = _report(callback, i, n, x)
     return x
 
 
@@ -142,7 +147,7 @@ def sample_lms(denoiser, x, sigmas, *, generator=None, callback=None, extra_args
         cur_order = min(i + 1, order)
         coeffs = [_lms_coefficient(sigmas_np, i, j, cur_order) for j in range(cur_order)]
         x = x + sum(c * d for c, d in zip(coeffs, reversed(ds)))
-        _report(callback, i, n, x)
+        x = _report(callback, i, n, x)
     return x
 
 
@@ -166,7 +171,7 @@ def sample_dpmpp_2m(denoiser, x, sigmas, *, generator=None, callback=None, extra
             x = (sigmas[i + 1] / sigmas[i]) * x - torch.expm1(-h) * denoised_d
             h_last = h
         old_denoised = denoised
-        _report(callback, i, n, x)
+        x = _report(callback, i, n, x)
     return x
 
 
@@ -191,7 +196,7 @@ def sample_dpmpp_2m_sde(denoiser, x, sigmas, *, generator=None, callback=None, e
             x = x + noise * sigmas[i + 1] * (-torch.expm1(-2 * eta_h)) ** 0.5
             h_last = h
         old_denoised = denoised
-        _report(callback, i, n, x)
+        x = _report(callback, i, n, x)
     return x
 
 
@@ -271,7 +276,7 @@ def sample_dpmpp_sde(denoiser, x, sigmas, *, generator=None, callback=None, extr
             t_next_ = t_fn(sigma_down)
             x = (sigma_fn(t_next_) / sigma_fn(t)) * x - torch.expm1(t - t_next_) * denoised_2
             x = x + noise_sampler(sigma_fn(t), sigma_fn(t_next)) * sigma_up
-        _report(callback, i, n, x)
+        x = _report(callback, i, n, x)
     return x
 
 
@@ -289,7 +294,7 @@ def sample_ddim(denoiser, x, sigmas, *, generator=None, callback=None, extra_arg
         x = denoised + (x - denoised) / sigmas[i] * sigma_down
         if eta > 0:
             x = x + _noise(x, generator) * sigma_up
-        _report(callback, i, n, x)
+        x = _report(callback, i, n, x)
     return x
 
 
@@ -323,7 +328,7 @@ def sample_pndm(denoiser, x, sigmas, *, generator=None, callback=None, extra_arg
         else:
             e = (55 * ets[-1] - 59 * ets[-2] + 37 * ets[-3] - 9 * ets[-4]) / 24
         x = x + e * dt
-        _report(callback, i, n, x)
+        x = _report(callback, i, n, x)
     return x
 
 
@@ -341,7 +346,7 @@ def sample_ddpm(denoiser, x, sigmas, *, generator=None, callback=None, extra_arg
         x = r * x + (1 - r) * denoised
         if schedule is None or schedule.sigma_to_t(sigmas[i]) > 0:
             x = x + _noise(x, generator) * sigmas[i + 1] * (1 - r) ** 0.5
-        _report(callback, i, n, x)
+        x = _report(callback, i, n, x)
     return x
 
 
@@ -382,7 +387,7 @@ def sample_unipc(denoiser, x, sigmas, *, generator=None, callback=None, extra_ar
             if order == 2:
                 r = (lam[i - 1] - lam[i]) / h
                 x = x - h_phi_1 * 0.5 * (ms[-2] - denoised) / r
-        _report(callback, i, n, x)
+        x = _report(callback, i, n, x)
     return x
 
 
@@ -406,7 +411,7 @@ def sample_lcm(denoiser, x, sigmas, *, generator=None, callback=None, extra_args
             x = denoised + _noise(denoised, generator) * sigmas[i + 1]
         else:
             x = denoised
-        _report(callback, i, n, x)
+        x = _report(callback, i, n, x)
     return x
 
 
@@ -477,9 +482,46 @@ def resolve_sampler(name: str) -> tuple[str, str]:
     return sampler, kind or SAMPLERS[sampler].schedule
 
 
+@dataclass(frozen=True)
+class Plan:
+    """Where a sampling run's noise levels fall: ``sigmas`` (steps + 1, descending), the UNet ``timesteps`` at
+    ``sigmas[:-1]``, and ``init_scale``, what unit-variance noise is multiplied by to start at ``sigmas[0]``."""
+
+    sampler: str
+    sigmas: torch.Tensor
+    timesteps: torch.Tensor
+    init_scale: torch.Tensor
+
+
+def plan(name: str, schedule: NoiseSchedule, steps: int, schedule_kind: str | None = None,
+         spacing: str | None = None) -> Plan:
+    """The :class:`Plan` of sampler ``name`` over ``steps`` steps (see :func:`sample` for the arguments).
+
+    The initial noise is scaled as the reference scheduler does: by ``sqrt(sigma_0^2 + 1)`` (the DDPM
+    latent's unit variance; Euler-family schedulers with leading spacing and all DDPM-parameterised ones) or by
+    ``sigma_0`` (Euler-family schedulers with linspace/trailing spacing).
+    """
+    sampler, default_kind = resolve_sampler(name)
+    info = SAMPLERS[sampler]
+    sigmas, timesteps = make_sigmas(schedule, steps, schedule_kind or default_kind, info.family, spacing)
+    if info.family == "k" and resolve_spacing(schedule, info.family, spacing) in ("linspace", "trailing"):
+        init = sigmas[0]
+    else:
+        init = (sigmas[0] ** 2 + 1) ** 0.5
+    return Plan(sampler, sigmas, timesteps, init)
+
+
+def img2img_start(steps: int, strength: float) -> int:
+    """How many of ``steps`` planned steps image to image skips at ``strength``: it runs the last
+    ``int(steps * strength)`` of them, as diffusers' img2img and inpainting pipelines do (truncating, so at least
+    ``1 / steps`` of strength is needed for one step)."""
+    return steps - min(int(steps * strength), steps)
+
+
 def sample(name: str, denoiser, x_T: torch.Tensor, schedule: NoiseSchedule, steps: int,
            schedule_kind: str | None = None, generator=None, eta: float | None = None, callback=None, *,
-           spacing: str | None = None, extra_args: dict | None = None, **options) -> torch.Tensor:
+           spacing: str | None = None, extra_args: dict | None = None, start: int = 0, noised: bool = False,
+           **options) -> torch.Tensor:
     """Run sampler ``name`` for ``steps`` steps from unit-variance noise ``x_T``; returns the final latent.
 
     ``schedule_kind`` ("discrete" | "karras" | "exponential") overrides the one the name implies; ``spacing``
@@ -487,26 +529,27 @@ def sample(name: str, denoiser, x_T: torch.Tensor, schedule: NoiseSchedule, step
     ancestral ones' to 1); ``extra_args`` (e.g. ``context``/``uncond``) to the denoiser; ``options`` to the
     sampler function (e.g. ``noise_sampler`` for dpmpp_sde).
 
-    The initial noise is scaled as the reference scheduler does: by ``sqrt(sigma_0^2 + 1)`` (the DDPM
-    latent's unit variance; Euler-family schedulers with leading spacing and all DDPM-parameterised ones) or by
-    ``sigma_0`` (Euler-family schedulers with linspace/trailing spacing). The result is the latent in the DDPM
-    scaling, ``x / sqrt(1 + sigma_last^2)``, which is ``x`` itself whenever the last sigma is 0.
+    Image to image: ``start`` skips the first planned steps (the sampler runs ``sigmas[start:]``, as the
+    reference slices its scheduler's timesteps), and ``noised=True`` says ``x_T`` is already the latent at
+    ``sigmas[start]`` (k-diffusion scaling, ``x0 + sigma * noise``) rather than noise to scale by the plan's
+    ``init_scale``.
+
+    The result is the latent in the DDPM scaling, ``x / sqrt(1 + sigma_last^2)``, which is ``x`` itself whenever
+    the last sigma is 0.
     """
-    sampler, default_kind = resolve_sampler(name)
-    info = SAMPLERS[sampler]
-    sigmas, timesteps = make_sigmas(schedule, steps, schedule_kind or default_kind, info.family, spacing)
+    p = plan(name, schedule, steps, schedule_kind, spacing)
+    info = SAMPLERS[p.sampler]
+    if not 0 <= start < steps:
+        raise ValueError(f"start={start}: expected 0 to {steps - 1} (steps={steps})")
+    sigmas, timesteps = p.sigmas[start:], p.timesteps[start:]
     if hasattr(denoiser, "with_timesteps"):
         denoiser = denoiser.with_timesteps(sigmas, timesteps)
-    if info.family == "k" and resolve_spacing(schedule, info.family, spacing) in ("linspace", "trailing"):
-        init = sigmas[0]
-    else:
-        init = (sigmas[0] ** 2 + 1) ** 0.5
     kwargs = dict(options)
     params = inspect.signature(info.fn).parameters
     if eta is not None and "eta" in params:
         kwargs["eta"] = eta
     if "schedule" in params:
         kwargs["schedule"] = schedule
-    x = info.fn(denoiser, x_T * init.to(x_T.device), sigmas, generator=generator, callback=callback,
-                extra_args=extra_args, **kwargs)
+    x = x_T if noised else x_T * p.init_scale.to(x_T.device)
+    x = info.fn(denoiser, x, sigmas, generator=generator, callback=callback, extra_args=extra_args, **kwargs)
     return x / (sigmas[-1] ** 2 + 1) ** 0.5 if sigmas[-1] > 0 else x
