@@ -6,6 +6,10 @@ PNGs carry a ``parameters`` text chunk; JPEGs the same text as the EXIF UserComm
     Negative prompt: blurry
     Steps: 20, Sampler: DPM++ 2M, Schedule type: Karras, CFG scale: 7.5, Seed: 42, Size: 512x512, Model hash: ...
 
+Image to image adds A1111's ``Denoising strength`` (and ``Resize mode`` when not "Just resize"); inpainting its
+``Mask blur``, ``Masked content``, and when they differ from the defaults ``Mask mode``, ``Inpaint area`` with
+``Masked area padding``; two fields are ours: ``Outpaint`` (the borders, "L,T,R,B") and ``Overlay: off``.
+
 Files are created exclusively: an existing file is never overwritten, the next free numbered name is used.
 """
 from __future__ import annotations
@@ -15,6 +19,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Callable
 
 from PIL import Image, PngImagePlugin
 
@@ -25,6 +30,12 @@ from .sampling.samplers import A1111_NAMES, resolve_sampler
 FORMATS = {"png": "PNG", "jpg": "JPEG", "jpeg": "JPEG"}
 _A1111_BY_SAMPLER = {v: k for k, v in A1111_NAMES.items()}
 _SCHEDULE_NAMES = {"karras": "Karras", "exponential": "Exponential", "discrete": "Normal"}
+_RESIZE_NAMES = {"just-resize": "Just resize", "crop": "Crop and resize", "fill": "Resize and fill"}
+_FILL_NAMES = {"original": "original", "fill": "fill", "latent-noise": "latent noise",
+               "latent-nothing": "latent nothing"}
+_AREA_NAMES = {"whole": "Whole picture", "masked": "Only masked"}
+_MASK_MODES = {False: "Inpaint masked", True: "Inpaint not masked"}
+_OVERLAY_NAMES = {True: "on", False: "off"}
 _USER_COMMENT, _EXIF_IFD = 0x9286, 0x8769
 
 
@@ -41,7 +52,10 @@ def _quote(value) -> str:
 
 
 def infotext(request, seed: int, model_hash: str | None = None, model_name: str | None = None) -> str:
-    """The A1111 ``parameters`` text for one image of a resolved request."""
+    """The A1111 ``parameters`` text for one image of a resolved request (:func:`sdlite.pipeline.validate`, sizes
+    and inpainting fill resolved: ``Result.request``)."""
+    img2img, inpaint = request.is_img2img, request.is_inpaint
+    masked_area = inpaint and request.inpaint_area == "masked"
     fields = {
         "Steps": request.steps,
         "Sampler": _A1111_BY_SAMPLER.get(request.sampler, request.sampler),
@@ -51,9 +65,19 @@ def infotext(request, seed: int, model_hash: str | None = None, model_name: str 
         "Size": f"{request.width}x{request.height}",
         "Model hash": model_hash,
         "Model": model_name,
+        "Denoising strength": float(request.strength) if img2img else None,  # str(): the shortest exact form
         "Clip skip": request.clip_skip if request.clip_skip > 1 else None,
         "Eta": request.eta,
         "Timestep spacing": getattr(request, "timestep_spacing", None),  # only when the request overrides it
+        "Resize mode": _RESIZE_NAMES[request.resize_mode] if img2img and request.resize_mode != "just-resize"
+        else None,
+        "Mask blur": request.mask_blur if inpaint else None,
+        "Mask mode": _MASK_MODES[True] if inpaint and request.invert_mask else None,
+        "Masked content": _FILL_NAMES.get(request.inpaint_fill) if inpaint else None,
+        "Inpaint area": _AREA_NAMES["masked"] if masked_area else None,
+        "Masked area padding": request.inpaint_padding if masked_area else None,
+        "Outpaint": ",".join(str(v) for v in request.outpaint) if img2img and request.outpaint else None,
+        "Overlay": _OVERLAY_NAMES[False] if inpaint and not request.overlay else None,
         "Version": f"sdlite {__version__}",
     }
     line = ", ".join(f"{k}: {_quote(v)}" for k, v in fields.items() if v is not None)
@@ -67,9 +91,35 @@ def infotext(request, seed: int, model_hash: str | None = None, model_name: str 
 _FIELD = re.compile(r'\s*(\w[\w \-/]*):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)')
 
 
+def _reverse(names: dict) -> Callable[[str], object]:
+    return {text: value for value, text in names.items()}.__getitem__
+
+
+def _borders(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(","))
+
+
+# infotext field -> (Request field, reader); a reader raises KeyError or ValueError on a value it does not know
+_IMAGE_FIELDS: dict[str, tuple[str, Callable[[str], object]]] = {
+    "Denoising strength": ("strength", float),
+    "Resize mode": ("resize_mode", _reverse(_RESIZE_NAMES)),
+    "Mask blur": ("mask_blur", int),
+    "Mask mode": ("invert_mask", _reverse(_MASK_MODES)),
+    "Masked content": ("inpaint_fill", _reverse(_FILL_NAMES)),
+    "Inpaint area": ("inpaint_area", _reverse(_AREA_NAMES)),
+    "Masked area padding": ("inpaint_padding", int),
+    "Outpaint": ("outpaint", _borders),
+    "Overlay": ("overlay", _reverse(_OVERLAY_NAMES)),
+}
+
+
 def parse_infotext(text: str) -> dict:
     """Read an A1111 ``parameters`` text back: prompt, negative prompt and every ``Key: value`` field,
-    with the sampler mapped back to our name and schedule (keys ``sampler`` and ``schedule``)."""
+    with the sampler mapped back to our name and schedule (keys ``sampler`` and ``schedule``) and each
+    image-to-image field present also under its :class:`~sdlite.pipeline.Request` name and in its type
+    (``strength``, ``resize_mode``, ``mask_blur``, ``invert_mask``, ``inpaint_fill``, ``inpaint_area``,
+    ``inpaint_padding``, ``outpaint``, ``overlay``); a field left out means the Request's default. A value this
+    module does not write (another tool's) stays under its own key only."""
     lines = text.strip().split("\n")
     last = lines[-1] if lines and len(_FIELD.findall(lines[-1])) >= 3 else None
     body = lines[:-1] if last is not None else lines
@@ -91,6 +141,12 @@ def parse_infotext(text: str) -> dict:
         if schedule and schedule not in ("Automatic", "Normal"):
             name = f"{name} {schedule}"
         out["sampler"], out["schedule"] = resolve_sampler(name)
+    for key, (name, read) in _IMAGE_FIELDS.items():
+        if key in out:
+            try:
+                out[name] = read(out[key])
+            except (KeyError, ValueError):
+                pass  # another tool's value: kept under its own key only
     return out
 
 

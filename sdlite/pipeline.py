@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -121,8 +122,9 @@ def _validate_image_options(r: Request) -> Request:
         raise RequestError(f"strength {strength!r} is not valid: it must be above 0 and at most 1 "
                            "(1 repaints everything, 0.3 keeps most of the source)")
     if int(r.steps * strength) < 1:
+        least = math.ceil(1000 / r.steps) / 1000   # rounded up, so that it does run a step
         raise RequestError(f"strength {strength:g} with {r.steps} steps runs int({r.steps} x {strength:g}) = 0 "
-                           f"steps: raise the strength to at least {1 / r.steps:.3g} or the steps")
+                           f"steps: raise the strength to at least {least:g} or the steps")
     if r.mask is not None and r.mask_from_alpha:
         raise RequestError("give either a mask or mask_from_alpha (--mask-from-alpha), not both")
     if isinstance(r.mask_blur, bool) or not isinstance(r.mask_blur, int) or r.mask_blur < 0:
@@ -336,8 +338,9 @@ class Engine:
                 sources.check_mask_not_empty(mask, "the mask" + (" (inverted)" if r.invert_mask else ""))
         except sources.ImageInputError as e:
             raise RequestError(str(e)) from None
-        width = r.width or max(8, round(image.width / 8) * 8)
-        height = r.height or max(8, round(image.height / 8) * 8)
+        # the source's size, rounded down to a multiple of 8 as diffusers' image processor does
+        width = r.width or max(8, image.width // 8 * 8)
+        height = r.height or max(8, image.height // 8 * 8)
         blurred = sources.blur_mask(mask, r.mask_blur) if mask is not None and r.mask_blur else mask
         paste_box = None
         if mask is not None and r.inpaint_area == "masked":
