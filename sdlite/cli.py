@@ -223,6 +223,69 @@ def check_sources(request) -> None:
     raise RequestError(f"mask {request.mask} is all black: nothing to repaint (white marks the area to repaint)")
 
 
+def parse_lora(text: str) -> tuple[str, float]:
+    """``--lora PATH[:WEIGHT]`` -> (path, weight); the weight defaults to 1 (a path may itself hold colons: only a
+    number after the last one is a weight)."""
+    from .pipeline import RequestError
+
+    path, sep, tail = text.rpartition(":")
+    if sep:
+        try:
+            return path, float(tail)
+        except ValueError:
+            if os.path.exists(text):
+                return text, 1.0
+            raise RequestError(f"--lora {text!r}: {tail!r} after the last colon is not a weight (PATH[:WEIGHT], "
+                               "e.g. style.safetensors:0.8)") from None
+    return text, 1.0
+
+
+def check_addons(request) -> None:
+    """LoRA files and the LoRA and embeddings folders exist (before the model load)."""
+    from .pipeline import RequestError
+
+    for path, _ in request.loras:
+        if not os.path.isfile(path):
+            raise RequestError(f"LoRA {path}: " + ("is a directory, not a LoRA file" if os.path.isdir(path)
+                                                   else "no such file"))
+    for folder, what in ((request.lora_dir, "--lora-dir"), (request.embeddings_dir, "--embeddings")):
+        if folder is not None and not os.path.isdir(folder):
+            raise RequestError(f"{what} {folder}: not a folder")
+
+
+def cmd_tokens(args) -> int:
+    """``sdlite tokens PROMPT``: how sdlite reads a prompt, as JSON (parsed pieces, chunks, edit schedule)."""
+    import json
+
+    from .conditioning import chunk_prompt
+    from .embeddings import EmbeddingDB, rewrite_tags_without_db
+    from .loader import open_model
+    from .prompts import describe, extract_networks, parse_attention
+
+    model = args.model or demo_model_path()
+    ckpt = open_model(model)
+    tokenizer = ckpt.tokenizer()
+    db = EmbeddingDB.from_dir(args.embeddings, tokenizer, ckpt.spec.text.width) if args.embeddings else None
+    text = db.rewrite_tags(args.prompt) if db is not None else rewrite_tags_without_db(args.prompt)
+    info = describe(text, args.steps)
+    stripped, _ = extract_networks(text)
+    schedule = []
+    for entry in info["schedule"]:
+        chunks, count = chunk_prompt(tokenizer, entry["text"], db)
+        schedule.append({**entry, "parsed": [[t, w] for t, w in parse_attention(entry["text"])],
+                         "token_count": count,
+                         "chunks": [{"tokens": c.tokens, "text": tokenizer.decode(c.tokens),
+                                     "prompt_tokens": c.length,
+                                     "weights": c.multipliers,
+                                     "embeddings": [{"position": p, "name": e.name, "vectors": len(e)}
+                                                    for p, e in c.fixes]}
+                                    for c in chunks]})
+    out = {"prompt": args.prompt, "text": stripped, "networks": info["networks"], "parsed": info["parsed"],
+           "schedule": schedule}
+    print(json.dumps(out, indent=1 if args.pretty else None, ensure_ascii=False))
+    return 0
+
+
 def cmd_generate(args) -> int:
     from .pipeline import Engine, Request, RequestError, check_device, validate  # first: it imports torch fastest
 
@@ -245,9 +308,12 @@ def cmd_generate(args) -> int:
                       seed=args.seed, batch_size=args.batch, clip_skip=args.clip_skip, eta=args.eta,
                       timestep_spacing=args.timestep_spacing, init_image=args.init_image, mask=args.mask,
                       mask_from_alpha=args.mask_from_alpha, invert_mask=args.invert_mask,
-                      overlay=not args.no_overlay, outpaint=parse_outpaint(args.outpaint), **image_options)
+                      overlay=not args.no_overlay, outpaint=parse_outpaint(args.outpaint), **image_options,
+                      loras=tuple(parse_lora(v) for v in args.lora), lora_dir=args.lora_dir,
+                      embeddings_dir=args.embeddings)
     # everything that can be checked before the (slow) model load is checked first
     validate(request)
+    check_addons(request)
     _check_stray_options(args)
     if request.is_img2img:
         check_sources(request)
@@ -287,7 +353,7 @@ def cmd_generate(args) -> int:
     written = []
     try:
         for image, seed, path in zip(result.images, result.seeds, paths):
-            written.append(save_image(image, path, infotext(used, seed, mhash, name), args.format))
+            written.append(save_image(image, path, infotext(used, seed, mhash, name, result.infotext), args.format))
     except BaseException:
         for path in written:  # no partial batch left behind
             path.unlink(missing_ok=True)
@@ -363,6 +429,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-prepack", action="store_true",
                    help="leave fp32 CPU weights in PyTorch's layout instead of reordering them once for oneDNN "
                         "(by default they are where this CPU gains from it: see `sdlite info --system`)")
+    a = g.add_argument_group("add-ons")
+    a.add_argument("--lora", metavar="PATH[:WEIGHT]", action="append", default=[],
+                   help="apply a LoRA (kohya/A1111 or diffusers/PEFT .safetensors) at WEIGHT (default 1); repeatable. "
+                        "In the prompt, <lora:NAME:WEIGHT> does the same with NAME looked up in --lora-dir")
+    a.add_argument("--lora-dir", metavar="DIR", default=None, help="where <lora:NAME:...> prompt tags are found")
+    a.add_argument("--embeddings", metavar="DIR", default=None,
+                   help="textual-inversion embeddings (.pt/.safetensors): a prompt word equal to a file's stem, or "
+                        "<embedding:NAME>, uses it")
     i = g.add_argument_group("image to image, inpainting, outpainting (defaults: A1111's)")
     i.add_argument("--init-image", metavar="PATH", default=None,
                    help="source image: image to image, or inpainting with a mask")
@@ -396,6 +470,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("samplers", help="list the samplers, their default schedules and A1111 names")
     s.set_defaults(func=cmd_samplers)
+
+    t = sub.add_parser("tokens", help="how a prompt is read, as JSON: parsed (text, weight) pieces, 75-token "
+                                      "chunks with their token ids, prompt edits per step, LoRA tags")
+    t.add_argument("prompt")
+    t.add_argument("--model", "-m", default=None, help="whose tokenizer (default: the shipped demo model)")
+    t.add_argument("--steps", type=int, default=20, help="for the schedule of prompt edits")
+    t.add_argument("--embeddings", metavar="DIR", default=None)
+    t.add_argument("--pretty", action="store_true", help="indent the JSON")
+    t.set_defaults(func=cmd_tokens)
     return parser
 
 

@@ -51,9 +51,11 @@ def _quote(value) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def infotext(request, seed: int, model_hash: str | None = None, model_name: str | None = None) -> str:
+def infotext(request, seed: int, model_hash: str | None = None, model_name: str | None = None,
+             extra: dict | None = None) -> str:
     """The A1111 ``parameters`` text for one image of a resolved request (:func:`sdlite.pipeline.validate`, sizes
-    and inpainting fill resolved: ``Result.request``)."""
+    and inpainting fill resolved: ``Result.request``). ``extra``: more fields (``Result.infotext``: "Lora hashes",
+    "TI hashes"), written before the version as A1111 writes them."""
     img2img, inpaint = request.is_img2img, request.is_inpaint
     masked_area = inpaint and request.inpaint_area == "masked"
     fields = {
@@ -78,6 +80,7 @@ def infotext(request, seed: int, model_hash: str | None = None, model_name: str 
         "Masked area padding": request.inpaint_padding if masked_area else None,
         "Outpaint": ",".join(str(v) for v in request.outpaint) if img2img and request.outpaint else None,
         "Overlay": _OVERLAY_NAMES[False] if inpaint and not request.overlay else None,
+        **(extra or {}),
         "Version": f"sdlite {__version__}",
     }
     line = ", ".join(f"{k}: {_quote(v)}" for k, v in fields.items() if v is not None)

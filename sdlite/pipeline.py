@@ -12,9 +12,12 @@ is above 1.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import math
+import os
+import re
 import random
 import time
 from dataclasses import dataclass, field
@@ -31,8 +34,11 @@ try:
     from PIL import Image
 
     from .engine.memory import ModelManager, check_memory_mode, trim_heap
+    from .conditioning import chunk_prompt, encode_chunks, pad_to_same_length
+    from .embeddings import EmbeddingDB
     from .engine.tiling import tiled_decode
     from .errors import SDLiteError
+    from .prompts import ScheduledPrompt, extract_networks, prompt_schedule, text_at_step
     from .loader import StableDiffusion, open_model, resolve_prediction_type
     from .sampling.denoisers import CFGDenoiser, Denoiser
     from .sampling.samplers import SAMPLERS, img2img_start, plan, resolve_sampler, sample
@@ -83,6 +89,10 @@ class Request:
     outpaint: tuple | None = None     # (left, top, right, bottom) px, multiples of 8: extend the canvas
     resize_mode: str = "just-resize"  # just-resize | crop | fill: how a source of another size is fitted
     mask_from_alpha: bool = False     # the init image's transparency is the mask
+    # add-ons
+    loras: tuple = ()                 # (path, weight) pairs, besides the prompt's <lora:name:weight> tags
+    lora_dir: str | None = None       # where <lora:name:...> tags are looked up
+    embeddings_dir: str | None = None  # textual-inversion embeddings: a prompt word equal to a file stem uses it
 
     @property
     def is_img2img(self) -> bool:
@@ -105,6 +115,7 @@ class Result:
     latents: torch.Tensor             # (B, 4, h, w) final latents, unscaled by the VAE factor
     warnings: list[str] = field(default_factory=list)
     timings: dict = field(default_factory=dict)
+    infotext: dict = field(default_factory=dict)   # extra A1111 parameters ("Lora hashes", "TI hashes")
 
 
 def _validate_image_options(r: Request) -> Request:
@@ -260,25 +271,39 @@ class Engine:
                 resolve_prediction_type(ckpt, unet, device=device)
         return cls(manager, device, ckpt.tokenizer(), ckpt.spec, ckpt.scheduler_config, vae_tile=vae_tile)
 
-    def encode_prompt(self, prompts: list[str], clip_skip: int = 1,
-                      labels: list[str] | None = None) -> tuple[torch.Tensor, list[str]]:
-        """(B, 77, width) contexts in one text-encoder pass; a warning for each prompt cut at 77 tokens, saying
-        where (``labels`` name the prompts in those warnings)."""
-        labels = labels or ["prompt"] * len(prompts)
-        warnings, rows = [], []
-        for label, text in zip(labels, prompts):
-            info = self.tokenizer.tokenize_with_info(text)
-            if info.truncated:
-                warnings.append(f"{label} truncated to 77 tokens: {info.num_dropped} tokens after token "
-                                f"{info.num_kept} were dropped: {info.dropped_text!r}")
-            rows.append(torch.tensor(info.input_ids, dtype=torch.long))
+    def encode_prompt(self, prompts: list[str], clip_skip: int = 1, labels: list[str] | None = None,
+                      embeddings: EmbeddingDB | None = None) -> tuple[torch.Tensor, list[str]]:
+        """(P, 77 k, width) contexts of P prompts in one text-encoder pass, by A1111's rules
+        (:mod:`sdlite.conditioning`: emphasis, 75-token chunks, ``BREAK``, ``embeddings``); prompts with fewer
+        chunks are padded with the empty prompt's encoding. Returns the warnings too (none at present: long
+        prompts are no longer cut)."""
+        encoded = self._encode_texts(list(prompts), clip_skip, embeddings)
+        empty = self._encode_texts([""], clip_skip, None)[0] if len({e.shape[1] for e in encoded}) > 1 else None
+        return torch.cat(pad_to_same_length(encoded, empty) if empty is not None else encoded), []
+
+    def _encode_texts(self, texts: list[str], clip_skip: int, embeddings: EmbeddingDB | None) -> list[torch.Tensor]:
+        """Each text's (1, 77 k, width) conditioning, in one text-encoder pass."""
         layers = self.spec.text.layers
         if clip_skip > layers:
             raise RequestError(f"clip skip {clip_skip} is not valid for this model: its text encoder has "
                                f"{layers} layers, so 1..{layers} are valid")
+        chunk_lists = [chunk_prompt(self.tokenizer, t, embeddings)[0] for t in texts]
         with torch.no_grad(), self.models.use("text_encoder") as text_encoder:
-            ctx = text_encoder(torch.stack(rows).to(self.device), clip_skip=clip_skip)
-        return ctx, warnings
+            return encode_chunks(text_encoder, chunk_lists, clip_skip, self.device)
+
+    def conditioning(self, r: Request, use_cfg: bool,
+                     embeddings: EmbeddingDB | None = None) -> "ScheduledConditioning":
+        """The request's prompt and negative prompt (network tags already removed) as per-step conditioning:
+        A1111's prompt editing and alternation (:func:`sdlite.prompts.prompt_schedule`) over ``r.steps``, each
+        distinct text encoded once, in one text-encoder pass."""
+        schedules = [prompt_schedule(r.prompt, r.steps)]
+        if use_cfg:
+            schedules.append(prompt_schedule(r.negative_prompt, r.steps))
+        texts = list(dict.fromkeys(p.text for schedule in schedules for p in schedule))
+        if use_cfg:
+            texts.append("")  # the padding of a prompt and negative of different lengths
+        encoded = dict(zip(texts, self._encode_texts(texts, r.clip_skip, embeddings)))
+        return ScheduledConditioning(schedules[0], schedules[1] if use_cfg else None, encoded)
 
     def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """Unscaled latents (B, 4, h, w) -> images (B, 3, 8h, 8w) in about [-1, 1]."""
@@ -375,14 +400,52 @@ class Engine:
             r = r.replace(width=source.width, height=source.height)
         seeds = [r.seed + i for i in range(r.batch_size)]
         use_cfg = r.cfg_scale > 1.0
-        if use_cfg:
-            ctx, warnings = self.encode_prompt([r.prompt, r.negative_prompt], r.clip_skip,
-                                               ["prompt", "negative prompt"])
-            uncond = ctx[1:2].expand(r.batch_size, -1, -1)   # (B, 77, width), negative first in the CFG batch
-        else:
-            ctx, warnings = self.encode_prompt([r.prompt], r.clip_skip)
-            uncond = None
-        ctx = ctx[0:1].expand(r.batch_size, -1, -1)
+        networks = self.prompt_networks(r)
+        with networks.applied(self):
+            return self._generate(r, source, seeds, use_cfg, networks, inpaint_model, callback, t0)
+
+    def prompt_networks(self, r: Request) -> "PromptNetworks":
+        """The request's add-ons: ``<lora:name:w>`` tags (removed from the text, as A1111 does) and
+        ``r.loras``, and the embeddings of ``r.embeddings_dir`` (``<embedding:name>`` rewritten to the name)."""
+        from .embeddings import EmbeddingError, rewrite_tags_without_db
+
+        warnings = []
+        try:
+            db = self._embedding_db(r.embeddings_dir)
+            rewrite = db.rewrite_tags if db is not None else rewrite_tags_without_db
+            prompt, tags = extract_networks(rewrite(r.prompt))
+            negative, negative_tags = extract_networks(rewrite(r.negative_prompt))
+        except EmbeddingError as e:
+            raise RequestError(str(e)) from None
+        loras = [(path, float(weight)) for path, weight in r.loras]
+        for tag in tags:
+            if tag.kind == "lora":
+                from . import lora as lora_module
+
+                loras.append((lora_module.find_lora(tag.name, r.lora_dir), tag.weight))
+            else:
+                warnings.append(f"<{tag.kind}:{tag.name}> in the prompt is not supported and was ignored "
+                                "(supported: <lora:NAME:WEIGHT>, <embedding:NAME>)")
+        if negative_tags:
+            warnings.append("network tags in the negative prompt are ignored (as A1111 does): "
+                            + ", ".join(f"<{t.kind}:{t.name}>" for t in negative_tags))
+        return PromptNetworks(prompt, negative, loras, db, warnings)
+
+    def _embedding_db(self, folder) -> EmbeddingDB | None:
+        if folder is None:
+            return None
+        key = os.path.realpath(folder)
+        cache = self.__dict__.setdefault("_embedding_dbs", {})
+        if key not in cache:
+            cache[key] = EmbeddingDB.from_dir(folder, self.tokenizer, self.spec.text.width)
+        return cache[key]
+
+    def _generate(self, r: Request, source, seeds, use_cfg, networks: "PromptNetworks", inpaint_model, callback,
+                  t0) -> Result:
+        warnings = list(networks.warnings)
+        cond = self.conditioning(r.replace(prompt=networks.prompt, negative_prompt=networks.negative), use_cfg,
+                                 networks.embeddings)
+        ctx, uncond = cond.at(0, r.batch_size)
         t1 = time.perf_counter()
 
         vae_scale = self.spec.vae.downscale
@@ -390,6 +453,7 @@ class Engine:
         # image i's generator draws (source latent sample,) its initial noise, (masked-image latent sample,) then
         # (stochastic samplers) its per-step noise: the reference's order
         generators = [torch.Generator().manual_seed(s) for s in seeds]
+        # the conditioning of the next step is put in place after each step (prompt editing, alternation)
         extra = {"context": ctx, "uncond": uncond}
         start, noised, blend = 0, False, None
         if source is None and not inpaint_model:
@@ -398,10 +462,14 @@ class Engine:
             x, start, noised, concat, blend = self._image_latents(r, source, generators, shape, inpaint_model)
             if concat is not None:
                 extra["concat"] = concat
+        if cond.changes:
+            extra["context"], extra["uncond"] = cond.at(start, r.batch_size)
 
         def on_step(i, total, x):
             if blend is not None:
                 x = blend(i, total, x)
+            if cond.changes and start + i + 1 < r.steps:
+                extra["context"], extra["uncond"] = cond.at(start + i + 1, r.batch_size)
             if callback is not None:
                 callback(i + 1, total)
             return x
@@ -422,8 +490,8 @@ class Engine:
         if source is not None and source.mask is not None:
             images = [source.finish(im, r.overlay) for im in images]
         t3 = time.perf_counter()
-        return Result(images=images, seeds=seeds, request=r, latents=latents,
-                      warnings=warnings, timings={"text": t1 - t0, "sampling": t2 - t1, "decode": t3 - t2,
+        return Result(images=images, seeds=seeds, request=r, latents=latents, warnings=warnings,
+                      infotext=networks.infotext(), timings={"text": t1 - t0, "sampling": t2 - t1, "decode": t3 - t2,
                                                   "total": t3 - t0})
 
     def _image_latents(self, r: Request, source: "Source | None", generators, shape, inpaint_model: bool):
@@ -467,6 +535,69 @@ class Engine:
             return noise.to(self.device), start, False, _to(concat, self.device), blend
         x = x0 + noise * sigmas[0]
         return x.to(self.device), start, True, _to(concat, self.device), blend
+
+
+@dataclass
+class PromptNetworks:
+    """A request's add-ons, resolved: the prompts without network tags, the LoRAs to apply ((path, weight)),
+    the embeddings, and warnings about tags that were ignored."""
+
+    prompt: str
+    negative: str
+    loras: list[tuple[str, float]]
+    embeddings: EmbeddingDB | None
+    warnings: list[str]
+    used_embeddings: dict = field(default_factory=dict)
+
+    def applied(self, engine):
+        """A context in which the LoRAs are merged into the engine's networks (restored on exit)."""
+        if not self.loras:
+            return contextlib.nullcontext()
+        from . import lora
+
+        return lora.engine_with_loras(engine, self.loras)
+
+    def infotext(self) -> dict:
+        """A1111's "Lora hashes" and "TI hashes" parameters for what this request used."""
+        from . import lora
+
+        out = {}
+        if self.loras:
+            out["Lora hashes"] = ", ".join(f"{lora.lora_name(p)}: {lora.lora_hash(p)}" for p, _ in self.loras)
+        if self.embeddings is not None:
+            used = [e for e in self.embeddings.embeddings.values()
+                    if any(_mentions(text, e.name) for text in (self.prompt, self.negative))]
+            if used:
+                out["TI hashes"] = ", ".join(f"{e.name}: {e.hash}" for e in used)
+        return out
+
+
+def _mentions(text: str, word: str) -> bool:
+    return re.search(rf"(?<![\w]){re.escape(word)}(?![\w])", text) is not None
+
+
+@dataclass
+class ScheduledConditioning:
+    """Per-step conditioning: the prompt's (and negative prompt's) schedule of texts and their encodings."""
+
+    prompt: list[ScheduledPrompt]
+    negative: list[ScheduledPrompt] | None
+    encoded: dict[str, torch.Tensor]     # text -> (1, 77 k, width)
+
+    @property
+    def changes(self) -> bool:
+        return len(self.prompt) > 1 or (self.negative is not None and len(self.negative) > 1)
+
+    def at(self, step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(context, uncond) at 0-based sampler step ``step`` of the planned steps, each (batch, 77 k, width),
+        the two of the same length (the shorter padded with the empty prompt's encoding, as A1111 does)."""
+        cond = self.encoded[text_at_step(self.prompt, step)]
+        if self.negative is None:
+            return cond.expand(batch, -1, -1), None
+        uncond = self.encoded[text_at_step(self.negative, step)]
+        if cond.shape[1] != uncond.shape[1]:
+            cond, uncond = pad_to_same_length([cond, uncond], self.encoded[""])
+        return cond.expand(batch, -1, -1), uncond.expand(batch, -1, -1)
 
 
 def _to(t: torch.Tensor | None, device) -> torch.Tensor | None:

@@ -80,9 +80,15 @@ class Embeddings(nn.Module):
         self.token_embedding = Embedding(cfg.vocab_size, cfg.width)
         self.position_embedding = Embedding(cfg.max_positions, cfg.width)
 
-    def forward(self, ids):
+    def forward(self, ids, replace=None):
+        """``replace``: ``(row, position, vectors)`` triples whose (n, width) vectors stand in for the token
+        embeddings of ``ids[row, position:position + n]`` (textual-inversion embeddings), before the position
+        embeddings are added."""
         ids = ids.to(self.token_embedding.weight.device)
-        return self.token_embedding(ids) + self.position_embedding.weight[: ids.shape[1]]
+        x = self.token_embedding(ids)
+        for row, position, vectors in replace or ():
+            x[row, position:position + len(vectors)] = vectors.to(x)
+        return x + self.position_embedding.weight[: ids.shape[1]]
 
 
 class Encoder(nn.Module):
@@ -111,17 +117,18 @@ class CLIPTextEncoder(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.text_model.final_layer_norm.weight.dtype
 
-    def forward(self, ids: torch.Tensor, clip_skip: int = 1) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, clip_skip: int = 1, replace=None) -> torch.Tensor:
         """``clip_skip`` counts as A1111 does: 1 = the last layer (no skip), 2 = the one before it, ...
 
         The chosen layer's hidden state goes through the final LayerNorm, as in A1111 and diffusers
-        (diffusers numbers the same choice one lower: its ``clip_skip=1`` is our 2).
+        (diffusers numbers the same choice one lower: its ``clip_skip=1`` is our 2). ``replace``: token
+        embeddings to substitute (see :meth:`Embeddings.forward`).
         """
         layers = self.text_model.encoder.layers
         if not 1 <= clip_skip <= len(layers):
             raise ValueError(f"clip_skip={clip_skip} is out of range: this text encoder has {len(layers)} "
                              f"layers, so 1..{len(layers)} are valid")
-        x = self.text_model.embeddings(ids)
+        x = self.text_model.embeddings(ids, replace)
         for layer in layers[: len(layers) - (clip_skip - 1)]:
             x = layer(x)
         return self.text_model.final_layer_norm(x)
