@@ -31,7 +31,7 @@ def a1111_prompt(segments) -> str:
     return ", ".join(text if w == 1.0 else f"({text}:{w})" for text, w in segments)
 
 
-def reference_conditioning(tokenizer, text_encoder, segments, breaks=()) -> torch.Tensor:
+def reference_conditioning(tokenizer, text_encoder, segments, breaks=(), clip_skip=1) -> torch.Tensor:
     """A1111's rules computed directly: each piece tokenized alone (its weight on every token), ", " between
     pieces, chunks of 75 moved back to a comma within the last 20 tokens, BREAK before the pieces in ``breaks``,
     framed start + 75 + end (padded with the end token), encoded by transformers' CLIPTextModel, each hidden
@@ -74,7 +74,11 @@ def reference_conditioning(tokenizer, text_encoder, segments, breaks=()) -> torc
     out = []
     with torch.no_grad():
         for ids, w in chunks:
-            z = text_encoder(torch.tensor([ids])).last_hidden_state
+            if clip_skip == 1:
+                z = text_encoder(torch.tensor([ids])).last_hidden_state
+            else:  # A1111: hidden state -clip_skip, through the final LayerNorm
+                hidden = text_encoder(torch.tensor([ids]), output_hidden_states=True).hidden_states[-clip_skip]
+                z = text_encoder.final_layer_norm(hidden)
             mean = z.mean()
             z = z * torch.tensor(w)[None, :, None]
             out.append(z * (mean / z.mean()))
@@ -101,6 +105,13 @@ def test_long_weighted_prompt_matches_a1111_rules(tiny):
     got, warnings = engine.encode_prompt([prompt])
     assert not warnings and got.shape == expected.shape == (1, 77 * 3, expected.shape[-1])
     assert (got - expected).abs().max().item() <= 1e-4
+
+
+def test_long_weighted_prompt_with_clip_skip(tiny):
+    pipe, _, engine = tiny
+    expected, _ = reference_conditioning(pipe.tokenizer, pipe.text_encoder, SEGMENTS[:14], clip_skip=2)
+    got, _ = engine.encode_prompt([a1111_prompt(SEGMENTS[:14])], clip_skip=2)
+    assert got.shape == expected.shape and (got - expected).abs().max().item() <= 1e-4
 
 
 def test_break_starts_a_new_chunk(tiny):

@@ -5,6 +5,9 @@ and strengths people use most. Parity with diffusers is measured with no mask bl
 diffusers does not do."""
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -44,7 +47,13 @@ def as_uint8(images) -> np.ndarray:
 
 def max_pixel_diff(a, b) -> int:
     assert a.shape == b.shape
-    return int(np.abs(a.astype(int) - b.astype(int)).max())
+    diff = int(np.abs(a.astype(int) - b.astype(int)).max())
+    log = os.environ.get("SDLITE_PARITY_LOG")   # the figures for a report: one JSON line per comparison
+    if log:
+        with open(log, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0],
+                                "max_pixel_diff": diff}) + "\n")
+    return diff
 
 
 def reference_img2img(pipe, sampler, image, strength, *, steps, seed, batch=2, cfg=7.5):
