@@ -21,6 +21,7 @@ import re
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 # Importing torch triggers several full garbage collections, each walking every object torch has created so far
@@ -418,18 +419,20 @@ class Engine:
         except EmbeddingError as e:
             raise RequestError(str(e)) from None
         loras = [(path, float(weight)) for path, weight in r.loras]
+        names = [Path(path).stem for path, _ in r.loras]
         for tag in tags:
             if tag.kind == "lora":
                 from . import lora as lora_module
 
                 loras.append((lora_module.find_lora(tag.name, r.lora_dir), tag.weight))
+                names.append(tag.name)   # A1111 records a tag's LoRA by the name the prompt gives
             else:
                 warnings.append(f"<{tag.kind}:{tag.name}> in the prompt is not supported and was ignored "
                                 "(supported: <lora:NAME:WEIGHT>, <embedding:NAME>)")
         if negative_tags:
             warnings.append("network tags in the negative prompt are ignored (as A1111 does): "
                             + ", ".join(f"<{t.kind}:{t.name}>" for t in negative_tags))
-        return PromptNetworks(prompt, negative, loras, db, warnings)
+        return PromptNetworks(prompt, negative, loras, db, warnings, names)
 
     def _embedding_db(self, folder) -> EmbeddingDB | None:
         if folder is None:
@@ -547,7 +550,7 @@ class PromptNetworks:
     loras: list[tuple[str, float]]
     embeddings: EmbeddingDB | None
     warnings: list[str]
-    used_embeddings: dict = field(default_factory=dict)
+    lora_names: list[str] = field(default_factory=list)   # as the "Lora hashes" parameter names them
 
     def applied(self, engine):
         """A context in which the LoRAs are merged into the engine's networks (restored on exit)."""
@@ -563,7 +566,7 @@ class PromptNetworks:
 
         out = {}
         if self.loras:
-            out["Lora hashes"] = ", ".join(f"{lora.lora_name(p)}: {lora.lora_hash(p)}" for p, _ in self.loras)
+            out["Lora hashes"] = lora.lora_hashes_infotext(zip(self.lora_names, (p for p, _ in self.loras)))
         if self.embeddings is not None:
             used = [e for e in self.embeddings.embeddings.values()
                     if any(_mentions(text, e.name) for text in (self.prompt, self.negative))]

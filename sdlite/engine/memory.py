@@ -204,6 +204,13 @@ class ModelManager:
         self._resident: dict[str, nn.Module] = {}
         if preloaded is not None:
             self._resident = {"text_encoder": preloaded.text_encoder, "unet": preloaded.unet, "vae": preloaded.vae}
+        # callables (name, module, resident) run on every network built from now on: how a LoRA applied for a
+        # request (sdlite.lora.engine_with_loras) reaches the networks memory modes 0 and 2 load per use
+        self.adapters: list = []
+
+    def _adapt(self, name: str, module: nn.Module, resident: bool) -> None:
+        for adapter in list(self.adapters):
+            adapter(name, module, resident)
 
     def _keeps(self, name: str) -> bool:
         return self.mode == 1 or (self.mode == 2 and name == "unet") or (self.mode == 0 and name == "unet")
@@ -255,7 +262,9 @@ class ModelManager:
     def get(self, name: str) -> nn.Module:
         """The network, resident from now on (modes 1 and 2 for the UNet)."""
         if name not in self._resident:
-            self._resident[name] = self._build(name)
+            module = self._build(name)
+            self._adapt(name, module, True)
+            self._resident[name] = module
         return self._resident[name]
 
     @contextlib.contextmanager
@@ -265,6 +274,7 @@ class ModelManager:
             return
         module = self._build(name)
         try:
+            self._adapt(name, module, False)
             yield module
         finally:
             self._discard(module)
@@ -280,6 +290,7 @@ class ModelManager:
             return
         module = self._load_whole(name)
         try:
+            self._adapt(name, module, False)
             yield module
         finally:
             self._discard(module)
