@@ -4,6 +4,8 @@ Nothing here downloads anything: every reference model is constructed from a con
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from sdlite.config import TextEncoderConfig, UNetConfig, VAEConfig
@@ -174,7 +176,7 @@ MORE_SCHEDULERS = {
     "ddpm": ("DDPMScheduler", {}),
 }
 
-_BASE_SCHEDULERS: dict = {}
+_BASE_SCHEDULERS = weakref.WeakKeyDictionary()   # pipeline -> its own scheduler config (not keeping it alive)
 
 
 def use_scheduler(pipe, sampler: str, spacing: str | None = None):
@@ -186,7 +188,9 @@ def use_scheduler(pipe, sampler: str, spacing: str | None = None):
     # Each swap starts from the pipeline's own scheduler config: a swapped-in scheduler lists the fields it
     # defaulted (``_use_default_values``), and the next from_config would drop them even when given explicitly
     # (use_karras_sigmas=True after Euler, say).
-    base = _BASE_SCHEDULERS.setdefault(id(pipe), (pipe, dict(pipe.scheduler.config)))[1]
+    if pipe not in _BASE_SCHEDULERS:
+        _BASE_SCHEDULERS[pipe] = dict(pipe.scheduler.config)
+    base = _BASE_SCHEDULERS[pipe]
     # real SD folders' scheduler configs say clip_sample: false (DDIM/DDPM would otherwise default to true)
     config = {**base, "clip_sample": False, **extra}
     if spacing is not None:

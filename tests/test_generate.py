@@ -107,6 +107,13 @@ def test_full_size_sd15_matches_diffusers(sd15_folder, tmp_path, sampler):
 _PIPES = {}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _free_pipelines():
+    """The full-size pipeline cached above is dropped with this module (about 4 GB that later modules need)."""
+    yield
+    _PIPES.clear()
+
+
 def _sd15_pipeline(cls, folder):
     if folder not in _PIPES:
         _PIPES.clear()

@@ -5,6 +5,7 @@ and strengths people use most. Parity with diffusers is measured with no mask bl
 diffusers does not do."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 
@@ -172,14 +173,36 @@ def test_inpainting_model_does_text_to_image_with_a_full_mask(tiny):
 
 # --- the real SD 1.5 shapes ----------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
+# the full-size pipelines and engines (about 8 GB a set): one set alive at a time
+_FULL: dict = {}
+
+
+def _full_set(name, build) -> dict:
+    if name not in _FULL:
+        _FULL.clear()
+        gc.collect()
+        _FULL[name] = build()
+    return _FULL[name]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_full_sets():
+    yield
+    _FULL.clear()
+    gc.collect()
+
+
+@pytest.fixture
 def sd15(sd15_folder):
     from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline
 
-    pipe = StableDiffusionImg2ImgPipeline.from_pretrained(sd15_folder, dtype=torch.float32, local_files_only=True,
-                                                          safety_checker=None, requires_safety_checker=False)
-    yield {"img2img": pipe, "inpaint_4ch": StableDiffusionInpaintPipeline(**pipe.components),
-           "engine": Engine.load(sd15_folder)}
+    def build():
+        pipe = StableDiffusionImg2ImgPipeline.from_pretrained(sd15_folder, dtype=torch.float32,
+                                                              local_files_only=True, safety_checker=None,
+                                                              requires_safety_checker=False)
+        return {"img2img": pipe, "inpaint_4ch": StableDiffusionInpaintPipeline(**pipe.components),
+                "engine": Engine.load(sd15_folder)}
+    return _full_set("sd15", build)
 
 
 @pytest.mark.slow
@@ -201,14 +224,16 @@ def test_full_size_inpaint_4ch_matches_diffusers(sd15, sampler, strength):
     assert max_pixel_diff(got, expected) <= 2
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def sd15_inpaint(sd15_inpaint_folder):
     from diffusers import StableDiffusionInpaintPipeline
 
-    pipe = StableDiffusionInpaintPipeline.from_pretrained(sd15_inpaint_folder, dtype=torch.float32,
-                                                          local_files_only=True, safety_checker=None,
-                                                          requires_safety_checker=False)
-    yield {"inpaint": pipe, "engine": Engine.load(sd15_inpaint_folder)}
+    def build():
+        pipe = StableDiffusionInpaintPipeline.from_pretrained(sd15_inpaint_folder, dtype=torch.float32,
+                                                              local_files_only=True, safety_checker=None,
+                                                              requires_safety_checker=False)
+        return {"inpaint": pipe, "engine": Engine.load(sd15_inpaint_folder)}
+    return _full_set("sd15_inpaint", build)
 
 
 @pytest.mark.slow
