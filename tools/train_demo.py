@@ -510,6 +510,16 @@ Generation on this machine: {figures['seconds_per_image']:.2f} s per image ({hp.
     path.write_text(text, encoding="utf-8")
 
 
+def add_hparam_options(parser: argparse.ArgumentParser, fields: dict) -> None:
+    """One ``--name`` option per scalar hyper-parameter (default None: keep the dataclass default); booleans
+    read 1/true/yes."""
+    for name, f in fields.items():
+        if isinstance(f.default, tuple):
+            continue
+        kind = (lambda v: v.lower() in ("1", "true", "yes")) if isinstance(f.default, bool) else type(f.default)
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
+
+
 def main(argv=None) -> int:
     fields = {f.name: f for f in dataclasses.fields(HParams)}
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
@@ -521,10 +531,7 @@ def main(argv=None) -> int:
     p.add_argument("--eval-only", action="store_true",
                    help="evaluate the saved model again and rewrite the report (training facts are read from "
                         "train_info.json beside the log)")
-    for name, f in fields.items():
-        if isinstance(f.default, tuple):
-            continue
-        p.add_argument(f"--{name.replace('_', '-')}", type=type(f.default), default=None)
+    add_hparam_options(p, fields)
     args = p.parse_args(argv)
     overrides = dict(QUICK) if args.quick else {}
     overrides.update({k: getattr(args, k) for k in fields if getattr(args, k, None) is not None})
