@@ -1,6 +1,7 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Tests and tools must never reach a model hub.
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -15,7 +16,10 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet torch==2.13.0
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,server]'
+	# the web page's browser test drives Debian's chromium (Playwright's own browser download cannot work offline)
+	command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium; }
 	touch $@
 
 setup: $(VENV)/.installed

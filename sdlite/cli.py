@@ -374,6 +374,93 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def cmd_serve(args) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        raise SDLiteError(f"sdlite serve needs FastAPI and uvicorn ({e.name} is not installed): "
+                          "pip install 'sdlite[server]'") from None
+    import signal
+    import threading
+
+    from .server.app import create_app, parse_auth
+
+    host = "0.0.0.0" if args.listen else args.host
+    if not _is_loopback(host) and not args.api_auth and not args.insecure:
+        raise SDLiteError(f"refusing to serve on {host} without authentication: give --api-auth USER:PASS "
+                          "(HTTP Basic, as A1111), or --insecure to serve it open to the network anyway")
+    if not 0 < args.port < 65536:
+        raise SDLiteError(f"port {args.port} is not valid: expected 1..65535")
+    if args.queue_size < 1:
+        raise SDLiteError(f"queue size {args.queue_size} is not valid: it must be at least 1")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SDLiteError(f"--threads {args.threads} is not valid: it must be at least 1")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.api_auth:
+        try:
+            parse_auth(args.api_auth)
+        except ValueError as e:
+            raise SDLiteError(str(e)) from None
+    for option, path in (("--model", args.model), ("--models-dir", args.models_dir), ("--lora-dir", args.lora_dir),
+                         ("--embeddings", args.embeddings)):
+        if path is not None and not Path(path).exists():
+            raise SDLiteError(f"{option} {path}: no such file or folder")
+    if args.models_dir is not None and not Path(args.models_dir).is_dir():
+        raise SDLiteError(f"--models-dir {args.models_dir}: not a folder")
+    flags = {"listen": args.listen, "host": host, "port": args.port, "ckpt": args.model, "models_dir": args.models_dir,
+             "lora_dir": args.lora_dir, "embeddings_dir": args.embeddings, "queue_size": args.queue_size,
+             "device": args.device, "nowebui": False}
+    try:
+        app = create_app(model=args.model, models_dir=args.models_dir, api_auth=args.api_auth,
+                         queue_size=args.queue_size, lora_dir=args.lora_dir, embeddings_dir=args.embeddings,
+                         engine_options={"device": args.device}, flags=flags)
+    except FileNotFoundError as e:
+        raise SDLiteError(str(e)) from None
+    jobs = app.state.server.jobs
+
+    class GracefulServer(uvicorn.Server):
+        """On SIGTERM: new jobs get 503, the running one finishes and its client gets its images, then the
+        server stops (exit status 0). A second SIGTERM, or SIGINT, stops it at once."""
+
+        draining = False
+
+        def handle_exit(self, sig, frame):
+            if sig == signal.SIGTERM and not self.draining:
+                self.draining = True
+                jobs.close()
+                threading.Thread(target=self._exit_when_idle, args=(sig, frame), daemon=True).start()
+                return
+            super().handle_exit(sig, frame)
+
+        def _exit_when_idle(self, sig, frame):
+            jobs.wait_idle()
+            super().handle_exit(sig, frame)
+
+    # uvicorn raises the signal it stopped for again once it is done; a no-op handler makes SIGTERM's exit status 0
+    signal.signal(signal.SIGTERM, lambda sig, frame: None)
+    print(f"sdlite: serving the A1111 API on http://{host}:{args.port}/sdapi/v1 (web page: http://{host}:{args.port}/)",
+          file=sys.stderr)
+    server = GracefulServer(uvicorn.Config(app, host=host, port=args.port, log_level=args.log_level,
+                                           access_log=args.log_level == "debug"))
+    server.run()
+    return 0 if server.started else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sdlite", description="Stable Diffusion inference, offline and lean.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -470,6 +557,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("samplers", help="list the samplers, their default schedules and A1111 names")
     s.set_defaults(func=cmd_samplers)
+
+    v = sub.add_parser("serve", help="an HTTP server with AUTOMATIC1111's /sdapi/v1 API (and a web page)")
+    v.add_argument("--model", "-m", default=None,
+                   help="the checkpoint to start with (default: the shipped demo model, or with --models-dir the "
+                        "first checkpoint there)")
+    v.add_argument("--models-dir", metavar="DIR", default=None,
+                   help="checkpoints a client can list (/sd-models) and switch to (options sd_model_checkpoint)")
+    v.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    v.add_argument("--port", type=int, default=7860)
+    v.add_argument("--listen", action="store_true",
+                   help="bind 0.0.0.0 (every interface); needs --api-auth or --insecure")
+    v.add_argument("--api-auth", metavar="USER:PASS", default=None,
+                   help="HTTP Basic credentials for the API (several: USER:PASS,USER2:PASS2)")
+    v.add_argument("--insecure", action="store_true", help="allow serving beyond this machine without --api-auth")
+    v.add_argument("--queue-size", type=int, default=32,
+                   help="jobs that may wait behind the running one; more get 503 with Retry-After (default 32)")
+    v.add_argument("--lora-dir", metavar="DIR", default=None, help="where <lora:NAME:...> prompt tags are found")
+    v.add_argument("--embeddings", metavar="DIR", default=None, help="textual-inversion embeddings")
+    v.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
+    v.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for generation (default: PyTorch's; 1 is fastest for the tiny demo model)")
+    v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (debug also logs every request)")
+    v.set_defaults(func=cmd_serve)
 
     t = sub.add_parser("tokens", help="how a prompt is read, as JSON: parsed (text, weight) pieces, 75-token "
                                       "chunks with their token ids, prompt edits per step, LoRA tags")

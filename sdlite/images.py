@@ -15,6 +15,7 @@ Files are created exclusively: an existing file is never overwritten, the next f
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -256,12 +257,32 @@ def save_image(image: Image.Image, path: Path, parameters: str, fmt: str = "png"
     return path
 
 
-def read_parameters(path: str | os.PathLike) -> str | None:
-    """The ``parameters`` text of a PNG (text chunk) or JPEG (EXIF UserComment) written by sdlite or A1111."""
-    with Image.open(path) as im:
-        if "parameters" in im.info:
-            return im.info["parameters"]
-        raw = im.getexif().get_ifd(_EXIF_IFD).get(_USER_COMMENT)
+def png_bytes(image: Image.Image, parameters: str | None = None) -> bytes:
+    """One image as PNG file bytes, with its ``parameters`` text chunk when given (what :func:`save_image` writes,
+    in memory: a server's response)."""
+    info = None
+    if parameters is not None:
+        info = PngImagePlugin.PngInfo()
+        info.add_text("parameters", parameters)
+    out = io.BytesIO()
+    image.save(out, format="PNG", pnginfo=info)
+    return out.getvalue()
+
+
+def parameters_of(image: Image.Image) -> str | None:
+    """The ``parameters`` text of an opened image: its PNG text chunk, or its EXIF UserComment (JPEG, WebP)."""
+    if isinstance(image.info.get("parameters"), str):
+        return image.info["parameters"]
+    try:
+        raw = image.getexif().get_ifd(_EXIF_IFD).get(_USER_COMMENT)
+    except Exception:  # noqa: BLE001 - Pillow raises assorted errors on malformed EXIF data: no parameters then
+        return None
     if isinstance(raw, bytes) and raw.startswith(b"UNICODE\0"):
         return raw[8:].decode("utf-16-be")
     return raw
+
+
+def read_parameters(path: str | os.PathLike) -> str | None:
+    """The ``parameters`` text of a PNG (text chunk) or JPEG (EXIF UserComment) written by sdlite or A1111."""
+    with Image.open(path) as im:
+        return parameters_of(im)

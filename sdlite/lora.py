@@ -442,6 +442,17 @@ def find_lora(name: str, lora_dir: str | os.PathLike | None = None) -> str:
     raise LoraError(f"<lora:{name}:...>: no LoRA named {name!r} (NAME.safetensors, .pt or .ckpt) in {where}{have}")
 
 
+def list_loras(lora_dir: str | os.PathLike | None = None) -> list[Path]:
+    """Every LoRA file a ``<lora:NAME:...>`` tag can name: those in ``lora_dir`` (and its sub-folders), then the
+    ones shipped with sdlite, in the order :func:`find_lora` searches them."""
+    return _candidates(([Path(lora_dir)] if lora_dir is not None else []) + [SHIPPED_DIR])
+
+
+def lora_alias(path: str | os.PathLike) -> str:
+    """The name A1111 shows a LoRA under: its training name (``ss_output_name`` metadata), else its stem."""
+    return _alias(Path(path)) or Path(path).stem
+
+
 def lora_name(path: str | os.PathLike) -> str:
     """The name A1111 writes for a LoRA in ``Lora hashes``: the file's stem (the name its prompt tag uses)."""
     return Path(path).stem

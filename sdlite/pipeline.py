@@ -61,6 +61,12 @@ class RequestError(SDLiteError, ValueError):
     """A request parameter is out of range; the message names it, its value and what is valid."""
 
 
+class StopSampling(Exception):
+    """Raised by a step callback (``callback`` or ``on_latents`` of :meth:`Engine.generate`) to end sampling after
+    the current step: the result then holds the images decoded from the latest estimate of the final latents
+    (``Result.interrupted`` is True). A server's interrupt and skip use it."""
+
+
 @dataclass
 class Request:
     prompt: str
@@ -117,6 +123,7 @@ class Result:
     warnings: list[str] = field(default_factory=list)
     timings: dict = field(default_factory=dict)
     infotext: dict = field(default_factory=dict)   # extra A1111 parameters ("Lora hashes", "TI hashes")
+    interrupted: bool = False         # a step callback raised StopSampling: the images are the estimate at that step
 
 
 def _validate_image_options(r: Request) -> Request:
@@ -226,6 +233,23 @@ def latents_to_images(images: torch.Tensor) -> list:
     return [Image.fromarray(a) for a in (arr * 255).round().astype(np.uint8)]
 
 
+# latent -> RGB in [-1, 1], one linear map per latent channel: the approximation of the SD 1.x/2.x VAE that the
+# A1111 web UI calls "Approx cheap" (after https://discuss.huggingface.co/t/decoding-latents-to-rgb-without-upscaling/23204)
+_CHEAP_RGB = ((0.298, 0.207, 0.208), (0.187, 0.286, 0.173), (-0.158, 0.189, 0.264), (-0.184, -0.271, -0.473))
+
+
+def approximate_images(latents: torch.Tensor, scale: int = 8) -> list:
+    """Scaled latents (B, 4, h, w) -> PIL images (scale h x scale w) through a fixed linear map of the four
+    channels: no network runs, so it costs next to nothing. Faithful for the SD 1.x/2.x VAE; for another VAE
+    (the demo model's) it shows where the shapes are, in approximate colours."""
+    coefs = torch.tensor(_CHEAP_RGB, dtype=torch.float32)
+    if latents.shape[1] != coefs.shape[0]:
+        raise RequestError(f"the cheap preview needs {coefs.shape[0]} latent channels, not {latents.shape[1]}")
+    rgb = torch.einsum("bchw,cr->brhw", latents.detach().float().cpu(), coefs)
+    rgb = torch.nn.functional.interpolate(rgb, scale_factor=scale, mode="bilinear", align_corners=False)
+    return latents_to_images(rgb)
+
+
 class Engine:
     """A model on a device, ready to generate. Holds no per-request state.
 
@@ -321,6 +345,13 @@ class Engine:
         with torch.no_grad(), self.models.use_whole("vae") as vae:  # tiling calls the layers one by one
             return tiled_decode(vae, latents.to(self.device, vae.dtype), tile)
 
+    def preview(self, latents: torch.Tensor, full: bool = False) -> list:
+        """Images of an estimate of the final latents (what ``on_latents`` of :meth:`generate` receives): decoded by
+        the VAE (``full``: exact, a decoder pass) or by :func:`approximate_images` (instant, approximate)."""
+        if not full:
+            return approximate_images(latents, self.spec.vae.downscale)
+        return latents_to_images(self.decode_latents(latents / self.spec.vae.scaling_factor))
+
     def encode_image(self, image: torch.Tensor, generators: list[torch.Generator] | None) -> torch.Tensor:
         """Images (1, 3, H, W) in [-1, 1] -> scaled latents (B, 4, H/8, W/8): one encoder pass, then one sample
         of the latent distribution per generator, each drawn as the reference draws it (``randn`` of the
@@ -384,8 +415,12 @@ class Engine:
         return Source(image=image, mask=blurred, width=width, height=height, overlay_source=overlay_source,
                       overlay_mask=overlay_mask, paste_box=paste_box)
 
-    def generate(self, request: Request, callback: Callable[[int, int], None] | None = None) -> Result:
-        """Run one request. ``callback(step, total)`` is called after each sampler step."""
+    def generate(self, request: Request, callback: Callable[[int, int], None] | None = None, *,
+                 on_latents: Callable[[int, int, torch.Tensor], None] | None = None) -> Result:
+        """Run one request. ``callback(step, total)`` is called after each sampler step, and before it
+        ``on_latents(step, total, latents)`` with the current estimate of the final latents (the denoiser's
+        prediction of x0, in the scaling of ``Result.latents``; :meth:`preview` turns it into images). Either may
+        raise :class:`StopSampling` to end the run after that step with the images of that estimate."""
         r = validate(request, self.spec.default_size)
         inpaint_model = self.spec.unet.in_channels != self.spec.vae.latent_channels
         if inpaint_model and self.spec.unet.in_channels != 2 * self.spec.vae.latent_channels + 1:
@@ -403,7 +438,7 @@ class Engine:
         use_cfg = r.cfg_scale > 1.0
         networks = self.prompt_networks(r)
         with networks.applied(self):
-            return self._generate(r, source, seeds, use_cfg, networks, inpaint_model, callback, t0)
+            return self._generate(r, source, seeds, use_cfg, networks, inpaint_model, callback, t0, on_latents)
 
     def prompt_networks(self, r: Request) -> "PromptNetworks":
         """The request's add-ons: ``<lora:name:w>`` tags (removed from the text, as A1111 does) and
@@ -444,7 +479,7 @@ class Engine:
         return cache[key]
 
     def _generate(self, r: Request, source, seeds, use_cfg, networks: "PromptNetworks", inpaint_model, callback,
-                  t0) -> Result:
+                  t0, on_latents=None) -> Result:
         warnings = list(networks.warnings)
         cond = self.conditioning(r.replace(prompt=networks.prompt, negative_prompt=networks.negative), use_cfg,
                                  networks.embeddings)
@@ -468,21 +503,32 @@ class Engine:
         if cond.changes:
             extra["context"], extra["uncond"] = cond.at(start, r.batch_size)
 
+        done = [0]  # sampler steps completed
+
         def on_step(i, total, x):
+            done[0] = i + 1
             if blend is not None:
                 x = blend(i, total, x)
             if cond.changes and start + i + 1 < r.steps:
                 extra["context"], extra["uncond"] = cond.at(start + i + 1, r.batch_size)
+            if on_latents is not None:
+                on_latents(i + 1, total, denoised.value)
             if callback is not None:
                 callback(i + 1, total)
             return x
 
+        interrupted = False
         with torch.no_grad(), self.models.use("unet") as unet:
-            denoiser = CFGDenoiser(Denoiser(unet, self.schedule, self.spec.prediction_type, dtype=unet.dtype),
-                                   r.cfg_scale if use_cfg else 1.0)
-            latents = sample(r.sampler, denoiser, x, self.schedule, r.steps, r.schedule, generator=generators,
-                             spacing=r.timestep_spacing, eta=r.eta, callback=on_step, extra_args=extra,
-                             start=start, noised=noised)
+            denoised = _Recorded(CFGDenoiser(Denoiser(unet, self.schedule, self.spec.prediction_type,
+                                                      dtype=unet.dtype), r.cfg_scale if use_cfg else 1.0))
+            try:
+                latents = sample(r.sampler, denoised, x, self.schedule, r.steps, r.schedule, generator=generators,
+                                 spacing=r.timestep_spacing, eta=r.eta, callback=on_step, extra_args=extra,
+                                 start=start, noised=noised)
+            except StopSampling:  # raised by a step callback, so after at least one denoiser call
+                latents, interrupted = denoised.value, True
+                warnings.append(f"stopped after step {done[0]} of {r.steps - start}: the images "
+                                "are the estimate of the final image at that step")
         # glibc keeps the sampling loop's freed activations in its heap (they are reused step after step); hand
         # them back before the decoder allocates its own, larger ones, or both count in the peak (about 250 MB
         # less peak at 512^2 for SD 1.5)
@@ -495,7 +541,7 @@ class Engine:
         t3 = time.perf_counter()
         return Result(images=images, seeds=seeds, request=r, latents=latents, warnings=warnings,
                       infotext=networks.infotext(), timings={"text": t1 - t0, "sampling": t2 - t1, "decode": t3 - t2,
-                                                  "total": t3 - t0})
+                                                  "total": t3 - t0}, interrupted=interrupted)
 
     def _image_latents(self, r: Request, source: "Source | None", generators, shape, inpaint_model: bool):
         """The start of an image-to-image or inpainting run, as diffusers' img2img and inpainting pipelines
@@ -607,6 +653,27 @@ def _to(t: torch.Tensor | None, device) -> torch.Tensor | None:
     return None if t is None else t.to(device)
 
 
+@dataclass(frozen=True, eq=False)
+class _Recorded:
+    """A denoiser that keeps its latest output (the estimate of the final latents) in ``value``, for step
+    callbacks (previews) and for the images of a run stopped early. It computes exactly what it wraps."""
+
+    denoiser: Callable
+    _last: list = field(default_factory=lambda: [None])
+
+    @property
+    def value(self) -> torch.Tensor | None:
+        return self._last[0]
+
+    def with_timesteps(self, sigmas: torch.Tensor, timesteps: torch.Tensor) -> "_Recorded":
+        return dataclasses.replace(self, denoiser=self.denoiser.with_timesteps(sigmas, timesteps))
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, **extra) -> torch.Tensor:
+        out = self.denoiser(x, sigma, **extra)
+        self._last[0] = out
+        return out
+
+
 @dataclass
 class _Blend:
     """A 4-channel UNet's inpainting (diffusers' StableDiffusionInpaintPipeline): after each step, the
@@ -689,5 +756,5 @@ def check_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-__all__ = ["Engine", "Request", "Result", "RequestError", "validate", "initial_noise", "check_device",
+__all__ = ["Engine", "Request", "Result", "RequestError", "StopSampling", "approximate_images", "validate", "initial_noise", "check_device",
            "SAMPLERS", "DEFAULT_SAMPLER"]

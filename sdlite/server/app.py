@@ -1,0 +1,483 @@
+"""The HTTP server: AUTOMATIC1111's ``/sdapi/v1`` routes over sdlite, and the web page.
+
+    app = create_app(model="v1-5-pruned-emaonly.safetensors")     # a FastAPI app; `sdlite serve` runs it
+    uvicorn.run(app, host="127.0.0.1", port=7860)
+
+Routes translate (:mod:`.a1111`) and queue (:mod:`.jobs`); the engine runs in the queue's worker thread only.
+Errors are reported as A1111 reports them: FastAPI's ``{"detail": [...]}`` (422) when the JSON does not fit the
+schema, otherwise ``{"error", "detail", "body", "errors"}`` with a fitting status (401, 404, 413, 422, 503).
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import datetime
+import logging
+import os
+import secrets
+import threading
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Body, Depends, FastAPI, HTTPException, Query, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import __version__
+from ..errors import CheckpointError, SDLiteError
+from ..images import png_bytes
+from . import a1111
+from .checkpoints import Checkpoint, Checkpoints, Engines
+from .jobs import JobControl, Jobs, QueueFull, ShuttingDown
+
+log = logging.getLogger("sdlite.server")
+
+WEB_DIR = Path(__file__).resolve().parent / "web"
+MAX_BODY_BYTES = 64 << 20      # a request body (and any one decoded image) may be at most this large
+DISCONNECT_POLL_S = 0.5
+
+
+class BodyTooLarge(HTTPException):
+    """A request body over the cap (an HTTPException, so that FastAPI's body reading passes it on as it is)."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"the request body is larger than the cap of {limit} bytes")
+
+
+class Server:
+    """The server's state: the checkpoints, the loaded engines, the options and the job queue."""
+
+    def __init__(self, model=None, models_dir=None, api_auth: str | None = None, queue_size: int = 32, *,
+                 lora_dir=None, embeddings_dir=None, max_body_bytes: int = MAX_BODY_BYTES,
+                 engine_options: dict | None = None, flags: dict | None = None):
+        if model is None and models_dir is None:
+            from ..demo import model_path
+
+            model = model_path()
+        self.checkpoints = Checkpoints(model, models_dir)
+        self.engines = Engines(self.checkpoints, limit=1, **(engine_options or {}))
+        self.options = a1111.default_options()
+        self._options_lock = threading.Lock()
+        self.jobs = Jobs(queue_size, preview_every=self._preview_due)
+        self.credentials = parse_auth(api_auth) if api_auth else None
+        self.lora_dir, self.embeddings_dir = lora_dir, embeddings_dir
+        self.max_body_bytes = max_body_bytes
+        self.flags = flags or {}
+        self._preview_cache: tuple[Any, str] | None = None
+
+    # --- options -------------------------------------------------------------------------------------------
+
+    def options_snapshot(self) -> dict:
+        with self._options_lock:
+            current = self.checkpoints.current
+            return {**self.options, "sd_model_checkpoint": current.title, "sd_checkpoint_hash": current.hash}
+
+    def set_options(self, changes: dict) -> None:
+        with self._options_lock:
+            self.options.update(changes)
+            self.engines.limit = self.options["sd_checkpoints_limit"]
+
+    def _preview_due(self, step: int, total: int) -> bool:
+        with self._options_lock:
+            enabled, every = self.options["live_previews_enable"], self.options["show_progress_every_n_steps"]
+        return enabled and (step == total if every == -1 else step % every == 0)
+
+    def find_checkpoint(self, name: Any) -> Checkpoint:
+        if not isinstance(name, str) or self.checkpoints.find(name) is None:
+            self.checkpoints.refresh()   # A1111 refreshes its list once before giving up
+        found = self.checkpoints.find(name) if isinstance(name, str) else None
+        if found is None:
+            raise HTTPException(404, f"Model not found: {name!r}; available: {', '.join(self.checkpoints.names())}")
+        return found
+
+    # --- work done in the queue's worker thread ------------------------------------------------------------
+
+    def switch(self, checkpoint: Checkpoint) -> None:
+        """Load ``checkpoint`` and make it the current model."""
+        self.engines.get(checkpoint)
+        self.checkpoints.current = checkpoint
+
+    def preload(self) -> None:
+        self.engines.get(self.checkpoints.current)
+
+    def run(self, plan: a1111.Plan, control: JobControl) -> a1111.Outcome:
+        """One txt2img / img2img request: its iterations, one after another, with progress and previews."""
+        checkpoint = self.checkpoints.current if plan.checkpoint is None else self.find_checkpoint(plan.checkpoint)
+        control.begin(len(plan.requests))
+        if self.engines.loaded(checkpoint) is None:
+            control.info(f"{plan.kind}: loading {checkpoint.name}")
+        engine = self.engines.get(checkpoint)
+        timestamp = datetime.datetime.now().strftime("%Y%m%d%H%M%S")
+        downscale = engine.spec.vae.downscale
+        results = []
+        for i, request in enumerate(plan.requests):
+            if control.interrupted:
+                break
+            control.iteration(i, request.steps)
+
+            def on_latents(step, total, latents):
+                if control.preview_due(step, total):
+                    pixels = latents.shape[-1] * latents.shape[-2] * downscale**2
+                    full = plan.preview == "Full" or (plan.preview == "Auto"
+                                                      and pixels <= a1111.AUTO_FULL_PREVIEW_PIXELS)
+                    control.set_preview(engine.preview(latents[:1], full=full)[0], step)
+
+            results.append(engine.generate(request, callback=control.step, on_latents=on_latents))
+        if plan.keep_overrides:   # override_settings_restore_afterwards = false: the overrides stay
+            if plan.checkpoint is not None:
+                self.checkpoints.current = checkpoint
+            self.set_options({k: v for k, v in plan.keep_overrides.items() if k != "sd_model_checkpoint"})
+        inpainting = engine.spec.unet.in_channels != engine.spec.vae.latent_channels
+        return a1111.Outcome(results, checkpoint.short_name, self.checkpoints.hash_of(checkpoint), inpainting,
+                             timestamp, interrupted=control.interrupted)
+
+    # --- awaiting jobs -------------------------------------------------------------------------------------
+
+    async def wait(self, job, request: Request):
+        """The job's result; a client that goes away meanwhile gets its job dropped (queued) or interrupted."""
+        future = asyncio.wrap_future(job.future)
+        try:
+            while True:
+                done, _ = await asyncio.wait({future}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return future.result()
+                if await request.is_disconnected():
+                    self.jobs.cancel(job)
+                    log.info("client went away: job %d (%s) dropped", job.id, job.label)
+                    return None
+        except asyncio.CancelledError:
+            self.jobs.cancel(job)
+            raise
+
+    def preview_b64(self, image) -> str | None:
+        if image is None:
+            return None
+        cached = self._preview_cache
+        if cached is not None and cached[0] is image:
+            return cached[1]
+        encoded = base64.b64encode(png_bytes(image)).decode("ascii")
+        self._preview_cache = (image, encoded)
+        return encoded
+
+
+def parse_auth(text: str) -> dict[str, str]:
+    """``USER:PASS[,USER2:PASS2]`` (A1111's ``--api-auth``) -> {user: password}."""
+    credentials = {}
+    for pair in text.split(","):
+        user, sep, password = pair.strip().partition(":")
+        if not sep or not user or not password:
+            raise ValueError(f"--api-auth {pair.strip()!r} is not valid: expected USER:PASSWORD (several separated "
+                             "by commas)")
+        credentials[user] = password
+    return credentials
+
+
+def _error(status: int, name: str, detail: Any, errors: str | None = None, headers=None) -> JSONResponse:
+    body = {"error": name, "detail": detail, "body": "", "errors": errors if errors is not None else str(detail)}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e: StarletteHTTPException):
+        return _error(e.status_code, "HTTPException", e.detail, f"{e.status_code}: {e.detail}", e.headers)
+
+    @app.exception_handler(a1111.ImageTooLarge)
+    async def too_large(request, e):
+        return _error(413, type(e).__name__, str(e))
+
+    @app.exception_handler(QueueFull)
+    @app.exception_handler(ShuttingDown)
+    async def busy(request, e):
+        return _error(503, type(e).__name__, str(e), headers={"Retry-After": str(e.retry_after)})
+
+    @app.exception_handler(SDLiteError)
+    async def bad_request(request, e: SDLiteError):
+        if isinstance(e, CheckpointError):   # a model in the list that cannot be loaded: the server's problem
+            log.error("model cannot be loaded: %s", e)
+            return _error(500, type(e).__name__, f"the model cannot be loaded: {e}")
+        return _error(422, type(e).__name__, str(e))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request, e: Exception):
+        log.exception("error in %s %s", request.method, request.url.path)
+        return _error(500, type(e).__name__, "internal error; the server log has the details", str(e))
+
+
+class _BodyLimit:
+    """Refuses request bodies over ``max_bytes`` (413): by their Content-Length, or while they are read."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            detail = f"the request body ({length.decode(errors='replace')} bytes) is larger than the cap of " \
+                     f"{self.max_bytes} bytes" if length.isdigit() else "the Content-Length header is not a number"
+            response = _error(413 if length.isdigit() else 400, "HTTPException", detail)
+            return await response(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        return await self.app(scope, limited, send)
+
+
+def create_app(model=None, models_dir=None, api_auth: str | None = None, queue_size: int = 32, *,
+               lora_dir=None, embeddings_dir=None, max_body_bytes: int = MAX_BODY_BYTES, preload: bool = True,
+               engine_options: dict | None = None, flags: dict | None = None) -> FastAPI:
+    """The server as a FastAPI app. ``model``: a checkpoint (default: the shipped demo model, or the first one in
+    ``models_dir``); ``models_dir``: where the checkpoints a client can switch to are; ``api_auth``:
+    ``USER:PASS[,...]`` for HTTP Basic on every API route; ``queue_size``: waiting jobs beyond which requests get
+    503; ``preload``: load the model when the app starts (in the queue, so that the API answers meanwhile)."""
+    server = Server(model, models_dir, api_auth, queue_size, lora_dir=lora_dir, embeddings_dir=embeddings_dir,
+                    max_body_bytes=max_body_bytes, engine_options=engine_options, flags=flags)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        if preload:
+            server.jobs.call(server.preload, "load model")
+        yield
+        await run_in_threadpool(server.jobs.stop)
+
+    app = FastAPI(title="sdlite", version=__version__, lifespan=lifespan,
+                  description="AUTOMATIC1111-compatible /sdapi/v1 API over sdlite")
+    app.state.server = server
+    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
+    _install_error_handlers(app)
+
+    dependencies = [Depends(_auth_dependency(server))] if server.credentials else []
+    api = APIRouter(prefix="/sdapi/v1", dependencies=dependencies)
+    _add_generation_routes(api, server)
+    _add_control_routes(api, server)
+    _add_listing_routes(api, server)
+    app.include_router(api)
+
+    @app.get("/", include_in_schema=False)
+    async def index():
+        page = WEB_DIR / "index.html"
+        if not page.is_file():
+            return _error(404, "HTTPException", "the web page is not installed (sdlite/server/web/index.html)")
+        return FileResponse(page)
+
+    app.mount("/web", StaticFiles(directory=WEB_DIR, check_dir=False), name="web")
+    return app
+
+
+def _auth_dependency(server: Server):
+    def check(request: Request):
+        header = request.headers.get("authorization", "")
+        scheme, _, encoded = header.partition(" ")
+        user = password = None
+        if scheme.lower() == "basic":
+            try:
+                user, _, password = base64.b64decode(encoded).decode("utf-8").partition(":")
+            except (binascii.Error, UnicodeDecodeError):
+                user = None
+        expected = server.credentials.get(user) if user is not None else None
+        if expected is None or not secrets.compare_digest(password.encode(), expected.encode()):
+            raise HTTPException(401, "Incorrect username or password", headers={"WWW-Authenticate": "Basic"})
+    return check
+
+
+# --- routes -------------------------------------------------------------------------------------------------------
+
+def _add_generation_routes(api: APIRouter, server: Server) -> None:
+    async def generate(body: a1111.Txt2ImgRequest, request: Request):
+        options = server.options_snapshot()
+        plan = await run_in_threadpool(a1111.build_plan, body, options, max_image_bytes=server.max_body_bytes,
+                                       lora_dir=server.lora_dir, embeddings_dir=server.embeddings_dir)
+        if plan.checkpoint is not None:
+            server.find_checkpoint(plan.checkpoint)   # 404 now rather than after the queue
+        job = server.jobs.submit(lambda control: server.run(plan, control), plan.kind)
+        outcome = await server.wait(job, request)
+        if outcome is None:   # the client went away
+            return Response(status_code=499)
+        return JSONResponse(await run_in_threadpool(a1111.response, plan, outcome))
+
+    @api.post("/txt2img")
+    async def txt2img(body: a1111.Txt2ImgRequest, request: Request):
+        return await generate(body, request)
+
+    @api.post("/img2img")
+    async def img2img(body: a1111.Img2ImgRequest, request: Request):
+        return await generate(body, request)
+
+
+def _add_control_routes(api: APIRouter, server: Server) -> None:
+    @api.get("/progress")
+    async def progress(skip_current_image: bool = Query(False)):
+        body, image = server.jobs.progress(want_image=not skip_current_image)
+        body["current_image"] = server.preview_b64(image)
+        return body
+
+    @api.post("/interrupt")
+    async def interrupt():
+        server.jobs.interrupt()
+        return {}
+
+    @api.post("/skip")
+    async def skip():
+        server.jobs.skip()
+        return {}
+
+    @api.get("/options")
+    async def get_options():
+        return server.options_snapshot()
+
+    @api.post("/options")
+    async def set_options(request: Request, changes: dict[str, Any] = Body(...)):
+        changes = dict(changes)
+        name = changes.pop("sd_model_checkpoint", None)
+        changes.pop("sd_checkpoint_hash", None)   # read-only: it follows the model
+        checked = a1111.check_options(changes)
+        target = server.find_checkpoint(name) if name is not None else None
+        server.set_options(checked)
+        if target is not None and target.path != server.checkpoints.current.path:
+            # the model is loaded in the queue: after the jobs before it, never during one
+            job = server.jobs.call(lambda: server.switch(target), f"load {target.name}")
+            await server.wait(job, request)
+        return {}
+
+    @api.get("/cmd-flags")
+    async def cmd_flags():
+        return {**server.flags, "api": True, "api_auth": "***" if server.credentials else None}
+
+    @api.post("/refresh-checkpoints")
+    async def refresh_checkpoints():
+        await run_in_threadpool(server.checkpoints.refresh)
+        return {}
+
+    @api.get("/memory")
+    async def memory():
+        return _memory()
+
+    @api.post("/png-info")
+    async def png_info(body: a1111.PngInfoRequest):
+        if not body.image:
+            raise HTTPException(404, "Image not found")
+        image = await run_in_threadpool(a1111.decode_image, body.image, "image", server.max_body_bytes)
+        return a1111.png_info(image)
+
+
+def _add_listing_routes(api: APIRouter, server: Server) -> None:
+    @api.get("/sd-models")
+    async def sd_models():
+        return [c.describe() for c in server.checkpoints.list()]
+
+    @api.get("/samplers")
+    async def samplers():
+        return a1111.samplers_list()
+
+    @api.get("/schedulers")
+    async def schedulers():
+        return a1111.schedulers_list()
+
+    @api.get("/upscalers")
+    async def upscalers():   # hires fix and extras are not supported: only A1111's "None" upscaler
+        return [{"name": "None", "model_name": None, "model_path": None, "model_url": None, "scale": 4}]
+
+    @api.get("/loras")
+    async def loras():
+        from .. import lora
+
+        files = await run_in_threadpool(lora.list_loras, server.lora_dir)
+        return [{"name": lora.lora_name(p), "alias": lora.lora_alias(p), "path": str(p), "metadata": {}}
+                for p in files]
+
+    @api.post("/refresh-loras")
+    async def refresh_loras():   # the folder is read on every request: nothing is cached
+        return {}
+
+    @api.get("/embeddings")
+    async def embeddings():
+        return await run_in_threadpool(_embeddings, server)
+
+    @api.post("/refresh-embeddings")
+    async def refresh_embeddings():   # read on every request, as for LoRAs
+        return {}
+
+    @api.get("/scripts")
+    async def scripts():
+        return {"txt2img": [], "img2img": []}
+
+    for path in ("/script-info", "/sd-vae", "/hypernetworks", "/face-restorers", "/prompt-styles",
+                 "/realesrgan-models", "/latent-upscale-modes", "/extensions"):
+        api.add_api_route(path, _empty_list, methods=["GET"], name=path.strip("/"))
+
+
+async def _empty_list():
+    """What sdlite does not have (VAEs apart from the model's own, hypernetworks, face restorers, styles, scripts)."""
+    return []
+
+
+def _embeddings(server: Server) -> dict:
+    """A1111's ``/embeddings``: those of ``--embeddings`` that fit the current model's text encoder are loaded,
+    the others skipped."""
+    from ..embeddings import EXTENSIONS, EmbeddingError, read_embedding
+
+    loaded, skipped = {}, {}
+    if server.embeddings_dir is None or not Path(server.embeddings_dir).is_dir():
+        return {"loaded": loaded, "skipped": skipped}
+    engine = server.engines.loaded(server.checkpoints.current)
+    width = engine.spec.text.width if engine is not None else None
+    for path in sorted(Path(server.embeddings_dir).rglob("*")):
+        if not (path.is_file() and path.suffix.lower() in EXTENSIONS):
+            continue
+        try:
+            e = read_embedding(path)
+        except EmbeddingError as err:
+            log.warning("embedding skipped: %s", err)
+            continue
+        entry = {"step": None, "sd_checkpoint": None, "sd_checkpoint_name": None, "shape": e.width,
+                 "vectors": len(e)}
+        (loaded if width is None or e.width == width else skipped)[e.name] = entry
+    return {"loaded": loaded, "skipped": skipped}
+
+
+def _memory() -> dict:
+    """A1111's ``/memory``: this process's RAM (bytes) and, where there is one, the CUDA device's."""
+    try:
+        import psutil
+
+        process = psutil.Process(os.getpid())
+        used, total = process.memory_info().rss, psutil.virtual_memory().total
+    except ImportError:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        used = pages * os.sysconf("SC_PAGE_SIZE")
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    ram = {"free": total - used, "used": used, "total": total}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            free, size = torch.cuda.mem_get_info()
+            stats = torch.cuda.memory_stats()
+            cuda = {"system": {"free": free, "used": size - free, "total": size},
+                    "active": {"current": stats["active_bytes.all.current"], "peak": stats["active_bytes.all.peak"]},
+                    "allocated": {"current": stats["allocated_bytes.all.current"],
+                                  "peak": stats["allocated_bytes.all.peak"]},
+                    "reserved": {"current": stats["reserved_bytes.all.current"],
+                                 "peak": stats["reserved_bytes.all.peak"]},
+                    "inactive": {"current": stats["inactive_split_bytes.all.current"],
+                                 "peak": stats["inactive_split_bytes.all.peak"]},
+                    "events": {"retries": stats["num_alloc_retries"], "oom": stats["num_ooms"]}}
+        else:
+            cuda = {"error": "unavailable"}
+    except Exception as e:  # noqa: BLE001 - reported, as A1111 reports it
+        cuda = {"error": str(e)}
+    return {"ram": ram, "cuda": cuda}

@@ -1,0 +1,167 @@
+"""The checkpoints a server offers, named as the AUTOMATIC1111 web UI names them, and the engines loaded for them.
+
+A checkpoint is a ``.safetensors`` / ``.ckpt`` file or a diffusers folder (one holding ``model_index.json``), found
+in ``--models-dir`` (and its sub-folders), plus the ``--model`` the server started with. As in A1111 its *title*
+is its path relative to the models folder followed by its short hash in brackets (``v1-5.safetensors
+[6ce0161689]``) once the hash is known (it is computed when the model is first loaded), its *model name* the
+path without extension (sub-folders joined with ``_``), and a client may name it by title, file name, model
+name or hash (:meth:`Checkpoints.find`).
+
+:class:`Engines` keeps one :class:`~sdlite.pipeline.Engine` per checkpoint, at most ``limit`` of them (A1111's
+``sd_checkpoints_limit``); only the job worker calls it, so a model is never loaded or dropped mid-job.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..images import model_hash
+
+CHECKPOINT_SUFFIXES = (".safetensors", ".ckpt")
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    name: str                 # A1111's "name": the path relative to the models folder, extension kept
+    hash: str | None = None   # first 10 hex digits of the weights' SHA-256 (A1111's "AutoV2" short hash)
+
+    @property
+    def title(self) -> str:
+        return f"{self.name} [{self.hash}]" if self.hash else self.name
+
+    @property
+    def model_name(self) -> str:
+        """The name without extension, sub-folders joined with ``_`` (A1111's ``model_name``)."""
+        stem = self.name[: -len(Path(self.name).suffix)] if Path(self.name).suffix in CHECKPOINT_SUFFIXES \
+            else self.name
+        return stem.replace("/", "_").replace("\\", "_")
+
+    @property
+    def short_name(self) -> str:
+        """The stem alone: what the infotext's ``Model:`` field and ``sdlite generate`` call it."""
+        return Path(self.name).stem if self.path.is_file() else Path(self.name).name
+
+    def describe(self) -> dict:
+        """The ``/sdapi/v1/sd-models`` entry."""
+        return {"title": self.title, "model_name": self.model_name, "hash": self.hash, "sha256": None,
+                "filename": str(self.path), "config": None}
+
+
+def _is_diffusers_folder(path: Path) -> bool:
+    return path.is_dir() and (path / "model_index.json").is_file()
+
+
+def scan(models_dir: Path) -> list[Checkpoint]:
+    """The checkpoints in ``models_dir`` and below, sorted by name; a diffusers folder is not searched further."""
+    found = []
+    for root, dirs, files in os.walk(models_dir, followlinks=True):
+        root_path = Path(root)
+        if root_path != models_dir and _is_diffusers_folder(root_path):
+            found.append(Checkpoint(root_path, root_path.relative_to(models_dir).as_posix()))
+            dirs[:] = []
+            continue
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for f in files:
+            if Path(f).suffix.lower() in CHECKPOINT_SUFFIXES:
+                path = root_path / f
+                found.append(Checkpoint(path, path.relative_to(models_dir).as_posix()))
+    return sorted(found, key=lambda c: c.name.lower())
+
+
+class Checkpoints:
+    """The list of checkpoints (``--model`` first, then ``--models-dir``) and which one is current."""
+
+    def __init__(self, model: str | os.PathLike | None, models_dir: str | os.PathLike | None):
+        self.models_dir = Path(models_dir) if models_dir is not None else None
+        self._default = Path(model) if model is not None else None
+        self._lock = threading.Lock()
+        self._hashes: dict[Path, str] = {}
+        self._items: list[Checkpoint] = []
+        self.refresh()
+        if not self._items:
+            raise FileNotFoundError(f"no checkpoints in {self.models_dir}: expected .safetensors or .ckpt files or "
+                                    "diffusers folders (holding model_index.json)")
+        self.current: Checkpoint = self._items[0]
+
+    def refresh(self) -> None:
+        """Scan the models folder again (A1111's refresh-checkpoints)."""
+        items = scan(self.models_dir) if self.models_dir is not None else []
+        if self._default is not None:  # listed first; under its name in the models folder when it is there
+            there = [c for c in items if c.path.absolute() == self._default.absolute()]
+            if there:
+                items.remove(there[0])
+            items.insert(0, there[0] if there else Checkpoint(self._default, self._default.name))
+        with self._lock:
+            for c in items:
+                c.hash = self._hashes.get(c.path)
+            self._items = items
+            current = getattr(self, "current", None)
+            if current is not None:
+                self.current = next((c for c in items if c.path == current.path), current)
+
+    def list(self) -> list[Checkpoint]:
+        with self._lock:
+            return list(self._items)
+
+    def find(self, name: str) -> Checkpoint | None:
+        """The checkpoint a client means by ``name``: its title, name, name without extension, model name, file
+        name or short hash (as A1111's ``checkpoint_aliases``), compared without case; None if there is none."""
+        wanted = name.strip().lower()
+        for key in (lambda c: c.title, lambda c: c.name, lambda c: c.model_name, lambda c: c.short_name,
+                    lambda c: c.path.name, lambda c: c.hash or "", lambda c: str(c.path)):
+            for c in self.list():
+                if key(c).lower() == wanted:
+                    return c
+        # "name [hash]" with a hash we have not computed yet, or another hash: match the name part
+        if wanted.endswith("]") and " [" in wanted:
+            return self.find(wanted.rsplit(" [", 1)[0])
+        return None
+
+    def names(self) -> list[str]:
+        return [c.title for c in self.list()]
+
+    def hash_of(self, checkpoint: Checkpoint) -> str:
+        """Compute (once) and remember the checkpoint's short hash."""
+        with self._lock:
+            known = self._hashes.get(checkpoint.path)
+        if known is None:
+            known = model_hash(checkpoint.path)
+            with self._lock:
+                self._hashes[checkpoint.path] = known
+        for c in self.list():
+            if c.path == checkpoint.path:
+                c.hash = known
+        checkpoint.hash = known
+        return known
+
+
+class Engines:
+    """One loaded engine per checkpoint, the ``limit`` most recently used kept. Called by the job worker only."""
+
+    def __init__(self, checkpoints: Checkpoints, limit: int = 1, **load_options):
+        self.checkpoints = checkpoints
+        self.limit = limit
+        self.load_options = load_options
+        self._loaded: collections.OrderedDict[Path, object] = collections.OrderedDict()
+
+    def get(self, checkpoint: Checkpoint):
+        """The engine of ``checkpoint``, loaded if needed (dropping the least recently used beyond the limit)."""
+        from ..pipeline import Engine
+
+        engine = self._loaded.get(checkpoint.path)
+        if engine is None:
+            while len(self._loaded) >= max(self.limit, 1):
+                self._loaded.popitem(last=False)
+            engine = Engine.load(checkpoint.path, **self.load_options)
+            self.checkpoints.hash_of(checkpoint)
+            self._loaded[checkpoint.path] = engine
+        self._loaded.move_to_end(checkpoint.path)
+        return engine
+
+    def loaded(self, checkpoint: Checkpoint):
+        """The engine of ``checkpoint`` if it is loaded, else None (never loads)."""
+        return self._loaded.get(checkpoint.path)

@@ -1,0 +1,438 @@
+// sdlite's web page: a small client of the AUTOMATIC1111-style API under /sdapi/v1. No build step.
+"use strict";
+
+const API = "/sdapi/v1";
+const $ = (id) => document.getElementById(id);
+
+const state = {
+  busy: false,
+  interrupted: false,
+  run: 0,            // increases with every generation; a stale poll loop stops when it sees a newer one
+  started: 0,
+  init: null,        // source image as a data URI
+  mask: null,        // mask as a data URI
+  history: [],       // {src, infotext, seed, params, endpoint}
+  selected: null,
+};
+
+function make(tag, props = {}, children = []) {
+  const node = Object.assign(document.createElement(tag), props);
+  for (const c of children) node.append(c);
+  return node;
+}
+
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+// --- talking to the server ---------------------------------------------------------------------------------
+
+class ApiError extends Error {
+  constructor(status, title, lines) {
+    super(lines.join("\n") || title);
+    this.status = status;
+    this.title = title;
+    this.lines = lines;
+  }
+}
+
+function describe(status, statusText, body, text) {
+  // Turn any error answer into a title and readable lines: {error, detail, errors}, FastAPI's 422 lists, text.
+  let title = `Error ${status}${statusText ? " " + statusText : ""}`;
+  let lines = [];
+  if (body && typeof body === "object" && body.error) title = `${body.error} (${status})`;
+  if (status === 503) title = "The server is busy (503): its queue is full, try again in a moment";
+  if (body && typeof body === "object") {
+    const d = body.detail ?? body.message ?? body.errors;
+    if (Array.isArray(d)) {
+      lines = d.map((x) => {
+        if (typeof x !== "object" || x === null) return String(x);
+        const where = (x.loc || []).filter((p) => p !== "body").join(".");
+        return (where ? where + ": " : "") + (x.msg ?? JSON.stringify(x));
+      });
+    } else if (d && typeof d === "object") {
+      lines = [JSON.stringify(d)];
+    } else if (d !== undefined && d !== null && d !== "") {
+      lines = [String(d)];
+    }
+    if (body.errors && body.errors !== d) lines.push(String(body.errors));
+  } else if (text) {
+    lines = [text.trim().slice(0, 500)];
+  }
+  return new ApiError(status, title, lines);
+}
+
+async function api(path, options = {}) {
+  let res;
+  try {
+    res = await fetch(API + path, {
+      ...options,
+      headers: options.body ? { "Content-Type": "application/json" } : {},
+    });
+  } catch (e) {
+    throw new ApiError(0, "Cannot reach the server", [String(e.message || e)]);
+  }
+  const text = await res.text();
+  let body = null;
+  try { body = text ? JSON.parse(text) : null; } catch { /* not JSON */ }
+  if (!res.ok) throw describe(res.status, res.statusText, body, text);
+  return body;
+}
+
+// --- messages ----------------------------------------------------------------------------------------------
+
+function showError(err) {
+  const box = $("error");
+  box.replaceChildren(make("strong", { textContent: err.title || "Error" }));
+  for (const line of err.lines || [String(err.message || err)]) box.append(make("div", { textContent: line }));
+  box.hidden = false;
+  box.scrollIntoView({ block: "nearest" });
+}
+
+function clearError() {
+  $("error").hidden = true;
+  $("error").replaceChildren();
+}
+
+function showWarnings(warnings) {
+  const list = Array.isArray(warnings) ? warnings : [];
+  $("warnings").replaceChildren(...list.map((w) => make("div", { textContent: "⚠ " + w })));
+  $("warnings").hidden = !list.length;
+}
+
+const status = (text) => { $("status").textContent = text; };
+
+// --- form <-> request --------------------------------------------------------------------------------------
+
+const num = (id) => Number($(id).value);
+const optionalNum = (id) => ($(id).value.trim() === "" ? null : Number($(id).value));
+
+function labelOf(input) {
+  const label = document.querySelector(`label[for="${input.id}"]`);
+  return label ? label.childNodes[0].textContent.trim() : input.id;
+}
+
+function checkForm() {
+  // The browser's own checks (ranges, multiples of 8), reported as one readable message.
+  const bad = [...$("form").querySelectorAll("input, select, textarea")].filter((i) => !i.checkValidity());
+  if (!bad.length) return true;
+  showError({ title: "Please correct the form", lines: bad.map((i) => `${labelOf(i)}: ${i.validationMessage}`) });
+  bad[0].focus();
+  return false;
+}
+
+function buildRequest() {
+  const body = {
+    prompt: $("prompt").value,
+    negative_prompt: $("negative").value,
+    steps: num("steps"),
+    cfg_scale: num("cfg"),
+    seed: num("seed"),
+    batch_size: num("batch"),
+    n_iter: 1,
+    send_images: true,
+    save_images: false,
+  };
+  const width = optionalNum("width"), height = optionalNum("height");
+  if (width !== null) body.width = width;      // left out: the model's native size
+  if (height !== null) body.height = height;
+  if ($("sampler").value) body.sampler_name = $("sampler").value;   // none listed: the server's default
+  if ($("scheduler").value) body.scheduler = $("scheduler").value;
+  let endpoint = "txt2img";
+  if (state.init) {
+    endpoint = "img2img";
+    body.init_images = [state.init];
+    body.denoising_strength = num("denoising");
+    if (state.mask) {
+      body.mask = state.mask;
+      body.mask_blur = num("mask-blur");
+      body.inpainting_fill = num("inpainting-fill");
+      body.inpainting_mask_invert = $("mask-invert").checked ? 1 : 0;
+    }
+  }
+  return { endpoint, body };
+}
+
+function fillForm(params) {
+  const set = (id, v) => { if (v !== undefined && v !== null) $(id).value = v; };
+  set("prompt", params.prompt);
+  set("negative", params.negative_prompt);
+  set("steps", params.steps);
+  set("cfg", params.cfg_scale);
+  set("seed", params.seed);
+  set("batch", params.batch_size);
+  $("width").value = params.width ?? "";
+  $("height").value = params.height ?? "";
+  if (params.sampler_name && [...$("sampler").options].some((o) => o.value === params.sampler_name)) {
+    $("sampler").value = params.sampler_name;
+  }
+}
+
+// --- progress ----------------------------------------------------------------------------------------------
+
+function setProgress(fraction) {
+  const p = Math.max(0, Math.min(1, fraction));
+  $("progress").value = p;
+  $("progress").setAttribute("aria-valuenow", String(Math.round(p * 100)));
+}
+
+function formatSeconds(s) {
+  if (!Number.isFinite(s) || s < 0) return "";
+  return s < 60 ? `${s.toFixed(1)} s` : `${Math.floor(s / 60)} min ${Math.round(s % 60)} s`;
+}
+
+function showProgress(p) {
+  if (!p) return;
+  const st = p.state || {};
+  const steps = st.sampling_steps || 0;
+  if (typeof p.progress === "number") setProgress(p.progress);
+  const parts = [];
+  if (st.job_count > 1) parts.push(`Image ${Math.min((st.job_no || 0) + 1, st.job_count)}/${st.job_count}`);
+  if (steps) parts.push(`Step ${st.sampling_step || 0}/${steps}`);
+  if (p.progress > 0 && p.eta_relative > 0) parts.push(`ETA ${formatSeconds(p.eta_relative)}`);
+  if (parts.length) $("eta").textContent = parts.join(" · ");
+  if (p.textinfo && !state.interrupted) status(p.textinfo);
+  if (p.current_image) {
+    const src = dataUri(p.current_image);
+    if ($("preview").src !== src) $("preview").src = src;
+    $("preview").hidden = false;
+  }
+}
+
+async function poll(run) {
+  while (state.busy && state.run === run) {
+    try {
+      const p = await api("/progress?skip_current_image=false");
+      if (state.busy && state.run === run) showProgress(p);
+    } catch { /* a missed poll is not an error; the generation request reports failures */ }
+    await sleep(200);
+  }
+}
+
+// --- results and history -----------------------------------------------------------------------------------
+
+const dataUri = (b64) => (b64.startsWith("data:") ? b64 : "data:image/png;base64," + b64);
+
+function parseInfo(info) {
+  if (!info) return {};
+  if (typeof info === "object") return info;
+  try { return JSON.parse(info); } catch { return { infotexts: [String(info)] }; }
+}
+
+function entriesFrom(data, endpoint, request) {
+  const images = data.images || [];
+  const info = parseInfo(data.info);
+  const first = Number.isInteger(info.index_of_first_image) ? info.index_of_first_image : 0;
+  const texts = info.infotexts || [];
+  const seeds = info.all_seeds || [];
+  const entries = [];
+  for (let i = first; i < images.length; i++) {
+    const k = i - first;
+    const seed = seeds[k] ?? (typeof info.seed === "number" ? info.seed + k : undefined);
+    const infotext = texts.length === images.length ? texts[i] : (texts[k] ?? "");
+    entries.push({
+      src: dataUri(images[i]),
+      infotext: infotext || JSON.stringify(info, null, 1),
+      seed,
+      endpoint,
+      params: { ...request, seed, batch_size: 1, init_images: undefined, mask: undefined },
+    });
+  }
+  return entries;
+}
+
+function select(entry) {
+  state.selected = entry;
+  $("info").textContent = entry.infotext + (entry.seed !== undefined && !/Seed:/.test(entry.infotext)
+    ? `\nSeed: ${entry.seed}` : "");
+  $("details").hidden = false;
+  for (const b of document.querySelectorAll("#results button, #history button")) {
+    b.setAttribute("aria-pressed", String(b.entry === entry));
+  }
+}
+
+function imageButton(entry, label) {
+  const img = make("img", { src: entry.src, alt: label });
+  const button = make("button", { type: "button", className: "thumb", title: label }, [img]);
+  button.entry = entry;
+  button.addEventListener("click", () => select(entry));
+  return button;
+}
+
+function showResults(entries) {
+  const figures = entries.map((e) => make("figure", {}, [
+    imageButton(e, `Result, seed ${e.seed ?? "?"}`),
+    make("figcaption", { textContent: e.seed !== undefined ? `seed ${e.seed}` : "" }),
+  ]));
+  $("results").replaceChildren(...figures);
+  for (const e of entries) {
+    state.history.unshift(e);
+    const n = state.history.length;
+    const label = `Image ${n}, seed ${e.seed ?? "?"}: ${e.params.prompt || "(no prompt)"}`;
+    $("history").prepend(make("li", {}, [imageButton(e, label)]));
+  }
+  if (entries.length) select(entries[0]);
+}
+
+// --- generate / interrupt ----------------------------------------------------------------------------------
+
+function setBusy(busy) {
+  // keyboard focus follows: Generate -> Interrupt while running, and back (a disabled button loses focus)
+  const [from, to] = busy ? [$("generate"), $("interrupt")] : [$("interrupt"), $("generate")];
+  const refocus = document.activeElement === from;
+  state.busy = busy;
+  to.disabled = false;
+  from.disabled = true;
+  if (refocus) to.focus();
+  $("generate").textContent = busy ? "Generating…" : "Generate";
+  document.body.classList.toggle("busy", busy);
+}
+
+async function generate(event) {
+  event?.preventDefault();
+  if (state.busy) return;
+  clearError();
+  showWarnings([]);
+  if (!checkForm()) return;
+  const { endpoint, body } = buildRequest();
+  const run = ++state.run;
+  state.interrupted = false;
+  state.started = performance.now();
+  setBusy(true);
+  setProgress(0);
+  $("eta").textContent = "";
+  $("preview").hidden = true;
+  status(endpoint === "img2img" ? "Image to image…" : "Generating…");
+  $("progress").scrollIntoView({ block: "nearest" });   // on a narrow window the output is below the form
+  poll(run);
+  try {
+    const data = await api("/" + endpoint, { method: "POST", body: JSON.stringify(body) });
+    const entries = entriesFrom(data || {}, endpoint, body);
+    const took = formatSeconds((performance.now() - state.started) / 1000);
+    if (state.interrupted) {
+      status(entries.length ? `Interrupted after ${took}: the image so far is shown.` : `Interrupted after ${took}.`);
+    } else {
+      setProgress(1);
+      status(`Done in ${took}.`);
+    }
+    $("eta").textContent = "";
+    showResults(entries);
+    showWarnings(parseInfo(data?.info).warnings);
+  } catch (err) {
+    setProgress(0);
+    $("eta").textContent = "";
+    status(state.interrupted ? "Interrupted." : "Failed.");
+    showError(err);
+  } finally {
+    setBusy(false);
+    $("preview").hidden = true;
+  }
+}
+
+async function interrupt() {
+  if (!state.busy) return;
+  state.interrupted = true;
+  status("Interrupting…");
+  try {
+    await api("/interrupt", { method: "POST" });
+  } catch (err) {
+    showError(err);
+  }
+}
+
+// --- source image and mask ---------------------------------------------------------------------------------
+
+function readFile(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+function showSources() {
+  for (const [key, id] of [["init", "init-preview"], ["mask", "mask-preview"]]) {
+    $(id).hidden = !state[key];
+    if (state[key]) $(id).src = state[key];
+  }
+  $("clear-sources").hidden = !state.init && !state.mask;
+  $("generate").title = state.init ? "Image to image" + (state.mask ? " (inpainting)" : "") : "Text to image";
+}
+
+async function onFile(event, key) {
+  const file = event.target.files[0];
+  if (!file) { state[key] = null; showSources(); return; }
+  try {
+    state[key] = await readFile(file);
+    clearError();
+  } catch (err) {
+    state[key] = null;
+    showError({ title: "Cannot read the file", lines: [String(err)] });
+  }
+  showSources();
+}
+
+// --- start -------------------------------------------------------------------------------------------------
+
+async function loadServerInfo() {
+  try {
+    const samplers = await api("/samplers");
+    const names = samplers.map((s) => s.name);
+    $("sampler").replaceChildren(...names.map((n) => make("option", { value: n, textContent: n })));
+    const preferred = ["DPM++ 2M Karras", "DPM++ 2M", "Euler a"].find((n) => names.includes(n));
+    if (preferred) $("sampler").value = preferred;
+  } catch (err) {
+    showError({ title: "Could not load the samplers", lines: err.lines || [String(err)] });
+  }
+  try {
+    const schedulers = await api("/schedulers");
+    if (Array.isArray(schedulers) && schedulers.length) {
+      for (const s of schedulers.filter((x) => x.name !== "automatic")) {
+        $("scheduler").append(make("option", { value: s.name, textContent: s.label || s.name }));
+      }
+      $("scheduler-field").hidden = false;
+    }
+  } catch { /* optional endpoint */ }
+  try {
+    const options = await api("/options");
+    const name = options && options.sd_model_checkpoint;
+    if (name) $("model").textContent = "Model: " + name;
+  } catch { /* the model name is only shown when known */ }
+}
+
+function init() {
+  $("form").addEventListener("submit", generate);
+  $("interrupt").addEventListener("click", interrupt);
+  $("random-seed").addEventListener("click", () => { $("seed").value = -1; });
+  $("form").addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) generate(e);
+  });
+  document.addEventListener("keydown", (e) => { if (e.key === "Escape" && state.busy) interrupt(); });
+  $("denoising").addEventListener("input", () => { $("denoising-value").value = num("denoising").toFixed(2); });
+  $("init-image").addEventListener("change", (e) => onFile(e, "init"));
+  $("mask").addEventListener("change", (e) => onFile(e, "mask"));
+  $("clear-sources").addEventListener("click", () => {
+    state.init = state.mask = null;
+    $("init-image").value = "";
+    $("mask").value = "";
+    showSources();
+  });
+  $("reuse-seed").addEventListener("click", () => {
+    if (state.selected?.seed !== undefined) $("seed").value = state.selected.seed;
+    $("seed").focus();
+  });
+  $("reuse-all").addEventListener("click", () => {
+    if (state.selected) fillForm(state.selected.params);
+    $("prompt").focus();
+  });
+  $("use-as-source").addEventListener("click", () => {
+    if (!state.selected) return;
+    state.init = state.selected.src;
+    $("init-image").value = "";
+    $("img2img").open = true;
+    showSources();
+    $("init-image").focus();
+  });
+  loadServerInfo();
+}
+
+init();

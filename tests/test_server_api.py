@@ -1,0 +1,378 @@
+"""`sdlite serve`'s A1111 API through FastAPI's TestClient, on the shipped demo model (64x64, a few steps).
+
+The images the server returns must be the engine's (same seed, same pixels), their PNG parameters must parse back,
+and bad input of every kind must get its A1111-style status and JSON while the server keeps serving.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import struct
+import threading
+import time
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image, ImageDraw
+
+from fastapi.testclient import TestClient
+
+from sdlite.demo import model_path
+from sdlite.images import parse_infotext
+from sdlite.pipeline import Engine, Request
+from sdlite.server import create_app
+
+PROMPT = "a red circle on a blue background"
+API = "/sdapi/v1"
+INFO_KEYS = {"seed", "all_seeds", "subseed", "all_subseeds", "prompt", "all_prompts", "negative_prompt",
+             "all_negative_prompts", "infotexts", "width", "height", "sampler_name", "cfg_scale", "steps", "batch_size",
+             "restore_faces", "face_restoration_model", "sd_model_name", "sd_model_hash", "sd_vae_name", "sd_vae_hash",
+             "seed_resize_from_w", "seed_resize_from_h", "denoising_strength", "extra_generation_params",
+             "index_of_first_image", "styles", "job_timestamp", "clip_skip", "is_using_inpainting_conditioning",
+             "version", "warnings"}
+
+
+@pytest.fixture(scope="module")
+def client():
+    with TestClient(create_app()) as c:
+        wait_for(lambda: c.get(f"{API}/progress").json()["state"]["job_count"] == 0, timeout=120)  # model loaded
+        yield c
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.load(model_path())
+
+
+def b64png(image: Image.Image) -> str:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return base64.b64encode(out.getvalue()).decode("ascii")
+
+
+def decode(b64: str) -> Image.Image:
+    image = Image.open(io.BytesIO(base64.b64decode(b64)))
+    image.load()
+    return image
+
+
+def pixels(image) -> np.ndarray:
+    return np.asarray(image.convert("RGB"), dtype=np.int16)
+
+
+def source_and_mask():
+    source = Image.new("RGB", (64, 64), (0, 0, 255))
+    ImageDraw.Draw(source).ellipse((22, 22, 42, 42), fill=(255, 0, 0))
+    mask = Image.new("L", (64, 64), 0)
+    ImageDraw.Draw(mask).rectangle((16, 16, 47, 47), fill=255)
+    return source, mask
+
+
+def assert_error(r, status: int, *words):
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error", "detail", "body", "errors"}, body
+    for word in words:
+        assert word in str(body["detail"]), body
+    return body
+
+
+def assert_alive(client):
+    r = client.get(f"{API}/progress?skip_current_image=true")
+    assert r.status_code == 200 and r.json()["state"]["job_count"] == 0
+
+
+def wait_for(predicate, timeout=60.0, every=0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError("timed out waiting")
+
+
+# --- endpoints --------------------------------------------------------------------------------------------------
+
+def test_idle_progress_is_exactly_zero(client):
+    body = client.get(f"{API}/progress").json()
+    assert body["progress"] == 0 and body["eta_relative"] == 0
+    assert body["state"]["job_count"] == 0 and body["current_image"] is None
+    assert set(body["state"]) >= {"skipped", "interrupted", "job", "job_count", "job_timestamp", "job_no",
+                                  "sampling_step", "sampling_steps"}
+
+
+def test_listing_endpoints(client):
+    models = client.get(f"{API}/sd-models").json()
+    assert len(models) == 1 and models[0]["model_name"] == "demo"
+    assert models[0]["title"] == f"demo [{models[0]['hash']}]" and len(models[0]["hash"]) == 10
+    options = client.get(f"{API}/options").json()
+    assert options["sd_model_checkpoint"] == models[0]["title"] and options["CLIP_stop_at_last_layers"] == 1
+
+    samplers = {s["name"]: s for s in client.get(f"{API}/samplers").json()}
+    assert {"Euler a", "Euler", "DPM++ 2M", "DDIM", "UniPC"} <= set(samplers)
+    assert samplers["DPM++ 2M"]["options"] == {"scheduler": "karras"} and "k_euler_a" in samplers["Euler a"]["aliases"]
+    schedulers = {s["name"]: s["label"] for s in client.get(f"{API}/schedulers").json()}
+    assert schedulers["automatic"] == "Automatic" and schedulers["karras"] == "Karras"
+
+    assert client.get(f"{API}/upscalers").json()[0]["name"] == "None"
+    assert isinstance(client.get(f"{API}/loras").json(), list)
+    assert client.get(f"{API}/embeddings").json() == {"loaded": {}, "skipped": {}}
+    assert client.get(f"{API}/scripts").json() == {"txt2img": [], "img2img": []}
+    for path in ("script-info", "sd-vae", "hypernetworks", "face-restorers", "prompt-styles", "realesrgan-models"):
+        r = client.get(f"{API}/{path}")
+        assert r.status_code == 200 and r.json() == [], path
+    memory = client.get(f"{API}/memory").json()
+    assert memory["ram"]["used"] > 0 and memory["ram"]["total"] > memory["ram"]["used"] and "cuda" in memory
+    flags = client.get(f"{API}/cmd-flags").json()
+    assert flags["api"] is True and flags["api_auth"] is None
+    assert client.post(f"{API}/refresh-checkpoints").json() == {}
+    assert client.post(f"{API}/skip").json() == {} and client.post(f"{API}/interrupt").json() == {}
+    r = client.get("/")
+    assert r.status_code in (200, 404)
+    if r.status_code == 404:
+        assert "web page" in r.json()["detail"]
+
+
+# --- generation --------------------------------------------------------------------------------------------------
+
+def test_txt2img_equals_engine_and_infotext_parses_back(client, engine):
+    payload = {"prompt": PROMPT, "negative_prompt": "green", "steps": 6, "seed": 11, "cfg_scale": 7,
+               "sampler_name": "Euler a", "n_iter": 2, "width": 64, "height": 64}
+    r = client.post(f"{API}/txt2img", json=payload)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert isinstance(body["info"], str)
+    info = json.loads(body["info"])
+    assert INFO_KEYS <= set(info)
+    assert info["all_seeds"] == [11, 12] and info["seed"] == 11 and info["sampler_name"] == "Euler a"
+    assert info["sd_model_name"] == "demo" and info["warnings"] == [] and info["version"].startswith("sdlite")
+    assert body["parameters"]["steps"] == 6 and body["parameters"]["batch_size"] == 1   # defaults filled in
+    assert body["parameters"]["restore_faces"] is False and body["parameters"]["width"] == 64
+
+    for b64, seed, text in zip(body["images"], info["all_seeds"], info["infotexts"]):
+        image = decode(b64)
+        assert image.format == "PNG" and image.info["parameters"] == text
+        expected = engine.generate(Request(PROMPT, negative_prompt="green", steps=6, seed=seed, cfg_scale=7,
+                                           sampler="euler_a"))
+        assert np.array_equal(pixels(image), pixels(expected.images[0])), f"seed {seed}: not the engine's pixels"
+        parsed = parse_infotext(text)
+        assert parsed["prompt"] == PROMPT and parsed["negative_prompt"] == "green"
+        assert parsed["sampler"] == "euler_a" and parsed["Seed"] == str(seed) and parsed["Steps"] == "6"
+
+    # png-info reads the parameters back, as A1111's does
+    r = client.post(f"{API}/png-info", json={"image": "data:image/png;base64," + body["images"][0]})
+    assert r.status_code == 200
+    assert r.json()["info"] == info["infotexts"][0] and r.json()["parameters"]["Seed"] == "11"
+
+
+def test_a1111_sampler_names_and_schedulers(client, engine):
+    def run(**fields):
+        r = client.post(f"{API}/txt2img", json={"prompt": PROMPT, "steps": 4, "seed": 2, **fields})
+        assert r.status_code == 200, r.text
+        return pixels(decode(r.json()["images"][0])), json.loads(r.json()["info"])
+
+    suffixed, info = run(sampler_name="DPM++ 2M Karras")
+    assert info["sampler_name"] == "DPM++ 2M" and "Schedule type: Karras" in info["infotexts"][0]
+    field_form, _ = run(sampler_name="DPM++ 2M", scheduler="karras")
+    automatic, _ = run(sampler_name="DPM++ 2M", scheduler="Automatic")   # A1111 1.9+: DPM++ 2M defaults to Karras
+    assert np.array_equal(suffixed, field_form) and np.array_equal(suffixed, automatic)
+    expected = engine.generate(Request(PROMPT, steps=4, seed=2, cfg_scale=7, sampler="DPM++ 2M Karras"))
+    assert np.array_equal(suffixed, pixels(expected.images[0]))
+    legacy, _ = run(sampler_index="Euler")                                   # the old field still works
+    euler = engine.generate(Request(PROMPT, steps=4, seed=2, cfg_scale=7, sampler="euler"))
+    assert np.array_equal(legacy, pixels(euler.images[0]))
+    _, info = run(sampler_name="Euler", scheduler="sgm_uniform")            # an A1111 scheduler sdlite lacks
+    assert any("SGM Uniform" in w for w in info["warnings"])
+
+
+def test_nulls_unknown_fields_and_override_settings(client, engine):
+    fields = {name: None for name in ("negative_prompt", "styles", "subseed", "sampler_name", "scheduler",
+                                      "batch_size", "n_iter", "cfg_scale", "width", "height", "eta",
+                                      "override_settings", "alwayson_scripts", "send_images", "restore_faces")}
+    r = client.post(f"{API}/txt2img", json={"prompt": PROMPT, "steps": 3, "seed": 4, "no_such_field": [1, 2],
+                                            **fields})
+    assert r.status_code == 200, r.text
+    info = json.loads(r.json()["info"])
+    assert info["sampler_name"] == "Euler" and info["cfg_scale"] == 7 and info["width"] == 64
+
+    r = client.post(f"{API}/txt2img", json={
+        "prompt": PROMPT, "steps": 3, "seed": 4, "enable_hr": True, "restore_faces": True, "tiling": True,
+        "alwayson_scripts": {"ControlNet": {"args": []}},
+        "override_settings": {"CLIP_stop_at_last_layers": 2, "sd_vae": "other.vae.pt"}})
+    assert r.status_code == 200, r.text
+    info = json.loads(r.json()["info"])
+    warnings = " ".join(info["warnings"])
+    for word in ("enable_hr", "restore_faces", "tiling", "alwayson_scripts", "ControlNet", "sd_vae"):
+        assert word in warnings, word
+    assert info["clip_skip"] == 2 and "Clip skip: 2" in info["infotexts"][0]
+    expected = engine.generate(Request(PROMPT, steps=3, seed=4, cfg_scale=7, sampler="euler", clip_skip=2))
+    assert np.array_equal(pixels(decode(r.json()["images"][0])), pixels(expected.images[0]))
+    # the override was for that request alone
+    assert client.get(f"{API}/options").json()["CLIP_stop_at_last_layers"] == 1
+
+    r = client.post(f"{API}/txt2img", json={"prompt": PROMPT, "steps": 2, "seed": 4, "send_images": False})
+    assert r.status_code == 200 and r.json()["images"] == [] and json.loads(r.json()["info"])["all_seeds"] == [4]
+
+
+def test_img2img_inpainting_with_a_mask(client, engine):
+    source, mask = source_and_mask()
+    payload = {"prompt": "a yellow star on a blue background", "steps": 8, "seed": 7,
+               "init_images": ["data:image/png;base64," + b64png(source)], "mask": b64png(mask),
+               "denoising_strength": 0.75, "mask_blur": 4, "inpainting_fill": 1, "inpaint_full_res": False,
+               "sampler_name": "DPM++ 2M", "scheduler": "Karras"}
+    r = client.post(f"{API}/img2img", json=payload)
+    assert r.status_code == 200, r.text
+    info = json.loads(r.json()["info"])
+    assert "Mask blur: 4" in info["infotexts"][0] and "Denoising strength: 0.75" in info["infotexts"][0]
+    assert info["denoising_strength"] == 0.75 and r.json()["parameters"]["init_images"] is None
+    image = pixels(decode(r.json()["images"][0]))
+    expected = engine.generate(Request("a yellow star on a blue background", steps=8, seed=7, cfg_scale=7,
+                                       sampler="dpmpp_2m", schedule="karras", init_image=source, mask=mask,
+                                       strength=0.75, mask_blur=4, inpaint_fill="original", inpaint_area="whole"))
+    assert np.array_equal(image, pixels(expected.images[0]))
+    # outside the blurred mask the source comes back exactly (A1111's overlay); inside it was repainted
+    assert np.array_equal(image[:6], pixels(source)[:6])
+    assert np.abs(image[24:40, 24:40] - pixels(source)[24:40, 24:40]).mean() > 10
+
+
+# --- bad input ---------------------------------------------------------------------------------------------------
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A tiny valid PNG (one IDAT row of zeros) whose IHDR says width x height."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b"")
+
+
+def test_bad_inputs_get_the_right_status(client):
+    r = client.post(f"{API}/txt2img", json={"prompt": PROMPT, "steps": "many", "width": [64]})
+    assert r.status_code == 422 and {tuple(e["loc"]) for e in r.json()["detail"]} == {("body", "steps"),
+                                                                                     ("body", "width")}
+    r = client.post(f"{API}/txt2img", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 422 and isinstance(r.json()["detail"], list)
+    assert_error(client.post(f"{API}/txt2img", json={"prompt": PROMPT, "sampler_name": "Euler b"}), 422,
+                 "Euler b", "Euler a", "DPM++ 2M")
+    assert_error(client.post(f"{API}/txt2img", json={"prompt": PROMPT, "scheduler": "wobbly"}), 422, "wobbly",
+                 "Karras")
+    assert_error(client.post(f"{API}/txt2img", json={"prompt": PROMPT, "steps": 0}), 422, "steps")
+    assert_error(client.post(f"{API}/txt2img", json={"prompt": PROMPT, "width": 60}), 422, "width=60")
+    assert_error(client.post(f"{API}/txt2img", json={"prompt": PROMPT, "script_name": "x/y/z plot"}), 422,
+                 "x/y/z plot")
+    assert_error(client.post(f"{API}/txt2img", json={"prompt": PROMPT, "override_settings": {
+        "sd_model_checkpoint": "nope.safetensors"}}), 404, "nope.safetensors", "demo")
+
+    assert_error(client.post(f"{API}/img2img", json={"prompt": PROMPT}), 404, "Init image not found")
+    assert_error(client.post(f"{API}/img2img", json={"prompt": PROMPT, "init_images": []}), 404,
+                 "Init image not found")
+    assert_error(client.post(f"{API}/img2img", json={"prompt": PROMPT, "init_images": ["!!not base64!!"]}), 422,
+                 "init_images[0]")
+    not_image = base64.b64encode(b"hello, not a picture").decode()
+    assert_error(client.post(f"{API}/img2img", json={"prompt": PROMPT, "init_images": [not_image]}), 422,
+                 "not an image")
+    bomb = base64.b64encode(png_claiming(20000, 20000)).decode()
+    assert_error(client.post(f"{API}/img2img", json={"prompt": PROMPT, "init_images": [bomb]}), 413,
+                 "init_images[0]")
+    assert_error(client.post(f"{API}/png-info", json={"image": bomb}), 413)
+    source, _ = source_and_mask()
+    assert_error(client.post(f"{API}/img2img", json={"prompt": PROMPT, "init_images": [b64png(source)],
+                                                     "mask": "data:image/png;base64,AAAA"}), 422, "mask")
+    assert_error(client.post(f"{API}/img2img", json={"prompt": PROMPT, "init_images": [b64png(source)],
+                                                     "denoising_strength": 1.5}), 422, "strength")
+    assert_error(client.post(f"{API}/options", json={"CLIP_stop_at_last_layers": 0}), 422,
+                 "CLIP_stop_at_last_layers")
+    assert_error(client.post(f"{API}/options", json={"sd_model_checkpoint": "missing"}), 404, "missing")
+    assert client.get(f"{API}/no-such-endpoint").status_code == 404
+    assert_alive(client)
+    r = client.post(f"{API}/txt2img", json={"prompt": PROMPT, "steps": 2, "seed": 1})
+    assert r.status_code == 200 and len(r.json()["images"]) == 1
+
+
+def test_oversized_body_and_auth():
+    app = create_app(api_auth="alice:s3cret", max_body_bytes=100_000, preload=False)
+    with TestClient(app) as c:
+        auth = ("alice", "s3cret")
+        body = assert_error(c.get(f"{API}/options"), 401, "Incorrect username or password")
+        assert body["error"] == "HTTPException"
+        r = c.get(f"{API}/options", auth=("alice", "wrong"))
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Basic"
+        assert c.get(f"{API}/progress", auth=("mallory", "s3cret")).status_code == 401
+        assert c.get(f"{API}/options", auth=auth).status_code == 200
+        big = {"prompt": "x" * 200_000}
+        assert_error(c.post(f"{API}/txt2img", json=big, auth=auth), 413, "100000")
+        image = base64.b64encode(b"\0" * 120_000).decode()   # an image over the cap
+        assert_error(c.post(f"{API}/png-info", json={"image": image}, auth=auth), 413)
+        assert c.get(f"{API}/progress", auth=auth).json()["state"]["job_count"] == 0
+
+
+# --- the queue, progress, previews, interrupt, skip --------------------------------------------------------------
+
+def test_progress_preview_interrupt_and_skip(client):
+    assert client.post(f"{API}/options", json={"show_progress_every_n_steps": 1}).json() == {}
+    try:
+        results = {}
+
+        def post(name, payload):
+            results[name] = client.post(f"{API}/txt2img", json=payload)
+
+        worker = threading.Thread(target=post, args=("long", {"prompt": PROMPT, "steps": 400, "seed": 3}))
+        worker.start()
+
+        def previewing():
+            body = client.get(f"{API}/progress").json()
+            return body if body["current_image"] and body["state"]["sampling_step"] >= 2 else None
+
+        body = wait_for(previewing)
+        assert body["state"]["job"] == "txt2img" and body["state"]["job_count"] == 1 and 0 < body["progress"] < 1
+        assert body["state"]["sampling_steps"] == 400 and body["eta_relative"] > 0
+        assert decode(body["current_image"]).size == (64, 64)
+        assert client.get(f"{API}/progress?skip_current_image=true").json()["current_image"] is None
+        assert client.post(f"{API}/interrupt").json() == {}
+        worker.join(60)
+        r = results["long"]
+        assert r.status_code == 200 and len(r.json()["images"]) == 1
+        assert any("stopped after step" in w for w in json.loads(r.json()["info"])["warnings"])
+        idle = wait_for(lambda: (b := client.get(f"{API}/progress").json())["state"]["job_count"] == 0 and b)
+        assert idle["progress"] == 0 and idle["state"]["interrupted"] is True
+
+        # skip ends the current iteration only: both images of n_iter=2 come back
+        worker = threading.Thread(target=post, args=("skip", {"prompt": PROMPT, "steps": 400, "seed": 3,
+                                                              "n_iter": 2}))
+        worker.start()
+        wait_for(lambda: client.get(f"{API}/progress?skip_current_image=true").json()["state"]["sampling_step"] > 0)
+        client.post(f"{API}/skip")
+        wait_for(lambda: client.get(f"{API}/progress?skip_current_image=true").json()["state"]["job_no"] == 1)
+        state = client.get(f"{API}/progress?skip_current_image=true").json()["state"]
+        assert state["job_count"] == 2
+        client.post(f"{API}/interrupt")
+        worker.join(60)
+        r = results["skip"]
+        assert r.status_code == 200 and len(r.json()["images"]) == 2
+    finally:
+        client.post(f"{API}/options", json={"show_progress_every_n_steps": 10})
+    assert_alive(client)
+
+
+def test_full_queue_gets_503_with_retry_after():
+    with TestClient(create_app(queue_size=1)) as c:
+        wait_for(lambda: c.get(f"{API}/progress").json()["state"]["job_count"] == 0, timeout=120)
+        results = []
+        running = threading.Thread(target=lambda: results.append(
+            c.post(f"{API}/txt2img", json={"prompt": PROMPT, "steps": 400, "seed": 1})))
+        running.start()
+        wait_for(lambda: c.get(f"{API}/progress").json()["state"]["sampling_step"] > 0)
+        queued = threading.Thread(target=lambda: results.append(
+            c.post(f"{API}/txt2img", json={"prompt": PROMPT, "steps": 2, "seed": 1})))
+        queued.start()
+        wait_for(lambda: "1 job waiting" in (c.get(f"{API}/progress").json()["textinfo"] or ""))
+        r = c.post(f"{API}/txt2img", json={"prompt": PROMPT, "steps": 2, "seed": 1})
+        body = assert_error(r, 503, "queue is full")
+        assert body["error"] == "QueueFull" and int(r.headers["retry-after"]) >= 1
+        c.post(f"{API}/interrupt")
+        running.join(60)
+        queued.join(60)
+        assert [r.status_code for r in results] == [200, 200]
+        assert c.post(f"{API}/txt2img", json={"prompt": PROMPT, "steps": 2, "seed": 1}).status_code == 200
