@@ -100,7 +100,14 @@ class UNetConfig:
     heads: tuple[int, ...] = (8, 8, 8, 8)
     context_dim: int = 768
     linear_projection: bool = False  # SD 2.x: Linear proj_in/proj_out; SD 1.x: 1x1 convolutions
-    transformer_depth: int = 1
+    transformer_depth: int | tuple[int, ...] = 1   # blocks per spatial transformer: one for all, or per level
+                                                   # (SDXL: (1, 2, 10); the middle block takes the last level's)
+    # SDXL's added conditioning (diffusers' addition_embed_type "text_time"): the pooled text embedding and the
+    # sinusoidal embeddings (addition_time_embed_dim each) of the size/crop ids, through an MLP, added to the
+    # time embedding; add_embed_in is the MLP's input width (base 2816 = 1280 + 6 * 256, refiner 2560)
+    addition_embed: str | None = None
+    addition_time_embed_dim: int = 256
+    add_embed_in: int = 0
     norm_groups: int = 32
     norm_eps: float = 1e-5
     flip_sin_to_cos: bool = True
@@ -114,6 +121,15 @@ class UNetConfig:
                 f"UNet config: {n} levels in block_channels but {len(self.attention)} attention flags "
                 f"and {len(self.heads)} head counts"
             )
+        if isinstance(self.transformer_depth, tuple) and len(self.transformer_depth) != n:
+            raise ConfigError(f"UNet config: {n} levels in block_channels but transformer_depth "
+                              f"{self.transformer_depth} has {len(self.transformer_depth)}")
+        if self.addition_embed not in (None, "text_time"):
+            raise ConfigError(f"UNet config: addition_embed_type {self.addition_embed!r} is not supported "
+                              "(SDXL's 'text_time' is)")
+        if self.addition_embed == "text_time" and self.add_embed_in <= 0:
+            raise ConfigError("UNet config: addition_embed_type 'text_time' needs "
+                              "projection_class_embeddings_input_dim")
         for ch, h in zip(self.block_channels, self.heads):
             if ch % h:
                 raise ConfigError(f"UNet config: width {ch} is not divisible by {h} heads")
@@ -124,11 +140,16 @@ class UNetConfig:
     def time_embed_dim(self) -> int:
         return self.block_channels[0] * 4
 
+    def depth_at(self, level: int) -> int:
+        """Transformer blocks per spatial transformer at ``level`` (-1: the middle block)."""
+        d = self.transformer_depth
+        return d[level] if isinstance(d, tuple) else d
+
     @classmethod
     def from_diffusers(cls, cfg: dict) -> "UNetConfig":
         """From a diffusers ``UNet2DConditionModel`` config dict (``unet/config.json``)."""
         unsupported = {
-            "addition_embed_type": None, "class_embed_type": None, "encoder_hid_dim": None,
+            "class_embed_type": None, "encoder_hid_dim": None,
             "time_embedding_type": "positional", "resnet_time_scale_shift": "default",
             "only_cross_attention": False, "dual_cross_attention": False, "num_class_embeds": None,
             "mid_block_type": "UNetMidBlock2DCrossAttn", "center_input_sample": False,
@@ -163,9 +184,14 @@ class UNetConfig:
             heads = heads * len(channels)
         depth = cfg.get("transformer_layers_per_block", 1)
         if isinstance(depth, (list, tuple)):
-            if len(set(depth)) != 1:
-                raise ConfigError(f"UNet config: transformer_layers_per_block={depth} must be uniform")
-            depth = depth[0]
+            depth = depth[0] if len(set(depth)) == 1 else tuple(depth)
+        if cfg.get("reverse_transformer_layers_per_block") is not None:
+            raise ConfigError("UNet config: reverse_transformer_layers_per_block is not supported (the up path "
+                              "mirrors transformer_layers_per_block)")
+        addition = cfg.get("addition_embed_type")
+        if addition is not None and addition != "text_time":
+            raise ConfigError(f"UNet config field addition_embed_type={addition!r} is not supported "
+                              "(expected None or 'text_time')")
         layers = cfg.get("layers_per_block", 2)
         if isinstance(layers, (list, tuple)):
             raise ConfigError(f"UNet config: layers_per_block={layers} must be one integer")
@@ -179,6 +205,9 @@ class UNetConfig:
             context_dim=cfg.get("cross_attention_dim", 768),
             linear_projection=bool(cfg.get("use_linear_projection", False)),
             transformer_depth=depth,
+            addition_embed=addition,
+            addition_time_embed_dim=cfg.get("addition_time_embed_dim") or 256,
+            add_embed_in=cfg.get("projection_class_embeddings_input_dim") or 0,
             norm_groups=cfg.get("norm_num_groups", 32),
             norm_eps=cfg.get("norm_eps", 1e-5),
             flip_sin_to_cos=cfg.get("flip_sin_to_cos", True),
@@ -201,7 +230,10 @@ class UNetConfig:
             "attention_head_dim": list(self.heads),
             "cross_attention_dim": self.context_dim,
             "use_linear_projection": self.linear_projection,
-            "transformer_layers_per_block": self.transformer_depth,
+            "transformer_layers_per_block": (list(self.transformer_depth) if isinstance(self.transformer_depth, tuple)
+                                             else self.transformer_depth),
+            **({"addition_embed_type": self.addition_embed, "addition_time_embed_dim": self.addition_time_embed_dim,
+                "projection_class_embeddings_input_dim": self.add_embed_in} if self.addition_embed else {}),
             "norm_num_groups": self.norm_groups,
             "norm_eps": self.norm_eps,
             "flip_sin_to_cos": self.flip_sin_to_cos,

@@ -96,7 +96,7 @@ class DownBlock(nn.Module):
                                      for i in range(n))
         if cfg.attention[level]:
             self.attentions = nn.ModuleList(
-                SpatialTransformer(out_ch, cfg.heads[level], cfg.context_dim, cfg.transformer_depth,
+                SpatialTransformer(out_ch, cfg.heads[level], cfg.context_dim, cfg.depth_at(level),
                                    cfg.linear_projection, g) for _ in range(n))
         if level < len(cfg.block_channels) - 1:
             self.downsamplers = nn.ModuleList([Downsample(out_ch, padding=1)])
@@ -127,7 +127,7 @@ class UpBlock(nn.Module):
         self.resnets = nn.ModuleList(resnets)
         if cfg.attention[level]:
             self.attentions = nn.ModuleList(
-                SpatialTransformer(out_ch, cfg.heads[level], cfg.context_dim, cfg.transformer_depth,
+                SpatialTransformer(out_ch, cfg.heads[level], cfg.context_dim, cfg.depth_at(level),
                                    cfg.linear_projection, g) for _ in range(n + 1))
         if level > 0:
             self.upsamplers = nn.ModuleList([Upsample(out_ch)])
@@ -148,7 +148,7 @@ class MidBlock(nn.Module):
         ch, g, eps = cfg.block_channels[-1], cfg.norm_groups, cfg.norm_eps
         self.resnets = nn.ModuleList([ResnetBlock(ch, ch, temb_dim, g, eps), ResnetBlock(ch, ch, temb_dim, g, eps)])
         self.attentions = nn.ModuleList([SpatialTransformer(ch, cfg.heads[-1], cfg.context_dim,
-                                                            cfg.transformer_depth, cfg.linear_projection, g)])
+                                                            cfg.depth_at(-1), cfg.linear_projection, g)])
 
     def forward(self, x, temb, context):
         x = self.resnets[0](x, temb)
@@ -157,7 +157,13 @@ class MidBlock(nn.Module):
 
 
 class UNet(nn.Module):
-    """eps (or v) prediction: (B, Cin, h, w) latent, (B,) timesteps, (B, 77, Cctx) context -> (B, Cout, h, w)."""
+    """eps (or v) prediction: (B, Cin, h, w) latent, (B,) timesteps, (B, 77, Cctx) context -> (B, Cout, h, w).
+
+    SDXL (``addition_embed="text_time"``) also takes ``text_embeds`` (B, pooled width), the pooled text
+    embedding, and ``time_ids`` (B, 6 or 5), the size/crop ids (original size, crop top-left, target size; the
+    refiner has an aesthetic score instead of the target size): each id is embedded sinusoidally, the pooled text
+    is appended, and an MLP (``add_embedding``) maps them to a vector added to the time embedding.
+    """
 
     def __init__(self, cfg: UNetConfig):
         super().__init__()
@@ -165,6 +171,8 @@ class UNet(nn.Module):
         chans, temb_dim = cfg.block_channels, cfg.time_embed_dim
         self.conv_in = nn.Conv2d(cfg.in_channels, chans[0], 3, padding=1)
         self.time_embedding = TimestepEmbedding(chans[0], temb_dim)
+        if cfg.addition_embed == "text_time":
+            self.add_embedding = TimestepEmbedding(cfg.add_embed_in, temb_dim)
         self.down_blocks = nn.ModuleList(
             DownBlock(cfg, i, chans[max(i - 1, 0)], chans[i], temb_dim) for i in range(len(chans)))
         self.mid_block = MidBlock(cfg, temb_dim)
@@ -181,13 +189,16 @@ class UNet(nn.Module):
         layer = self.conv_in  # prepacked layers (engine.packing) say so themselves
         return getattr(layer, "compute_dtype", None) or layer.weight.dtype
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
+                text_embeds: torch.Tensor | None = None, time_ids: torch.Tensor | None = None) -> torch.Tensor:
         cfg = self.config
         t = t.reshape(-1).to(x.device)
         if t.numel() == 1:
             t = t.expand(x.shape[0])
         temb = timestep_embedding(t, cfg.block_channels[0], cfg.flip_sin_to_cos, cfg.freq_shift)
         temb = self.time_embedding(temb.to(x.dtype))                       # (B, 4*C0)
+        if cfg.addition_embed == "text_time":
+            temb = temb + self._added_embedding(text_embeds, time_ids, x.shape[0], x.dtype)
 
         x = self.conv_in(x)                                                # (B, C0, h, w)
         skips = [x]
@@ -201,3 +212,21 @@ class UNet(nn.Module):
             size = sizes[-2 - i] if i < len(self.up_blocks) - 1 else None
             x = block(x, temb, context, skips, size)
         return self.conv_out(norm_silu(self.conv_norm_out, x))
+
+    def _added_embedding(self, text_embeds, time_ids, batch: int, dtype) -> torch.Tensor:
+        cfg = self.config
+        if text_embeds is None or time_ids is None:
+            raise ValueError("this UNet (SDXL) is conditioned on the pooled text embedding and the size/crop ids: "
+                             "pass text_embeds and time_ids")
+        n_ids = (cfg.add_embed_in - text_embeds.shape[-1]) // cfg.addition_time_embed_dim
+        if time_ids.shape[-1] != n_ids or text_embeds.shape[-1] + n_ids * cfg.addition_time_embed_dim != cfg.add_embed_in:
+            raise ValueError(f"SDXL added conditioning: {text_embeds.shape[-1]} pooled values and "
+                             f"{time_ids.shape[-1]} ids of {cfg.addition_time_embed_dim} do not make the "
+                             f"{cfg.add_embed_in} inputs this UNet expects")
+        ids = timestep_embedding(time_ids.reshape(-1).to(text_embeds.device), cfg.addition_time_embed_dim,
+                                 cfg.flip_sin_to_cos, cfg.freq_shift)           # (B * n_ids, D), as diffusers
+        ids = ids.reshape(time_ids.shape[0], -1)
+        added = torch.cat([text_embeds.float(), ids], dim=-1).to(dtype)
+        if added.shape[0] == 1 and batch > 1:
+            added = added.expand(batch, -1)
+        return self.add_embedding(added)
