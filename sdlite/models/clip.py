@@ -106,12 +106,18 @@ class TextTransformer(nn.Module):
 
 
 class CLIPTextEncoder(nn.Module):
-    """Token ids (B, 77) -> context (B, 77, width) for the UNet's cross-attention."""
+    """Token ids (B, 77) -> context (B, 77, width) for the UNet's cross-attention.
 
-    def __init__(self, cfg: TextEncoderConfig):
+    ``projection``: the model has transformers' ``text_projection`` (``CLIPTextModelWithProjection``, SDXL's
+    second encoder), which maps the pooled output to ``cfg.projection_dim``.
+    """
+
+    def __init__(self, cfg: TextEncoderConfig, projection: bool = False):
         super().__init__()
         self.config = cfg
         self.text_model = TextTransformer(cfg)
+        if projection:
+            self.text_projection = nn.Linear(cfg.width, cfg.projection_dim, bias=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -124,11 +130,36 @@ class CLIPTextEncoder(nn.Module):
         (diffusers numbers the same choice one lower: its ``clip_skip=1`` is our 2). ``replace``: token
         embeddings to substitute (see :meth:`Embeddings.forward`).
         """
+        return self.encode(ids, clip_skip, replace=replace)
+
+    def encode(self, ids: torch.Tensor, clip_skip: int = 1, final_norm: bool = True, pooled: bool = False,
+               replace=None):
+        """The hidden state after the layer ``clip_skip`` picks (A1111 numbering, as :meth:`forward`), through
+        the final LayerNorm or not (SDXL conditions on the penultimate state without it: ``clip_skip=2,
+        final_norm=False``). ``pooled``: also return the pooled output, the last layer's normalised state at each
+        row's end-of-text token, through ``text_projection`` when the model has one (SDXL's pooled text
+        embedding); all layers then run."""
         layers = self.text_model.encoder.layers
         if not 1 <= clip_skip <= len(layers):
             raise ValueError(f"clip_skip={clip_skip} is out of range: this text encoder has {len(layers)} "
                              f"layers, so 1..{len(layers)} are valid")
+        keep = len(layers) - clip_skip              # index of the layer whose output is returned
         x = self.text_model.embeddings(ids, replace)
-        for layer in layers[: len(layers) - (clip_skip - 1)]:
+        hidden = None
+        for i, layer in enumerate(layers[: len(layers) if pooled else keep + 1]):
             x = layer(x)
-        return self.text_model.final_layer_norm(x)
+            if i == keep:
+                hidden = x
+        if final_norm:
+            hidden = self.text_model.final_layer_norm(hidden)
+        if not pooled:
+            return hidden
+        last = self.text_model.final_layer_norm(x)
+        # the end-of-text position, as transformers finds it: configs written before it had eos_token_id (which
+        # say 2) take the largest id, which is <|endoftext|> in CLIP's vocabulary; the others its first occurrence
+        eos = self.config.eos_token_id
+        where = ids.argmax(-1) if eos == 2 else (ids == eos).int().argmax(-1)
+        out = last[torch.arange(last.shape[0], device=last.device), where.to(last.device)]
+        if hasattr(self, "text_projection"):
+            out = self.text_projection(out)
+        return hidden, out
