@@ -21,18 +21,52 @@ FAMILY_NAMES = {
 }
 
 
-def demo_model_path() -> str:
-    """The small demo model shipped inside the package: the default when no --model is given."""
+DEMO_MODELS = ("demo", "demo-zh")   # --model names of the shipped demo models (when no such path exists)
+
+
+def demo_model_path(name: str = "demo") -> str:
+    """A small demo model shipped inside the package: ``demo`` (English; the default when no --model is given)
+    or ``demo-zh`` (its Chinese text encoder; the default for a prompt with Chinese characters)."""
     from importlib import resources
 
-    folder = resources.files("sdlite") / "data" / "demo"
+    folder = resources.files("sdlite") / "data" / name
     if not folder.joinpath("model_index.json").is_file():
-        raise SDLiteError("no model given and the demo model is not installed: pass --model PATH "
+        raise SDLiteError(f"the {name} model is not installed: pass --model PATH "
                           "(a diffusers folder or a .safetensors/.ckpt file)")
     return str(folder)
 
 
+def resolve_model(model: str | None, prompt: str | None = None) -> str:
+    """The model a command uses: ``--model`` as given, where ``demo`` and ``demo-zh`` name the shipped demo models
+    (unless a file or folder of that name exists); without ``--model``, the demo model, or demo-zh when the prompt
+    holds Chinese characters."""
+    if model is None:
+        from .tokenizers.wordpiece import is_cjk
+
+        return demo_model_path("demo-zh" if prompt and any(map(is_cjk, prompt)) else "demo")
+    if model in DEMO_MODELS and not Path(model).exists():
+        return demo_model_path(model)
+    return model
+
+
+def family_name(spec) -> str:
+    """How ``sdlite info`` names a model's family: "Stable Diffusion 1.x", or for Taiyi "Taiyi, Chinese BERT text
+    encoder" (SD 1.x's UNet and VAE with a BERT text tower)."""
+    from .config import is_bert
+
+    if is_bert(spec.text):
+        return "Taiyi, Chinese BERT text encoder"
+    return FAMILY_NAMES.get(spec.family, spec.family)
+
+
 def _describe_component(name: str, spec) -> str:
+    from .config import is_bert
+
+    if name == "text_encoder" and is_bert(spec.text):
+        t = spec.text
+        return (f"BERT text encoder: {t.layers} layers, width {t.width}, {t.heads} heads, gelu, vocabulary "
+                f"{t.vocab_size}, {t.max_positions} positions (the UNet reads all {t.max_positions}, padding "
+                "included)")
     if name == "text_encoder":
         t = spec.text
         kind = {768: "CLIP ViT-L/14 text tower", 1024: "OpenCLIP ViT-H text tower"}.get(t.width, "CLIP text tower")
@@ -65,7 +99,7 @@ def cmd_info(args) -> int:
         if args.path is None:
             return 0
         print()
-    with open_model(args.path or demo_model_path(), prediction_type=args.prediction_type) as ckpt:
+    with open_model(resolve_model(args.path), prediction_type=args.prediction_type) as ckpt:
         if ckpt.prediction_source == "unresolved":
             resolve_prediction_type(ckpt)
         spec = ckpt.spec
@@ -73,7 +107,7 @@ def cmd_info(args) -> int:
             f"original single file ({ckpt._stores[0].container})"
         print(f"path:        {ckpt.path}")
         print(f"layout:      {layout}")
-        print(f"family:      {spec.family} ({FAMILY_NAMES.get(spec.family, spec.family)})")
+        print(f"family:      {spec.family} ({family_name(spec)})")
         print(f"prediction:  {spec.prediction_type} ({ckpt.prediction_source})")
         print(f"storage:     {str(ckpt.storage_dtype).replace('torch.', '')}")
         print(f"image size:  {spec.default_size}x{spec.default_size} (native)")
@@ -90,7 +124,12 @@ def cmd_info(args) -> int:
             unusual.append("the file carries EMA copies of the UNet weights (model_ema.*); the non-EMA ones are used")
         ignored = sum(len(s.ignored) for s in ckpt.sources.values())
         if ignored:
-            unusual.append(f"{ignored} buffers ignored (e.g. position_ids, schedule tensors)")
+            from .config import is_bert
+
+            pooler = is_bert(spec.text) and any(k.startswith(("pooler.", "bert.pooler.", "cls."))
+                                                for k in ckpt.sources["text_encoder"].ignored)
+            unusual.append(f"{ignored} {'tensors' if pooler else 'buffers'} ignored (e.g. position_ids, schedule tensors"
+                           + (", BERT's pooler, which Stable Diffusion does not use)" if pooler else ")"))
         print("unusual:" if unusual else "unusual:     nothing")
         for line in unusual:
             print(f"  - {line}")
@@ -257,12 +296,12 @@ def cmd_tokens(args) -> int:
     """``sdlite tokens PROMPT``: how sdlite reads a prompt, as JSON (parsed pieces, chunks, edit schedule)."""
     import json
 
-    from .conditioning import chunk_prompt
+    from .conditioning import chunk_prompt, single_row
     from .embeddings import EmbeddingDB, rewrite_tags_without_db
     from .loader import open_model
     from .prompts import describe, extract_networks, parse_attention
 
-    model = args.model or demo_model_path()
+    model = resolve_model(args.model, args.prompt)
     ckpt = open_model(model)
     tokenizer = ckpt.tokenizer()
     db = EmbeddingDB.from_dir(args.embeddings, tokenizer, ckpt.spec.text.width) if args.embeddings else None
@@ -271,7 +310,10 @@ def cmd_tokens(args) -> int:
     stripped, _ = extract_networks(text)
     schedule = []
     for entry in info["schedule"]:
-        chunks, count = chunk_prompt(tokenizer, entry["text"], db)
+        if tokenizer.kind == "wordpiece":   # one row of the model's length (see sdlite.conditioning)
+            chunks, count, _ = single_row(tokenizer, entry["text"])
+        else:
+            chunks, count = chunk_prompt(tokenizer, entry["text"], db)
         schedule.append({**entry, "parsed": [[t, w] for t, w in parse_attention(entry["text"])],
                          "token_count": count,
                          "chunks": [{"tokens": c.tokens, "text": tokenizer.decode(c.tokens),
@@ -296,8 +338,7 @@ def cmd_generate(args) -> int:
     from .images import FORMATS, check_writable, infotext, model_hash, output_paths, save_image
     from .sampling.samplers import img2img_start
 
-    if args.model is None:
-        args.model = demo_model_path()
+    args.model = resolve_model(args.model, args.prompt)
     # left out: the Request's defaults (A1111's)
     image_options = {name: value for name, value in (
         ("strength", args.strength), ("mask_blur", args.mask_blur), ("inpaint_fill", args.inpaint_fill),
@@ -477,7 +518,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="text to image, image to image, inpainting, outpainting")
     g.add_argument("prompt")
     g.add_argument("--model", "-m", default=None,
-                   help="a diffusers folder or a .safetensors/.ckpt single file (default: the shipped demo model)")
+                   help="a diffusers folder or a .safetensors/.ckpt single file, or demo / demo-zh (default: the "
+                        "shipped demo model; demo-zh, its Chinese text encoder, when the prompt has Chinese characters)")
     g.add_argument("--negative", "-n", default="", help="negative prompt")
     g.add_argument("--steps", type=int, default=20)
     g.add_argument("--cfg", type=float, default=7.5, help="classifier-free guidance scale (1 = off)")

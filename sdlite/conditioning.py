@@ -15,6 +15,13 @@
   replace those tokens; an embedding that would straddle a chunk boundary starts the next chunk.
 * **Prompt and negative prompt of different lengths**: the shorter one is padded with encodings of the empty
   prompt, one 77-token chunk at a time, as A1111 does (diffusers cannot take such prompts at all).
+
+**WordPiece tokenizers (BERT text encoders: Taiyi)** get :func:`single_row` instead of the chunks: A1111's chunking
+is made for CLIP's 77 positions, while a BERT encoder reads one row of its full length (512 for Taiyi), as diffusers
+feeds it. A plain prompt gives exactly diffusers' ids: ``[CLS]``, the tokens, ``[SEP]``, ``[PAD]`` up to the
+length. Emphasis is parsed and applied the same "Original" way (each token's hidden state times its weight, the
+row's mean restored); ``BREAK`` has no meaning there and is ignored with a warning; a prompt longer than the row is
+cut (the end token kept) with a warning naming what was cut.
 """
 from __future__ import annotations
 
@@ -105,6 +112,34 @@ def chunk_prompt(tokenizer, text: str, embeddings=None) -> tuple[list[Chunk], in
     if chunk.tokens or not chunks:
         next_chunk(is_last=True)
     return chunks, token_count
+
+
+def single_row(tokenizer, text: str) -> tuple[list[Chunk], int, list[str]]:
+    """``([chunk], token_count, warnings)``: one prompt as one row of ``tokenizer.max_length`` tokens (start, the
+    tokens, end, padding), each token carrying its emphasis weight; for tokenizers of text encoders that are not
+    chunked (WordPiece / BERT). The count is of prompt tokens before any cut."""
+    warnings: list[str] = []
+    tokens: list[int] = []
+    multipliers: list[float] = []
+    for piece, weight in parse_attention(text):
+        if piece == "BREAK" and weight == -1:
+            if not any("BREAK" in w for w in warnings):
+                warnings.append("BREAK starts a new 75-token chunk for CLIP text encoders; this model's text "
+                                f"encoder reads one row of {tokenizer.max_length} tokens, so BREAK was ignored")
+            continue
+        ids = tokenizer.encode(piece)
+        tokens += ids
+        multipliers += [weight] * len(ids)
+    capacity = tokenizer.max_length - 2
+    if len(tokens) > capacity:
+        plain = "".join(p for p, w in parse_attention(text) if not (p == "BREAK" and w == -1))
+        dropped = tokenizer.tokenize_with_info(plain).dropped_text
+        warnings.append(f"the prompt is {len(tokens)} tokens and this model reads {capacity}: the end was cut"
+                        + (f" ({dropped[:80]!r}{'...' if len(dropped) > 80 else ''})" if dropped else ""))
+    kept = min(len(tokens), capacity)
+    row = tokenizer.frame(tokens)
+    weights = [1.0, *multipliers[:kept], *[1.0] * (tokenizer.max_length - kept - 1)]
+    return [Chunk(row, weights, [], kept)], len(tokens), warnings
 
 
 def encode_chunks(text_encoder, chunk_lists: list[list[Chunk]], clip_skip: int = 1,

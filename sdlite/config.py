@@ -40,6 +40,8 @@ class TextEncoderConfig:
     eos_token_id: int = 49407
     projection_dim: int = 768  # text_projection width (not used to condition the UNet)
 
+    architecture = "clip"
+
     def __post_init__(self):
         if self.width % self.heads:
             raise ConfigError(f"text encoder width {self.width} is not divisible by heads {self.heads}")
@@ -81,6 +83,86 @@ class TextEncoderConfig:
             "projection_dim": self.projection_dim,
             "torch_dtype": "float32",
         }
+
+
+@dataclass(frozen=True)
+class BertTextConfig:
+    """A BERT encoder used as the text tower (Taiyi: a Chinese RoBERTa-wwm in BERT's architecture): learned
+    word, position and token-type embeddings with a LayerNorm, post-LayerNorm blocks with bidirectional
+    attention, GELU. The UNet is conditioned on its last hidden state.
+
+    The field names match :class:`TextEncoderConfig` where they mean the same (``width``, ``layers``, ...), so
+    code that only asks for the context width or the layer count takes either.
+    """
+
+    vocab_size: int = 21128
+    max_positions: int = 512
+    width: int = 768
+    layers: int = 12
+    heads: int = 12
+    mlp_width: int = 3072
+    type_vocab_size: int = 2
+    activation: str = "gelu"
+    eps: float = 1e-12
+    pad_token_id: int = 0
+
+    architecture = "bert"
+
+    def __post_init__(self):
+        if self.width % self.heads:
+            raise ConfigError(f"BERT text encoder width {self.width} is not divisible by heads {self.heads}")
+        if self.activation != "gelu":
+            raise ConfigError(f"BERT text encoder activation {self.activation!r} is not supported (expected 'gelu')")
+        if self.type_vocab_size < 1:
+            raise ConfigError(f"BERT text encoder type_vocab_size {self.type_vocab_size} must be at least 1")
+
+    @classmethod
+    def from_diffusers(cls, cfg: dict) -> "BertTextConfig":
+        """From a transformers ``BertConfig`` dict (``text_encoder/config.json`` of a Taiyi folder)."""
+        position = cfg.get("position_embedding_type", "absolute")
+        if position != "absolute":
+            raise ConfigError(f"BERT config field position_embedding_type={position!r} is not supported "
+                              "(expected 'absolute')")
+        if cfg.get("is_decoder") or cfg.get("add_cross_attention"):
+            raise ConfigError("BERT config: a decoder (is_decoder / add_cross_attention) is not a text encoder")
+        return cls(
+            vocab_size=cfg.get("vocab_size", 21128),
+            max_positions=cfg.get("max_position_embeddings", 512),
+            width=cfg["hidden_size"],
+            layers=cfg["num_hidden_layers"],
+            heads=cfg["num_attention_heads"],
+            mlp_width=cfg["intermediate_size"],
+            type_vocab_size=cfg.get("type_vocab_size", 2),
+            activation=cfg.get("hidden_act", "gelu"),
+            eps=cfg.get("layer_norm_eps", 1e-12),
+            pad_token_id=cfg.get("pad_token_id", 0),
+        )
+
+    def to_diffusers(self) -> dict:
+        return {
+            "architectures": ["BertModel"],
+            "model_type": "bert",
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_positions,
+            "hidden_size": self.width,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "intermediate_size": self.mlp_width,
+            "type_vocab_size": self.type_vocab_size,
+            "hidden_act": self.activation,
+            "layer_norm_eps": self.eps,
+            "pad_token_id": self.pad_token_id,
+            "position_embedding_type": "absolute",
+            "hidden_dropout_prob": 0.1,
+            "attention_probs_dropout_prob": 0.1,
+            "initializer_range": 0.02,
+            "torch_dtype": "float32",
+        }
+
+
+def is_bert(text_config) -> bool:
+    """Whether a model's text-encoder config is a BERT (Taiyi) rather than a CLIP text tower."""
+    return isinstance(text_config, BertTextConfig)
 
 
 @dataclass(frozen=True)
@@ -375,7 +457,7 @@ class ModelSpec:
     """A whole Stable Diffusion model: its family, its three networks and how its UNet is parameterised."""
 
     family: str
-    text: TextEncoderConfig
+    text: TextEncoderConfig | BertTextConfig
     unet: UNetConfig
     vae: VAEConfig
     prediction_type: str = "epsilon"  # "epsilon" | "v_prediction"
@@ -430,6 +512,11 @@ DEMO = ModelSpec(
     default_size=64,
 )
 
+# IDEA-CCNL/Taiyi-Stable-Diffusion-1B-Chinese-v0.1 (text_encoder/config.json: BertModel, the text tower of
+# IDEA-CCNL/Taiyi-CLIP-RoBERTa-102M-ViT-L-Chinese; tokenizer: BertTokenizer, vocab.txt of 21128 tokens,
+# model_max_length 512): SD 1.x's UNet and VAE conditioned on a Chinese BERT's last hidden state (512 tokens)
+TAIYI = SD15.replace(text=BertTextConfig())
+
 PRESETS: dict[str, ModelSpec] = {
     "sd15": SD15,
     "sd15-inpaint": SD15_INPAINT,
@@ -438,4 +525,5 @@ PRESETS: dict[str, ModelSpec] = {
     "sd21-v": SD21_V,
     "sd2-inpaint": SD2_INPAINT,
     "demo": DEMO,
+    "taiyi": TAIYI,
 }

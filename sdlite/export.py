@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .config import explicit_spacing
+from .config import explicit_spacing, is_bert
 from .errors import CheckpointError
 from .loader import META_CONFIG, META_PREDICTION, StableDiffusion
 from .weights.convert import plan_to_original
@@ -70,8 +70,9 @@ def save_diffusers(model: StableDiffusion, folder: str | os.PathLike, dtype: tor
             "_diffusers_version": DIFFUSERS_VERSION,
             "feature_extractor": [None, None], "safety_checker": [None, None], "requires_safety_checker": False,
             "scheduler": ["diffusers", "PNDMScheduler"],
-            "text_encoder": ["transformers", "CLIPTextModel"],
-            "tokenizer": ["transformers", "CLIPTokenizer"],
+            "text_encoder": ["transformers", "BertModel" if is_bert(spec.text) else "CLIPTextModel"],
+            "tokenizer": ["transformers", "BertTokenizer" if model.tokenizer.kind == "wordpiece"
+                          else "CLIPTokenizer"],
             "unet": ["diffusers", "UNet2DConditionModel"],
             "vae": ["diffusers", "AutoencoderKL"],
         })
@@ -88,6 +89,15 @@ def save_diffusers(model: StableDiffusion, folder: str | os.PathLike, dtype: tor
 def _write_tokenizer(model: StableDiffusion, folder: Path) -> None:
     tok = model.tokenizer
     folder.mkdir()
+    if tok.kind == "wordpiece":   # BERT's files: vocab.txt (one token a line, in id order) and the settings
+        (folder / "vocab.txt").write_text("\n".join(tok.vocab) + "\n", encoding="utf-8")
+        special = dict(tok.special_tokens)
+        _write_json(folder / "special_tokens_map.json", special)
+        _write_json(folder / "tokenizer_config.json", {
+            **special, "tokenizer_class": "BertTokenizer", "model_max_length": tok.max_length,
+            "do_lower_case": tok.do_lower_case, "strip_accents": tok.strip_accents,
+            "tokenize_chinese_chars": tok.tokenize_chinese_chars})
+        return
     (folder / "vocab.json").write_text(json.dumps(tok.encoder, ensure_ascii=False), encoding="utf-8")
     merges = "\n".join(f"{a} {b}" for a, b in tok.merges)
     (folder / "merges.txt").write_text(f"#version: 0.2\n{merges}\n", encoding="utf-8")
@@ -106,6 +116,9 @@ def save_single_file(model: StableDiffusion, path: str | os.PathLike, dtype: tor
     ``first_stage_model.*``, ``cond_stage_model.*``), as A1111, ComfyUI and diffusers' single-file loader read."""
     path = Path(path)
     spec = model.spec
+    if is_bert(spec.text):
+        raise CheckpointError("a model with a BERT text encoder (Taiyi) has no original single-file layout that "
+                              "other tools read; save it as a diffusers folder", path)
     states = {"unet": _state(model.unet, dtype), "vae": _state(model.vae, dtype),
               "text_encoder": _state(model.text_encoder, dtype)}
     plan = plan_to_original({name: list(sd) for name, sd in states.items()},

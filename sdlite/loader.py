@@ -19,14 +19,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .config import (PRESETS, ConfigError, ModelSpec, TextEncoderConfig, UNetConfig, VAEConfig, explicit_spacing,
-                     published_scheduler)
+from .config import (PRESETS, BertTextConfig, ConfigError, ModelSpec, TextEncoderConfig, UNetConfig, VAEConfig,
+                     explicit_spacing, is_bert, published_scheduler)
 from .errors import CheckpointError
+from .models.bert import BertTextEncoder
 from .models.clip import CLIPTextEncoder
 from .models.unet import UNet
 from .models.vae import AutoencoderKL
 from .tokenizer import SD1_PAD_TOKEN_ID, SD2_PAD_TOKEN_ID, CLIPTokenizer
-from .weights.convert import normalize_diffusers_keys, plan_from_original
+from .tokenizers import WordPieceTokenizer, load_tokenizer, tokenizer_kind
+from .weights.convert import normalize_bert_keys, normalize_diffusers_keys, plan_from_original
 from .weights.detect import Detection, detect
 from .weights.io import TensorStore, merge_stores, open_checkpoint, open_sharded
 
@@ -34,6 +36,20 @@ COMPONENTS = ("text_encoder", "unet", "vae")
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 _BUILDERS = {"text_encoder": CLIPTextEncoder, "unet": UNet, "vae": AutoencoderKL}
 _SPEC_FIELD = {"text_encoder": "text", "unet": "unet", "vae": "vae"}
+# model_index.json key of a folder that holds only some components and takes the others from another folder (a
+# path relative to it): the shipped ``demo-zh`` has its own text encoder and tokenizer and shares the demo's UNet,
+# VAE and scheduler. diffusers ignores keys that start with "_".
+SHARED_FROM_KEY = "_sdlite_shared_from"
+# text-encoder architectures a folder's text_encoder/config.json can declare
+_CLIP_ARCHITECTURES = {"CLIPTextModel", "CLIPTextModelWithProjection"}
+_BERT_ARCHITECTURES = {"BertModel", "BertForMaskedLM", "BertForPreTraining"}
+
+
+def build_network(component: str, spec: ModelSpec) -> nn.Module:
+    """The empty network of ``component`` for ``spec`` (a BERT or CLIP text encoder as the spec says)."""
+    if component == "text_encoder" and is_bert(spec.text):
+        return BertTextEncoder(spec.text)
+    return _BUILDERS[component](getattr(spec, _SPEC_FIELD[component]))
 # weight files of a diffusers component, in order of preference (a variant such as fp16 is tried after)
 _WEIGHT_NAMES = {
     "unet": "diffusion_pytorch_model", "vae": "diffusion_pytorch_model", "text_encoder": "model",
@@ -92,14 +108,19 @@ class Checkpoint:
     scheduler_source: str = ""       # where scheduler_config (and its timestep spacing) came from
     _stores: list[TensorStore] = field(default_factory=list, repr=False)
     _zero_copy: bool = field(default=False, repr=False)  # some loaded weights are views of the mapped files
-    _tokenizer: CLIPTokenizer | None = field(default=None, repr=False)  # built once (about 0.4 s from files)
+    _tokenizer: CLIPTokenizer | WordPieceTokenizer | None = field(default=None, repr=False)  # built once
 
     # -- components ------------------------------------------------------------------------------------
 
-    def tokenizer(self) -> CLIPTokenizer:
+    def tokenizer(self) -> CLIPTokenizer | WordPieceTokenizer:
         if self._tokenizer is None:
-            self._tokenizer = (_folder_tokenizer(Path(self.tokenizer_dir)) if self.tokenizer_dir is not None
-                               else CLIPTokenizer.from_package(pad_token_id=self.spec.text.pad_token_id))
+            if self.tokenizer_dir is not None:
+                self._tokenizer = _folder_tokenizer(Path(self.tokenizer_dir), self.spec.text)
+            elif is_bert(self.spec.text):
+                raise CheckpointError("a BERT text encoder needs its WordPiece vocabulary (tokenizer/vocab.txt), "
+                                      "which this model lacks", self.path)
+            else:
+                self._tokenizer = CLIPTokenizer.from_package(pad_token_id=self.spec.text.pad_token_id)
         return self._tokenizer
 
     def load(self, component: str, dtype: torch.dtype = torch.float32, device="cpu") -> nn.Module:
@@ -158,7 +179,7 @@ class Checkpoint:
         if source is None:
             raise CheckpointError(f"the checkpoint has no {component.replace('_', ' ')}", self.path)
         with torch.device("meta"):
-            module = _BUILDERS[component](getattr(self.spec, _SPEC_FIELD[component]))
+            module = build_network(component, self.spec)
         _check_keys(self.path, component, {k: tuple(v.shape) for k, v in module.state_dict().items()}, source)
         return module
 
@@ -182,7 +203,7 @@ class Checkpoint:
                 out.append(f"no {component.replace('_', ' ')} in the checkpoint")
                 continue
             with torch.device("meta"):
-                module = _BUILDERS[component](getattr(self.spec, _SPEC_FIELD[component]))
+                module = build_network(component, self.spec)
             expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
             out += [msg if key is None else f"{msg} (key {key!r})" for msg, key in
                     _key_problems(component, expected, source)]
@@ -221,8 +242,8 @@ class StableDiffusion:
     """A loaded model: tokenizer, the three networks and the facts the sampler needs."""
 
     spec: ModelSpec
-    tokenizer: CLIPTokenizer
-    text_encoder: CLIPTextEncoder
+    tokenizer: CLIPTokenizer | WordPieceTokenizer
+    text_encoder: CLIPTextEncoder | BertTextEncoder
     unet: UNet
     vae: AutoencoderKL
     scheduler_config: dict
@@ -280,9 +301,10 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def _component_store(folder: Path, component: str) -> TensorStore:
-    """The weights of one diffusers component: plain file, then the fp16 variant, sharded or ``.bin``."""
-    sub = folder / component
+def _component_store(folder: Path, component: str, sub: Path | None = None) -> TensorStore:
+    """The weights of one diffusers component (in ``folder / component``, or ``sub`` when given): plain file, then
+    the fp16 variant, sharded or ``.bin``."""
+    sub = folder / component if sub is None else sub
     base = _WEIGHT_NAMES[component]
     bin_base = "pytorch_model" if component == "text_encoder" else base
     candidates = [f"{base}.safetensors", f"{base}.fp16.safetensors", f"{base}.bf16.safetensors",
@@ -296,6 +318,44 @@ def _component_store(folder: Path, component: str) -> TensorStore:
                           sub)
 
 
+def _component_folders(folder: Path, index: dict, index_file: Path) -> dict[str, Path]:
+    """Where each part (``text_encoder``, ``unet``, ``vae``, ``tokenizer``, ``scheduler``) of a folder is: in the
+    folder itself, or, for a part it lacks, in the folder its model_index.json names under ``_sdlite_shared_from``
+    (relative to it)."""
+    parts = ("text_encoder", "unet", "vae", "tokenizer", "scheduler")
+    where = {p: folder / p for p in parts}
+    shared = index.get(SHARED_FROM_KEY)
+    if shared is None:
+        return where
+    if not isinstance(shared, str) or not shared:
+        raise CheckpointError(f"{SHARED_FROM_KEY} must be a folder path (relative to the model folder), got "
+                              f"{shared!r}", index_file)
+    base = (folder / shared).resolve()
+    if not (base / "model_index.json").is_file():
+        raise CheckpointError(f"{SHARED_FROM_KEY} names {shared!r}, which is not a diffusers folder ({base})",
+                              index_file)
+    for p in parts:
+        if not where[p].is_dir():
+            where[p] = base / p
+    return where
+
+
+def _text_architecture(config: dict, config_file: Path) -> str:
+    """"bert" or "clip", from what text_encoder/config.json declares (``architectures``, else ``model_type``)."""
+    declared = config.get("architectures") or []
+    if isinstance(declared, str):
+        declared = [declared]
+    names = set(declared)
+    if names & _BERT_ARCHITECTURES or (not names and config.get("model_type") == "bert"):
+        return "bert"
+    if names & _CLIP_ARCHITECTURES or any("CLIP" in n for n in names) or (
+            not names and config.get("model_type", "clip_text_model") in ("clip_text_model", "clip")):
+        return "clip"
+    kind = ", ".join(sorted(names)) or config.get("model_type")
+    raise CheckpointError(f"the text encoder is a {kind}: sdlite runs CLIP text towers (CLIPTextModel) and BERT "
+                          "encoders (BertModel, as Taiyi uses)", config_file)
+
+
 def _open_diffusers_folder(folder: Path) -> Checkpoint:
     index_file = folder / "model_index.json"
     if not index_file.is_file():
@@ -306,34 +366,56 @@ def _open_diffusers_folder(folder: Path) -> Checkpoint:
     if cls and cls not in ("StableDiffusionPipeline", "StableDiffusionInpaintPipeline",
                            "StableDiffusionImg2ImgPipeline"):
         raise CheckpointError(f"pipeline class {cls!r} is not a Stable Diffusion 1.x/2.x pipeline", index_file)
+    where = _component_folders(folder, index, index_file)
     stores: list[TensorStore] = []
     sources: dict[str, ComponentSource] = {}
     configs: dict[str, dict] = {}
     try:
+        configs["text_encoder"] = _read_json(where["text_encoder"] / "config.json")
+        architecture = _text_architecture(configs["text_encoder"], where["text_encoder"] / "config.json")
         for component in COMPONENTS:
-            configs[component] = _read_json(folder / component / "config.json")
-            store = _component_store(folder, component)
+            if component != "text_encoder":
+                configs[component] = _read_json(where[component] / "config.json")
+            store = _component_store(folder, component, where[component])
             stores.append(store)
-            plan = normalize_diffusers_keys(list(store.keys()), component)
+            if component == "text_encoder" and architecture == "bert":
+                plan = normalize_bert_keys(list(store.keys()))
+            else:
+                plan = normalize_diffusers_keys(list(store.keys()), component)
             sources[component] = ComponentSource.from_plan(plan, store, tuple(store.paths))
-        detection = detect({name: src.shapes for name, src in sources.items()})
-        tokenizer_dir = folder / "tokenizer"
+        # a BERT text tower is checked against its own config below; detection reads the CLIP and SD parts
+        detected = {name: src.shapes for name, src in sources.items()
+                    if not (name == "text_encoder" and architecture == "bert")}
+        detection = detect(detected)
+        tokenizer_dir = where["tokenizer"]
         pad, folder_tokenizer = None, None
-        if (tokenizer_dir / "vocab.json").is_file() or (tokenizer_dir / "tokenizer.json").is_file():
-            folder_tokenizer = _folder_tokenizer(tokenizer_dir)  # kept by the Checkpoint: built once
-            pad = folder_tokenizer.pad_token_id
-        else:
-            tokenizer_dir = None
         try:
-            text = TextEncoderConfig.from_diffusers(configs["text_encoder"], pad_token_id=pad)
+            if architecture == "bert":
+                text = BertTextConfig.from_diffusers(configs["text_encoder"])
+            else:
+                text = TextEncoderConfig.from_diffusers(configs["text_encoder"])
             unet = UNetConfig.from_diffusers(configs["unet"])
             vae = VAEConfig.from_diffusers(configs["vae"])
         except (ConfigError, KeyError, TypeError) as e:
             raise CheckpointError(f"unusable component config: {e}", folder) from None
-        if tokenizer_dir is None:
+        if tokenizer_kind(tokenizer_dir) is not None:
+            folder_tokenizer = _folder_tokenizer(tokenizer_dir, text)  # kept by the Checkpoint: built once
+            pad = folder_tokenizer.pad_token_id
+        else:
+            tokenizer_dir = None
+        if architecture == "bert":
+            if text.width != unet.context_dim:
+                raise CheckpointError(f"the BERT text encoder's width {text.width} (text_encoder/config.json "
+                                      f"hidden_size) does not match the UNet's cross-attention context dim "
+                                      f"{unet.context_dim}", folder)
+            if pad is not None:
+                text = dataclasses.replace(text, pad_token_id=pad)
+        elif tokenizer_dir is None:
             text = dataclasses.replace(text, pad_token_id=SD2_PAD_TOKEN_ID if detection.base_family == "sd2"
                                        else SD1_PAD_TOKEN_ID)
-        sched_file = folder / "scheduler" / "scheduler_config.json"
+        else:
+            text = dataclasses.replace(text, pad_token_id=pad)
+        sched_file = where["scheduler"] / "scheduler_config.json"
         scheduler = _read_json(sched_file) if sched_file.is_file() else {}
         prediction = scheduler.get("prediction_type", "epsilon")
         if prediction not in PREDICTION_TYPES:
@@ -354,13 +436,17 @@ def _open_diffusers_folder(folder: Path) -> Checkpoint:
         for store in stores:
             store.close()
         raise
+    notes = []
+    if index.get(SHARED_FROM_KEY) is not None:
+        own = [p for p in ("text_encoder", "tokenizer", "unet", "vae", "scheduler") if (folder / p).is_dir()]
+        notes.append(f"holds {', '.join(own)}; the other parts are shared from {index[SHARED_FROM_KEY]!r}")
     return Checkpoint(path=str(folder), layout="diffusers", spec=spec, detection=detection,
                       storage_dtype=_storage_dtype(stores[1]),
                       prediction_source="scheduler_config.json" if "prediction_type" in scheduler
                       else "family default",
                       sources=sources, scheduler_config=dict(spec.scheduler), scheduler_source=sched_source,
                       tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
-                      notes=[], _stores=stores, _tokenizer=folder_tokenizer)  # the folder's config.json files settle what detection guesses
+                      notes=notes, _stores=stores, _tokenizer=folder_tokenizer)  # the folder's config.json files settle what detection guesses
 
 
 # --- single files ---------------------------------------------------------------------------------------------
@@ -439,9 +525,14 @@ def _configs_from_metadata(path: Path, raw: str) -> tuple[TextEncoderConfig, UNe
         raise CheckpointError(f"metadata {META_CONFIG!r} is not a usable config ({e})", path) from None
 
 
-def _folder_tokenizer(folder: Path) -> CLIPTokenizer:
+def _folder_tokenizer(folder: Path, text=None) -> CLIPTokenizer | WordPieceTokenizer:
+    """The folder's tokenizer. A WordPiece one is limited to the text encoder's positions when its config names
+    no length (transformers' "no limit") or a longer one."""
     try:
-        return CLIPTokenizer.from_pretrained_dir(folder)
+        tok = load_tokenizer(folder)
+        if isinstance(tok, WordPieceTokenizer) and text is not None and tok.max_length > text.max_positions:
+            tok = load_tokenizer(folder, max_length=text.max_positions)
+        return tok
     except (OSError, ValueError) as e:
         raise CheckpointError(f"unusable tokenizer: {e}", folder) from None
 

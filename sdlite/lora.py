@@ -782,11 +782,10 @@ def apply_on_the_fly(module: nn.Module, loras: Sequence[tuple[LoraSource, Weight
 
 
 def _meta_network(spec, component: str) -> nn.Module:
-    from .models.clip import CLIPTextEncoder
-    from .models.unet import UNet
+    from .loader import build_network
 
     with torch.device("meta"):
-        return UNet(spec.unet) if component == "unet" else CLIPTextEncoder(spec.text)
+        return build_network(component, spec)
 
 
 @contextlib.contextmanager

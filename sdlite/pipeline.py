@@ -35,7 +35,8 @@ try:
     from PIL import Image
 
     from .engine.memory import ModelManager, check_memory_mode, trim_heap
-    from .conditioning import chunk_prompt, encode_chunks, pad_to_same_length
+    from .conditioning import chunk_prompt, encode_chunks, pad_to_same_length, single_row
+    from .config import is_bert
     from .embeddings import EmbeddingDB
     from .engine.tiling import tiled_decode
     from .errors import SDLiteError
@@ -300,19 +301,39 @@ class Engine:
                       embeddings: EmbeddingDB | None = None) -> tuple[torch.Tensor, list[str]]:
         """(P, 77 k, width) contexts of P prompts in one text-encoder pass, by A1111's rules
         (:mod:`sdlite.conditioning`: emphasis, 75-token chunks, ``BREAK``, ``embeddings``); prompts with fewer
-        chunks are padded with the empty prompt's encoding. Returns the warnings too (none at present: long
-        prompts are no longer cut)."""
-        encoded = self._encode_texts(list(prompts), clip_skip, embeddings)
+        chunks are padded with the empty prompt's encoding; with a WordPiece tokenizer (BERT text encoders), one row
+        of the tokenizer's length each (:func:`sdlite.conditioning.single_row`). Returns the warnings too (for
+        CLIP none: long prompts are chunked, not cut; for BERT a cut prompt or an ignored BREAK)."""
+        warnings: list[str] = []
+        encoded = self._encode_texts(list(prompts), clip_skip, embeddings, warnings)
         empty = self._encode_texts([""], clip_skip, None)[0] if len({e.shape[1] for e in encoded}) > 1 else None
-        return torch.cat(pad_to_same_length(encoded, empty) if empty is not None else encoded), []
+        return torch.cat(pad_to_same_length(encoded, empty) if empty is not None else encoded), warnings
 
-    def _encode_texts(self, texts: list[str], clip_skip: int, embeddings: EmbeddingDB | None) -> list[torch.Tensor]:
-        """Each text's (1, 77 k, width) conditioning, in one text-encoder pass."""
+    def _encode_texts(self, texts: list[str], clip_skip: int, embeddings: EmbeddingDB | None,
+                      warnings: list[str] | None = None) -> list[torch.Tensor]:
+        """Each text's (1, 77 k, width) conditioning (with a WordPiece tokenizer: (1, max_length, width), one row),
+        in one text-encoder pass; warnings about the texts (a cut prompt, an ignored BREAK) go to ``warnings``."""
         layers = self.spec.text.layers
+        if is_bert(self.spec.text) and clip_skip != 1:
+            raise RequestError(f"clip skip {clip_skip} is not valid for this model: clip skip picks a layer of a "
+                               "CLIP text encoder, and this model's text encoder is BERT (Taiyi), whose last "
+                               "hidden state the UNet was trained on; use 1")
         if clip_skip > layers:
             raise RequestError(f"clip skip {clip_skip} is not valid for this model: its text encoder has "
                                f"{layers} layers, so 1..{layers} are valid")
-        chunk_lists = [chunk_prompt(self.tokenizer, t, embeddings)[0] for t in texts]
+        if getattr(self.tokenizer, "kind", "clip_bpe") == "wordpiece":
+            if embeddings is not None and embeddings.embeddings:
+                raise RequestError("textual-inversion embeddings are made for CLIP tokenizers and text encoders; "
+                                   "this model reads WordPiece tokens (a BERT-style prompt row), so they cannot "
+                                   "be used with it")
+            chunk_lists = []
+            for t in texts:
+                chunks, _, notes = single_row(self.tokenizer, t)
+                chunk_lists.append(chunks)
+                if warnings is not None:
+                    warnings += [n for n in notes if n not in warnings]
+        else:
+            chunk_lists = [chunk_prompt(self.tokenizer, t, embeddings)[0] for t in texts]
         with torch.no_grad(), self.models.use("text_encoder") as text_encoder:
             return encode_chunks(text_encoder, chunk_lists, clip_skip, self.device)
 
@@ -327,8 +348,9 @@ class Engine:
         texts = list(dict.fromkeys(p.text for schedule in schedules for p in schedule))
         if use_cfg:
             texts.append("")  # the padding of a prompt and negative of different lengths
-        encoded = dict(zip(texts, self._encode_texts(texts, r.clip_skip, embeddings)))
-        return ScheduledConditioning(schedules[0], schedules[1] if use_cfg else None, encoded)
+        warnings: list[str] = []
+        encoded = dict(zip(texts, self._encode_texts(texts, r.clip_skip, embeddings, warnings)))
+        return ScheduledConditioning(schedules[0], schedules[1] if use_cfg else None, encoded, warnings)
 
     def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """Unscaled latents (B, 4, h, w) -> images (B, 3, 8h, 8w) in about [-1, 1]."""
@@ -483,6 +505,7 @@ class Engine:
         warnings = list(networks.warnings)
         cond = self.conditioning(r.replace(prompt=networks.prompt, negative_prompt=networks.negative), use_cfg,
                                  networks.embeddings)
+        warnings += cond.warnings
         ctx, uncond = cond.at(0, r.batch_size)
         t1 = time.perf_counter()
 
@@ -632,6 +655,7 @@ class ScheduledConditioning:
     prompt: list[ScheduledPrompt]
     negative: list[ScheduledPrompt] | None
     encoded: dict[str, torch.Tensor]     # text -> (1, 77 k, width)
+    warnings: list[str] = field(default_factory=list)   # about the texts: a prompt cut, BREAK ignored
 
     @property
     def changes(self) -> bool:

@@ -191,6 +191,8 @@ class CLIPTokenizer:
       Python's Unicode tables here (as in CLIP), by Rust's tables in transformers.
     """
 
+    kind = "clip_bpe"
+
     def __init__(
         self,
         encoder: Mapping[str, int],

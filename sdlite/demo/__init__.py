@@ -23,9 +23,15 @@ DEFAULT_STEPS = 20
 EVAL_SEED = 1000           # image i of an evaluation set uses seed EVAL_SEED + i
 
 
-def model_path() -> Path:
-    """The shipped diffusers folder (inside the installed package)."""
-    return Path(str(resources.files("sdlite").joinpath("data", "demo")))
+DEFAULT_PROMPT_ZH = "蓝色背景上的红色圆形"   # the default prompt in Chinese (sdlite.demo.zh)
+
+
+def model_path(name: str = "demo") -> Path:
+    """A shipped diffusers folder (inside the installed package): ``demo``, or ``demo-zh``, the demo model with a
+    Chinese text encoder (tiny BERT; its UNet, VAE and scheduler are the demo's, shared)."""
+    if name not in ("demo", "demo-zh"):
+        raise ValueError(f"unknown demo model {name!r}: expected 'demo' or 'demo-zh'")
+    return Path(str(resources.files("sdlite").joinpath("data", name)))
 
 
 def _eval_seen() -> tuple[tuple[str, str, str], ...]:
@@ -91,6 +97,6 @@ def evaluate(engine, combos, **kwargs) -> tuple[dict, list]:
     return score(results, list(combos)), results
 
 
-__all__ = ["model_path", "DEFAULT_PROMPT", "DEFAULT_CFG", "DEFAULT_STEPS", "EVAL_SEEN", "EVAL_HELD_OUT",
+__all__ = ["model_path", "DEFAULT_PROMPT", "DEFAULT_PROMPT_ZH", "DEFAULT_CFG", "DEFAULT_STEPS", "EVAL_SEEN", "EVAL_HELD_OUT",
            "EVAL_SEED", "NEGATIVE_SET", "colourless_prompt", "colour_error", "star_solidity", "generate",
            "evaluate"]

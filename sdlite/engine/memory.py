@@ -23,6 +23,7 @@ from torch import nn
 
 from ..errors import SDLiteError
 from ..loader import Checkpoint, StableDiffusion
+from ..models.bert import BertEmbeddings, BertLayer
 from ..models.clip import Embeddings, EncoderLayer
 from ..models.layers import Downsample, ResnetBlock, Upsample
 from ..models.unet import SpatialTransformer
@@ -36,7 +37,8 @@ MEMORY_MODES = {
     2: "balanced: UNet resident; text encoder and VAE loaded when needed",
 }
 # modules whose forward uses their weights only through calls of their own children or themselves
-_UNIT_TYPES = (ResnetBlock, SpatialTransformer, Downsample, Upsample, Embeddings, EncoderLayer)
+_UNIT_TYPES = (ResnetBlock, SpatialTransformer, Downsample, Upsample, Embeddings, EncoderLayer, BertEmbeddings,
+               BertLayer)
 
 
 class MemoryModeError(SDLiteError, ValueError):

@@ -39,7 +39,7 @@ __all__ = [
     "ConvertedMapping", "UNetStructure", "ema_key",
     "unet_from_original", "unet_to_original", "vae_from_original", "vae_to_original",
     "clip_from_original", "clip_to_original", "openclip_from_original", "openclip_to_original",
-    "plan_from_original", "plan_to_original", "normalize_diffusers_keys", "apply_plan",
+    "plan_from_original", "plan_to_original", "normalize_diffusers_keys", "normalize_bert_keys", "apply_plan",
 ]
 
 UNET_PREFIX = "model.diffusion_model."
@@ -804,6 +804,29 @@ def normalize_diffusers_keys(keys: Iterable[str], component: str, *,
             if key.startswith(_TEXT_TOP):
                 target = "text_model." + key
         _add(plan, target, PlanEntry((key,), transform))
+    _check_expected(plan, expected)
+    return plan
+
+
+# A BERT text encoder (Taiyi): transformers' ``BertModel`` names are the canonical ones. A model saved from a wrapper
+# (``BertForMaskedLM`` and the like) has them under ``bert.``; its heads (``cls.``) and BertModel's pooler are not
+# part of a Stable Diffusion text tower, nor are the ``position_ids`` / ``token_type_ids`` buffers.
+_BERT_WRAPPER = "bert."
+_BERT_UNUSED = ("pooler.", "cls.")
+_BERT_BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")
+
+
+def normalize_bert_keys(keys: Iterable[str], *, expected: Iterable[str] | None = None) -> ComponentPlan:
+    """Plan from the keys of a BERT text encoder (a Taiyi folder's ``text_encoder``) to canonical names
+    (:class:`sdlite.models.bert.BertTextEncoder`): a ``bert.`` prefix is removed; the pooler, any task head and
+    the index buffers are ignored (listed in ``ignored``)."""
+    plan = ComponentPlan("text_encoder")
+    for key in keys:
+        target = key[len(_BERT_WRAPPER):] if key.startswith(_BERT_WRAPPER) else key
+        if target.startswith(_BERT_UNUSED) or target in _BERT_BUFFERS or key.startswith(_BERT_UNUSED):
+            plan.ignored.append(key)
+            continue
+        _add(plan, target, PlanEntry((key,), COPY))
     _check_expected(plan, expected)
     return plan
 
