@@ -16,7 +16,7 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet torch==2.13.0
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(BIN)/pip install --quiet -e '.[test,server]'
+	$(BIN)/pip install --quiet -e '.[test,server,ray]'
 	# the web page's browser test drives Debian's chromium (Playwright's own browser download cannot work offline)
 	command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium; }
@@ -39,6 +39,8 @@ run: setup
 bench: setup
 	$(BIN)/pip install --quiet -e '.[test,bench]'
 	$(BIN)/python bench/run.py
+	# serve --ray and batch --ray against the single-process server; writes bench/scale.md
+	$(BIN)/python bench/scale.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -466,6 +466,15 @@ def cmd_serve(args) -> int:
     flags = {"listen": args.listen, "host": host, "port": args.port, "ckpt": args.model, "models_dir": args.models_dir,
              "lora_dir": args.lora_dir, "embeddings_dir": args.embeddings, "queue_size": args.queue_size,
              "device": args.device, "nowebui": False}
+    ray_options = [flag for flag, value in (("--address", args.address), ("--replicas", args.replicas),
+                                            ("--autoscale", args.autoscale), ("--replica-cpus", args.replica_cpus),
+                                            ("--replica-gpus", args.replica_gpus)) if value is not None]
+    if ray_options and not args.ray:
+        raise SDLiteError(f"{', '.join(ray_options)} need{'s' if len(ray_options) == 1 else ''} --ray")
+    if args.ray:
+        from .scale.ray_serve import serve_cli
+
+        return serve_cli(args, host, flags)
     try:
         app = create_app(model=args.model, models_dir=args.models_dir, api_auth=args.api_auth,
                          queue_size=args.queue_size, lora_dir=args.lora_dir, embeddings_dir=args.embeddings,
@@ -500,6 +509,29 @@ def cmd_serve(args) -> int:
                                            access_log=args.log_level == "debug"))
     server.run()
     return 0 if server.started else 1
+
+
+def cmd_batch(args) -> int:
+    from .scale.batch import run_batch
+
+    ray_only = [flag for flag, value in (("--address", args.address), ("--workers", args.workers),
+                                         ("--worker-cpus", args.worker_cpus), ("--worker-gpus", args.worker_gpus))
+                if value is not None]
+    if ray_only and not args.ray:
+        raise SDLiteError(f"{', '.join(ray_only)} need{'s' if len(ray_only) == 1 else ''} --ray")
+    engine_options = {"device": args.device} if args.device else {}
+    summary = run_batch(args.jobs, args.output, model=args.model, use_ray=args.ray, address=args.address,
+                        workers=args.workers, threads=args.threads, engine_options=engine_options,
+                        worker_cpus=args.worker_cpus if args.worker_cpus is not None else 1.0,
+                        worker_gpus=args.worker_gpus or 0.0, lora_dir=args.lora_dir, embeddings_dir=args.embeddings,
+                        max_batch=args.max_batch)
+    for job_id, message in summary.failed.items():
+        print(f"sdlite: job {job_id} failed: {message}", file=sys.stderr)
+    where = f"{summary.workers} Ray worker{'s' if summary.workers != 1 else ''}" if args.ray else "locally"
+    print(f"{summary.total} jobs: {summary.done} done now ({summary.images} images, {summary.images_per_min:.1f} "
+          f"images/min, {where}), {summary.skipped} already in the manifest, {len(summary.failed)} failed; "
+          f"manifest: {Path(args.output) / 'manifest.jsonl'}", file=sys.stderr)
+    return 1 if summary.failed else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -622,12 +654,49 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU threads for generation (default: PyTorch's; 1 is fastest for the tiny demo model)")
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (debug also logs every request)")
+    r = v.add_argument_group("on a Ray cluster (the ray extra; see docs/scaling.md)")
+    r.add_argument("--ray", action="store_true", help="serve with Ray Serve: the same API, one engine per replica")
+    r.add_argument("--address", default=None,
+                   help="the Ray cluster: auto (the one this machine belongs to), HOST:PORT or ray://HOST:PORT "
+                        "(default: start a Ray instance on this machine)")
+    r.add_argument("--replicas", type=int, default=None, help="generator replicas, one engine each (default 1)")
+    r.add_argument("--autoscale", metavar="MIN,MAX", default=None,
+                   help="let Ray Serve scale the replicas between MIN and MAX with the load (instead of --replicas)")
+    r.add_argument("--replica-cpus", type=float, default=None, help="CPUs reserved per replica (default 1)")
+    r.add_argument("--replica-gpus", type=float, default=None,
+                   help="GPUs per replica (default 0); above 0 the replicas run on CUDA in fp16")
     v.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("batch", help="generate every job of a JSONL file into a folder, resumably (locally or "
+                                     "on a Ray cluster)")
+    b.add_argument("jobs", metavar="JOBS.jsonl",
+                   help="one job per line: the API's txt2img fields or the Python Request's, plus an optional id")
+    b.add_argument("--output", "-o", required=True, metavar="DIR",
+                   help="where the images and manifest.jsonl go; jobs already in the manifest are skipped")
+    b.add_argument("--model", "-m", default=None, help="the checkpoint for every job (default: the demo model)")
+    b.add_argument("--ray", action="store_true", help="run over a pool of Ray actors, each loading the model once")
+    b.add_argument("--address", default=None,
+                   help="with --ray: auto, HOST:PORT or ray://HOST:PORT (default: a Ray instance on this machine)")
+    b.add_argument("--workers", type=int, default=None,
+                   help="with --ray: actors (default: the cluster's CPUs / --worker-cpus)")
+    b.add_argument("--worker-cpus", type=float, default=None, help="with --ray: CPUs per actor (default 1)")
+    b.add_argument("--worker-gpus", type=float, default=None,
+                   help="with --ray: GPUs per actor (default 0); above 0 the actors run on CUDA in fp16")
+    b.add_argument("--max-batch", type=int, default=4,
+                   help="jobs differing only in consecutive seeds run as one batch of up to this many (default 4; "
+                        "1: never)")
+    b.add_argument("--threads", type=int, default=None,
+                   help="torch threads per process / actor (default: PyTorch's locally, --worker-cpus with --ray)")
+    b.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default cpu)")
+    b.add_argument("--lora-dir", metavar="DIR", default=None, help="where <lora:NAME:...> prompt tags are found")
+    b.add_argument("--embeddings", metavar="DIR", default=None, help="textual-inversion embeddings")
+    b.set_defaults(func=cmd_batch)
 
     t = sub.add_parser("tokens", help="how a prompt is read, as JSON: parsed (text, weight) pieces, 75-token "
                                       "chunks with their token ids, prompt edits per step, LoRA tags")
     t.add_argument("prompt")
-    t.add_argument("--model", "-m", default=None, help="whose tokenizer (default: the shipped demo model)")
+    t.add_argument("--model", "-m", default=None, help="whose tokenizer (default: the shipped demo model, demo-zh for "
+                   "a prompt with Chinese characters)")
     t.add_argument("--steps", type=int, default=20, help="for the schedule of prompt edits")
     t.add_argument("--embeddings", metavar="DIR", default=None)
     t.add_argument("--pretty", action="store_true", help="indent the JSON")

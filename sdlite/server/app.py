@@ -4,6 +4,9 @@
     uvicorn.run(app, host="127.0.0.1", port=7860)
 
 Routes translate (:mod:`.a1111`) and queue (:mod:`.jobs`); the engine runs in the queue's worker thread only.
+:func:`build_app` makes the same app over any :class:`ServerBase`: :class:`Server` runs the jobs in this process,
+:mod:`sdlite.scale.ray_serve` on Ray Serve replicas (``sdlite serve --ray``); both run a request with
+:func:`run_plan`.
 Errors are reported as A1111 reports them: FastAPI's ``{"detail": [...]}`` (422) when the JSON does not fit the
 schema, otherwise ``{"error", "detail", "body", "errors"}`` with a fitting status (401, 404, 413, 422, 503).
 """
@@ -32,7 +35,7 @@ from ..errors import CheckpointError, SDLiteError
 from ..images import png_bytes
 from . import a1111
 from .checkpoints import Checkpoint, Checkpoints, Engines
-from .jobs import JobControl, Jobs, QueueFull, ShuttingDown
+from .jobs import JobControl, Jobs, QueueFull, ShuttingDown, Unavailable  # noqa: F401 (re-exported)
 
 log = logging.getLogger("sdlite.server")
 
@@ -48,21 +51,20 @@ class BodyTooLarge(HTTPException):
         super().__init__(413, f"the request body is larger than the cap of {limit} bytes")
 
 
-class Server:
-    """The server's state: the checkpoints, the loaded engines, the options and the job queue."""
+class ServerBase:
+    """What the routes share wherever the jobs run: the checkpoints on offer, the options, the credentials, the
+    flags and the preview cache. :class:`Server` runs the jobs in this process; :mod:`sdlite.scale.ray_serve`'s
+    cluster server sends them to Ray Serve replicas. A subclass provides the asynchronous methods below."""
 
-    def __init__(self, model=None, models_dir=None, api_auth: str | None = None, queue_size: int = 32, *,
-                 lora_dir=None, embeddings_dir=None, max_body_bytes: int = MAX_BODY_BYTES,
-                 engine_options: dict | None = None, flags: dict | None = None):
+    def __init__(self, model=None, models_dir=None, api_auth: str | None = None, *, lora_dir=None,
+                 embeddings_dir=None, max_body_bytes: int = MAX_BODY_BYTES, flags: dict | None = None):
         if model is None and models_dir is None:
             from ..demo import model_path
 
             model = model_path()
         self.checkpoints = Checkpoints(model, models_dir)
-        self.engines = Engines(self.checkpoints, limit=1, **(engine_options or {}))
         self.options = a1111.default_options()
         self._options_lock = threading.Lock()
-        self.jobs = Jobs(queue_size, preview_every=self._preview_due)
         self.credentials = parse_auth(api_auth) if api_auth else None
         self.lora_dir, self.embeddings_dir = lora_dir, embeddings_dir
         self.max_body_bytes = max_body_bytes
@@ -79,7 +81,6 @@ class Server:
     def set_options(self, changes: dict) -> None:
         with self._options_lock:
             self.options.update(changes)
-            self.engines.limit = self.options["sd_checkpoints_limit"]
 
     def _preview_due(self, step: int, total: int) -> bool:
         with self._options_lock:
@@ -94,6 +95,72 @@ class Server:
             raise HTTPException(404, f"Model not found: {name!r}; available: {', '.join(self.checkpoints.names())}")
         return found
 
+    def keep_overrides(self, plan: a1111.Plan, checkpoint: Checkpoint) -> None:
+        """``override_settings_restore_afterwards`` false: the request's overrides stay after it."""
+        if plan.keep_overrides:
+            if plan.checkpoint is not None:
+                self.checkpoints.current = checkpoint
+            self.set_options({k: v for k, v in plan.keep_overrides.items() if k != "sd_model_checkpoint"})
+
+    def preview_b64(self, image) -> str | None:
+        if image is None:
+            return None
+        cached = self._preview_cache
+        if cached is not None and cached[0] is image:
+            return cached[1]
+        encoded = base64.b64encode(png_bytes(image)).decode("ascii")
+        self._preview_cache = (image, encoded)
+        return encoded
+
+    # --- what a subclass provides ----------------------------------------------------------------------------
+
+    async def generate(self, plan: a1111.Plan, request: Request) -> a1111.Outcome | None:
+        """Run the plan (after the jobs queued before it); None when the client went away meanwhile. Raises
+        QueueFull / ShuttingDown (503) when the job is refused."""
+        raise NotImplementedError
+
+    async def progress(self, want_image: bool) -> tuple[dict, Any]:
+        """A1111's progress JSON (without ``current_image``) and the latest preview image or None."""
+        raise NotImplementedError
+
+    async def interrupt(self) -> None:
+        raise NotImplementedError
+
+    async def skip(self) -> None:
+        raise NotImplementedError
+
+    async def switch_model(self, target: Checkpoint, request: Request) -> None:
+        """Make ``target`` the current model, loaded after the jobs queued before; returns once it is loaded."""
+        raise NotImplementedError
+
+    def text_width(self) -> int | None:
+        """The current model's text-encoder width when it is known without loading it, else None."""
+        return None
+
+    def start(self) -> None:
+        """Called when the app starts (before requests)."""
+
+    async def stop(self) -> None:
+        """Called when the app stops."""
+
+
+class Server(ServerBase):
+    """The single-machine server: one engine cache and one FIFO job queue, in this process."""
+
+    def __init__(self, model=None, models_dir=None, api_auth: str | None = None, queue_size: int = 32, *,
+                 lora_dir=None, embeddings_dir=None, max_body_bytes: int = MAX_BODY_BYTES,
+                 engine_options: dict | None = None, flags: dict | None = None, preload: bool = True):
+        super().__init__(model, models_dir, api_auth, lora_dir=lora_dir, embeddings_dir=embeddings_dir,
+                         max_body_bytes=max_body_bytes, flags=flags)
+        self.engines = Engines(self.checkpoints, limit=1, **(engine_options or {}))
+        self.jobs = Jobs(queue_size, preview_every=self._preview_due)
+        self._preload = preload
+
+    def set_options(self, changes: dict) -> None:
+        super().set_options(changes)
+        with self._options_lock:
+            self.engines.limit = self.options["sd_checkpoints_limit"]
+
     # --- work done in the queue's worker thread ------------------------------------------------------------
 
     def switch(self, checkpoint: Checkpoint) -> None:
@@ -107,33 +174,9 @@ class Server:
     def run(self, plan: a1111.Plan, control: JobControl) -> a1111.Outcome:
         """One txt2img / img2img request: its iterations, one after another, with progress and previews."""
         checkpoint = self.checkpoints.current if plan.checkpoint is None else self.find_checkpoint(plan.checkpoint)
-        control.begin(len(plan.requests))
-        if self.engines.loaded(checkpoint) is None:
-            control.info(f"{plan.kind}: loading {checkpoint.name}")
-        engine = self.engines.get(checkpoint)
-        timestamp = datetime.datetime.now().strftime("%Y%m%d%H%M%S")
-        downscale = engine.spec.vae.downscale
-        results = []
-        for i, request in enumerate(plan.requests):
-            if control.interrupted:
-                break
-            control.iteration(i, request.steps)
-
-            def on_latents(step, total, latents):
-                if control.preview_due(step, total):
-                    pixels = latents.shape[-1] * latents.shape[-2] * downscale**2
-                    full = plan.preview == "Full" or (plan.preview == "Auto"
-                                                      and pixels <= a1111.AUTO_FULL_PREVIEW_PIXELS)
-                    control.set_preview(engine.preview(latents[:1], full=full)[0], step)
-
-            results.append(engine.generate(request, callback=control.step, on_latents=on_latents))
-        if plan.keep_overrides:   # override_settings_restore_afterwards = false: the overrides stay
-            if plan.checkpoint is not None:
-                self.checkpoints.current = checkpoint
-            self.set_options({k: v for k, v in plan.keep_overrides.items() if k != "sd_model_checkpoint"})
-        inpainting = engine.spec.unet.in_channels != engine.spec.vae.latent_channels
-        return a1111.Outcome(results, checkpoint.short_name, self.checkpoints.hash_of(checkpoint), inpainting,
-                             timestamp, interrupted=control.interrupted)
+        outcome = run_plan(self.engines, checkpoint, plan, control)
+        self.keep_overrides(plan, checkpoint)
+        return outcome
 
     # --- awaiting jobs -------------------------------------------------------------------------------------
 
@@ -153,15 +196,64 @@ class Server:
             self.jobs.cancel(job)
             raise
 
-    def preview_b64(self, image) -> str | None:
-        if image is None:
-            return None
-        cached = self._preview_cache
-        if cached is not None and cached[0] is image:
-            return cached[1]
-        encoded = base64.b64encode(png_bytes(image)).decode("ascii")
-        self._preview_cache = (image, encoded)
-        return encoded
+    # --- ServerBase ----------------------------------------------------------------------------------------
+
+    async def generate(self, plan: a1111.Plan, request: Request) -> a1111.Outcome | None:
+        job = self.jobs.submit(lambda control: self.run(plan, control), plan.kind)
+        return await self.wait(job, request)
+
+    async def progress(self, want_image: bool) -> tuple[dict, Any]:
+        return self.jobs.progress(want_image=want_image)
+
+    async def interrupt(self) -> None:
+        self.jobs.interrupt()
+
+    async def skip(self) -> None:
+        self.jobs.skip()
+
+    async def switch_model(self, target: Checkpoint, request: Request) -> None:
+        # the model is loaded in the queue: after the jobs before it, never during one
+        job = self.jobs.call(lambda: self.switch(target), f"load {target.name}")
+        await self.wait(job, request)
+
+    def text_width(self) -> int | None:
+        engine = self.engines.loaded(self.checkpoints.current)
+        return engine.spec.text.width if engine is not None else None
+
+    def start(self) -> None:
+        if self._preload:
+            self.jobs.call(self.preload, "load model")
+
+    async def stop(self) -> None:
+        await run_in_threadpool(self.jobs.stop)
+
+
+def run_plan(engines: Engines, checkpoint: Checkpoint, plan: a1111.Plan, control) -> a1111.Outcome:
+    """Run one A1111 request's iterations on ``checkpoint``'s engine (loaded by ``engines`` if needed), reporting
+    through ``control`` (a :class:`~.jobs.JobControl`, or anything with its methods: a Ray replica's)."""
+    control.begin(len(plan.requests))
+    if engines.loaded(checkpoint) is None:
+        control.info(f"{plan.kind}: loading {checkpoint.name}")
+    engine = engines.get(checkpoint)
+    timestamp = datetime.datetime.now().strftime("%Y%m%d%H%M%S")
+    downscale = engine.spec.vae.downscale
+    results = []
+    for i, request in enumerate(plan.requests):
+        if control.interrupted:
+            break
+        control.iteration(i, request.steps)
+
+        def on_latents(step, total, latents):
+            if control.preview_due(step, total):
+                pixels = latents.shape[-1] * latents.shape[-2] * downscale**2
+                full = plan.preview == "Full" or (plan.preview == "Auto"
+                                                  and pixels <= a1111.AUTO_FULL_PREVIEW_PIXELS)
+                control.set_preview(engine.preview(latents[:1], full=full)[0], step)
+
+        results.append(engine.generate(request, callback=control.step, on_latents=on_latents))
+    inpainting = engine.spec.unet.in_channels != engine.spec.vae.latent_channels
+    return a1111.Outcome(results, checkpoint.short_name, engines.checkpoints.hash_of(checkpoint), inpainting,
+                         timestamp, interrupted=control.interrupted)
 
 
 def parse_auth(text: str) -> dict[str, str]:
@@ -190,8 +282,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def too_large(request, e):
         return _error(413, type(e).__name__, str(e))
 
-    @app.exception_handler(QueueFull)
-    @app.exception_handler(ShuttingDown)
+    @app.exception_handler(Unavailable)   # QueueFull, ShuttingDown, a cluster's lost replica
     async def busy(request, e):
         return _error(503, type(e).__name__, str(e), headers={"Retry-After": str(e.retry_after)})
 
@@ -245,14 +336,20 @@ def create_app(model=None, models_dir=None, api_auth: str | None = None, queue_s
     ``USER:PASS[,...]`` for HTTP Basic on every API route; ``queue_size``: waiting jobs beyond which requests get
     503; ``preload``: load the model when the app starts (in the queue, so that the API answers meanwhile)."""
     server = Server(model, models_dir, api_auth, queue_size, lora_dir=lora_dir, embeddings_dir=embeddings_dir,
-                    max_body_bytes=max_body_bytes, engine_options=engine_options, flags=flags)
+                    max_body_bytes=max_body_bytes, engine_options=engine_options, flags=flags, preload=preload)
+    return build_app(server)
+
+
+def build_app(server: ServerBase) -> FastAPI:
+    """The FastAPI app (routes, error JSON, auth, body cap, web page) over ``server``: a :class:`Server` (jobs in
+    this process) or the Ray cluster's (:mod:`sdlite.scale.ray_serve`). The routes are the same for both."""
+    max_body_bytes = server.max_body_bytes
 
     @asynccontextmanager
     async def lifespan(app):
-        if preload:
-            server.jobs.call(server.preload, "load model")
+        server.start()
         yield
-        await run_in_threadpool(server.jobs.stop)
+        await server.stop()
 
     app = FastAPI(title="sdlite", version=__version__, lifespan=lifespan,
                   description="AUTOMATIC1111-compatible /sdapi/v1 API over sdlite")
@@ -278,7 +375,7 @@ def create_app(model=None, models_dir=None, api_auth: str | None = None, queue_s
     return app
 
 
-def _auth_dependency(server: Server):
+def _auth_dependency(server: ServerBase):
     def check(request: Request):
         header = request.headers.get("authorization", "")
         scheme, _, encoded = header.partition(" ")
@@ -296,15 +393,14 @@ def _auth_dependency(server: Server):
 
 # --- routes -------------------------------------------------------------------------------------------------------
 
-def _add_generation_routes(api: APIRouter, server: Server) -> None:
+def _add_generation_routes(api: APIRouter, server: ServerBase) -> None:
     async def generate(body: a1111.Txt2ImgRequest, request: Request):
         options = server.options_snapshot()
         plan = await run_in_threadpool(a1111.build_plan, body, options, max_image_bytes=server.max_body_bytes,
                                        lora_dir=server.lora_dir, embeddings_dir=server.embeddings_dir)
         if plan.checkpoint is not None:
             server.find_checkpoint(plan.checkpoint)   # 404 now rather than after the queue
-        job = server.jobs.submit(lambda control: server.run(plan, control), plan.kind)
-        outcome = await server.wait(job, request)
+        outcome = await server.generate(plan, request)
         if outcome is None:   # the client went away
             return Response(status_code=499)
         return JSONResponse(await run_in_threadpool(a1111.response, plan, outcome))
@@ -318,21 +414,21 @@ def _add_generation_routes(api: APIRouter, server: Server) -> None:
         return await generate(body, request)
 
 
-def _add_control_routes(api: APIRouter, server: Server) -> None:
+def _add_control_routes(api: APIRouter, server: ServerBase) -> None:
     @api.get("/progress")
     async def progress(skip_current_image: bool = Query(False)):
-        body, image = server.jobs.progress(want_image=not skip_current_image)
+        body, image = await server.progress(not skip_current_image)
         body["current_image"] = server.preview_b64(image)
         return body
 
     @api.post("/interrupt")
     async def interrupt():
-        server.jobs.interrupt()
+        await server.interrupt()
         return {}
 
     @api.post("/skip")
     async def skip():
-        server.jobs.skip()
+        await server.skip()
         return {}
 
     @api.get("/options")
@@ -348,9 +444,7 @@ def _add_control_routes(api: APIRouter, server: Server) -> None:
         target = server.find_checkpoint(name) if name is not None else None
         server.set_options(checked)
         if target is not None and target.path != server.checkpoints.current.path:
-            # the model is loaded in the queue: after the jobs before it, never during one
-            job = server.jobs.call(lambda: server.switch(target), f"load {target.name}")
-            await server.wait(job, request)
+            await server.switch_model(target, request)
         return {}
 
     @api.get("/cmd-flags")
@@ -374,7 +468,7 @@ def _add_control_routes(api: APIRouter, server: Server) -> None:
         return a1111.png_info(image)
 
 
-def _add_listing_routes(api: APIRouter, server: Server) -> None:
+def _add_listing_routes(api: APIRouter, server: ServerBase) -> None:
     @api.get("/sd-models")
     async def sd_models():
         return [c.describe() for c in server.checkpoints.list()]
@@ -425,7 +519,7 @@ async def _empty_list():
     return []
 
 
-def _embeddings(server: Server) -> dict:
+def _embeddings(server: ServerBase) -> dict:
     """A1111's ``/embeddings``: those of ``--embeddings`` that fit the current model's text encoder are loaded,
     the others skipped."""
     from ..embeddings import EXTENSIONS, EmbeddingError, read_embedding
@@ -433,8 +527,7 @@ def _embeddings(server: Server) -> dict:
     loaded, skipped = {}, {}
     if server.embeddings_dir is None or not Path(server.embeddings_dir).is_dir():
         return {"loaded": loaded, "skipped": skipped}
-    engine = server.engines.loaded(server.checkpoints.current)
-    width = engine.spec.text.width if engine is not None else None
+    width = server.text_width()
     for path in sorted(Path(server.embeddings_dir).rglob("*")):
         if not (path.is_file() and path.suffix.lower() in EXTENSIONS):
             continue

@@ -138,6 +138,14 @@ class Checkpoints:
         checkpoint.hash = known
         return known
 
+    def remember_hash(self, checkpoint: Checkpoint, value: str) -> None:
+        """Record a short hash computed elsewhere (by a Ray replica that loaded the model)."""
+        with self._lock:
+            self._hashes[checkpoint.path] = value
+        for c in self.list():
+            if c.path == checkpoint.path:
+                c.hash = value
+
 
 class Engines:
     """One loaded engine per checkpoint, the ``limit`` most recently used kept. Called by the job worker only."""

@@ -34,7 +34,13 @@ from ..pipeline import StopSampling
 PREVIEW_WANTED_S = 10.0   # previews are made only while a client asked for one this recently
 
 
-class QueueFull(Exception):
+class Unavailable(Exception):
+    """A job refused for now (HTTP 503 with a ``Retry-After`` of ``retry_after`` seconds)."""
+
+    retry_after = 30
+
+
+class QueueFull(Unavailable):
     """The queue holds its maximum of waiting jobs; ``retry_after`` (seconds) estimates when there is room."""
 
     def __init__(self, queued: int, retry_after: int):
@@ -42,7 +48,7 @@ class QueueFull(Exception):
         self.retry_after = retry_after
 
 
-class ShuttingDown(Exception):
+class ShuttingDown(Unavailable):
     """The server is stopping: it finishes the running job and takes no new ones."""
 
     retry_after = 30
@@ -80,6 +86,33 @@ class _State:
     textinfo: str | None = None
     current_image: Any = None          # PIL image of the latest preview
     preview_step: int = 0              # the step the preview shows
+
+
+def progress_body(s: "_State", waiting: int, want_image: bool, job_count: int | None = None,
+                  textinfo: str | None = None) -> tuple[dict, Any]:
+    """A1111's progress JSON for the job whose state is ``s`` (its ``job_count`` iterations; idle when 0) with
+    ``waiting`` jobs behind it, and its preview when ``want_image``. ``job_count`` replaces the reported
+    ``state.job_count`` (a cluster reports all its queued and running jobs there), ``textinfo`` the text."""
+    state = {"skipped": s.skipped, "interrupted": s.interrupted, "stopping_generation": False,
+             "job": s.job, "job_count": s.job_count if job_count is None else job_count,
+             "job_timestamp": s.job_timestamp, "job_no": s.job_no,
+             "sampling_step": s.sampling_step, "sampling_steps": s.sampling_steps}
+    if textinfo is None:
+        textinfo = s.textinfo
+        if waiting:
+            text = f"{waiting} job{'s' if waiting > 1 else ''} waiting"
+            textinfo = f"{textinfo}; {text}" if textinfo else text
+    if s.job_count == 0:
+        return {"progress": 0, "eta_relative": 0, "state": state, "textinfo": textinfo}, None
+    # A1111's formula: a small head start (no division by zero), whole iterations, then this one's steps
+    progress = 0.01 + s.job_no / s.job_count
+    if s.sampling_steps > 0:
+        progress += s.sampling_step / s.sampling_steps / s.job_count
+    elapsed = time.time() - s.time_start
+    eta_relative = max(elapsed / progress - elapsed, 0.0)
+    image = s.current_image if want_image else None
+    return ({"progress": min(progress, 1.0), "eta_relative": eta_relative, "state": state,
+             "textinfo": textinfo}, image)
 
 
 class Jobs:
@@ -165,27 +198,9 @@ class Jobs:
         """``(body, preview)``: A1111's progress JSON (without ``current_image``) and the latest preview image
         (None unless ``want_image`` and one was made for the running job)."""
         with self._cv:
-            s = self._state
             if want_image:
                 self._preview_wanted = time.monotonic()
-            state = {"skipped": s.skipped, "interrupted": s.interrupted, "stopping_generation": False,
-                     "job": s.job, "job_count": s.job_count, "job_timestamp": s.job_timestamp, "job_no": s.job_no,
-                     "sampling_step": s.sampling_step, "sampling_steps": s.sampling_steps}
-            textinfo = s.textinfo
-            if self._queue:
-                waiting = f"{len(self._queue)} job{'s' if len(self._queue) > 1 else ''} waiting"
-                textinfo = f"{textinfo}; {waiting}" if textinfo else waiting
-            if s.job_count == 0:
-                return {"progress": 0, "eta_relative": 0, "state": state, "textinfo": textinfo}, None
-            # A1111's formula: a small head start (no division by zero), whole iterations, then this one's steps
-            progress = 0.01 + s.job_no / s.job_count
-            if s.sampling_steps > 0:
-                progress += s.sampling_step / s.sampling_steps / s.job_count
-            elapsed = time.time() - s.time_start
-            eta_relative = max(elapsed / progress - elapsed, 0.0)
-            image = s.current_image if want_image else None
-            return ({"progress": min(progress, 1.0), "eta_relative": eta_relative, "state": state,
-                     "textinfo": textinfo}, image)
+            return progress_body(self._state, len(self._queue), want_image)
 
     # --- lifetime --------------------------------------------------------------------------------------------
 
