@@ -134,6 +134,18 @@ def clean_text(text: str) -> str:
     return text.lower()
 
 
+def framed_rows(texts: str | Sequence[str], frame_text, max_length: int) -> torch.LongTensor:
+    """One prompt or a list of prompts -> LongTensor (B, max_length), ``frame_text(text)`` giving each row (start
+    and end tokens, truncation and padding as the tokenizer's reference does). Shared by every tokenizer's
+    ``__call__``."""
+    if isinstance(texts, str):
+        texts = [texts]
+    elif not isinstance(texts, Sequence) or not all(isinstance(t, str) for t in texts):
+        raise TypeError("expected a string or a list of strings")
+    rows = [frame_text(t) for t in texts]
+    return torch.tensor(rows, dtype=torch.long).reshape(len(rows), max_length)
+
+
 @dataclass(frozen=True)
 class TokenizedPrompt:
     """Result of :meth:`CLIPTokenizer.tokenize_with_info`.
@@ -352,12 +364,7 @@ class CLIPTokenizer:
 
     def __call__(self, texts: str | Sequence[str]) -> torch.LongTensor:
         """Tokenize one prompt or a list of prompts into a LongTensor of shape (B, max_length)."""
-        if isinstance(texts, str):
-            texts = [texts]
-        elif not isinstance(texts, Sequence) or not all(isinstance(t, str) for t in texts):
-            raise TypeError("expected a string or a list of strings")
-        rows = [self._frame(self.encode(t)) for t in texts]
-        return torch.tensor(rows, dtype=torch.long).reshape(len(rows), self.max_length)
+        return framed_rows(texts, lambda t: self._frame(self.encode(t)), self.max_length)
 
     def tokenize_with_info(self, text: str) -> TokenizedPrompt:
         """Tokenize one prompt and report truncation (for a user warning); see :class:`TokenizedPrompt`."""

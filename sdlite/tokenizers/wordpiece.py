@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from . import TokenizedPrompt
+from ..tokenizer import TokenizedPrompt, framed_rows
 
 __all__ = ["WordPieceTokenizer", "MAX_INPUT_CHARS_PER_WORD", "is_cjk"]
 
@@ -274,12 +274,7 @@ class WordPieceTokenizer:
 
     def __call__(self, texts: str | Sequence[str]) -> torch.LongTensor:
         """One prompt or a list of prompts -> LongTensor (B, max_length): [CLS] ids [SEP] [PAD]..."""
-        if isinstance(texts, str):
-            texts = [texts]
-        elif not isinstance(texts, Sequence) or not all(isinstance(t, str) for t in texts):
-            raise TypeError("expected a string or a list of strings")
-        rows = [self.frame(self.encode(t)) for t in texts]
-        return torch.tensor(rows, dtype=torch.long).reshape(len(rows), self.max_length)
+        return framed_rows(texts, lambda t: self.frame(self.encode(t)), self.max_length)
 
     def frame(self, ids: list[int]) -> list[int]:
         """[CLS] + ids + [SEP], cut to ``max_length`` (the [SEP] kept last) and padded with [PAD]."""
