@@ -9,9 +9,9 @@ on retry) and Ray Serve restores the replica.
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import json
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,25 +30,14 @@ from sdlite.demo import model_path  # noqa: E402
 from sdlite.pipeline import Engine, Request  # noqa: E402
 from sdlite.scale import loopback_only  # noqa: E402
 from sdlite.scale.ray_serve import ClusterConfig, application, jobs_actor, shutdown  # noqa: E402
+from tests import loopback  # noqa: E402
+from tests.loopback import free_port  # noqa: E402
 
 PROMPT = "a red circle on a blue background"
 TIMEOUT = 180
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(predicate, timeout=TIMEOUT, every=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError("timed out waiting")
+wait_for = functools.partial(loopback.wait_for, timeout=TIMEOUT, every=0.05)
 
 
 def pixels(b64_or_image) -> np.ndarray:

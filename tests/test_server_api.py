@@ -6,11 +6,11 @@ and bad input of every kind must get its A1111-style status and JSON while the s
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import json
 import struct
 import threading
-import time
 import zlib
 
 import numpy as np
@@ -23,6 +23,7 @@ from sdlite.demo import model_path
 from sdlite.images import parse_infotext
 from sdlite.pipeline import Engine, Request
 from sdlite.server import create_app
+from tests import loopback
 
 PROMPT = "a red circle on a blue background"
 API = "/sdapi/v1"
@@ -84,14 +85,7 @@ def assert_alive(client):
     assert r.status_code == 200 and r.json()["state"]["job_count"] == 0
 
 
-def wait_for(predicate, timeout=60.0, every=0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError("timed out waiting")
+wait_for = functools.partial(loopback.wait_for, timeout=60.0, every=0.02)
 
 
 # --- endpoints --------------------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,17 +27,12 @@ from PIL import Image, ImageDraw
 import webuiapi
 
 from sdlite.demo import model_path
+from tests.loopback import free_port
 
 PROMPT = "a red circle on a blue background"
 ROOT = Path(__file__).resolve().parent.parent
 LOAD_REPORT = ROOT / "build" / "server_load.json"
 TIMEOUT = 120
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Live:

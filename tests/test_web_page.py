@@ -11,7 +11,6 @@ import base64
 import io
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from PIL import Image, ImageDraw
 from sdlite.demo import DEFAULT_PROMPT
 from sdlite.demo import data as D
 from sdlite.demo.classify import classify
+from tests.loopback import free_port
 
 from playwright import sync_api  # noqa: E402  (the test extra; the browser is Debian's chromium, see below)
 
@@ -38,12 +38,6 @@ PROGRESS_STEPS = 100     # enough that the page's 0.2 s progress polls catch the
 TIMEOUT_MS = 180_000     # for any one thing the page has to show (a busy 2-core machine is slow)
 IDS = ["prompt", "negative", "steps", "cfg", "sampler", "seed", "width", "height", "batch", "generate",
        "interrupt", "progress", "eta", "results", "history"]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
