@@ -20,15 +20,7 @@ REQUEST_IMAGE_FIELDS = ("strength", "resize_mode", "mask_blur", "invert_mask", "
                         "inpaint_padding", "outpaint", "overlay")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from a second thread, and on a busy machine its spin-waits cost seconds a run."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -22,13 +22,7 @@ from sdlite.pipeline import DEFAULT_SAMPLER, Engine, Request
 MAX_FOLDER_BYTES = 20 * 2**20
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The demo model is tiny: one thread runs it faster than two, and does not stall on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # tests/conftest.py
 
 # --- the generator ---------------------------------------------------------------------------------------------
 

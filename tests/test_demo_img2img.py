@@ -16,7 +16,6 @@ import math
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image, ImageDraw
 
 from sdlite.demo import model_path
@@ -36,13 +35,7 @@ INPAINT_PROMPT = "a yellow star on a blue background"
 OUTPAINT = (32, 32, 32, 32)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The demo model is tiny: one thread runs it faster than two, and does not stall on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

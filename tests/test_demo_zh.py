@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from sdlite.cli import main
 from sdlite.demo import DEFAULT_PROMPT_ZH, generate, model_path
@@ -25,12 +24,7 @@ FOLDER = model_path("demo-zh")
 MAX_PACKAGE_DATA = 30 * 2**20
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

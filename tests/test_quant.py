@@ -60,14 +60,7 @@ def no_bf16_warning_noise():
         yield
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny layers gain nothing from threads, and on a busy machine the thread barriers cost 5-10x; the bench
-    (bench/quant.py) runs the kernels with all threads at full size."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # tests/conftest.py
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
