@@ -143,13 +143,31 @@ def single_row(tokenizer, text: str) -> tuple[list[Chunk], int, list[str]]:
 
 
 def encode_chunks(text_encoder, chunk_lists: list[list[Chunk]], clip_skip: int = 1,
-                  device: torch.device | str = "cpu") -> list[torch.Tensor]:
+                  device: torch.device | str = "cpu", sdxl: bool = False, pooled: bool = False):
     """Encode several prompts' chunks in one text-encoder pass; returns, per prompt, its (1, 77 k, width)
-    conditioning with the weights applied (A1111's "Original" emphasis, per chunk)."""
+    conditioning with the weights applied (A1111's "Original" emphasis, per chunk).
+
+    ``sdxl``: SDXL's reading of a CLIP tower, the hidden state one layer before the one ``clip_skip`` names (the
+    penultimate for ``clip_skip=1``), without the final LayerNorm. ``pooled``: also return, per prompt, the
+    pooled text embedding (1, proj) of its first chunk (as A1111 takes it); the result is then
+    ``(conditionings, pooled)``."""
     flat = [c for chunks in chunk_lists for c in chunks]
     ids = torch.tensor([c.tokens for c in flat], dtype=torch.long, device=device)
     replace = [(row, pos, emb.vectors) for row, c in enumerate(flat) for pos, emb in c.fixes]
-    z = text_encoder(ids, clip_skip=clip_skip, replace=replace or None)
+    if sdxl or pooled:
+        z = text_encoder.encode(ids, clip_skip + 1 if sdxl else clip_skip, final_norm=not sdxl, pooled=pooled,
+                                replace=replace or None)
+    else:
+        z = text_encoder(ids, clip_skip=clip_skip, replace=replace or None)
+    if pooled:
+        z, pools = z
+        starts = [sum(len(c) for c in chunk_lists[:i]) for i in range(len(chunk_lists))]
+        return _weighted(z, chunk_lists), [pools[i:i + 1] for i in starts]
+    return _weighted(z, chunk_lists)
+
+
+def _weighted(z: torch.Tensor, chunk_lists: list[list[Chunk]]) -> list[torch.Tensor]:
+    """Each prompt's rows of ``z`` (its chunks, concatenated along the tokens) with the emphasis applied."""
     out, row = [], 0
     for chunks in chunk_lists:
         parts = []

@@ -340,6 +340,9 @@ class VAEConfig:
     norm_groups: int = 32
     scaling_factor: float = 0.18215
     sample_size: int = 512
+    # decode in fp32 even when the model computes in half precision (SDXL's VAE overflows in fp16); diffusers'
+    # SDXL pipelines honour it, its SD 1.x/2.x pipelines do not (sdlite: the same)
+    force_upcast: bool = False
 
     @property
     def downscale(self) -> int:
@@ -366,6 +369,7 @@ class VAEConfig:
             norm_groups=cfg.get("norm_num_groups", 32),
             scaling_factor=cfg.get("scaling_factor", 0.18215),
             sample_size=cfg.get("sample_size", 512),
+            force_upcast=bool(cfg.get("force_upcast", True)),   # diffusers' default
         )
 
     def to_diffusers(self) -> dict:
@@ -383,6 +387,7 @@ class VAEConfig:
             "act_fn": "silu",
             "scaling_factor": self.scaling_factor,
             "sample_size": self.sample_size,
+            "force_upcast": self.force_upcast,
         }
 
 
@@ -408,6 +413,19 @@ PUBLISHED_SCHEDULERS: dict[str, tuple[str, dict]] = {
               {"_class_name": "DDIMScheduler", **_LDM_SCHEDULE, "prediction_type": "v_prediction"}),
     "sd2-inpaint": ("stabilityai/stable-diffusion-2-inpainting",
                     {"_class_name": "DDIMScheduler", **_LDM_SCHEDULE, "prediction_type": "epsilon"}),
+    # the SDXL repositories' scheduler_config.json: EulerDiscreteScheduler, the same schedule, spacing stated
+    "sdxl": ("stabilityai/stable-diffusion-xl-base-1.0",
+             {**_LDM_SCHEDULE, "_class_name": "EulerDiscreteScheduler", "timestep_spacing": "leading",
+              "interpolation_type": "linear", "use_karras_sigmas": False, "prediction_type": "epsilon"}),
+    "sdxl-refiner": ("stabilityai/stable-diffusion-xl-refiner-1.0",
+                     {**_LDM_SCHEDULE, "_class_name": "EulerDiscreteScheduler", "timestep_spacing": "leading",
+                      "interpolation_type": "linear", "use_karras_sigmas": False, "prediction_type": "epsilon"}),
+    "sdxl-turbo": ("stabilityai/sdxl-turbo",
+                   {**_LDM_SCHEDULE, "_class_name": "EulerAncestralDiscreteScheduler", "timestep_spacing": "trailing",
+                    "prediction_type": "epsilon"}),
+    "sd-turbo": ("stabilityai/sd-turbo",
+                 {**_LDM_SCHEDULE, "_class_name": "EulerDiscreteScheduler", "timestep_spacing": "trailing",
+                  "prediction_type": "epsilon"}),
 }
 
 # The published files predate the ``timestep_spacing`` field. diffusers fills a missing field with the default of the
@@ -454,19 +472,46 @@ def explicit_spacing(cfg: dict) -> tuple[dict, str]:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A whole Stable Diffusion model: its family, its three networks and how its UNet is parameterised."""
+    """A whole Stable Diffusion model: its family, its networks and how its UNet is parameterised.
+
+    SDXL has two text encoders: ``text`` (CLIP ViT-L) and ``text2`` (OpenCLIP bigG, with the projection that
+    makes the pooled text embedding). The SDXL refiner has only the second: its ``text`` is None.
+    """
 
     family: str
-    text: TextEncoderConfig | BertTextConfig
+    text: TextEncoderConfig | BertTextConfig | None
     unet: UNetConfig
     vae: VAEConfig
     prediction_type: str = "epsilon"  # "epsilon" | "v_prediction"
     default_size: int = 512
     # The family's published scheduler config (see PUBLISHED_SCHEDULERS; the values are the same for all).
     scheduler: dict = field(default_factory=lambda: dict(_LDM_SCHEDULE))
+    text2: TextEncoderConfig | None = None
+    # SDXL pipelines' model_index.json: no negative prompt -> zero negative conditioning (base: yes, refiner: no);
+    # the UNet's time ids hold an aesthetic score instead of the target size (refiner)
+    force_zeros_for_empty_prompt: bool = False
+    requires_aesthetics_score: bool = False
+    turbo: bool = False               # a distilled Turbo model: trailing spacing, 1-4 steps, no guidance
 
     def replace(self, **changes) -> "ModelSpec":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def is_sdxl(self) -> bool:
+        """Conditioned the SDXL way: penultimate hidden states of one or two CLIP towers, a pooled text embedding
+        and size/crop (or aesthetic) time ids."""
+        return self.unet.addition_embed == "text_time"
+
+    @property
+    def text_encoders(self) -> tuple[str, ...]:
+        """The component names of the text encoders, in the order their states are concatenated."""
+        return tuple(name for name, cfg in (("text_encoder", self.text), ("text_encoder_2", self.text2))
+                     if cfg is not None)
+
+    @property
+    def context_text(self) -> TextEncoderConfig | BertTextConfig:
+        """The config of the first text encoder present (the one prompts are chunked for)."""
+        return self.text if self.text is not None else self.text2
 
 
 # --- presets -------------------------------------------------------------------------------------------
@@ -517,6 +562,47 @@ DEMO = ModelSpec(
 # model_max_length 512): SD 1.x's UNet and VAE conditioned on a Chinese BERT's last hidden state (512 tokens)
 TAIYI = SD15.replace(text=BertTextConfig())
 
+# stabilityai/stable-diffusion-xl-base-1.0 (model_index.json, text_encoder, text_encoder_2, unet, vae config.json):
+# CLIP ViT-L and OpenCLIP bigG (32 layers of 1280, GELU, projection 1280), both read at the penultimate layer
+# without the final LayerNorm and concatenated to a 2048-wide context; a three-level UNet (no attention at the
+# first level, 2 and 10 transformer blocks, 64-wide heads, Linear projections) with "text_time" added conditioning:
+# the pooled bigG embedding (1280) and 6 size/crop ids of 256 sinusoidal channels (2816 in all); the VAE of SDXL
+# with scaling factor 0.13025 (its fp16 decode overflows: force_upcast). Native size 1024.
+_SDXL_TEXT_G = TextEncoderConfig(width=1280, layers=32, heads=20, mlp_width=5120, activation="gelu", pad_token_id=0,
+                                 eos_token_id=2, projection_dim=1280)
+_SDXL_VAE = VAEConfig(scaling_factor=0.13025, sample_size=1024, force_upcast=True)
+_SDXL_SCHEDULE = PUBLISHED_SCHEDULERS["sdxl"][1]
+SDXL_BASE = ModelSpec(
+    family="sdxl",
+    text=TextEncoderConfig(),
+    text2=_SDXL_TEXT_G,
+    unet=UNetConfig(block_channels=(320, 640, 1280), attention=(False, True, True), heads=(5, 10, 20),
+                    context_dim=2048, linear_projection=True, transformer_depth=(1, 2, 10), addition_embed="text_time",
+                    addition_time_embed_dim=256, add_embed_in=2816, sample_size=128),
+    vae=_SDXL_VAE,
+    default_size=1024,
+    scheduler=dict(_SDXL_SCHEDULE),
+    force_zeros_for_empty_prompt=True,
+)
+# stabilityai/stable-diffusion-xl-refiner-1.0: bigG alone (context 1280), a four-level UNet of 384 channels (attention
+# at the middle two levels, 4 transformer blocks each), time ids of 5 (the aesthetic score instead of the target
+# size: 1280 + 5 * 256 = 2560); negative prompts are encoded, never zeroed
+SDXL_REFINER = SDXL_BASE.replace(
+    family="sdxl-refiner", text=None,
+    unet=UNetConfig(block_channels=(384, 768, 1536, 1536), attention=(False, True, True, False), heads=(6, 12, 24, 24),
+                    context_dim=1280, linear_projection=True, transformer_depth=4, addition_embed="text_time",
+                    addition_time_embed_dim=256, add_embed_in=2560, sample_size=128),
+    force_zeros_for_empty_prompt=False, requires_aesthetics_score=True,
+)
+# stabilityai/sdxl-turbo: SDXL base distilled (adversarial diffusion distillation) for 1-4 steps at 512x512 without
+# guidance; its scheduler_config.json is EulerAncestralDiscreteScheduler with "trailing" spacing
+TURBO_SPACING, TURBO_STEPS, TURBO_CFG = "trailing", 1, 1.0
+SDXL_TURBO = SDXL_BASE.replace(
+    unet=dataclasses.replace(SDXL_BASE.unet, sample_size=64), vae=dataclasses.replace(_SDXL_VAE, sample_size=512),
+    default_size=512, turbo=True, scheduler=dict(PUBLISHED_SCHEDULERS["sdxl-turbo"][1]))
+# stabilityai/sd-turbo: SD 2.1 (23-layer OpenCLIP ViT-H text tower, epsilon) distilled the same way, 512x512
+SD_TURBO = SD21_BASE.replace(turbo=True, scheduler=dict(PUBLISHED_SCHEDULERS["sd-turbo"][1]))
+
 PRESETS: dict[str, ModelSpec] = {
     "sd15": SD15,
     "sd15-inpaint": SD15_INPAINT,
@@ -526,4 +612,8 @@ PRESETS: dict[str, ModelSpec] = {
     "sd2-inpaint": SD2_INPAINT,
     "demo": DEMO,
     "taiyi": TAIYI,
+    "sdxl": SDXL_BASE,
+    "sdxl-refiner": SDXL_REFINER,
+    "sdxl-turbo": SDXL_TURBO,
+    "sd-turbo": SD_TURBO,
 }

@@ -32,10 +32,14 @@ from .weights.convert import normalize_bert_keys, normalize_diffusers_keys, plan
 from .weights.detect import Detection, detect
 from .weights.io import TensorStore, merge_stores, open_checkpoint, open_sharded
 
-COMPONENTS = ("text_encoder", "unet", "vae")
+COMPONENTS = ("text_encoder", "text_encoder_2", "unet", "vae")
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 _BUILDERS = {"text_encoder": CLIPTextEncoder, "unet": UNet, "vae": AutoencoderKL}
-_SPEC_FIELD = {"text_encoder": "text", "unet": "unet", "vae": "vae"}
+_SPEC_FIELD = {"text_encoder": "text", "text_encoder_2": "text2", "unet": "unet", "vae": "vae"}
+# pipeline classes of the diffusers folders sdlite opens (model_index.json _class_name)
+SD_PIPELINES = ("StableDiffusionPipeline", "StableDiffusionInpaintPipeline", "StableDiffusionImg2ImgPipeline")
+SDXL_PIPELINES = ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline")
 # model_index.json key of a folder that holds only some components and takes the others from another folder (a
 # path relative to it): the shipped ``demo-zh`` has its own text encoder and tokenizer and shares the demo's UNet,
 # VAE and scheduler. diffusers ignores keys that start with "_".
@@ -49,10 +53,18 @@ def build_network(component: str, spec: ModelSpec) -> nn.Module:
     """The empty network of ``component`` for ``spec`` (a BERT or CLIP text encoder as the spec says)."""
     if component == "text_encoder" and is_bert(spec.text):
         return BertTextEncoder(spec.text)
+    if component == "text_encoder_2":   # SDXL's OpenCLIP bigG, whose projection makes the pooled text embedding
+        return CLIPTextEncoder(spec.text2, projection=True)
     return _BUILDERS[component](getattr(spec, _SPEC_FIELD[component]))
+
+
+def model_components(spec: ModelSpec) -> tuple[str, ...]:
+    """The networks a model of ``spec`` has: its text encoder(s), the UNet and the VAE."""
+    return (*spec.text_encoders, "unet", "vae")
 # weight files of a diffusers component, in order of preference (a variant such as fp16 is tried after)
 _WEIGHT_NAMES = {
     "unet": "diffusion_pytorch_model", "vae": "diffusion_pytorch_model", "text_encoder": "model",
+    "text_encoder_2": "model",
 }
 _MAX_LISTED = 5
 RELEASE_EVERY = 256 << 20  # bytes converted between releases of the file pages they were read from
@@ -105,14 +117,39 @@ class Checkpoint:
     scheduler_config: dict           # timestep_spacing made explicit where the config implies it
     tokenizer_dir: str | None = None
     notes: list[str] = field(default_factory=list)
+    tokenizer_2_dir: str | None = None   # SDXL: the second text encoder's tokenizer (pads with "!", id 0)
     scheduler_source: str = ""       # where scheduler_config (and its timestep spacing) came from
     _stores: list[TensorStore] = field(default_factory=list, repr=False)
     _zero_copy: bool = field(default=False, repr=False)  # some loaded weights are views of the mapped files
     _tokenizer: CLIPTokenizer | WordPieceTokenizer | None = field(default=None, repr=False)  # built once
+    _tokenizer_2: CLIPTokenizer | None = field(default=None, repr=False)
 
     # -- components ------------------------------------------------------------------------------------
 
+    @property
+    def components(self) -> tuple[str, ...]:
+        """The networks this model has (:func:`model_components`)."""
+        return model_components(self.spec)
+
+    def tokenizers(self) -> dict:
+        """``{text encoder component: its tokenizer}``: one for SD 1.x/2.x, two for SDXL (the refiner: only the
+        second encoder's)."""
+        return {name: self.tokenizer() if name == "text_encoder" else self.tokenizer_2()
+                for name in self.spec.text_encoders}
+
+    def tokenizer_2(self) -> CLIPTokenizer:
+        """The second text encoder's tokenizer: the folder's ``tokenizer_2``, else the packaged CLIP vocabulary
+        padding with the second encoder's pad id."""
+        if self._tokenizer_2 is None:
+            if self.tokenizer_2_dir is not None:
+                self._tokenizer_2 = _folder_tokenizer(Path(self.tokenizer_2_dir), self.spec.text2)
+            else:
+                self._tokenizer_2 = CLIPTokenizer.from_package(pad_token_id=self.spec.text2.pad_token_id)
+        return self._tokenizer_2
+
     def tokenizer(self) -> CLIPTokenizer | WordPieceTokenizer:
+        if self.spec.text is None:
+            return self.tokenizer_2()
         if self._tokenizer is None:
             if self.tokenizer_dir is not None:
                 self._tokenizer = _folder_tokenizer(Path(self.tokenizer_dir), self.spec.text)
@@ -197,7 +234,7 @@ class Checkpoint:
         """Everything unusual about the weights, from shapes only: missing keys, shape mismatches, keys that
         nothing uses. Loading fails on the first two kinds; ``sdlite info`` lists them all."""
         out = []
-        for component in COMPONENTS:
+        for component in self.components:
             source = self.sources.get(component)
             if source is None:
                 out.append(f"no {component.replace('_', ' ')} in the checkpoint")
@@ -239,15 +276,21 @@ class Checkpoint:
 
 @dataclass
 class StableDiffusion:
-    """A loaded model: tokenizer, the three networks and the facts the sampler needs."""
+    """A loaded model: tokenizer, the networks and the facts the sampler needs (SDXL: a second text encoder and
+    its tokenizer; the SDXL refiner has only those, and ``text_encoder`` None)."""
 
     spec: ModelSpec
     tokenizer: CLIPTokenizer | WordPieceTokenizer
-    text_encoder: CLIPTextEncoder | BertTextEncoder
+    text_encoder: CLIPTextEncoder | BertTextEncoder | None
     unet: UNet
     vae: AutoencoderKL
     scheduler_config: dict
     checkpoint: Checkpoint | None = None
+    text_encoder_2: CLIPTextEncoder | None = None
+    tokenizer_2: CLIPTokenizer | None = None
+
+    def networks(self) -> dict[str, nn.Module]:
+        return {name: getattr(self, name) for name in model_components(self.spec)}
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device="cpu",
@@ -257,10 +300,12 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
     unet = ckpt.load("unet", dtype, device)
     if ckpt.prediction_source == "unresolved":
         resolve_prediction_type(ckpt, unet, device)
+    second = ckpt.spec.text2 is not None
     return StableDiffusion(spec=ckpt.spec, tokenizer=ckpt.tokenizer(),
-                           text_encoder=ckpt.load("text_encoder", dtype, device), unet=unet,
-                           vae=ckpt.load("vae", dtype, device), scheduler_config=ckpt.scheduler_config,
-                           checkpoint=ckpt)
+                           text_encoder=ckpt.load("text_encoder", dtype, device) if ckpt.spec.text else None,
+                           unet=unet, vae=ckpt.load("vae", dtype, device), scheduler_config=ckpt.scheduler_config,
+                           checkpoint=ckpt, text_encoder_2=ckpt.load("text_encoder_2", dtype, device) if second else None,
+                           tokenizer_2=ckpt.tokenizer_2() if second else None)
 
 
 def open_model(path: str | os.PathLike, prediction_type: str | None = None, use_ema: bool = False) -> Checkpoint:
@@ -363,9 +408,11 @@ def _open_diffusers_folder(folder: Path) -> Checkpoint:
                               folder)
     index = _read_json(index_file)
     cls = index.get("_class_name", "")
-    if cls and cls not in ("StableDiffusionPipeline", "StableDiffusionInpaintPipeline",
-                           "StableDiffusionImg2ImgPipeline"):
-        raise CheckpointError(f"pipeline class {cls!r} is not a Stable Diffusion 1.x/2.x pipeline", index_file)
+    if cls in SDXL_PIPELINES:
+        return _open_sdxl_folder(folder, index, index_file)
+    if cls and cls not in SD_PIPELINES:
+        raise CheckpointError(f"pipeline class {cls!r} is not a pipeline sdlite runs (Stable Diffusion 1.x/2.x: "
+                              f"{', '.join(SD_PIPELINES)}; SDXL: {', '.join(SDXL_PIPELINES)})", index_file)
     where = _component_folders(folder, index, index_file)
     stores: list[TensorStore] = []
     sources: dict[str, ComponentSource] = {}
@@ -373,7 +420,7 @@ def _open_diffusers_folder(folder: Path) -> Checkpoint:
     try:
         configs["text_encoder"] = _read_json(where["text_encoder"] / "config.json")
         architecture = _text_architecture(configs["text_encoder"], where["text_encoder"] / "config.json")
-        for component in COMPONENTS:
+        for component in ("text_encoder", "unet", "vae"):
             if component != "text_encoder":
                 configs[component] = _read_json(where[component] / "config.json")
             store = _component_store(folder, component, where[component])
@@ -431,7 +478,8 @@ def _open_diffusers_folder(folder: Path) -> Checkpoint:
             sched_source = (f"no scheduler/scheduler_config.json: the config published with {repo} (timestep "
                             f"spacing {spacing_note})")
         spec = base.replace(family=detection.family, text=text, unet=unet, vae=vae, prediction_type=prediction,
-                            scheduler=sched_cfg, default_size=unet.sample_size * vae.downscale)
+                            scheduler=sched_cfg, default_size=unet.sample_size * vae.downscale,
+                            turbo=_says_turbo(index, scheduler))
     except BaseException:
         for store in stores:
             store.close()
@@ -449,6 +497,110 @@ def _open_diffusers_folder(folder: Path) -> Checkpoint:
                       notes=notes, _stores=stores, _tokenizer=folder_tokenizer)  # the folder's config.json files settle what detection guesses
 
 
+def _open_sdxl_folder(folder: Path, index: dict, index_file: Path) -> Checkpoint:
+    """An SDXL pipeline folder (base, refiner, Turbo): ``text_encoder`` (CLIP ViT-L, absent from the refiner) and
+    ``text_encoder_2`` (OpenCLIP bigG with its projection) with their tokenizers, the UNet, the VAE, the scheduler;
+    ``force_zeros_for_empty_prompt`` and ``requires_aesthetics_score`` from model_index.json (the defaults of
+    diffusers' SDXL pipelines where it does not say)."""
+    cls = index.get("_class_name")
+    # a component the pipeline does not have is [null, null] in model_index.json (the refiner's text_encoder)
+    present = {name for name in ("text_encoder", "text_encoder_2", "unet", "vae", "tokenizer", "tokenizer_2")
+               if (folder / name).is_dir() and index.get(name, ["", ""]) != [None, None]}
+    for needed in ("text_encoder_2", "unet", "vae", "tokenizer_2"):
+        if needed not in present:
+            raise CheckpointError(f"the {cls} folder has no {needed}", folder)
+    if ("text_encoder" in present) != ("tokenizer" in present):
+        raise CheckpointError("the folder has " + ("text_encoder but no tokenizer" if "text_encoder" in present
+                                                   else "tokenizer but no text_encoder"), folder)
+    stores: list[TensorStore] = []
+    sources: dict[str, ComponentSource] = {}
+    try:
+        configs = {}
+        for component in ("text_encoder", "text_encoder_2", "unet", "vae"):
+            if component not in present:
+                continue
+            configs[component] = _read_json(folder / component / "config.json")
+            store = _component_store(folder, component)
+            stores.append(store)
+            plan = normalize_diffusers_keys(list(store.keys()), "text_encoder" if component.startswith("text")
+                                            else component)
+            sources[component] = ComponentSource.from_plan(plan, store, tuple(store.paths))
+        for component in ("text_encoder", "text_encoder_2"):
+            if component in configs and _text_architecture(configs[component],
+                                                            folder / component / "config.json") != "clip":
+                raise CheckpointError("SDXL's text encoders are CLIP text towers", folder / component / "config.json")
+        try:
+            unet = UNetConfig.from_diffusers(configs["unet"])
+            vae = VAEConfig.from_diffusers(configs["vae"])
+            tokenizers = {}
+            texts = {}
+            for component, tok in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")):
+                if component in configs:
+                    text = TextEncoderConfig.from_diffusers(configs[component])
+                    tokenizers[component] = _folder_tokenizer(folder / tok, text)
+                    texts[component] = dataclasses.replace(text, pad_token_id=tokenizers[component].pad_token_id)
+        except (ConfigError, KeyError, TypeError) as e:
+            raise CheckpointError(f"unusable component config: {e}", folder) from None
+        if unet.addition_embed != "text_time":
+            raise CheckpointError(f"the UNet of a {cls} folder has no text_time added conditioning "
+                                  "(unet/config.json addition_embed_type)", folder / "unet" / "config.json")
+        width = sum(t.width for t in texts.values())
+        if width != unet.context_dim:
+            raise CheckpointError(f"the text encoders' widths ({' + '.join(str(t.width) for t in texts.values())}) do "
+                                  f"not make the UNet's cross-attention context dim {unet.context_dim}", folder)
+        aesthetics = bool(index.get("requires_aesthetics_score", False))
+        family = "sdxl-refiner" if aesthetics or "text_encoder" not in texts else "sdxl"
+        base = PRESETS[family]
+        sched_file = folder / "scheduler" / "scheduler_config.json"
+        scheduler = _read_json(sched_file) if sched_file.is_file() else {}
+        prediction = scheduler.get("prediction_type", "epsilon")
+        if prediction not in PREDICTION_TYPES:
+            raise CheckpointError(f"prediction_type {prediction!r} is not supported", sched_file)
+        turbo = _says_turbo(index, scheduler)
+        repo, published = published_scheduler("sdxl-turbo" if turbo else family, prediction)
+        if sched_file.is_file():
+            sched_cfg, spacing_note = explicit_spacing({**published, **{k: v for k, v in scheduler.items()
+                                                                       if k != "_diffusers_version"}})
+            sched_source = f"scheduler/scheduler_config.json (timestep spacing {spacing_note})"
+        else:
+            sched_cfg, spacing_note = explicit_spacing(published)
+            sched_source = (f"no scheduler/scheduler_config.json: the config published with {repo} (timestep "
+                            f"spacing {spacing_note})")
+        spec = base.replace(text=texts.get("text_encoder"), text2=texts["text_encoder_2"], unet=unet, vae=vae,
+                            prediction_type=prediction, scheduler=sched_cfg,
+                            default_size=unet.sample_size * vae.downscale,
+                            force_zeros_for_empty_prompt=bool(index.get("force_zeros_for_empty_prompt",
+                                                                        not aesthetics)),
+                            requires_aesthetics_score=aesthetics, turbo=turbo)
+        if unet.add_embed_in != texts["text_encoder_2"].projection_dim + \
+                (5 if aesthetics else 6) * unet.addition_time_embed_dim:
+            raise CheckpointError(
+                f"the UNet's added-conditioning input width {unet.add_embed_in} (projection_class_embeddings_input_dim) "
+                f"is not the pooled text embedding ({texts['text_encoder_2'].projection_dim}) plus "
+                f"{5 if aesthetics else 6} time ids of {unet.addition_time_embed_dim} "
+                f"(requires_aesthetics_score={aesthetics} in model_index.json)", folder / "unet" / "config.json")
+        detection = Detection(layout="diffusers", family=family, components=model_components(spec), unet=None)
+    except BaseException:
+        for store in stores:
+            store.close()
+        raise
+    return Checkpoint(path=str(folder), layout="diffusers", spec=spec, detection=detection,
+                      storage_dtype=_storage_dtype(stores[[*sources].index("unet")]),
+                      prediction_source="scheduler_config.json" if "prediction_type" in scheduler
+                      else "family default",
+                      sources=sources, scheduler_config=dict(spec.scheduler), scheduler_source=sched_source,
+                      tokenizer_dir=str(folder / "tokenizer") if "text_encoder" in texts else None,
+                      tokenizer_2_dir=str(folder / "tokenizer_2"), _stores=stores,
+                      _tokenizer=tokenizers.get("text_encoder"), _tokenizer_2=tokenizers["text_encoder_2"])
+
+
+def _says_turbo(index: dict, scheduler: dict) -> bool:
+    """A distilled Turbo model, as its folder shows it: the name it was saved under (``_name_or_path``), or the
+    scheduler the Turbo repositories publish (trailing spacing, which no base model uses)."""
+    name = str(index.get("_name_or_path", "")).lower()
+    return "turbo" in name or scheduler.get("timestep_spacing") == "trailing"
+
+
 # --- single files ---------------------------------------------------------------------------------------------
 
 
@@ -457,20 +609,21 @@ def _open_single_file(path: Path, use_ema: bool) -> Checkpoint:
     try:
         shapes = _shapes(store)
         detection = detect(shapes, store.metadata)
-        base = _family_preset(detection.family, detection.prediction_type or "epsilon")
+        base = _family_preset(detection.family, detection.prediction_type or "epsilon", turbo=detection.turbo)
         if META_CONFIG in store.metadata:
-            text, unet, vae = _configs_from_metadata(path, store.metadata[META_CONFIG])
+            configs = _configs_from_metadata(path, store.metadata[META_CONFIG])
         else:
-            text, unet, vae = _configs_from_detection(path, detection, base)
-        spec = base.replace(family=detection.family, unet=unet, vae=vae, text=text)
+            configs = _configs_from_detection(path, detection, base)
+        spec = base.replace(family=detection.family, **configs)
         spec, sched_source = _with_published_scheduler(spec)
         expected = {}
         for component in detection.components:
             with torch.device("meta"):
-                module = _BUILDERS[component](getattr(spec, _SPEC_FIELD[component]))
+                module = build_network(component, spec)
             expected[component] = list(module.state_dict())
         plan = plan_from_original(list(store.keys()), unet_structure=spec.unet, use_ema=use_ema,
-                                  text_encoder_layers=spec.text.layers, expected=expected)
+                                  text_encoder_layers=spec.text.layers if spec.text is not None else None,
+                                  expected=expected)
         sources = {}
         for component, cplan in plan.components.items():
             sources[component] = ComponentSource.from_plan(cplan, store, (str(path),))
@@ -493,34 +646,45 @@ def _open_single_file(path: Path, use_ema: bool) -> Checkpoint:
             _set_prediction(ckpt, *yaml_prediction)
         elif detection.base_family == "sd1":
             _set_prediction(ckpt, "epsilon", "family default (SD 1.x is always epsilon)")
+        elif detection.base_family == "sdxl":  # the UNet probe below cannot run without SDXL's added conditioning
+            _set_prediction(ckpt, "epsilon", "family default (SDXL base, refiner and Turbo are epsilon models; a "
+                                             "v-prediction SDXL file says so in its metadata or a 'v_pred' key)")
     return ckpt
 
 
-def _configs_from_detection(path: Path, detection: Detection, base: ModelSpec):
-    """Configs implied by the shapes; what shapes cannot show (head counts) follows the family convention."""
+def _configs_from_detection(path: Path, detection: Detection, base: ModelSpec) -> dict:
+    """``ModelSpec`` fields (``text``, ``text2``, ``unet``, ``vae``) implied by the shapes; what shapes cannot show
+    (head counts, token ids) follows the family convention of ``base``."""
     try:
         kwargs = detection.unet.config_kwargs()
         kwargs.setdefault("heads", _family_heads(detection.base_family, kwargs["block_channels"]))
-        unet = dataclasses.replace(base.unet, **kwargs)
-        vae = base.vae
+        out = {"unet": dataclasses.replace(base.unet, **kwargs), "vae": base.vae}
         if detection.vae is not None:
-            vae = dataclasses.replace(base.vae, **detection.vae.config_kwargs())
-        text = base.text
-        if detection.text_encoder is not None:
-            kwargs = {k: v for k, v in detection.text_encoder.config_kwargs().items() if v is not None}
+            out["vae"] = dataclasses.replace(base.vae, **detection.vae.config_kwargs())
+        for field_name, info in (("text", detection.text_encoder), ("text2", detection.text_encoder_2)):
+            if info is None:
+                continue
+            kwargs = {k: v for k, v in info.config_kwargs().items() if v is not None}
             if "heads" not in kwargs:  # not a multiple of the standard 64-wide heads: shapes cannot tell
                 kwargs["heads"] = 1
-            text = dataclasses.replace(base.text, **kwargs)
+            out[field_name] = dataclasses.replace(getattr(base, field_name) or TextEncoderConfig(), **kwargs)
     except ConfigError as e:
         raise CheckpointError(f"the shapes do not form a {detection.family} model: {e}", path) from None
-    return text, unet, vae
+    return out
 
 
-def _configs_from_metadata(path: Path, raw: str) -> tuple[TextEncoderConfig, UNetConfig, VAEConfig]:
+def _configs_from_metadata(path: Path, raw: str) -> dict:
+    """``ModelSpec`` fields from the configs a file written by sdlite carries (an SDXL refiner's has no
+    ``text_encoder``: its ``text`` is None)."""
     try:
         data = json.loads(raw)
-        return (TextEncoderConfig.from_diffusers(data["text_encoder"]), UNetConfig.from_diffusers(data["unet"]),
-                VAEConfig.from_diffusers(data["vae"]))
+        out = {"unet": UNetConfig.from_diffusers(data["unet"]), "vae": VAEConfig.from_diffusers(data["vae"])}
+        if "text_encoder_2" in data:
+            out["text2"] = TextEncoderConfig.from_diffusers(data["text_encoder_2"])
+            out["text"] = TextEncoderConfig.from_diffusers(data["text_encoder"]) if "text_encoder" in data else None
+        else:
+            out["text"] = TextEncoderConfig.from_diffusers(data["text_encoder"])
+        return out
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"metadata {META_CONFIG!r} is not a usable config ({e})", path) from None
 
@@ -579,9 +743,15 @@ def _set_prediction(ckpt: Checkpoint, prediction: str, source: str) -> None:
     ckpt.prediction_source = source
 
 
+# the published configs of the Turbo models, by the family they were distilled from
+_TURBO_SCHEDULERS = {"sdxl": "sdxl-turbo", "sd2": "sd-turbo"}
+
+
 def _with_published_scheduler(spec: ModelSpec) -> tuple[ModelSpec, str]:
-    """A single file's spec with its family's published scheduler config, and a line saying so."""
-    repo, cfg = published_scheduler(spec.family, spec.prediction_type)
+    """A single file's spec with its family's published scheduler config (a Turbo model's: its own), and a line
+    saying so."""
+    key = _TURBO_SCHEDULERS.get(spec.family, spec.family) if spec.turbo else spec.family
+    repo, cfg = published_scheduler(key, spec.prediction_type)
     cfg, spacing_note = explicit_spacing(cfg)
     return (spec.replace(scheduler=cfg),
             f"the file carries none: the config published with {repo} (timestep spacing {spacing_note})")
@@ -603,16 +773,23 @@ def _storage_dtype(store: TensorStore, prefix: str = "") -> torch.dtype:
     return sizes.most_common(1)[0][0] if sizes else torch.float32
 
 
-def _family_preset(family: str, prediction: str) -> ModelSpec:
-    if family.startswith("sd2"):
-        preset = PRESETS["sd21-v"] if prediction == "v_prediction" else PRESETS["sd21-base"]
+def _family_preset(family: str, prediction: str, turbo: bool = False) -> ModelSpec:
+    """The preset whose conventions a model of ``family`` follows where its weights do not tell (``turbo``: the
+    distilled SDXL-Turbo / SD-Turbo)."""
+    if family in ("sdxl", "sdxl-refiner"):
+        preset = PRESETS["sdxl-turbo" if turbo and family == "sdxl" else family]
+    elif family.startswith("sd2"):
+        if turbo and family == "sd2" and prediction == "epsilon":
+            preset = PRESETS["sd-turbo"]
+        else:
+            preset = PRESETS["sd21-v"] if prediction == "v_prediction" else PRESETS["sd21-base"]
     else:
         preset = PRESETS["sd15"]
     return preset.replace(family=family)
 
 
 def _family_heads(base_family: str, channels: tuple[int, ...]) -> tuple[int, ...]:
-    if base_family == "sd2":
+    if base_family in ("sd2", "sdxl"):
         return tuple(max(c // 64, 1) for c in channels)
     return tuple(8 for _ in channels)
 

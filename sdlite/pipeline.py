@@ -101,6 +101,16 @@ class Request:
     loras: tuple = ()                 # (path, weight) pairs, besides the prompt's <lora:name:weight> tags
     lora_dir: str | None = None       # where <lora:name:...> tags are looked up
     embeddings_dir: str | None = None  # textual-inversion embeddings: a prompt word equal to a file stem uses it
+    # SDXL's size conditioning, (height, width) and (top, left) as diffusers takes them; None: the output size.
+    # The refiner's time ids hold an aesthetic score instead of the target size (positive / negative prompt).
+    original_size: tuple | None = None
+    crops_coords_top_left: tuple = (0, 0)
+    target_size: tuple | None = None
+    aesthetic_score: float = 6.0
+    negative_aesthetic_score: float = 2.5
+    # SDXL base + refiner: the fraction of the steps the base runs before the engine's refiner takes the latents
+    # over (A1111's "refiner switch at"; diffusers' denoising_end / denoising_start). None: no hand-off.
+    refiner_switch_at: float | None = None
 
     @property
     def is_img2img(self) -> bool:
@@ -219,8 +229,35 @@ def validate(request: Request, native_size: int = 512) -> Request:
         seed = random.SystemRandom().randrange(0, MAX_SEED - MAX_BATCH)
     if seed + r.batch_size - 1 > MAX_SEED:
         raise RequestError(f"seed {seed} + batch {r.batch_size} runs past the largest seed {MAX_SEED}")
+    _validate_sdxl_options(r)
     return _validate_image_options(r).replace(width=width, height=height, sampler=sampler, schedule=schedule,
                                               seed=seed, cfg_scale=float(r.cfg_scale))
+
+
+def _validate_sdxl_options(r: Request) -> None:
+    """SDXL's size conditioning and the refiner hand-off."""
+    for name in ("original_size", "target_size", "crops_coords_top_left"):
+        value = getattr(r, name)
+        if value is None:
+            continue
+        least = 0 if name == "crops_coords_top_left" else 1
+        try:
+            ok = len(value) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v >= least
+                                         for v in value)
+        except TypeError:
+            ok = False
+        if not ok:
+            what = "(top, left), pixels, 0 or more" if least == 0 else "(height, width), pixels, 1 or more"
+            raise RequestError(f"{name} {value!r} is not valid: expected two integers {what}")
+    for name in ("aesthetic_score", "negative_aesthetic_score"):
+        value = getattr(r, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise RequestError(f"{name} {value!r} is not valid: expected a number (the refiner was trained on 0-10)")
+    switch = r.refiner_switch_at
+    if switch is not None and (isinstance(switch, bool) or not isinstance(switch, (int, float))
+                               or not 0.0 < switch < 1.0):
+        raise RequestError(f"refiner switch {switch!r} is not valid: it must be above 0 and below 1 (the fraction "
+                           "of the steps the base model runs, e.g. 0.8)")
 
 
 def initial_noise(generators: list[torch.Generator], shape: tuple[int, ...]) -> torch.Tensor:
@@ -259,15 +296,33 @@ class Engine:
     """
 
     def __init__(self, model: StableDiffusion | ModelManager, device: str | torch.device = "cpu",
-                 tokenizer=None, spec=None, scheduler_config: dict | None = None, vae_tile: int | None = None):
+                 tokenizer=None, spec=None, scheduler_config: dict | None = None, vae_tile: int | None = None,
+                 tokenizers: dict | None = None):
         if isinstance(model, StableDiffusion):
             tokenizer, spec, scheduler_config = model.tokenizer, model.spec, model.scheduler_config
+            tokenizers = {"text_encoder": model.tokenizer, "text_encoder_2": model.tokenizer_2}
             model = ModelManager(model.checkpoint, mode=1, device=device, preloaded=model)
         self.models = model
         self.device = torch.device(device)
         self.vae_tile = vae_tile  # tiled-decode tile in latent pixels; None: automatic; 0: off
         self.tokenizer, self.spec = tokenizer, spec
+        # each text encoder's tokenizer (SDXL: two; they differ in their padding)
+        self.tokenizers = {name: (tokenizers or {}).get(name) or tokenizer for name in spec.text_encoders}
         self.schedule = NoiseSchedule.from_config(scheduler_config)
+        # SDXL: a refiner engine that takes the latents over for the last steps of a request that asks for it
+        # (Request.refiner_switch_at); see :meth:`set_refiner`
+        self.refiner: Engine | None = None
+
+    def set_refiner(self, refiner: "Engine | None") -> None:
+        """Attach (or, with None, detach) an SDXL refiner for requests with ``refiner_switch_at``: both models must
+        work in the same latent space (the same VAE latents)."""
+        if refiner is not None:
+            mine, theirs = self.spec.vae, refiner.spec.vae
+            if (mine.latent_channels, mine.scaling_factor) != (theirs.latent_channels, theirs.scaling_factor):
+                raise RequestError(f"the refiner ({refiner.spec.family}) does not share this model's latent space: "
+                                   f"{theirs.latent_channels} latent channels scaled by {theirs.scaling_factor:g}, "
+                                   f"this model {mine.latent_channels} by {mine.scaling_factor:g}")
+        self.refiner = refiner
 
     @classmethod
     def load(cls, path, device: str = "cpu", dtype: torch.dtype | None = None,
@@ -288,14 +343,22 @@ class Engine:
         if dtype is None:
             dtype = torch.float32 if device.type == "cpu" else torch.float16
         ckpt = open_model(path, prediction_type=prediction_type)
+        if (weight_dtype is None and ckpt.spec.is_sdxl and device.type == "cpu" and dtype == torch.float32
+                and memory_mode != 0 and quantize == "none" and not prepack
+                and ckpt.storage_dtype in (torch.float16, torch.bfloat16)):
+            # SDXL on the CPU: its weights stay in the file's half precision (zero-copy), computed in fp32 block by
+            # block -- 6.9 GB resident instead of 13.5 GB
+            weight_dtype = ckpt.storage_dtype
         manager = ModelManager(ckpt, memory_mode, dtype, device, weight_dtype=weight_dtype, quantize=quantize,
-                               prepack=prepack)
+                               prepack=prepack, vae_dtype=torch.float32 if ckpt.spec.is_sdxl
+                               and ckpt.spec.vae.force_upcast else None)
         if memory_mode != 0:
             manager.get("unet")  # resident from the start: the load is part of getting ready
         if ckpt.prediction_source == "unresolved":
             with manager.use("unet") as unet:
                 resolve_prediction_type(ckpt, unet, device=device)
-        return cls(manager, device, ckpt.tokenizer(), ckpt.spec, ckpt.scheduler_config, vae_tile=vae_tile)
+        return cls(manager, device, ckpt.tokenizer(), ckpt.spec, ckpt.scheduler_config, vae_tile=vae_tile,
+                   tokenizers=ckpt.tokenizers())
 
     def encode_prompt(self, prompts: list[str], clip_skip: int = 1, labels: list[str] | None = None,
                       embeddings: EmbeddingDB | None = None) -> tuple[torch.Tensor, list[str]]:
@@ -305,6 +368,10 @@ class Engine:
         of the tokenizer's length each (:func:`sdlite.conditioning.single_row`). Returns the warnings too (for
         CLIP none: long prompts are chunked, not cut; for BERT a cut prompt or an ignored BREAK)."""
         warnings: list[str] = []
+        if self.spec.is_sdxl:
+            encoded = self._encode_sdxl(list(prompts), clip_skip, embeddings)[0]
+            empty = self._encode_sdxl([""], clip_skip, None)[0][0] if len({e.shape[1] for e in encoded}) > 1 else None
+            return torch.cat(pad_to_same_length(encoded, empty) if empty is not None else encoded), warnings
         encoded = self._encode_texts(list(prompts), clip_skip, embeddings, warnings)
         empty = self._encode_texts([""], clip_skip, None)[0] if len({e.shape[1] for e in encoded}) > 1 else None
         return torch.cat(pad_to_same_length(encoded, empty) if empty is not None else encoded), warnings
@@ -337,6 +404,45 @@ class Engine:
         with torch.no_grad(), self.models.use("text_encoder") as text_encoder:
             return encode_chunks(text_encoder, chunk_lists, clip_skip, self.device)
 
+    def _encode_sdxl(self, texts: list[str], clip_skip: int,
+                     embeddings: EmbeddingDB | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """SDXL: each text's (1, 77 k, width) context -- the penultimate hidden states (``clip_skip`` 2 and up reach
+        further back, as diffusers' ``clip_skip`` 1 and up do) of its text encoders without their final LayerNorm,
+        concatenated along the channels -- and its (1, proj) pooled embedding from the second encoder, whose
+        tokenizer pads with its own pad token. Chunked by A1111's rules, each encoder's chunks weighted on their
+        own, the pooled embedding of the first chunk (as A1111 does)."""
+        if embeddings is not None and embeddings.embeddings:
+            raise RequestError("textual-inversion embeddings for SDXL (with clip_l and clip_g vectors) are not "
+                               "supported yet; remove embeddings_dir / --embeddings for this model")
+        parts, pooled = [], None
+        for name in self.spec.text_encoders:
+            cfg = self.spec.text if name == "text_encoder" else self.spec.text2
+            if clip_skip + 1 > cfg.layers:
+                raise RequestError(f"clip skip {clip_skip} is not valid for this model: SDXL reads the layer before "
+                                   f"the one clip skip names, and its {name} has {cfg.layers} layers, so "
+                                   f"1..{cfg.layers - 1} are valid")
+            chunk_lists = [chunk_prompt(self.tokenizers[name], t, None)[0] for t in texts]
+            with torch.no_grad(), self.models.use(name) as text_encoder:
+                if name == "text_encoder_2":
+                    hidden, pooled = encode_chunks(text_encoder, chunk_lists, clip_skip, self.device, sdxl=True,
+                                                   pooled=True)
+                else:
+                    hidden = encode_chunks(text_encoder, chunk_lists, clip_skip, self.device, sdxl=True)
+            parts.append(hidden)
+        return [torch.cat(hs, dim=-1) for hs in zip(*parts)], pooled
+
+    def time_ids(self, r: Request) -> tuple[torch.Tensor, torch.Tensor]:
+        """SDXL's (1, 6) size/crop ids of the prompt and of the negative prompt, as diffusers builds them:
+        original size, crop top-left, target size (the refiner: original size, crop, aesthetic score, (1, 5))."""
+        size = (r.height, r.width)
+        head = (*(r.original_size or size), *r.crops_coords_top_left)
+        if self.spec.requires_aesthetics_score:
+            pos, neg = (*head, r.aesthetic_score), (*head, r.negative_aesthetic_score)
+        else:
+            pos = neg = (*head, *(r.target_size or size))
+        return (torch.tensor([pos], dtype=torch.float32, device=self.device),
+                torch.tensor([neg], dtype=torch.float32, device=self.device))
+
     def conditioning(self, r: Request, use_cfg: bool,
                      embeddings: EmbeddingDB | None = None) -> "ScheduledConditioning":
         """The request's prompt and negative prompt (network tags already removed) as per-step conditioning:
@@ -349,6 +455,14 @@ class Engine:
         if use_cfg:
             texts.append("")  # the padding of a prompt and negative of different lengths
         warnings: list[str] = []
+        if self.spec.is_sdxl:
+            contexts, pooled = self._encode_sdxl(texts, r.clip_skip, embeddings)
+            # no negative prompt: zeros for its context and pooled embedding, where the model's config says so
+            # (diffusers: negative_prompt None; A1111: an empty negative prompt)
+            zero = use_cfg and self.spec.force_zeros_for_empty_prompt and r.negative_prompt == ""
+            return ScheduledConditioning(schedules[0], schedules[1] if use_cfg else None, dict(zip(texts, contexts)),
+                                         warnings, pooled=dict(zip(texts, pooled)), zero_negative=zero,
+                                         time_ids=self.time_ids(r))
         encoded = dict(zip(texts, self._encode_texts(texts, r.clip_skip, embeddings, warnings)))
         return ScheduledConditioning(schedules[0], schedules[1] if use_cfg else None, encoded, warnings)
 
@@ -452,6 +566,13 @@ class Engine:
         if inpaint_model and r.is_img2img and not r.is_inpaint:
             raise RequestError(f"{self.spec.family} is an inpainting model: image to image needs a mask "
                                "(--mask, --mask-from-alpha or --outpaint); without one it would repaint everything")
+        if r.refiner_switch_at is not None:
+            if self.refiner is None:
+                raise RequestError("refiner_switch_at needs a refiner: load one (--refiner PATH, "
+                                   "Engine.set_refiner) or leave the switch unset")
+            if r.is_img2img:
+                raise RequestError("the base-to-refiner hand-off runs text to image; for image to image run the "
+                                   "refiner alone on the image (--model REFINER --init-image ...)")
         t0 = time.perf_counter()
         source = self.prepare_source(r) if r.is_img2img else None
         if source is not None:
@@ -497,16 +618,22 @@ class Engine:
         key = os.path.realpath(folder)
         cache = self.__dict__.setdefault("_embedding_dbs", {})
         if key not in cache:
-            cache[key] = EmbeddingDB.from_dir(folder, self.tokenizer, self.spec.text.width)
+            cache[key] = EmbeddingDB.from_dir(folder, self.tokenizer, self.spec.context_text.width)
         return cache[key]
 
     def _generate(self, r: Request, source, seeds, use_cfg, networks: "PromptNetworks", inpaint_model, callback,
                   t0, on_latents=None) -> Result:
         warnings = list(networks.warnings)
-        cond = self.conditioning(r.replace(prompt=networks.prompt, negative_prompt=networks.negative), use_cfg,
-                                 networks.embeddings)
-        warnings += cond.warnings
-        ctx, uncond = cond.at(0, r.batch_size)
+        texts = r.replace(prompt=networks.prompt, negative_prompt=networks.negative)
+        # who denoises which planned steps: this model, then (SDXL hand-off) the refiner with its own conditioning
+        stages = [_Stage(self, self.conditioning(texts, use_cfg, networks.embeddings), 0, r.steps)]
+        if r.refiner_switch_at is not None:
+            switch = self.refiner_switch_step(r)
+            stages = [_Stage(self, stages[0].cond, 0, switch),
+                      _Stage(self.refiner, self.refiner.conditioning(texts, use_cfg), switch, r.steps)]
+            stages = [st for st in stages if st.end > st.start]
+        for st in stages:
+            warnings += [w for w in st.cond.warnings if w not in warnings]
         t1 = time.perf_counter()
 
         vae_scale = self.spec.vae.downscale
@@ -514,50 +641,54 @@ class Engine:
         # image i's generator draws (source latent sample,) its initial noise, (masked-image latent sample,) then
         # (stochastic samplers) its per-step noise: the reference's order
         generators = [torch.Generator().manual_seed(s) for s in seeds]
-        # the conditioning of the next step is put in place after each step (prompt editing, alternation)
-        extra = {"context": ctx, "uncond": uncond}
-        start, noised, blend = 0, False, None
+        concat, start, noised, blend = None, 0, False, None
         if source is None and not inpaint_model:
             x = initial_noise(generators, shape).to(self.device)
         else:
             x, start, noised, concat, blend = self._image_latents(r, source, generators, shape, inpaint_model)
+        stages[0].start = start
+
+        done = [0]  # sampler steps completed, over all stages
+        interrupted = False
+        for st in stages:
+            # the conditioning of the next step is put in place after each step (prompt editing, alternation)
+            extra = st.cond.extra_at(st.start, r.batch_size)
             if concat is not None:
                 extra["concat"] = concat
-        if cond.changes:
-            extra["context"], extra["uncond"] = cond.at(start, r.batch_size)
 
-        done = [0]  # sampler steps completed
+            def on_step(i, total, x, st=st, extra=extra):
+                done[0] += 1
+                if blend is not None:
+                    x = blend(i, total, x)
+                if st.cond.changes and st.start + i + 1 < r.steps:
+                    extra.update(st.cond.extra_at(st.start + i + 1, r.batch_size))
+                if on_latents is not None:
+                    on_latents(done[0], r.steps - start, denoised.value)
+                if callback is not None:
+                    callback(done[0], r.steps - start)
+                return x
 
-        def on_step(i, total, x):
-            done[0] = i + 1
-            if blend is not None:
-                x = blend(i, total, x)
-            if cond.changes and start + i + 1 < r.steps:
-                extra["context"], extra["uncond"] = cond.at(start + i + 1, r.batch_size)
-            if on_latents is not None:
-                on_latents(i + 1, total, denoised.value)
-            if callback is not None:
-                callback(i + 1, total)
-            return x
-
-        interrupted = False
-        with torch.no_grad(), self.models.use("unet") as unet:
-            denoised = _Recorded(CFGDenoiser(Denoiser(unet, self.schedule, self.spec.prediction_type,
-                                                      dtype=unet.dtype), r.cfg_scale if use_cfg else 1.0))
-            try:
-                latents = sample(r.sampler, denoised, x, self.schedule, r.steps, r.schedule, generator=generators,
-                                 spacing=r.timestep_spacing, eta=r.eta, callback=on_step, extra_args=extra,
-                                 start=start, noised=noised)
-            except StopSampling:  # raised by a step callback, so after at least one denoiser call
-                latents, interrupted = denoised.value, True
-                warnings.append(f"stopped after step {done[0]} of {r.steps - start}: the images "
-                                "are the estimate of the final image at that step")
+            engine = st.engine
+            with torch.no_grad(), engine.models.use("unet") as unet:
+                denoised = _Recorded(CFGDenoiser(Denoiser(unet, engine.schedule, engine.spec.prediction_type,
+                                                          dtype=unet.dtype), r.cfg_scale if use_cfg else 1.0))
+                try:
+                    x = sample(r.sampler, denoised, x, engine.schedule, r.steps, r.schedule, generator=generators,
+                               spacing=r.timestep_spacing, eta=r.eta, callback=on_step, extra_args=extra,
+                               start=st.start, noised=noised or st.start > start, end=st.end)
+                except StopSampling:  # raised by a step callback, so after at least one denoiser call
+                    x, interrupted = denoised.value, True
+                    warnings.append(f"stopped after step {done[0]} of {r.steps - start}: the images "
+                                    "are the estimate of the final image at that step")
+                    break
+        latents = x
+        decoder = stages[-1].engine   # the hand-off's images are the refiner's decode, as in diffusers' recipe
         # glibc keeps the sampling loop's freed activations in its heap (they are reused step after step); hand
         # them back before the decoder allocates its own, larger ones, or both count in the peak (about 250 MB
         # less peak at 512^2 for SD 1.5)
         trim_heap()
         t2 = time.perf_counter()
-        decoded = self.decode_latents(latents / self.spec.vae.scaling_factor)
+        decoded = decoder.decode_latents(latents / decoder.spec.vae.scaling_factor)
         images = latents_to_images(decoded)
         if source is not None and source.mask is not None:
             images = [source.finish(im, r.overlay) for im in images]
@@ -565,6 +696,14 @@ class Engine:
         return Result(images=images, seeds=seeds, request=r, latents=latents, warnings=warnings,
                       infotext=networks.infotext(), timings={"text": t1 - t0, "sampling": t2 - t1, "decode": t3 - t2,
                                                   "total": t3 - t0}, interrupted=interrupted)
+
+    def refiner_switch_step(self, r: Request) -> int:
+        """How many planned steps the base runs before the refiner takes over at ``r.refiner_switch_at``: the
+        planned timesteps at or above ``round(T * (1 - switch))`` (T = 1000 training steps), the rule of diffusers'
+        ``denoising_end`` / ``denoising_start``."""
+        p = plan(r.sampler, self.schedule, r.steps, r.schedule, r.timestep_spacing)
+        cutoff = round(self.schedule.num_train_timesteps * (1 - r.refiner_switch_at))
+        return int((p.timesteps >= cutoff).sum())
 
     def _image_latents(self, r: Request, source: "Source | None", generators, shape, inpaint_model: bool):
         """The start of an image-to-image or inpainting run, as diffusers' img2img and inpainting pipelines
@@ -656,6 +795,10 @@ class ScheduledConditioning:
     negative: list[ScheduledPrompt] | None
     encoded: dict[str, torch.Tensor]     # text -> (1, 77 k, width)
     warnings: list[str] = field(default_factory=list)   # about the texts: a prompt cut, BREAK ignored
+    # SDXL: text -> (1, proj) pooled embedding; the negative conditioning as zeros; (prompt, negative) time ids
+    pooled: dict[str, torch.Tensor] | None = None
+    zero_negative: bool = False
+    time_ids: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def changes(self) -> bool:
@@ -667,14 +810,41 @@ class ScheduledConditioning:
         cond = self.encoded[text_at_step(self.prompt, step)]
         if self.negative is None:
             return cond.expand(batch, -1, -1), None
+        if self.zero_negative:
+            return cond.expand(batch, -1, -1), torch.zeros_like(cond).expand(batch, -1, -1)
         uncond = self.encoded[text_at_step(self.negative, step)]
         if cond.shape[1] != uncond.shape[1]:
             cond, uncond = pad_to_same_length([cond, uncond], self.encoded[""])
         return cond.expand(batch, -1, -1), uncond.expand(batch, -1, -1)
 
+    def extra_at(self, step: int, batch: int) -> dict:
+        """The denoiser's conditioning arguments at ``step``: ``context`` and ``uncond`` (:meth:`at`) and, for
+        SDXL, ``added`` and ``uncond_added``, the UNet's added conditioning (pooled text embeddings and time ids)."""
+        context, uncond = self.at(step, batch)
+        extra = {"context": context, "uncond": uncond}
+        if self.pooled is None:
+            return extra
+        pooled = self.pooled[text_at_step(self.prompt, step)]
+        time_ids, negative_ids = self.time_ids
+        extra["added"] = {"text_embeds": pooled.expand(batch, -1), "time_ids": time_ids.expand(batch, -1)}
+        if self.negative is not None:
+            neg = torch.zeros_like(pooled) if self.zero_negative else self.pooled[text_at_step(self.negative, step)]
+            extra["uncond_added"] = {"text_embeds": neg.expand(batch, -1), "time_ids": negative_ids.expand(batch, -1)}
+        return extra
+
 
 def _to(t: torch.Tensor | None, device) -> torch.Tensor | None:
     return None if t is None else t.to(device)
+
+
+@dataclass
+class _Stage:
+    """One model's share of a run: it denoises the planned steps ``start`` to ``end`` with conditioning ``cond``."""
+
+    engine: "Engine"
+    cond: ScheduledConditioning
+    start: int
+    end: int
 
 
 @dataclass(frozen=True, eq=False)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import SDLiteError
-from ..loader import Checkpoint, StableDiffusion
+from ..loader import TEXT_ENCODERS, Checkpoint, StableDiffusion
 from ..models.bert import BertEmbeddings, BertLayer
 from ..models.clip import Embeddings, EncoderLayer
 from ..models.layers import Downsample, ResnetBlock, Upsample
@@ -188,8 +188,10 @@ class ModelManager:
 
     def __init__(self, ckpt: Checkpoint | None, mode: int = 1, dtype: torch.dtype = torch.float32, device="cpu",
                  weight_dtype: torch.dtype | None = None, preloaded: StableDiffusion | None = None,
-                 quantize: str = "none", prepack: bool | None = None):
+                 quantize: str = "none", prepack: bool | None = None, vae_dtype: torch.dtype | None = None):
         self.ckpt, self.mode, self.dtype, self.device = ckpt, check_memory_mode(mode), dtype, torch.device(device)
+        # the VAE's own compute dtype where it differs (SDXL's VAE decodes in fp32 under half-precision compute)
+        self.vae_dtype = vae_dtype
         # fp32 CPU weights reordered once for oneDNN (engine.packing); None: where it applies and this CPU gains
         # from it (engine.cpu: decided by the ISA flags, or by a short cached measurement)
         available = prepack_available(self.device, dtype)
@@ -205,7 +207,7 @@ class ModelManager:
                                   "and no weight dtype")
         self._resident: dict[str, nn.Module] = {}
         if preloaded is not None:
-            self._resident = {"text_encoder": preloaded.text_encoder, "unet": preloaded.unet, "vae": preloaded.vae}
+            self._resident = dict(preloaded.networks())
         # callables (name, module, resident) run on every network built from now on: how a LoRA applied for a
         # request (sdlite.lora.engine_with_loras) reaches the networks memory modes 0 and 2 load per use
         self.adapters: list = []
@@ -224,23 +226,27 @@ class ModelManager:
             or self._keeps_as_stored(name)
 
     def _keeps_as_stored(self, name: str) -> bool:
-        """Mode 1 keeps the text encoder's weights as a half-precision file stores them (zero-copy), each block
+        """Mode 1 keeps the text encoders' weights as a half-precision file stores them (zero-copy), each block
         up-cast to fp32 while it runs: the same values as converting them all at load, half the memory (about
         250 MB for SD 1.5, resident beside the decoder's buffers at the peak), and about 0.1 s more per prompt,
         which is encoded once per generation."""
-        if not (name == "text_encoder" and self.mode == 1 and self.weight_dtype is None and self.ckpt is not None
+        if not (name in TEXT_ENCODERS and self.mode == 1 and self.weight_dtype is None and self.ckpt is not None
                 and self.dtype == torch.float32 and self.device.type == "cpu"
-                and "text_encoder" in self.ckpt.sources):
+                and name in self.ckpt.sources):
             return False
-        source = self.ckpt.sources["text_encoder"]
+        source = self.ckpt.sources[name]
         stored = source.view[next(iter(source.shapes))]
         return stored.dtype in (torch.float16, torch.bfloat16)
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        """The compute dtype of network ``name``."""
+        return self.vae_dtype if name == "vae" and self.vae_dtype is not None else self.dtype
 
     def _build(self, name: str) -> nn.Module:
         if self.mode == 0 and name == "unet":
             return streamed_model(self.ckpt, name, self.dtype, self.device)
         if self._streams(name):
-            return streamed_model(self.ckpt, name, self.dtype, self.device, keep_pages=True,
+            return streamed_model(self.ckpt, name, self.dtype_of(name), self.device, keep_pages=True,
                                   weight_dtype=self.weight_dtype)
         return self._load_whole(name)
 
@@ -248,7 +254,7 @@ class ModelManager:
         quantized = name == "unet" and self.quantize != "none"
         if self.prepack and name in PREPACKED and not quantized:
             return load_prepacked(self.ckpt, name)   # the same as loading and then prepacking, in one pass
-        module = self.ckpt.load(name, self.dtype, self.device)
+        module = self.ckpt.load(name, self.dtype_of(name), self.device)
         if quantized:
             module = quantize_model(module, self.quantize)
         if self.prepack and name in PREPACKED:

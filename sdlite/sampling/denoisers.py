@@ -101,9 +101,12 @@ class CFGDenoiser:
         return dataclasses.replace(self, denoiser=inner)
 
     def __call__(self, x: torch.Tensor, sigma: torch.Tensor, *, context: torch.Tensor,
-                 uncond: torch.Tensor | None = None, **extra) -> torch.Tensor:
+                 uncond: torch.Tensor | None = None, added: dict | None = None, uncond_added: dict | None = None,
+                 **extra) -> torch.Tensor:
+        """``added`` / ``uncond_added``: keyword arguments for the UNet that belong to the prompt / the negative
+        prompt (SDXL's ``text_embeds`` and ``time_ids``), batched the same way as ``context`` / ``uncond``."""
         if uncond is None or self.scale == 1.0:
-            return self.denoiser(x, sigma, context=context, **extra)
+            return self.denoiser(x, sigma, context=context, **(added or {}), **extra)
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device)
         if sigma.ndim == 0:
             sigma = sigma.expand(x.shape[0])
@@ -111,6 +114,8 @@ class CFGDenoiser:
             uncond = uncond.expand(context.shape[0], *uncond.shape[1:])
         if extra.get("concat") is not None:
             extra["concat"] = torch.cat([extra["concat"]] * 2)
+        for key, value in (added or {}).items():
+            extra[key] = torch.cat([uncond_added[key], value])
         out = self.denoiser(torch.cat([x, x]), torch.cat([sigma, sigma]),              # (2B, C, h, w)
                             context=torch.cat([uncond, context]), **extra)
         out_uncond, out_cond = out.chunk(2)

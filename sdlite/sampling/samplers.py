@@ -521,7 +521,7 @@ def img2img_start(steps: int, strength: float) -> int:
 def sample(name: str, denoiser, x_T: torch.Tensor, schedule: NoiseSchedule, steps: int,
            schedule_kind: str | None = None, generator=None, eta: float | None = None, callback=None, *,
            spacing: str | None = None, extra_args: dict | None = None, start: int = 0, noised: bool = False,
-           **options) -> torch.Tensor:
+           end: int | None = None, **options) -> torch.Tensor:
     """Run sampler ``name`` for ``steps`` steps from unit-variance noise ``x_T``; returns the final latent.
 
     ``schedule_kind`` ("discrete" | "karras" | "exponential") overrides the one the name implies; ``spacing``
@@ -536,12 +536,21 @@ def sample(name: str, denoiser, x_T: torch.Tensor, schedule: NoiseSchedule, step
 
     The result is the latent in the DDPM scaling, ``x / sqrt(1 + sigma_last^2)``, which is ``x`` itself whenever
     the last sigma is 0.
+
+    A hand-off (SDXL base to refiner): ``end`` stops after the planned step ``end`` (the sampler runs
+    ``sigmas[start:end + 1]``) and returns the latent at ``sigmas[end]`` in the k-diffusion scaling, as it is, for
+    another call with ``start=end, noised=True`` (a sampler with history starts that call afresh, as a second
+    reference scheduler does).
     """
     p = plan(name, schedule, steps, schedule_kind, spacing)
     info = SAMPLERS[p.sampler]
     if not 0 <= start < steps:
         raise ValueError(f"start={start}: expected 0 to {steps - 1} (steps={steps})")
-    sigmas, timesteps = p.sigmas[start:], p.timesteps[start:]
+    if end is not None and not start < end <= steps:
+        raise ValueError(f"end={end}: expected {start + 1} to {steps} (start={start}, steps={steps})")
+    stop = None if end is None or end == steps else end
+    sigmas = p.sigmas[start:None if stop is None else stop + 1]
+    timesteps = p.timesteps[start:stop]
     if hasattr(denoiser, "with_timesteps"):
         denoiser = denoiser.with_timesteps(sigmas, timesteps)
     kwargs = dict(options)
@@ -552,4 +561,6 @@ def sample(name: str, denoiser, x_T: torch.Tensor, schedule: NoiseSchedule, step
         kwargs["schedule"] = schedule
     x = x_T if noised else x_T * p.init_scale.to(x_T.device)
     x = info.fn(denoiser, x, sigmas, generator=generator, callback=callback, extra_args=extra_args, **kwargs)
+    if stop is not None:
+        return x
     return x / (sigmas[-1] ** 2 + 1) ** 0.5 if sigmas[-1] > 0 else x
