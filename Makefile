@@ -29,7 +29,7 @@ setup: $(VENV)/.installed
 test: setup
 	$(BIN)/python -m pytest -q -ra
 	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(BIN)/python -m pytest -q -ra \
-		tests/test_cpu.py tests/test_quant.py tests/test_packing.py
+		tests/test_cpu.py tests/test_quant.py tests/test_packing.py tests/test_sdxl_engine_paths.py
 
 # one image from the shipped demo model, no download: prints where the PNG is
 run: setup

@@ -19,9 +19,12 @@ signature does not change. The scheme is W8A8 with *dynamic* activation scales:
   fp32 at these shapes.
 
 Left in fp32 (:data:`KEEP_FP32` and :data:`MIN_CHANNELS`): the UNet's first and last convolutions (4 latent
-channels: too few for int8 to pay, and the last one writes the prediction itself), the timestep-embedding MLP,
-and everything that is not a Linear or a Conv2d: GroupNorm, LayerNorm, attention (softmax included), SiLU/GELU
-and the residual adds.
+channels: too few for int8 to pay, and the last one writes the prediction itself), the timestep-embedding MLP and
+SDXL's added-conditioning MLP (``add_embedding``: pooled text and size/crop ids), and everything that is not a
+Linear or a Conv2d: GroupNorm, LayerNorm, attention (softmax included), SiLU/GELU and the residual adds. The two
+MLPs run on one vector per sample, so int8 would save no time, and their output reaches every ResBlock. On the
+tiny SDXL test UNet, moving the crop ids by 8 px changes an int8 ``add_embedding``'s output at cosine 0.997
+(8-bit activations) or 0.989 (7-bit) to the fp32 change: the fine size/crop conditioning would be blurred.
 
 The modes (:data:`QUANTIZE_MODES`) were chosen by ``bench/quant.py`` (SD 1.5 UNet, batch 2, PyTorch default
 init, 2-core Zen 4 with AVX512-VNNI/BF16, 1 thread; step time as a fraction of fp32, which equals diffusers'):
@@ -91,7 +94,7 @@ QUANTIZE_MODES = {
     "none": "fp32 weights and compute (no change)",
     "int8": "int8 weights (per output channel) and int8 activations (dynamic, per tensor; 8-bit with VNNI/AMX, "
             "7-bit without) for the Linear and Conv2d layers, on oneDNN's kernels; norms, attention and the "
-            "timestep embedding in fp32",
+            "timestep (and SDXL's added-conditioning) embeddings in fp32",
     "int8-bf16": "int8 Linear layers as in int8, convolutions with bf16 weights computed in bf16 "
                  "(closer to fp32, a little slower)",
     "bf16": "bf16 weights and bf16 compute for the Linear and Conv2d layers; norms and attention in fp32 (slower "
@@ -101,8 +104,9 @@ QUANTIZE_CHOICES = tuple(QUANTIZE_MODES)
 # what each mode makes of a Linear and of a Conv2d
 _PLAN = {"int8": ("int8", "int8"), "int8-bf16": ("int8", "bf16"), "bf16": ("bf16", "bf16")}
 
-# Submodule names (relative to the model given) left in fp32: the UNet's stem, head and timestep MLP.
-KEEP_FP32 = ("conv_in", "conv_out", "time_embedding")
+# Submodule names (relative to the model given) left in fp32: the UNet's stem, head, timestep MLP and (SDXL) the
+# added-conditioning MLP.
+KEEP_FP32 = ("conv_in", "conv_out", "time_embedding", "add_embedding")
 # A layer with fewer input or output channels than this stays fp32 (int8 would save nothing and cost accuracy).
 MIN_CHANNELS = 16
 # int8 activation ranges: 0..255, or 0..127 where u8 x s8 pairs are summed in a saturating int16 (no VNNI)
