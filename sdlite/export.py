@@ -17,6 +17,7 @@ from .config import explicit_spacing, is_bert
 from .errors import CheckpointError
 from .loader import META_CONFIG, META_PREDICTION, StableDiffusion
 from .weights.convert import plan_to_original
+from .weights.detect import META_TURBO
 from .weights.io import save_safetensors
 
 DIFFUSERS_VERSION = "0.30.0"  # the folder format written (readable by diffusers >= 0.21)
@@ -113,21 +114,25 @@ def _write_tokenizer(model: StableDiffusion, folder: Path) -> None:
 
 def save_single_file(model: StableDiffusion, path: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
     """Write ``model`` as one original-layout ``.safetensors`` file (``model.diffusion_model.*``,
-    ``first_stage_model.*``, ``cond_stage_model.*``), as A1111, ComfyUI and diffusers' single-file loader read."""
+    ``first_stage_model.*``, ``cond_stage_model.*``; SDXL: ``conditioner.embedders.*``, as Stability publishes
+    it), as A1111, ComfyUI and diffusers' single-file loader read."""
     path = Path(path)
     spec = model.spec
     if is_bert(spec.text):
         raise CheckpointError("a model with a BERT text encoder (Taiyi) has no original single-file layout that "
                               "other tools read; save it as a diffusers folder", path)
-    states = {"unet": _state(model.unet, dtype), "vae": _state(model.vae, dtype),
-              "text_encoder": _state(model.text_encoder, dtype)}
+    states = {name: _state(module, dtype) for name, module in model.networks().items()}
     plan = plan_to_original({name: list(sd) for name, sd in states.items()},
                             text_encoder="openclip" if spec.family.startswith("sd2") else "clip",
                             unet_structure=spec.unet, vae_levels=len(spec.vae.block_channels))
     merged = plan.merge(states)
     tensors = {k: merged[k].contiguous() for k in merged}
-    configs = {"text_encoder": spec.text.to_diffusers(), "unet": spec.unet.to_diffusers(),
-               "vae": spec.vae.to_diffusers()}
+    configs = {"unet": spec.unet.to_diffusers(), "vae": spec.vae.to_diffusers()}
+    for name, cfg in (("text_encoder", spec.text), ("text_encoder_2", spec.text2)):
+        if cfg is not None:
+            configs[name] = cfg.to_diffusers()
     metadata = {META_PREDICTION: spec.prediction_type, META_CONFIG: json.dumps(configs), "sdlite.family": spec.family}
+    if spec.turbo:
+        metadata[META_TURBO] = "true"
     save_safetensors(tensors, path, metadata=metadata)
     return path

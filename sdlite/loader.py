@@ -647,8 +647,7 @@ def _open_single_file(path: Path, use_ema: bool) -> Checkpoint:
         elif detection.base_family == "sd1":
             _set_prediction(ckpt, "epsilon", "family default (SD 1.x is always epsilon)")
         elif detection.base_family == "sdxl":  # the UNet probe below cannot run without SDXL's added conditioning
-            _set_prediction(ckpt, "epsilon", "family default (SDXL base, refiner and Turbo are epsilon models; a "
-                                             "v-prediction SDXL file says so in its metadata or a 'v_pred' key)")
+            _set_prediction(ckpt, "epsilon", "family default (SDXL is epsilon unless the file says otherwise)")
     return ckpt
 
 

@@ -26,7 +26,7 @@ from ..loader import TEXT_ENCODERS, Checkpoint, StableDiffusion
 from ..models.bert import BertEmbeddings, BertLayer
 from ..models.clip import Embeddings, EncoderLayer
 from ..models.layers import Downsample, ResnetBlock, Upsample
-from ..models.unet import SpatialTransformer
+from ..models.unet import TransformerBlock
 from .cpu import default_prepack
 from .packing import load_prepacked, prepack_available, prepack_model, release_packed
 from .quant import check_quantize_supported, quantize_model
@@ -36,8 +36,10 @@ MEMORY_MODES = {
     1: "all resident (fastest)",
     2: "balanced: UNet resident; text encoder and VAE loaded when needed",
 }
-# modules whose forward uses their weights only through calls of their own children or themselves
-_UNIT_TYPES = (ResnetBlock, SpatialTransformer, Downsample, Upsample, Embeddings, EncoderLayer, BertEmbeddings,
+# modules whose forward uses their weights only through calls of their own children or themselves. A spatial
+# transformer is streamed one transformer block at a time (its norm and projections are units of their own): SDXL's
+# deepest ones hold 10 blocks, 1.4 GB in fp32, where one block is 139 MB
+_UNIT_TYPES = (ResnetBlock, TransformerBlock, Downsample, Upsample, Embeddings, EncoderLayer, BertEmbeddings,
                BertLayer)
 
 
@@ -221,9 +223,14 @@ class ModelManager:
 
     def _streams(self, name: str) -> bool:
         """Whether the network's weights are streamed block by block (on the meta device between blocks)."""
-        return (self.mode == 0 and name == "unet") or (self.weight_dtype is not None
-                                                       and self.weight_dtype != self.dtype) \
+        return self._streams_from_file(name) or (self.weight_dtype is not None and self.weight_dtype != self.dtype) \
             or self._keeps_as_stored(name)
+
+    def _streams_from_file(self, name: str) -> bool:
+        """Memory mode 0 streams the UNet, and SDXL's text encoders (bigG alone is 2.8 GB in fp32), from the file,
+        its pages handed back after each block."""
+        return self.mode == 0 and (name == "unet" or (name in TEXT_ENCODERS and self.ckpt is not None
+                                                      and self.ckpt.spec.is_sdxl))
 
     def _keeps_as_stored(self, name: str) -> bool:
         """Mode 1 keeps the text encoders' weights as a half-precision file stores them (zero-copy), each block
@@ -243,8 +250,8 @@ class ModelManager:
         return self.vae_dtype if name == "vae" and self.vae_dtype is not None else self.dtype
 
     def _build(self, name: str) -> nn.Module:
-        if self.mode == 0 and name == "unet":
-            return streamed_model(self.ckpt, name, self.dtype, self.device)
+        if self._streams_from_file(name):
+            return streamed_model(self.ckpt, name, self.dtype_of(name), self.device)
         if self._streams(name):
             return streamed_model(self.ckpt, name, self.dtype_of(name), self.device, keep_pages=True,
                                   weight_dtype=self.weight_dtype)

@@ -21,6 +21,10 @@ Layouts handled here:
   ``text_model.`` level.
 * SD 2.x OpenCLIP text encoder, prefix ``cond_stage_model.model.``: fused ``in_proj`` split into q/k/v; the
   last residual block is dropped by default, because SD 2.x conditions on the penultimate layer.
+* SDXL (Stability's SGM layout): the text encoders are ``conditioner.embedders.N.``, ``transformer.`` (CLIP ViT-L,
+  transformers names: ``text_encoder``) or ``model.`` (OpenCLIP bigG: ``text_encoder_2``, all layers, and
+  ``text_projection`` stored as the matrix of ``x @ text_projection``, the transpose of a Linear weight); the UNet's
+  added-conditioning MLP is ``label_emb.0.0`` / ``label_emb.0.2`` (diffusers' ``add_embedding.linear_1/2``).
 * Legacy diffusers VAE attention names (``query/key/value/proj_attn``), see :func:`normalize_diffusers_keys`.
 """
 from __future__ import annotations
@@ -35,6 +39,7 @@ from ..errors import CheckpointError
 
 __all__ = [
     "UNET_PREFIX", "VAE_PREFIX", "CLIP_PREFIX", "OPENCLIP_PREFIX", "EMA_PREFIX", "SCHEDULE_BUFFERS",
+    "EMBEDDERS_PREFIX", "SDXL_CLIP_PREFIX", "SDXL_OPENCLIP_PREFIX", "sgm_text_prefixes",
     "ConversionError", "Transform", "COPY", "PlanEntry", "ComponentPlan", "CheckpointPlan",
     "ConvertedMapping", "UNetStructure", "ema_key",
     "unet_from_original", "unet_to_original", "vae_from_original", "vae_to_original",
@@ -47,6 +52,10 @@ VAE_PREFIX = "first_stage_model."
 CLIP_PREFIX = "cond_stage_model.transformer."
 OPENCLIP_PREFIX = "cond_stage_model.model."
 EMA_PREFIX = "model_ema."
+# SDXL's conditioner (SGM layout): one embedder per text encoder, numbered in the order of the model's config
+EMBEDDERS_PREFIX = "conditioner.embedders."
+SDXL_CLIP_PREFIX = EMBEDDERS_PREFIX + "0.transformer."      # CLIP ViT-L of the base model
+SDXL_OPENCLIP_PREFIX = EMBEDDERS_PREFIX + "1.model."        # OpenCLIP bigG of the base model (the refiner: 0)
 
 # Training-time buffers of the LDM wrapper: present in most single files, never needed for inference.
 SCHEDULE_BUFFERS = frozenset({
@@ -54,6 +63,7 @@ SCHEDULE_BUFFERS = frozenset({
     "log_one_minus_alphas_cumprod", "sqrt_recip_alphas_cumprod", "sqrt_recipm1_alphas_cumprod",
     "posterior_variance", "posterior_log_variance_clipped", "posterior_mean_coef1", "posterior_mean_coef2",
     "logvar", "lvlb_weights",
+    "denoiser.sigmas",  # SGM's discrete denoiser keeps its sigma table as a buffer
 })
 # Marker tensors some tools add to say how the model was trained (read by detect, dropped here).
 MARKER_KEYS = frozenset({"v_pred", "ztsnr"})
@@ -74,15 +84,15 @@ class Transform:
 
     ``op`` is one of ``copy`` (one source, unchanged), ``to_linear`` (1x1 conv weight ``[O, I, 1, 1]`` ->
     Linear ``[O, I]``; a 2-D source passes unchanged), ``to_conv`` (Linear ``[O, I]`` -> ``[O, I, 1, 1]``),
-    ``chunk`` (``args=(index, parts)``: part ``index`` of ``parts`` equal slices along dim 0) and ``cat``
-    (the sources concatenated along dim 0).
+    ``chunk`` (``args=(index, parts)``: part ``index`` of ``parts`` equal slices along dim 0), ``cat``
+    (the sources concatenated along dim 0) and ``transpose`` (a 2-D matrix transposed, as a view).
     """
 
     op: str = "copy"
     args: tuple = ()
 
     def __post_init__(self):
-        if self.op not in ("copy", "to_linear", "to_conv", "chunk", "cat"):
+        if self.op not in ("copy", "to_linear", "to_conv", "chunk", "cat", "transpose"):
             raise ValueError(f"unknown transform {self.op!r}")
 
     def apply(self, tensors: Sequence[Any], key: str = "?") -> Any:
@@ -99,6 +109,8 @@ class Transform:
             index, parts = self.args
             n = t.shape[0] // parts
             return t[index * n:(index + 1) * n]
+        if self.op == "transpose":
+            return t.t()
         import torch
 
         return torch.cat(list(tensors), dim=0)
@@ -116,6 +128,8 @@ class Transform:
             return s + (1, 1) if len(s) == 2 else s
         if self.op == "chunk":
             return (s[0] // self.args[1],) + s[1:]
+        if self.op == "transpose":
+            return s[::-1]
         return (sum(x[0] for x in shapes),) + s[1:]
 
     def _check_shapes(self, shapes: list[tuple[int, ...]], key: str) -> None:
@@ -130,6 +144,8 @@ class Transform:
         if self.op == "chunk" and (not s or s[0] % self.args[1]):
             raise ConversionError(
                 f"cannot split shape {list(s)} into {self.args[1]} equal parts along dim 0", key=key)
+        if self.op == "transpose" and len(s) != 2:
+            raise ConversionError(f"expected a 2-D matrix to transpose, got shape {list(s)}", key=key)
         if self.op == "cat" and any(x[1:] != s[1:] for x in shapes):
             raise ConversionError(
                 f"cannot concatenate shapes {[list(x) for x in shapes]} along dim 0", key=key)
@@ -139,6 +155,7 @@ COPY = Transform("copy")
 _TO_LINEAR = Transform("to_linear")
 _TO_CONV = Transform("to_conv")
 _CAT = Transform("cat")
+_TRANSPOSE = Transform("transpose")
 
 
 class PlanEntry(NamedTuple):
@@ -492,6 +509,9 @@ class UNetStructure:
         rules = [
             _Rule("time_embed.0", "time_embedding.linear_1"),
             _Rule("time_embed.2", "time_embedding.linear_2"),
+            # SDXL's added conditioning (pooled text + size/crop ids): an MLP like the time embedding's
+            _Rule("label_emb.0.0", "add_embedding.linear_1"),
+            _Rule("label_emb.0.2", "add_embedding.linear_2"),
             _Rule("input_blocks.0.0", "conv_in"),
             _Rule("out.0", "conv_norm_out"),
             _Rule("out.2", "conv_out"),
@@ -687,13 +707,17 @@ _CANON_LAYER = re.compile(r"text_model\.encoder\.layers\.(\d+)\.")
 
 
 def openclip_from_original(keys: Iterable[str], *, num_layers: int | None = None, prefix: str = OPENCLIP_PREFIX,
-                           expected: Iterable[str] | None = None) -> ComponentPlan:
-    """Plan for the SD 2.x OpenCLIP text tower under ``prefix`` -> transformers ``CLIPTextModel`` names.
+                           expected: Iterable[str] | None = None, component: str = "text_encoder",
+                           projection: bool = False) -> ComponentPlan:
+    """Plan for an OpenCLIP text tower under ``prefix`` -> transformers ``CLIPTextModel`` names.
 
     ``in_proj_weight/bias`` are split into q/k/v. Only the first ``num_layers`` residual blocks are used;
     the default is the number of layers in ``expected`` when given, else the file's count minus one (SD 2.x
-    conditions on the penultimate layer, so diffusers' text encoder has 23 of ViT-H's 24 layers). Later
-    blocks, ``text_projection``, ``logit_scale`` and ``attn_mask`` are ignored.
+    conditions on the penultimate layer, so diffusers' text encoder has 23 of ViT-H's 24 layers), or all of
+    them with ``projection``. ``projection`` (SDXL's bigG, a ``CLIPTextModelWithProjection``): the pooled output
+    is needed, so every layer is kept, and ``text_projection`` (the ``(width, proj)`` matrix OpenCLIP multiplies
+    by) becomes the Linear weight ``text_projection.weight``, its transpose. Later blocks, ``logit_scale``,
+    ``attn_mask`` (and ``text_projection`` without ``projection``) are ignored. ``component`` names the plan.
     """
     keys = list(keys)
     expected = None if expected is None else list(expected)
@@ -702,14 +726,15 @@ def openclip_from_original(keys: Iterable[str], *, num_layers: int | None = None
         if expected is not None:
             num_layers = len({int(m.group(1)) for k in expected if (m := _CANON_LAYER.match(k))})
         else:
-            num_layers = max(len(blocks) - 1, 0)
-    plan = ComponentPlan("text_encoder")
+            num_layers = len(blocks) if projection else max(len(blocks) - 1, 0)
+    plan = ComponentPlan(component)
     if blocks and num_layers > len(blocks):
         plan.notes.append(f"OpenCLIP: {num_layers} layers wanted but the file has only {len(blocks)}")
+    unused = _OPENCLIP_UNUSED - {"text_projection"} if projection else _OPENCLIP_UNUSED
 
     def ignore(name: str) -> bool:
         m = _OPENCLIP_BLOCK.match(name)
-        return name in _OPENCLIP_UNUSED or (m is not None and int(m.group(1)) >= num_layers)
+        return name in unused or (m is not None and int(m.group(1)) >= num_layers)
 
     rest = []
     for key in keys:
@@ -722,9 +747,13 @@ def openclip_from_original(keys: Iterable[str], *, num_layers: int | None = None
             for i, part in enumerate("qkv"):
                 _add(plan, f"text_model.encoder.layers.{layer}.self_attn.{part}_proj.{param}",
                      PlanEntry((key,), Transform("chunk", (i, 3))))
+        elif projection and name == "text_projection":
+            _add(plan, "text_projection.weight", PlanEntry((key,), _TRANSPOSE))
+        elif projection and name == "text_projection.weight":  # towers built with a Linear projection
+            _add(plan, "text_projection.weight", PlanEntry((key,), COPY))
         else:
             rest.append(key)
-    sub = _build("text_encoder", rest, _OPENCLIP_RULES, to_canon=True, src_prefix=prefix, dst_prefix="",
+    sub = _build(component, rest, _OPENCLIP_RULES, to_canon=True, src_prefix=prefix, dst_prefix="",
                  ignore=ignore)
     for target, entry in sub.entries.items():
         _add(plan, target, entry)
@@ -734,17 +763,22 @@ def openclip_from_original(keys: Iterable[str], *, num_layers: int | None = None
     return plan
 
 
-def openclip_to_original(keys: Iterable[str], *, prefix: str = OPENCLIP_PREFIX) -> ComponentPlan:
+def openclip_to_original(keys: Iterable[str], *, prefix: str = OPENCLIP_PREFIX,
+                         component: str = "text_encoder") -> ComponentPlan:
     """Plan ``{original key: PlanEntry}`` writing a canonical text encoder back as an OpenCLIP tower.
 
-    q/k/v projections are concatenated into ``in_proj_weight/bias``. Only the layers present are written
-    (no ``text_projection``/``logit_scale``, which a CLIPTextModel does not have).
+    q/k/v projections are concatenated into ``in_proj_weight/bias``. Only the layers present are written;
+    a ``text_projection.weight`` (SDXL's bigG) is written as OpenCLIP's ``text_projection`` matrix, its transpose
+    (no ``logit_scale``, which a text encoder does not have).
     """
-    plan = ComponentPlan("text_encoder")
+    plan = ComponentPlan(component)
     keys = list(keys)
     present = set(keys)
     rest = []
     for key in keys:
+        if key == "text_projection.weight":
+            _add(plan, f"{prefix}text_projection", PlanEntry((key,), _TRANSPOSE))
+            continue
         m = _CANON_QKV.fullmatch(key)
         if not m:
             rest.append(key)
@@ -759,13 +793,36 @@ def openclip_to_original(keys: Iterable[str], *, prefix: str = OPENCLIP_PREFIX) 
             plan.unexpected.extend(g for g in group if g in present)
             continue
         _add(plan, f"{prefix}transformer.resblocks.{layer}.attn.in_proj_{param}", PlanEntry(group, _CAT))
-    sub = _build("text_encoder", rest, _OPENCLIP_RULES, to_canon=False, src_prefix="", dst_prefix=prefix,
+    sub = _build(component, rest, _OPENCLIP_RULES, to_canon=False, src_prefix="", dst_prefix=prefix,
                  ignore=_is_position_ids)
     for target, entry in sub.entries.items():
         _add(plan, target, entry)
     plan.unexpected += sub.unexpected
     plan.ignored += sub.ignored
     return plan
+
+
+_EMBEDDER = re.compile(re.escape(EMBEDDERS_PREFIX) + r"(\d+)\.(transformer|model)\.")
+_EMBEDDER_KINDS = {"transformer": "text_encoder", "model": "text_encoder_2"}
+
+
+def sgm_text_prefixes(keys: Iterable[str]) -> dict[str, str]:
+    """``{component: key prefix}`` of the text encoders of an SGM-layout (SDXL) file.
+
+    ``conditioner.embedders.N.transformer.`` is a CLIP ViT-L in transformers' layout (``text_encoder``) and
+    ``conditioner.embedders.N.model.`` an OpenCLIP tower (``text_encoder_2``, SDXL's bigG): the base model has
+    both (0 and 1), the refiner only bigG (0). Empty for files of any other layout.
+    """
+    found: dict[str, set[str]] = {}
+    for key in keys:
+        m = _EMBEDDER.match(key)
+        if m:
+            found.setdefault(_EMBEDDER_KINDS[m.group(2)], set()).add(m.group(0))
+    for component, prefixes in found.items():
+        if len(prefixes) > 1:
+            raise ConversionError(f"the file has {len(prefixes)} text encoders of one kind ({sorted(prefixes)}); "
+                                  f"SDXL has one CLIP ViT-L and one OpenCLIP bigG")
+    return {component: prefixes.pop() for component, prefixes in sorted(found.items())}
 
 
 # --- diffusers folders -------------------------------------------------------------------------------------
@@ -779,13 +836,14 @@ def normalize_diffusers_keys(keys: Iterable[str], component: str, *,
                              expected: Iterable[str] | None = None) -> ComponentPlan:
     """Plan from the keys of a diffusers-folder component to canonical names.
 
-    ``component``: ``unet``, ``vae`` or ``text_encoder``. Canonical keys map to themselves; the legacy VAE
-    attention names ``query/key/value/proj_attn`` become ``to_q/to_k/to_v/to_out.0`` (1x1 conv-shaped weights
-    made Linear); text-encoder keys saved without the ``text_model.`` level get it; ``position_ids`` buffers
-    are ignored.
+    ``component``: ``unet``, ``vae``, ``text_encoder`` or ``text_encoder_2``. Canonical keys map to themselves;
+    the legacy VAE attention names ``query/key/value/proj_attn`` become ``to_q/to_k/to_v/to_out.0`` (1x1
+    conv-shaped weights made Linear); text-encoder keys saved without the ``text_model.`` level get it;
+    ``position_ids`` buffers are ignored.
     """
-    if component not in ("unet", "vae", "text_encoder"):
-        raise ConversionError(f"unknown component {component!r} (expected unet, vae or text_encoder)")
+    if component not in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        raise ConversionError(f"unknown component {component!r} (expected unet, vae, text_encoder or "
+                              "text_encoder_2)")
     plan = ComponentPlan(component)
     for key in keys:
         target, transform = key, COPY
@@ -797,7 +855,7 @@ def normalize_diffusers_keys(keys: Iterable[str], component: str, *,
                     transform = _TO_LINEAR
             elif key.endswith(".weight") and re.search(r"\.attentions\.\d+\.to_(q|k|v|out\.0)\.weight$", key):
                 transform = _TO_LINEAR  # tolerate conv-shaped modern names too
-        elif component == "text_encoder":
+        elif component in ("text_encoder", "text_encoder_2"):
             if _is_position_ids(key):
                 plan.ignored.append(key)
                 continue
@@ -842,8 +900,10 @@ def plan_from_original(keys: Iterable[str], *, unet_structure: UNetStructure | M
                        vae_levels: int | None = None, text_encoder_layers: int | None = None,
                        use_ema: bool = False,
                        expected: Mapping[str, Iterable[str]] | None = None) -> CheckpointPlan:
-    """Plan the import of a whole original-layout single file (UNet, VAE, text encoder, whichever are there).
+    """Plan the import of a whole original-layout single file (UNet, VAE, text encoder(s), whichever are there).
 
+    An SD 1.x/2.x file has one text encoder (``cond_stage_model.``), an SDXL file (SGM layout) ``text_encoder``
+    and/or ``text_encoder_2`` (:func:`sgm_text_prefixes`; bigG keeps all its layers and its projection).
     Structure arguments default to what the keys show. ``expected``: ``{component: canonical keys}`` of the
     models to load, for missing/unexpected reporting (and the OpenCLIP layer count). Schedule buffers
     (``betas``, ``alphas_cumprod`` ...), markers and ``model_ema.*`` copies are ignored and listed in
@@ -859,15 +919,26 @@ def plan_from_original(keys: Iterable[str], *, unet_structure: UNetStructure | M
         plan.components["vae"] = vae_from_original(keys, vae_levels, expected=expected.get("vae"))
     has_clip = any(k.startswith(CLIP_PREFIX) for k in keys)
     has_openclip = any(k.startswith(OPENCLIP_PREFIX) for k in keys)
+    sgm = sgm_text_prefixes(keys)
     if has_clip and has_openclip:
         raise ConversionError(f"the file has both an OpenAI CLIP ({CLIP_PREFIX!r}) and an OpenCLIP "
                               f"({OPENCLIP_PREFIX!r}) text encoder")
+    if sgm and (has_clip or has_openclip):
+        raise ConversionError(f"the file has both SD 1.x/2.x ('cond_stage_model.') and SDXL ({EMBEDDERS_PREFIX!r}) "
+                              "text encoders")
     if has_clip:
         plan.components["text_encoder"] = clip_from_original(keys, expected=expected.get("text_encoder"))
     elif has_openclip:
         plan.components["text_encoder"] = openclip_from_original(
             keys, num_layers=text_encoder_layers, expected=expected.get("text_encoder"))
-    prefixes = (UNET_PREFIX, VAE_PREFIX, CLIP_PREFIX, OPENCLIP_PREFIX)
+    if "text_encoder" in sgm:
+        plan.components["text_encoder"] = clip_from_original(keys, prefix=sgm["text_encoder"],
+                                                             expected=expected.get("text_encoder"))
+    if "text_encoder_2" in sgm:
+        plan.components["text_encoder_2"] = openclip_from_original(
+            keys, prefix=sgm["text_encoder_2"], component="text_encoder_2", projection=True,
+            expected=expected.get("text_encoder_2"))
+    prefixes = (UNET_PREFIX, VAE_PREFIX, CLIP_PREFIX, OPENCLIP_PREFIX, *sgm.values())
     for key in keys:
         if key.startswith(prefixes):
             continue
@@ -883,16 +954,25 @@ def plan_to_original(components: Mapping[str, Iterable[str]], *, text_encoder: s
                      vae_levels: int | None = None) -> CheckpointPlan:
     """Plan the export of canonical components to one original-layout single file.
 
-    ``components``: ``{"unet"|"vae"|"text_encoder": canonical keys}``. ``text_encoder``: ``"clip"`` (SD 1.x,
-    ``cond_stage_model.transformer.``) or ``"openclip"`` (SD 2.x, ``cond_stage_model.model.``). Use
+    ``components``: ``{"unet"|"vae"|"text_encoder"|"text_encoder_2": canonical keys}``. ``text_encoder``:
+    ``"clip"`` (SD 1.x, ``cond_stage_model.transformer.``) or ``"openclip"`` (SD 2.x, ``cond_stage_model.model.``).
+    With a ``text_encoder_2`` the file is an SDXL one in the SGM layout: ``text_encoder`` (CLIP ViT-L) is
+    ``conditioner.embedders.0.transformer.`` and ``text_encoder_2`` (bigG, with its projection) the next embedder,
+    ``conditioner.embedders.1.model.`` (``0`` when there is no ``text_encoder``: the refiner). Use
     :meth:`CheckpointPlan.merge` with the components' state dicts to get the lazy original-layout mapping.
     """
     plan = CheckpointPlan()
+    sdxl = "text_encoder_2" in components
     for name, keys in components.items():
         if name == "unet":
             plan.components[name] = unet_to_original(keys, unet_structure)
         elif name == "vae":
             plan.components[name] = vae_to_original(keys, vae_levels)
+        elif name == "text_encoder" and sdxl:
+            plan.components[name] = clip_to_original(keys, prefix=SDXL_CLIP_PREFIX)
+        elif name == "text_encoder_2":
+            prefix = SDXL_OPENCLIP_PREFIX if "text_encoder" in components else EMBEDDERS_PREFIX + "0.model."
+            plan.components[name] = openclip_to_original(keys, prefix=prefix, component=name)
         elif name == "text_encoder":
             if text_encoder == "clip":
                 plan.components[name] = clip_to_original(keys)
@@ -901,5 +981,5 @@ def plan_to_original(components: Mapping[str, Iterable[str]], *, text_encoder: s
             else:
                 raise ConversionError(f"text_encoder={text_encoder!r}: expected 'clip' or 'openclip'")
         else:
-            raise ConversionError(f"unknown component {name!r} (expected unet, vae or text_encoder)")
+            raise ConversionError(f"unknown component {name!r} (expected unet, vae, text_encoder or text_encoder_2)")
     return plan

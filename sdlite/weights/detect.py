@@ -6,28 +6,32 @@ Everything sdlite concludes about a weights file is concluded here:
   dicts of a diffusers folder, or one bare diffusers UNet) or ``unknown``;
 * the family: ``sd1`` / ``sd2`` (OpenAI CLIP-L vs OpenCLIP ViT-H text tower; UNet cross-attention context
   768 vs 1024) and their inpainting variants ``sd1-inpaint`` / ``sd2-inpaint`` (9 UNet input channels);
-* a clear refusal, saying what the file looks like, for SDXL, LoRA / LyCORIS adapters, textual-inversion
+  ``sdxl`` (CLIP-L and OpenCLIP bigG, context 768 + 1280 = 2048, a UNet with added "text_time" conditioning)
+  and ``sdxl-refiner`` (bigG alone, context 1280, four UNet levels);
+* a clear refusal, saying what the file looks like, for LoRA / LyCORIS adapters, textual-inversion
   embeddings, ControlNets, standalone VAEs or text encoders, transformer-based models and anything else;
 * the UNet, VAE and text-encoder configs implied by the shapes (:class:`UNetInfo`, :class:`VAEInfo`,
   :class:`TextEncoderInfo`; ``config_kwargs()`` gives sdlite config field names);
-* for single files, the prediction type when the file's own metadata (or a marker key) states it.
+* for single files, the prediction type when the file's own metadata (or a marker key) states it, and whether
+  its metadata says it is a distilled Turbo model.
 """
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import CheckpointError
 from .convert import (
-    CLIP_PREFIX, EMA_PREFIX, OPENCLIP_PREFIX, UNET_PREFIX, VAE_PREFIX, UNetStructure, clip_from_original,
-    normalize_diffusers_keys, openclip_from_original, unet_from_original, vae_from_original,
+    CLIP_PREFIX, EMA_PREFIX, EMBEDDERS_PREFIX, OPENCLIP_PREFIX, UNET_PREFIX, VAE_PREFIX, UNetStructure,
+    clip_from_original, normalize_diffusers_keys, openclip_from_original, sgm_text_prefixes, unet_from_original,
+    vae_from_original,
 )
 
 __all__ = [
     "UnsupportedModelError", "UNetInfo", "VAEInfo", "TextEncoderInfo", "Detection",
     "detect", "detect_layout", "describe", "unet_structure_from_keys", "infer_unet", "infer_vae",
-    "infer_text_encoder", "prediction_type_from_metadata",
+    "infer_text_encoder", "prediction_type_from_metadata", "turbo_from_metadata", "META_TURBO",
 ]
 
 Shapes = Mapping[str, Sequence[int]]
@@ -38,10 +42,16 @@ TEXT_HEAD_DIM = 64
 SD1_UNET_HEADS = 8
 SD2_UNET_HEAD_DIM = 64
 CONTEXT_DIMS = {768: "sd1", 1024: "sd2"}
+# SDXL: the context is CLIP-L (768) and bigG (1280) side by side; the refiner has bigG alone. The UNet's added
+# conditioning is the pooled bigG embedding and this many size/crop ids (the refiner: an aesthetic score instead of
+# the target size), each embedded sinusoidally in SDXL_TIME_EMBED_DIM channels
+SDXL_CONTEXT_DIMS = {2048: "sdxl", 1280: "sdxl-refiner"}
+SDXL_TIME_IDS = {"sdxl": 6, "sdxl-refiner": 5}
+SDXL_TIME_EMBED_DIM = 256
 
 
 class UnsupportedModelError(CheckpointError):
-    """The weights are not an SD 1.x/2.x model sdlite can run; the message says what they look like."""
+    """The weights are not an SD 1.x/2.x/XL model sdlite can run; the message says what they look like."""
 
 
 # --- results -----------------------------------------------------------------------------------------------
@@ -50,7 +60,9 @@ class UnsupportedModelError(CheckpointError):
 @dataclass(frozen=True)
 class UNetInfo:
     """UNet hyper-parameters read from shapes (canonical names). ``heads`` follows the family convention
-    (SD 1.x: 8 per level, SD 2.x: width / 64) because head counts leave no trace in the shapes."""
+    (SD 1.x: 8 per level, SD 2.x and SDXL: width / 64) because head counts leave no trace in the shapes.
+    ``add_embed_in``: the input width of SDXL's added-conditioning MLP (0: none); ``addition_time_embed_dim`` is
+    only known once the family (its number of time ids) and the pooled text width are."""
 
     in_channels: int
     out_channels: int
@@ -64,6 +76,9 @@ class UNetInfo:
     transformer_depth: tuple[int, ...]   # per level, 0 where the level has no attention
     time_embed_dim: int
     heads: tuple[int, ...] | None = None
+    mid_transformer_depth: int = 0       # blocks in the middle block's transformer (0: read nothing)
+    add_embed_in: int = 0
+    addition_time_embed_dim: int = SDXL_TIME_EMBED_DIM
 
     @property
     def model_channels(self) -> int:
@@ -79,15 +94,27 @@ class UNetInfo:
                              self.mid_attention)
 
     def config_kwargs(self) -> dict:
-        """Keyword arguments with sdlite ``UNetConfig`` field names (``heads`` left out when unknown)."""
-        depths = sorted({d for d in self.transformer_depth if d})
-        depth = depths[0] if len(depths) == 1 else (tuple(self.transformer_depth) if depths else 1)
+        """Keyword arguments with sdlite ``UNetConfig`` field names (``heads`` left out when unknown).
+
+        One depth for every transformer becomes one number; else a depth per level, 1 at levels without
+        attention, except the last level, which carries the middle block's depth (``UNetConfig.depth_at(-1)``).
+        """
+        depths = sorted({d for d in self.transformer_depth if d} | ({self.mid_transformer_depth} - {0}))
+        if len(depths) <= 1:
+            depth = depths[0] if depths else 1
+        else:
+            depth = tuple(d or 1 for d in self.transformer_depth)
+            if self.mid_transformer_depth and not self.attention[-1]:
+                depth = depth[:-1] + (self.mid_transformer_depth,)
         out = dict(in_channels=self.in_channels, out_channels=self.out_channels,
                    block_channels=self.block_channels, layers_per_block=self.layers_per_block,
                    attention=self.attention, context_dim=self.context_dim,
                    linear_projection=self.linear_projection, transformer_depth=depth)
         if self.heads is not None:
             out["heads"] = self.heads
+        if self.add_embed_in:
+            out.update(addition_embed="text_time", add_embed_in=self.add_embed_in,
+                       addition_time_embed_dim=self.addition_time_embed_dim)
         return out
 
 
@@ -122,21 +149,26 @@ class TextEncoderInfo:
     mlp_width: int
     activation: str
     source_layers: int
+    projection_dim: int | None = None  # the width of ``text_projection.weight`` where the tower has one (bigG)
 
     def config_kwargs(self) -> dict:
-        """Keyword arguments with sdlite ``TextEncoderConfig`` field names (``heads`` left out when unknown)."""
+        """Keyword arguments with sdlite ``TextEncoderConfig`` field names (``heads`` and ``projection_dim`` left
+        out when unknown)."""
         out = dict(vocab_size=self.vocab_size, max_positions=self.max_positions, width=self.width,
                    layers=self.layers, mlp_width=self.mlp_width, activation=self.activation)
         if self.heads is not None:
             out["heads"] = self.heads
+        if self.projection_dim is not None:
+            out["projection_dim"] = self.projection_dim
         return out
 
 
 @dataclass(frozen=True)
 class Detection:
     layout: str                                  # "original" | "diffusers"
-    family: str                                  # "sd1" | "sd2" | "sd1-inpaint" | "sd2-inpaint"
-    components: tuple[str, ...]                  # of "unet", "vae", "text_encoder"
+    family: str                                  # "sd1" | "sd2" | "sd1-inpaint" | "sd2-inpaint" | "sdxl" |
+                                                 # "sdxl-refiner"
+    components: tuple[str, ...]                  # of "unet", "vae", "text_encoder", "text_encoder_2"
     unet: UNetInfo
     vae: VAEInfo | None = None
     text_encoder: TextEncoderInfo | None = None
@@ -145,6 +177,9 @@ class Detection:
     prediction_source: str | None = None         # where that came from
     has_ema: bool = False
     notes: tuple[str, ...] = ()
+    text_encoder_2: TextEncoderInfo | None = None  # SDXL's OpenCLIP bigG (with its projection)
+    turbo: bool = False                          # the file's metadata says it is a distilled Turbo model
+    turbo_source: str | None = None
 
     @property
     def base_family(self) -> str:
@@ -270,6 +305,9 @@ def infer_unet(shapes: Shapes) -> UNetInfo:
         blocks = {int(m.group(1)) for k in shapes
                   if (m := re.match(rf"down_blocks\.{i}\.attentions\.0\.transformer_blocks\.(\d+)\.", k))}
         depth.append(len(blocks))
+    mid_depth = len({int(m.group(1)) for k in shapes
+                     if (m := re.match(r"mid_block\.attentions\.0\.transformer_blocks\.(\d+)\.", k))})
+    add = shapes.get("add_embedding.linear_1.weight")
     for k, s in shapes.items():
         if context is None and k.endswith("attn2.to_k.weight"):
             context = s[1]
@@ -285,7 +323,7 @@ def infer_unet(shapes: Shapes) -> UNetInfo:
         layers_per_block=st.layers_per_block, attention=st.down_attention, up_attention=st.up_attention,
         mid_attention=st.mid_attention, context_dim=context, linear_projection=linear,
         transformer_depth=tuple(depth), time_embed_dim=_need(shapes, "time_embedding.linear_1.weight", "UNet")[0],
-        heads=heads)
+        heads=heads, mid_transformer_depth=mid_depth, add_embed_in=add[1] if add is not None and len(add) == 2 else 0)
 
 
 def infer_vae(shapes: Shapes) -> VAEInfo:
@@ -309,7 +347,7 @@ def infer_text_encoder(shapes: Shapes, kind: str = "diffusers", source_layers: i
     """Text encoder config from canonical (transformers ``CLIPTextModel``) key shapes.
 
     ``kind``: ``clip`` / ``openclip`` when the original layout showed it (sets the activation), else
-    ``diffusers`` (then a 1024-wide tower is taken for SD 2.x's OpenCLIP, which uses GELU).
+    ``diffusers`` (then a 1024- or 1280-wide tower is taken for SD 2.x's or SDXL's OpenCLIP, which use GELU).
     """
     shapes = {k: _shape(v) for k, v in shapes.items()}
     tok = _need(shapes, "text_model.embeddings.token_embedding.weight", "text encoder")
@@ -317,12 +355,14 @@ def infer_text_encoder(shapes: Shapes, kind: str = "diffusers", source_layers: i
     layers = len({int(m.group(1)) for k in shapes if (m := re.match(r"text_model\.encoder\.layers\.(\d+)\.", k))})
     width = tok[1]
     mlp = _need(shapes, "text_model.encoder.layers.0.mlp.fc1.weight", "text encoder")[0] if layers else 4 * width
-    openclip = kind == "openclip" or (kind == "diffusers" and width == 1024)
+    openclip = kind == "openclip" or (kind == "diffusers" and width in (1024, 1280))
+    projection = shapes.get("text_projection.weight")
     return TextEncoderInfo(
         kind=kind, vocab_size=tok[0], max_positions=pos[0], width=width, layers=layers,
         heads=width // TEXT_HEAD_DIM if width % TEXT_HEAD_DIM == 0 else None, mlp_width=mlp,
         activation="gelu" if openclip else "quick_gelu",
-        source_layers=layers if source_layers is None else source_layers)
+        source_layers=layers if source_layers is None else source_layers,
+        projection_dim=projection[0] if projection is not None else None)
 
 
 # --- prediction type ---------------------------------------------------------------------------------------
@@ -356,6 +396,27 @@ def prediction_type_from_metadata(metadata: Mapping[str, str] | None,
     return None, None
 
 
+_TURBO_WORD = re.compile(r"(^|[^a-z])turbo([^a-z]|$)")
+# the modelspec keys that identify a model (the others describe it, and a description may mention Turbo in passing)
+_TURBO_KEYS = ("modelspec.architecture", "modelspec.title")
+META_TURBO = "sdlite.turbo"  # "true" in the single files sdlite writes of a Turbo model
+
+
+def turbo_from_metadata(metadata: Mapping[str, str] | None) -> tuple[bool, str | None]:
+    """``(True, source)`` when the file's SAI model-spec metadata names it a Turbo (adversarially distilled) model:
+    its ``modelspec.architecture`` or ``modelspec.title`` has the word "turbo" (Stability's SDXL-Turbo and
+    SD-Turbo files are SDXL / SD 2.1 by architecture, and Turbo by name), or it is a file sdlite wrote of one
+    (``sdlite.turbo``). Else ``(False, None)``."""
+    metadata = metadata or {}
+    if str(metadata.get(META_TURBO, "")).lower() == "true":
+        return True, f"metadata {META_TURBO}='true'"
+    for name in _TURBO_KEYS:
+        value = str(metadata.get(name, ""))
+        if _TURBO_WORD.search(value.lower()):
+            return True, f"metadata {name}={value!r}"
+    return False, None
+
+
 # --- what is it? -------------------------------------------------------------------------------------------
 
 _LORA = re.compile(r"(^|[._])(lora_(up|down|A|B|te\d?|unet)|lora|hada_w\d|lokr_w\d|oft_blocks)([._]|$)")
@@ -365,7 +426,7 @@ def detect_layout(keys: Iterable[str]) -> str:
     """``original`` (LDM single file, or a bare original-layout UNet), ``diffusers`` (canonical names of a UNet,
     VAE or text encoder) or ``unknown``."""
     keys = list(keys)
-    if any(k.startswith((UNET_PREFIX, VAE_PREFIX, CLIP_PREFIX, OPENCLIP_PREFIX)) for k in keys):
+    if any(k.startswith((UNET_PREFIX, VAE_PREFIX, CLIP_PREFIX, OPENCLIP_PREFIX, EMBEDDERS_PREFIX)) for k in keys):
         return "original"
     if any(k.startswith("input_blocks.0.0.") for k in keys) or any(k.startswith("encoder.down.0.") for k in keys):
         return "original"
@@ -375,18 +436,11 @@ def detect_layout(keys: Iterable[str]) -> str:
 
 
 def describe(keys: Iterable[str]) -> str | None:
-    """What a file that is not an SD 1.x/2.x model looks like (None when it looks like one)."""
+    """What a file that is not an SD 1.x/2.x/XL model looks like (None when it looks like one)."""
     keys = list(keys)
     n = len(keys)
     if not keys:
         return "an empty file (no tensors)"
-    if any(k.startswith("conditioner.embedders.") for k in keys):
-        return (f"an SDXL checkpoint (has {_first([k for k in keys if k.startswith('conditioner.embedders.')], 1)}); "
-                "SDXL is not supported, only SD 1.x and 2.x")
-    label = [k for k in keys if k.startswith((UNET_PREFIX + "label_emb.", "label_emb.", "add_embedding."))]
-    if label:
-        return (f"an SDXL-style UNet with extra conditioning embeddings (has {_first(label, 1)}); SDXL is not "
-                "supported, only SD 1.x and 2.x")
     if any(k.startswith((UNET_PREFIX + "joint_blocks.", "joint_blocks.", UNET_PREFIX + "double_blocks.",
                          "double_blocks.", "transformer_blocks.0.attn.")) for k in keys):
         return "a transformer-based diffusion model (SD3/Flux-like), not an SD 1.x/2.x UNet"
@@ -407,7 +461,8 @@ def describe(keys: Iterable[str]) -> str | None:
         return f"a standalone VAE in the original layout ({n} tensors), not a full model"
     if any(k.startswith(("encoder.down_blocks.", "decoder.up_blocks.")) for k in keys):
         return f"a standalone VAE in the diffusers layout ({n} tensors), not a full model"
-    if any(k.startswith(("text_model.", CLIP_PREFIX, OPENCLIP_PREFIX, "transformer.resblocks.")) for k in keys):
+    if any(k.startswith(("text_model.", CLIP_PREFIX, OPENCLIP_PREFIX, EMBEDDERS_PREFIX, "transformer.resblocks."))
+           for k in keys):
         return f"a standalone text encoder ({n} tensors), not a full model"
     return (f"not a Stable Diffusion checkpoint: no UNet found ({n} tensors, first keys: {_first(keys)}; expected "
             f"{UNET_PREFIX + 'input_blocks.0.0.weight'!r} or 'conv_in.weight')")
@@ -416,14 +471,17 @@ def describe(keys: Iterable[str]) -> str | None:
 # --- detection ---------------------------------------------------------------------------------------------
 
 
-def _family(unet: UNetInfo, te: TextEncoderInfo | None, notes: list[str]) -> str:
+def _family(unet: UNetInfo, te: TextEncoderInfo | None, notes: list[str],
+            te2: TextEncoderInfo | None = None) -> str:
     context = unet.context_dim
     if context is None:
         raise UnsupportedModelError("the UNet has no cross-attention (no 'attn2.to_k.weight'); not a text-to-image "
-                                    "SD 1.x/2.x UNet")
-    if context in (1280, 2048):
-        raise UnsupportedModelError(f"the UNet's cross-attention context dim is {context} (SDXL); only SD 1.x "
-                                    "(768) and SD 2.x (1024) are supported")
+                                    "Stable Diffusion UNet")
+    if unet.add_embed_in or te2 is not None:
+        return _sdxl_family(unet, te, te2, notes)
+    if context in SDXL_CONTEXT_DIMS:
+        raise UnsupportedModelError(f"the UNet's cross-attention context dim is {context} (SDXL's) but it has no "
+                                    "added conditioning (label_emb / add_embedding), which every SDXL UNet has")
     if te is not None and te.width != context:
         raise UnsupportedModelError(f"the UNet's cross-attention context dim {context} (attn2.to_k.weight) does "
                                     f"not match the text encoder width {te.width} (token_embedding)")
@@ -444,12 +502,59 @@ def _family(unet: UNetInfo, te: TextEncoderInfo | None, notes: list[str]) -> str
     return base
 
 
+def _sdxl_family(unet: UNetInfo, te: TextEncoderInfo | None, te2: TextEncoderInfo | None, notes: list[str]) -> str:
+    """``sdxl`` (CLIP-L + bigG) or ``sdxl-refiner`` (bigG alone), with every width checked against the UNet."""
+    context = unet.context_dim
+    if not unet.add_embed_in:
+        raise UnsupportedModelError("the file has SDXL's OpenCLIP bigG text encoder but its UNet has no added "
+                                    "conditioning (label_emb.0.0 / add_embedding.linear_1), which SDXL's has")
+    if te2 is None and te is not None:
+        raise UnsupportedModelError(f"the UNet has SDXL's added conditioning (context dim {context}) but the file "
+                                    f"has only a {te.width}-wide {te.kind} text encoder, not SDXL's OpenCLIP bigG")
+    if te2 is not None:
+        widths = [t.width for t in (te, te2) if t is not None]
+        if sum(widths) != context:
+            raise UnsupportedModelError(
+                f"the UNet's cross-attention context dim {context} (attn2.to_k.weight) is not the width of its text "
+                f"encoders ({' + '.join(map(str, widths))}, token_embedding)")
+        family = "sdxl" if te is not None else "sdxl-refiner"
+    elif context in SDXL_CONTEXT_DIMS:
+        family = SDXL_CONTEXT_DIMS[context]
+    else:
+        family = "sdxl-refiner" if len(unet.block_channels) == 4 else "sdxl"
+        notes.append(f"non-standard context dim {context} and no text encoders: family {family} guessed from the "
+                     f"UNet's {len(unet.block_channels)} levels")
+    if unet.in_channels != 4:
+        raise UnsupportedModelError(f"the SDXL UNet has {unet.in_channels} input channels (conv_in.weight); only "
+                                    "text-to-image SDXL (4) is supported")
+    return family
+
+
+def _time_embed_dim(unet: UNetInfo, family: str, te2: TextEncoderInfo | None) -> UNetInfo:
+    """The UNet info with the width of one sinusoidal time-id embedding, which shapes show only through the MLP's
+    input width: the pooled text (bigG's projection) plus the family's number of time ids of that width."""
+    if not unet.add_embed_in:
+        return unet
+    n = SDXL_TIME_IDS[family]
+    pooled = te2.projection_dim if te2 is not None else None
+    if pooled is None:
+        return replace(unet, addition_time_embed_dim=SDXL_TIME_EMBED_DIM)
+    extra = unet.add_embed_in - pooled
+    if extra <= 0 or extra % n:
+        raise UnsupportedModelError(
+            f"the UNet's added-conditioning input width {unet.add_embed_in} (label_emb.0.0 / add_embedding.linear_1 "
+            f"weight) is not the pooled text embedding ({pooled}, text_projection) plus {n} time ids of one width "
+            f"({family})")
+    return replace(unet, addition_time_embed_dim=extra // n)
+
+
 def detect(shapes: Mapping, metadata: Mapping[str, str] | None = None) -> Detection:
     """Identify a checkpoint from ``{key: shape}`` (values may be shapes or tensors).
 
     ``shapes`` is either one flat mapping (a single file, or a bare diffusers UNet) or a diffusers folder as
-    ``{"unet": {...}, "vae": {...}, "text_encoder": {...}}``. ``metadata``: the file's safetensors metadata.
-    Raises :class:`UnsupportedModelError` saying what the weights look like when they are not SD 1.x/2.x.
+    ``{"unet": {...}, "vae": {...}, "text_encoder": {...}(, "text_encoder_2": {...})}``. ``metadata``: the file's
+    safetensors metadata. Raises :class:`UnsupportedModelError` saying what the weights look like when they are
+    not a model sdlite runs.
     """
     values = list(shapes.values())
     if values and all(isinstance(v, Mapping) for v in values):
@@ -463,43 +568,84 @@ def detect(shapes: Mapping, metadata: Mapping[str, str] | None = None) -> Detect
         return _detect_diffusers_folder({"unet": shapes})
     if layout != "original":
         raise UnsupportedModelError(f"unknown layout ({len(keys)} tensors, first keys: {_first(keys)})")
+    sdxl_marks = [k for k in keys if k.startswith((EMBEDDERS_PREFIX, UNET_PREFIX + "label_emb.", "label_emb."))]
+    try:
+        return _detect_original(shapes, keys, metadata)
+    except UnsupportedModelError as e:
+        if sdxl_marks and "SDXL" not in str(e):  # say what the file looks like, then what is wrong with it
+            raise UnsupportedModelError(f"an SDXL-like checkpoint (has {_first(sdxl_marks, 1)}), but {e}") from None
+        raise
+
+
+def _detect_original(shapes: Mapping, keys: list[str], metadata: Mapping[str, str] | None) -> Detection:
     notes: list[str] = []
     unet_prefix = UNET_PREFIX if any(k.startswith(UNET_PREFIX) for k in keys) else ""
     prefixes = {"unet": unet_prefix}
     unet_plan = unet_from_original(keys, prefix=unet_prefix)
     unet = infer_unet(unet_plan.shapes(shapes))
     components = ["unet"]
-    vae = te = None
+    vae = te = te2 = None
     if any(k.startswith(VAE_PREFIX) for k in keys):
         vae = infer_vae(vae_from_original(keys).shapes(shapes))
         components.append("vae")
         prefixes["vae"] = VAE_PREFIX
+    sgm = sgm_text_prefixes(keys)
+    if sgm and any(k.startswith((CLIP_PREFIX, OPENCLIP_PREFIX)) for k in keys):
+        raise UnsupportedModelError(f"the file has both SD 1.x/2.x ('cond_stage_model.') and SDXL "
+                                    f"({EMBEDDERS_PREFIX!r}) text encoders")
     if any(k.startswith(CLIP_PREFIX) for k in keys):
         te = infer_text_encoder(clip_from_original(keys).shapes(shapes), "clip")
         prefixes["text_encoder"] = CLIP_PREFIX
     elif any(k.startswith(OPENCLIP_PREFIX) for k in keys):
         plan = openclip_from_original(keys)
-        blocks = {m.group(1) for k in keys if (m := re.match(re.escape(OPENCLIP_PREFIX) +
-                                                             r"transformer\.resblocks\.(\d+)\.", k))}
+        blocks = _openclip_blocks(keys, OPENCLIP_PREFIX)
         te = infer_text_encoder(plan.shapes(shapes), "openclip", source_layers=len(blocks))
         prefixes["text_encoder"] = OPENCLIP_PREFIX
+    if "text_encoder" in sgm:
+        te = infer_text_encoder(clip_from_original(keys, prefix=sgm["text_encoder"]).shapes(shapes), "clip")
+        prefixes["text_encoder"] = sgm["text_encoder"]
+    if "text_encoder_2" in sgm:
+        prefix = sgm["text_encoder_2"]
+        plan = openclip_from_original(keys, prefix=prefix, component="text_encoder_2", projection=True)
+        te2 = infer_text_encoder(plan.shapes(shapes), "openclip", source_layers=len(_openclip_blocks(keys, prefix)))
+        if te2.projection_dim is None:
+            raise UnsupportedModelError(f"SDXL's OpenCLIP text encoder has no projection "
+                                        f"({prefix + 'text_projection'!r} is missing), which makes its pooled text "
+                                        "embedding")
+        prefixes["text_encoder_2"] = prefix
     if te is not None:
         components.append("text_encoder")
-    family = _family(unet, te, notes)
+    if te2 is not None:
+        components.append("text_encoder_2")
+    family = _family(unet, te, notes, te2)
+    if sgm and not family.startswith("sdxl"):
+        raise UnsupportedModelError(f"an SGM-layout file ({EMBEDDERS_PREFIX}*) whose UNet has no added conditioning: "
+                                    "only SDXL files are read in that layout")
+    if family.startswith("sdxl"):
+        unet = _time_embed_dim(unet, family, te2)
     prediction, source = prediction_type_from_metadata(metadata, keys)
+    turbo, turbo_source = turbo_from_metadata(metadata)
     ema = sum(k.startswith(EMA_PREFIX) for k in keys)
     if unet_plan.unexpected:
         notes.append(f"{len(unet_plan.unexpected)} UNet keys not understood, first: {_first(unet_plan.unexpected)}")
     return Detection(layout="original", family=family, components=tuple(components), unet=unet, vae=vae,
                      text_encoder=te, prefixes=prefixes, prediction_type=prediction, prediction_source=source,
-                     has_ema=ema > 0, notes=tuple(notes))
+                     has_ema=ema > 0, notes=tuple(notes), text_encoder_2=te2, turbo=turbo, turbo_source=turbo_source)
+
+
+def _openclip_blocks(keys: Iterable[str], prefix: str) -> set[str]:
+    pattern = re.compile(re.escape(prefix) + r"transformer\.resblocks\.(\d+)\.")
+    return {m.group(1) for k in keys if (m := pattern.match(k))}
+
+
+_FOLDER_PARTS = ("unet", "vae", "text_encoder", "text_encoder_2")
 
 
 def _detect_diffusers_folder(parts: Mapping[str, Mapping]) -> Detection:
-    unknown = [name for name in parts if name not in ("unet", "vae", "text_encoder")]
+    unknown = [name for name in parts if name not in _FOLDER_PARTS]
     if unknown:
-        raise UnsupportedModelError(f"diffusers components {unknown} are not SD 1.x/2.x parts "
-                                    "(expected unet, vae, text_encoder)")
+        raise UnsupportedModelError(f"diffusers components {unknown} are not Stable Diffusion parts "
+                                    f"(expected {', '.join(_FOLDER_PARTS)})")
     if "unet" not in parts:
         raise UnsupportedModelError("the diffusers folder has no unet")
     notes: list[str] = []
@@ -519,9 +665,11 @@ def _detect_diffusers_folder(parts: Mapping[str, Mapping]) -> Detection:
             infos[name] = infer_text_encoder(canon, "diffusers")
     unet = infos["unet"]
     te = infos.get("text_encoder")
-    family = _family(unet, te, notes)
-    if te is not None and te.width not in CONTEXT_DIMS:
+    te2 = infos.get("text_encoder_2")
+    family = _family(unet, te, notes, te2)
+    if family.startswith("sdxl"):
+        unet = _time_embed_dim(unet, family, te2)
+    elif te is not None and te.width not in CONTEXT_DIMS:
         notes.append(f"text encoder width {te.width}: activation {te.activation} assumed")
-    return Detection(layout="diffusers", family=family, components=tuple(n for n in ("unet", "vae", "text_encoder")
-                                                                         if n in parts),
-                     unet=unet, vae=infos.get("vae"), text_encoder=te, notes=tuple(notes))
+    return Detection(layout="diffusers", family=family, components=tuple(n for n in _FOLDER_PARTS if n in parts),
+                     unet=unet, vae=infos.get("vae"), text_encoder=te, notes=tuple(notes), text_encoder_2=te2)
