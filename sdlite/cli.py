@@ -18,8 +18,17 @@ FAMILY_NAMES = {
     "sd2": "Stable Diffusion 2.x",
     "sd1-inpaint": "Stable Diffusion 1.x inpainting",
     "sd2-inpaint": "Stable Diffusion 2.x inpainting",
+    "sdxl": "Stable Diffusion XL",
+    "sdxl-refiner": "Stable Diffusion XL refiner",
 }
 
+
+# what --turbo (or a model recognised as Turbo) changes where the command line leaves it unset: the settings the
+# distilled models are made for (stabilityai/sdxl-turbo and sd-turbo model cards: 1-4 steps, no guidance)
+TURBO_DEFAULTS = {"steps": 1, "cfg": 1.0, "sampler": "euler_a", "timestep_spacing": "trailing"}
+TURBO_DEFAULTS_TEXT = "1 step, cfg 1 (no negative pass), Euler a, trailing timestep spacing"
+PLAIN_DEFAULTS = {"steps": 20, "cfg": 7.5, "sampler": "dpmpp_2m_karras", "timestep_spacing": None}
+DEFAULT_REFINER_SWITCH = 0.8   # A1111's "Refiner switch at" default
 
 DEMO_MODELS = ("demo", "demo-zh")   # --model names of the shipped demo models (when no such path exists)
 
@@ -56,7 +65,10 @@ def family_name(spec) -> str:
 
     if is_bert(spec.text):
         return "Taiyi, Chinese BERT text encoder"
-    return FAMILY_NAMES.get(spec.family, spec.family)
+    name = FAMILY_NAMES.get(spec.family, spec.family)
+    if spec.turbo:
+        return f"{name}, Turbo (distilled: 1-4 steps, no guidance)"
+    return name
 
 
 def _describe_component(name: str, spec) -> str:
@@ -67,15 +79,25 @@ def _describe_component(name: str, spec) -> str:
         return (f"BERT text encoder: {t.layers} layers, width {t.width}, {t.heads} heads, gelu, vocabulary "
                 f"{t.vocab_size}, {t.max_positions} positions (the UNet reads all {t.max_positions}, padding "
                 "included)")
-    if name == "text_encoder":
-        t = spec.text
-        kind = {768: "CLIP ViT-L/14 text tower", 1024: "OpenCLIP ViT-H text tower"}.get(t.width, "CLIP text tower")
-        return f"{kind}: {t.layers} layers, width {t.width}, {t.heads} heads, {t.activation}"
+    if name in ("text_encoder", "text_encoder_2"):
+        t = spec.text if name == "text_encoder" else spec.text2
+        kind = {768: "CLIP ViT-L/14 text tower", 1024: "OpenCLIP ViT-H text tower",
+                1280: "OpenCLIP ViT-bigG text tower"}.get(t.width, "CLIP text tower")
+        extra = ""
+        if spec.is_sdxl:
+            extra = ", penultimate layer" + (f", pooled output projected to {t.projection_dim}"
+                                             if name == "text_encoder_2" else "")
+        return f"{kind}: {t.layers} layers, width {t.width}, {t.heads} heads, {t.activation}{extra}"
     if name == "unet":
         u = spec.unet
+        depth = u.transformer_depth
         return (f"UNet: {u.in_channels} in-channels, widths {list(u.block_channels)}, {u.layers_per_block} "
                 f"res blocks/level, heads {list(u.heads)}, context {u.context_dim}, "
-                f"{'linear' if u.linear_projection else 'conv'} projections")
+                f"{'linear' if u.linear_projection else 'conv'} projections"
+                + (f", transformer depth {list(depth) if isinstance(depth, tuple) else depth}" if depth != 1 else "")
+                + (f", added conditioning: pooled text + {(u.add_embed_in - spec.text2.projection_dim) // u.addition_time_embed_dim}"
+                   f" {'size/crop/aesthetic' if spec.requires_aesthetics_score else 'size/crop'} ids"
+                   if u.addition_embed == "text_time" and spec.text2 is not None else ""))
     v = spec.vae
     return f"AutoencoderKL: widths {list(v.block_channels)}, {v.latent_channels} latent channels, " \
            f"{v.downscale}x downsampling, scaling factor {v.scaling_factor}"
@@ -111,14 +133,19 @@ def cmd_info(args) -> int:
         print(f"prediction:  {spec.prediction_type} ({ckpt.prediction_source})")
         print(f"storage:     {str(ckpt.storage_dtype).replace('torch.', '')}")
         print(f"image size:  {spec.default_size}x{spec.default_size} (native)")
+        if spec.is_sdxl:
+            print(f"negative:    {'zeros when no negative prompt is given' if spec.force_zeros_for_empty_prompt else 'encoded, also when empty'}"
+                  f" (force_zeros_for_empty_prompt)")
+        if spec.turbo:
+            print(f"turbo:       defaults {TURBO_DEFAULTS_TEXT}")
         print(f"schedule:    {_describe_schedule(ckpt.scheduler_config)}")
         print(f"             from {ckpt.scheduler_source}")
         counts = ckpt.parameter_counts()
         print("components:")
-        for name in ("text_encoder", "unet", "vae"):
+        for name in ckpt.components:
             if name in counts:
-                print(f"  {name:<13}{counts[name]:>14,} params  {_describe_component(name, spec)}")
-        print(f"  {'total':<13}{sum(counts.values()):>14,} params")
+                print(f"  {name:<15}{counts[name]:>14,} params  {_describe_component(name, spec)}")
+        print(f"  {'total':<15}{sum(counts.values()):>14,} params")
         unusual = ckpt.problems() + ckpt.notes
         if ckpt.detection.has_ema:
             unusual.append("the file carries EMA copies of the UNet weights (model_ema.*); the non-EMA ones are used")
@@ -304,7 +331,7 @@ def cmd_tokens(args) -> int:
     model = resolve_model(args.model, args.prompt)
     ckpt = open_model(model)
     tokenizer = ckpt.tokenizer()
-    db = EmbeddingDB.from_dir(args.embeddings, tokenizer, ckpt.spec.text.width) if args.embeddings else None
+    db = EmbeddingDB.from_dir(args.embeddings, tokenizer, ckpt.spec.context_text.width) if args.embeddings else None
     text = db.rewrite_tags(args.prompt) if db is not None else rewrite_tags_without_db(args.prompt)
     info = describe(text, args.steps)
     stripped, _ = extract_networks(text)
@@ -339,6 +366,11 @@ def cmd_generate(args) -> int:
     from .sampling.samplers import img2img_start
 
     args.model = resolve_model(args.model, args.prompt)
+    _resolve_turbo_defaults(args)
+    if args.refiner_switch is not None and args.refiner is None:
+        raise RequestError("--refiner-switch needs a refiner: add --refiner PATH")
+    if args.refiner is not None and not Path(args.refiner).exists():
+        raise RequestError(f"--refiner {args.refiner}: no such file or folder")
     # left out: the Request's defaults (A1111's)
     image_options = {name: value for name, value in (
         ("strength", args.strength), ("mask_blur", args.mask_blur), ("inpaint_fill", args.inpaint_fill),
@@ -351,7 +383,11 @@ def cmd_generate(args) -> int:
                       mask_from_alpha=args.mask_from_alpha, invert_mask=args.invert_mask,
                       overlay=not args.no_overlay, outpaint=parse_outpaint(args.outpaint), **image_options,
                       loras=tuple(parse_lora(v) for v in args.lora), lora_dir=args.lora_dir,
-                      embeddings_dir=args.embeddings)
+                      embeddings_dir=args.embeddings,
+                      refiner_switch_at=(args.refiner_switch or DEFAULT_REFINER_SWITCH) if args.refiner else None,
+                      **{name: value for name, value in (("aesthetic_score", args.aesthetic_score),
+                                                         ("negative_aesthetic_score", args.negative_aesthetic_score))
+                         if value is not None})
     # everything that can be checked before the (slow) model load is checked first
     validate(request)
     check_addons(request)
@@ -379,22 +415,28 @@ def cmd_generate(args) -> int:
         torch.set_num_threads(args.threads)
 
     t0 = time.perf_counter()
-    engine = Engine.load(args.model, device=str(device), dtype=dtype, prediction_type=args.prediction_type,
-                         memory_mode=args.memory_mode,
-                         weight_dtype=getattr(torch, _DTYPES[args.weight_dtype]) if args.weight_dtype else None,
-                         quantize=args.quantize, vae_tile=vae_tile, prepack=False if args.no_prepack else None)
+    options = dict(device=str(device), dtype=dtype, memory_mode=args.memory_mode,
+                   weight_dtype=getattr(torch, _DTYPES[args.weight_dtype]) if args.weight_dtype else None,
+                   quantize=args.quantize, vae_tile=vae_tile, prepack=False if args.no_prepack else None)
+    engine = Engine.load(args.model, prediction_type=args.prediction_type, **options)
+    extra_info = {}
+    if args.refiner is not None:
+        engine.set_refiner(Engine.load(args.refiner, **options))
+        extra_info = {"Refiner": f"{_model_name(args.refiner)} [{model_hash(args.refiner)}]",
+                      "Refiner switch at": request.refiner_switch_at}
     load_s = time.perf_counter() - t0
     result = engine.generate(request, callback=ProgressBar())
     for w in result.warnings:
         print(f"sdlite: warning: {w}", file=sys.stderr)
     used = result.request
     mhash = model_hash(args.model)
-    name = Path(args.model).stem if Path(args.model).is_file() else Path(args.model).name
+    name = _model_name(args.model)
     paths = output_paths(args.output, len(result.images), args.format, result.seeds)
     written = []
     try:
         for image, seed, path in zip(result.images, result.seeds, paths):
-            written.append(save_image(image, path, infotext(used, seed, mhash, name, result.infotext), args.format))
+            written.append(save_image(image, path, infotext(used, seed, mhash, name, {**result.infotext, **extra_info}),
+                                      args.format))
     except BaseException:
         for path in written:  # no partial batch left behind
             path.unlink(missing_ok=True)
@@ -413,6 +455,27 @@ def cmd_generate(args) -> int:
     for path in written:
         print(path)
     return 0
+
+
+def _model_name(path: str) -> str:
+    return Path(path).stem if Path(path).is_file() else Path(path).name
+
+
+def _resolve_turbo_defaults(args) -> None:
+    """Fill the sampling options the command line left unset (None): a Turbo model's settings with --turbo or when
+    the model says it is one (its scheduler config or metadata; `sdlite info` shows it), A1111's otherwise."""
+    unset = [key for key in TURBO_DEFAULTS if getattr(args, key) is None]
+    turbo = args.turbo
+    if not turbo and unset:
+        from .loader import open_model
+
+        try:
+            with open_model(args.model) as ckpt:   # headers only
+                turbo = ckpt.spec.turbo
+        except SDLiteError:
+            turbo = False   # the load reports what is wrong with the model
+    for key in unset:
+        setattr(args, key, (TURBO_DEFAULTS if turbo else PLAIN_DEFAULTS)[key])
 
 
 def _is_loopback(host: str) -> bool:
@@ -553,15 +616,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a diffusers folder or a .safetensors/.ckpt single file, or demo / demo-zh (default: the "
                         "shipped demo model; demo-zh, its Chinese text encoder, when the prompt has Chinese characters)")
     g.add_argument("--negative", "-n", default="", help="negative prompt")
-    g.add_argument("--steps", type=int, default=20)
-    g.add_argument("--cfg", type=float, default=7.5, help="classifier-free guidance scale (1 = off)")
-    g.add_argument("--sampler", default="dpmpp_2m_karras",
-                   help="see `sdlite samplers`; A1111 names work too (default: DPM++ 2M Karras)")
+    g.add_argument("--steps", type=int, default=None, help="default 20 (Turbo models: 1)")
+    g.add_argument("--cfg", type=float, default=None,
+                   help="classifier-free guidance scale (1 = off; default 7.5, Turbo models 1)")
+    g.add_argument("--sampler", default=None,
+                   help="see `sdlite samplers`; A1111 names work too (default: DPM++ 2M Karras; Turbo models: Euler a)")
     g.add_argument("--schedule", default=None,
                    help="sigma schedule: discrete, karras or exponential (default: what the sampler name implies)")
     g.add_argument("--timestep-spacing", default=None,
                    help="leading, linspace or trailing: where the sampler's timesteps fall (default: what the "
-                        "model's scheduler config says; `sdlite info` shows it)")
+                        "model's scheduler config says, `sdlite info` shows it; Turbo models: trailing)")
+    g.add_argument("--turbo", action="store_true",
+                   help=f"use a Turbo model's settings where not given: {TURBO_DEFAULTS_TEXT} (automatic for "
+                        "models recognised as SDXL-Turbo / SD-Turbo)")
     g.add_argument("--seed", type=int, default=-1, help="-1 = random (the seed used is printed)")
     g.add_argument("--width", type=int, default=None,
                    help="default: the model's native size; with --init-image the source's (rounded down to a multiple "
@@ -590,6 +657,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-prepack", action="store_true",
                    help="leave fp32 CPU weights in PyTorch's layout instead of reordering them once for oneDNN "
                         "(by default they are where this CPU gains from it: see `sdlite info --system`)")
+    x = g.add_argument_group("SDXL")
+    x.add_argument("--refiner", metavar="PATH", default=None,
+                   help="an SDXL refiner that takes the latents over for the last steps (A1111's refiner)")
+    x.add_argument("--refiner-switch", metavar="F", type=float, default=None,
+                   help=f"the fraction of the steps the base runs before the refiner (default {DEFAULT_REFINER_SWITCH})")
+    x.add_argument("--aesthetic-score", metavar="S", type=float, default=None,
+                   help="the refiner's aesthetic score conditioning of the prompt (default 6)")
+    x.add_argument("--negative-aesthetic-score", metavar="S", type=float, default=None,
+                   help="... of the negative prompt (default 2.5)")
     a = g.add_argument_group("add-ons")
     a.add_argument("--lora", metavar="PATH[:WEIGHT]", action="append", default=[],
                    help="apply a LoRA (kohya/A1111 or diffusers/PEFT .safetensors) at WEIGHT (default 1); repeatable. "

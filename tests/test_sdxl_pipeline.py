@@ -253,3 +253,62 @@ def test_sdxl_request_errors_name_the_value(models):
         engine.generate(Request(prompt="x", steps=2, original_size=(0, 64)))
     with pytest.raises(RequestError, match="clip skip 3 .* 1..2 are valid"):
         engine.generate(Request(prompt="x", steps=2, clip_skip=3))
+
+
+def test_cli_refiner_and_info(models, tmp_path, capsys):
+    """`sdlite generate --refiner --refiner-switch` gives the engine's hand-off image and records the refiner in the
+    PNG parameters; `sdlite info` lists both text encoders."""
+    from sdlite.cli import main
+    from sdlite.images import parse_infotext, read_parameters
+
+    _, _, engine, ref_engine, tmp = models
+    out = tmp_path / "r.png"
+    assert main(["generate", PROMPT, "--model", str(tmp / "base"), "--refiner", str(tmp / "refiner"),
+                 "--refiner-switch", "0.5", "--steps", "4", "--sampler", "euler", "--cfg", "5", "--seed", "7",
+                 "-o", str(out)]) == 0
+    params = parse_infotext(read_parameters(out))
+    assert params["Refiner switch at"] == "0.5" and params["Refiner"].startswith("refiner [")
+    engine.set_refiner(ref_engine)
+    try:
+        expected = engine.generate(Request(prompt=PROMPT, steps=4, sampler="euler", cfg_scale=5.0, seed=7,
+                                           refiner_switch_at=0.5))
+    finally:
+        engine.set_refiner(None)
+    from PIL import Image
+
+    assert np.array_equal(np.asarray(Image.open(out).convert("RGB")), np.asarray(expected.images[0]))
+    capsys.readouterr()
+    assert main(["info", str(tmp / "base")]) == 0
+    text = capsys.readouterr().out
+    assert "family:      sdxl (Stable Diffusion XL)" in text and "text_encoder_2" in text
+    assert "zeros when no negative prompt is given" in text and "OpenCLIP" not in text.split("text_encoder_2")[0]
+
+
+def test_cli_turbo_defaults(models, tmp_path, capsys):
+    """A folder whose scheduler says trailing (as SDXL-Turbo's does) is recognised as Turbo: `sdlite generate`
+    then runs its settings (1 step, cfg 1, Euler a, trailing) unless told otherwise; --turbo does it for any model."""
+    import json
+    import shutil
+
+    from sdlite.cli import main
+    from sdlite.images import parse_infotext, read_parameters
+
+    _, _, _, _, tmp = models
+    turbo = tmp_path / "turbo"
+    shutil.copytree(tmp / "base", turbo)
+    sched = turbo / "scheduler" / "scheduler_config.json"
+    cfg = json.loads(sched.read_text())
+    sched.write_text(json.dumps({**cfg, "_class_name": "EulerAncestralDiscreteScheduler",
+                                 "timestep_spacing": "trailing"}))
+    assert open_model(turbo).spec.turbo and not open_model(tmp / "base").spec.turbo
+    for model, extra in ((turbo, []), (tmp / "base", ["--turbo"])):
+        out = tmp_path / f"{model.name}.png"
+        assert main(["generate", PROMPT, "--model", str(model), "--seed", "3", "-o", str(out), *extra]) == 0
+        params = parse_infotext(read_parameters(out))
+        assert (params["Steps"], params["CFG scale"], params["Sampler"]) == ("1", "1", "Euler a")
+    assert main(["generate", PROMPT, "--model", str(turbo), "--seed", "3", "--steps", "2", "-o",
+                 str(tmp_path / "two.png")]) == 0
+    assert parse_infotext(read_parameters(tmp_path / "two.png"))["Steps"] == "2"
+    capsys.readouterr()
+    assert main(["info", str(turbo)]) == 0
+    assert "Turbo (distilled" in capsys.readouterr().out
