@@ -274,13 +274,16 @@ def latents_to_images(images: torch.Tensor) -> list:
 # latent -> RGB in [-1, 1], one linear map per latent channel: the approximation of the SD 1.x/2.x VAE that the
 # A1111 web UI calls "Approx cheap" (after https://discuss.huggingface.co/t/decoding-latents-to-rgb-without-upscaling/23204)
 _CHEAP_RGB = ((0.298, 0.207, 0.208), (0.187, 0.286, 0.173), (-0.158, 0.189, 0.264), (-0.184, -0.271, -0.473))
+# the same for SDXL's VAE (the coefficients A1111 and other UIs use for SDXL's cheap preview)
+_CHEAP_RGB_SDXL = ((0.3448, 0.4168, 0.4395), (-0.1953, -0.0290, 0.0250), (0.1074, 0.0886, -0.0163),
+                   (-0.3730, -0.2499, -0.2088))
 
 
-def approximate_images(latents: torch.Tensor, scale: int = 8) -> list:
+def approximate_images(latents: torch.Tensor, scale: int = 8, sdxl: bool = False) -> list:
     """Scaled latents (B, 4, h, w) -> PIL images (scale h x scale w) through a fixed linear map of the four
-    channels: no network runs, so it costs next to nothing. Faithful for the SD 1.x/2.x VAE; for another VAE
-    (the demo model's) it shows where the shapes are, in approximate colours."""
-    coefs = torch.tensor(_CHEAP_RGB, dtype=torch.float32)
+    channels: no network runs, so it costs next to nothing. Faithful for the SD 1.x/2.x VAE (``sdxl``: for SDXL's);
+    for another VAE (the demo model's) it shows where the shapes are, in approximate colours."""
+    coefs = torch.tensor(_CHEAP_RGB_SDXL if sdxl else _CHEAP_RGB, dtype=torch.float32)
     if latents.shape[1] != coefs.shape[0]:
         raise RequestError(f"the cheap preview needs {coefs.shape[0]} latent channels, not {latents.shape[1]}")
     rgb = torch.einsum("bchw,cr->brhw", latents.detach().float().cpu(), coefs)
@@ -485,7 +488,7 @@ class Engine:
         """Images of an estimate of the final latents (what ``on_latents`` of :meth:`generate` receives): decoded by
         the VAE (``full``: exact, a decoder pass) or by :func:`approximate_images` (instant, approximate)."""
         if not full:
-            return approximate_images(latents, self.spec.vae.downscale)
+            return approximate_images(latents, self.spec.vae.downscale, sdxl=self.spec.is_sdxl)
         return latents_to_images(self.decode_latents(latents / self.spec.vae.scaling_factor))
 
     def encode_image(self, image: torch.Tensor, generators: list[torch.Generator] | None) -> torch.Tensor:

@@ -195,5 +195,7 @@ def use_scheduler(pipe, sampler: str, spacing: str | None = None):
     config = {**base, "clip_sample": False, **extra}
     if spacing is not None:
         config["timestep_spacing"] = spacing
+        # a field listed as defaulted would be dropped by from_config, the spacing given here with it
+        config["_use_default_values"] = [k for k in config.get("_use_default_values", []) if k != "timestep_spacing"]
     pipe.scheduler = getattr(diffusers, cls).from_config(config)
     return pipe

@@ -312,3 +312,36 @@ def test_cli_turbo_defaults(models, tmp_path, capsys):
     capsys.readouterr()
     assert main(["info", str(turbo)]) == 0
     assert "Turbo (distilled" in capsys.readouterr().out
+
+
+def test_sd_turbo_settings_match_diffusers(tmp_path):
+    """SD-Turbo is SD 2.1's architecture distilled: its folder's scheduler (Euler, trailing) makes it Turbo, and one
+    step without guidance matches diffusers' StableDiffusionPipeline run the same way."""
+    import json
+
+    from tests.reference import diffusers_pipeline, saved_pipeline
+
+    pipe = with_contrast(diffusers_pipeline("sd2", tmp_path))
+    use_scheduler(pipe, "euler", spacing="trailing")
+    pipe = saved_pipeline(pipe, tmp_path / "sd-turbo")
+    pipe.set_progress_bar_config(disable=True)
+    assert json.loads((tmp_path / "sd-turbo" / "scheduler" / "scheduler_config.json").read_text())[
+        "timestep_spacing"] == "trailing"
+    engine = Engine.load(tmp_path / "sd-turbo")
+    assert engine.spec.turbo and engine.spec.family == "sd2" and not engine.spec.is_sdxl
+    size = engine.spec.default_size
+    expected = pipe(PROMPT, num_inference_steps=1, guidance_scale=0.0, generator=torch.Generator().manual_seed(6),
+                    height=size, width=size, output_type="np").images
+    expected = np.round(np.clip(expected, 0, 1) * 255).astype(np.int16)
+    got = engine.generate(Request(prompt=PROMPT, steps=1, cfg_scale=1.0, sampler="euler", seed=6))
+    assert np.abs(_pixels(got.images) - expected).max() <= MAX_PIXEL_DIFF
+
+
+def test_cheap_preview_uses_sdxl_coefficients(models):
+    """The instant preview maps SDXL's latent channels with SDXL's coefficients (A1111's "Approx cheap" for SDXL)."""
+    _, _, engine, _, _ = models
+    latents = torch.zeros(1, 4, 2, 2)
+    latents[:, 0] = 1.0
+    pixel = np.asarray(engine.preview(latents)[0])[0, 0]
+    # channel 0 maps to RGB (0.3448, 0.4168, 0.4395), in [-1, 1]: ((v + 1) / 2 * 255) rounded
+    assert pixel.tolist() == [171, 181, 184]
