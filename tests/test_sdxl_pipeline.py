@@ -345,3 +345,36 @@ def test_cheap_preview_uses_sdxl_coefficients(models):
     pixel = np.asarray(engine.preview(latents)[0])[0, 0]
     # channel 0 maps to RGB (0.3448, 0.4168, 0.4395), in [-1, 1]: ((v + 1) / 2 * 255) rounded
     assert pixel.tolist() == [171, 181, 184]
+
+
+def _fp16_copy(folder, dest):
+    """The folder with every weight file stored in fp16, as SDXL's released files are."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, dest)
+    for file in dest.glob("*/*.safetensors"):
+        save_file({k: v.half() if v.is_floating_point() else v for k, v in load_file(file).items()}, file)
+    return dest
+
+
+@pytest.mark.parametrize("mode", [0, 2])
+def test_memory_modes_and_fp16_default(models, tmp_path, mode):
+    """Memory modes 0 (UNet and both text encoders streamed from the file) and 2 give mode 1's image bit for bit;
+    an fp16 SDXL folder is kept in fp16 and computed in fp32 by default on the CPU, exactly as --weight-dtype fp16
+    does."""
+    _, _, _, _, tmp = models
+    request = Request(prompt=PROMPT, negative_prompt=NEGATIVE, steps=3, cfg_scale=5.0, sampler="euler", seed=1)
+    # plain fp32 weights in mode 1 too (prepacked ones run other kernels, with other rounding)
+    resident = Engine.load(tmp / "base", prepack=False).generate(request)
+    other = Engine.load(tmp / "base", memory_mode=mode, prepack=False).generate(request)
+    assert torch.equal(other.latents, resident.latents)
+    if mode == 0:
+        half = _fp16_copy(tmp / "base", tmp_path / "fp16")
+        default = Engine.load(half)
+        assert default.models.weight_dtype == torch.float16 and default.models.dtype == torch.float32
+        explicit = Engine.load(half, weight_dtype=torch.float16, prepack=False)
+        got = default.generate(request)
+        assert torch.equal(got.latents, explicit.generate(request).latents)
+        assert np.abs(_pixels(got.images) - _pixels(resident.images)).max() <= 3   # fp16 rounding of the weights
