@@ -30,7 +30,7 @@ from .tokenizer import SD1_PAD_TOKEN_ID, SD2_PAD_TOKEN_ID, CLIPTokenizer
 from .tokenizers import WordPieceTokenizer, load_tokenizer, tokenizer_kind
 from .weights.convert import normalize_bert_keys, normalize_diffusers_keys, plan_from_original
 from .weights.detect import Detection, detect
-from .weights.io import TensorStore, merge_stores, open_checkpoint, open_sharded
+from .weights.io import TensorStore, open_checkpoint, open_sharded
 
 COMPONENTS = ("text_encoder", "text_encoder_2", "unet", "vae")
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
@@ -468,15 +468,7 @@ def _open_diffusers_folder(folder: Path) -> Checkpoint:
         if prediction not in PREDICTION_TYPES:
             raise CheckpointError(f"prediction_type {prediction!r} is not supported", sched_file)
         base = _family_preset(detection.family, prediction)
-        repo, published = published_scheduler(detection.family, prediction)
-        if sched_file.is_file():  # what the folder does not say, the family's published config does
-            sched_cfg, spacing_note = explicit_spacing({**published, **{k: v for k, v in scheduler.items()
-                                                                       if k != "_diffusers_version"}})
-            sched_source = f"scheduler/scheduler_config.json (timestep spacing {spacing_note})"
-        else:
-            sched_cfg, spacing_note = explicit_spacing(published)
-            sched_source = (f"no scheduler/scheduler_config.json: the config published with {repo} (timestep "
-                            f"spacing {spacing_note})")
+        sched_cfg, sched_source = _folder_scheduler(sched_file, scheduler, detection.family, prediction)
         spec = base.replace(family=detection.family, text=text, unet=unet, vae=vae, prediction_type=prediction,
                             scheduler=sched_cfg, default_size=unet.sample_size * vae.downscale,
                             turbo=_says_turbo(index, scheduler))
@@ -557,15 +549,8 @@ def _open_sdxl_folder(folder: Path, index: dict, index_file: Path) -> Checkpoint
         if prediction not in PREDICTION_TYPES:
             raise CheckpointError(f"prediction_type {prediction!r} is not supported", sched_file)
         turbo = _says_turbo(index, scheduler)
-        repo, published = published_scheduler("sdxl-turbo" if turbo else family, prediction)
-        if sched_file.is_file():
-            sched_cfg, spacing_note = explicit_spacing({**published, **{k: v for k, v in scheduler.items()
-                                                                       if k != "_diffusers_version"}})
-            sched_source = f"scheduler/scheduler_config.json (timestep spacing {spacing_note})"
-        else:
-            sched_cfg, spacing_note = explicit_spacing(published)
-            sched_source = (f"no scheduler/scheduler_config.json: the config published with {repo} (timestep "
-                            f"spacing {spacing_note})")
+        sched_cfg, sched_source = _folder_scheduler(sched_file, scheduler, "sdxl-turbo" if turbo else family,
+                                                    prediction)
         spec = base.replace(text=texts.get("text_encoder"), text2=texts["text_encoder_2"], unet=unet, vae=vae,
                             prediction_type=prediction, scheduler=sched_cfg,
                             default_size=unet.sample_size * vae.downscale,
@@ -592,6 +577,19 @@ def _open_sdxl_folder(folder: Path, index: dict, index_file: Path) -> Checkpoint
                       tokenizer_dir=str(folder / "tokenizer") if "text_encoder" in texts else None,
                       tokenizer_2_dir=str(folder / "tokenizer_2"), _stores=stores,
                       _tokenizer=tokenizers.get("text_encoder"), _tokenizer_2=tokenizers["text_encoder_2"])
+
+
+def _folder_scheduler(sched_file: Path, scheduler: dict, family: str, prediction: str) -> tuple[dict, str]:
+    """A folder's scheduler config (``scheduler``, read from ``sched_file``; empty when there is none) completed by
+    the one published for ``family``, the timestep spacing made explicit, and a line saying where it came from."""
+    repo, published = published_scheduler(family, prediction)
+    if sched_file.is_file():  # what the folder does not say, the family's published config does
+        cfg, spacing_note = explicit_spacing({**published, **{k: v for k, v in scheduler.items()
+                                                              if k != "_diffusers_version"}})
+        return cfg, f"scheduler/scheduler_config.json (timestep spacing {spacing_note})"
+    cfg, spacing_note = explicit_spacing(published)
+    return cfg, (f"no scheduler/scheduler_config.json: the config published with {repo} (timestep spacing "
+                 f"{spacing_note})")
 
 
 def _says_turbo(index: dict, scheduler: dict) -> bool:

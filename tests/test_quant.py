@@ -353,6 +353,16 @@ def test_int8_unet_layers_equal_their_emulation(cfg):
     unet = tiny_unet(cfg)
     x, t, ctx = unet_inputs(cfg)
     q = quantize_model(copy.deepcopy(unet), "int8")
+
+    def call():
+        with torch.no_grad():
+            q(x, t, ctx)
+    check_int8_layers_against_emulation(unet, q, call)
+
+
+def check_int8_layers_against_emulation(unet, q, call, least_layers: int = 40) -> None:
+    """Run ``call()`` (which runs the quantized ``q``) with every int8 layer of ``q`` hooked, and check that each
+    one's output equals :func:`emulate` of its input, with the weights ``unet`` (the fp32 original) quantizes to."""
     errors = {}
 
     def check(name):
@@ -365,9 +375,8 @@ def test_int8_unet_layers_equal_their_emulation(cfg):
             assert layer.activation_bits == BITS
             layer.int_weight = quantize_weight(unet.get_submodule(name).weight)
             layer.register_forward_hook(check(name))
-    with torch.no_grad():
-        q(x, t, ctx)
-    assert len(errors) == sum(1 for m in q.modules() if isinstance(m, (Int8Linear, Int8Conv2d))) > 40
+    call()
+    assert len(errors) == sum(1 for m in q.modules() if isinstance(m, (Int8Linear, Int8Conv2d))) > least_layers
     worst = max(errors, key=errors.get)
     assert errors[worst] < 1e-5, (worst, errors[worst])
 

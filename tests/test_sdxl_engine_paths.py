@@ -15,11 +15,11 @@ from torch import nn
 from sdlite.engine.memory import WeightStreamer, stream_units
 from sdlite.engine.packing import PackedConv2d, PackedLinear, prepack_model
 from sdlite.engine.quant import (
-    BF16Linear, BF16Warning, Int8Conv2d, Int8Linear, QuantizeError, layer_counts, quantize_model, quantize_weight,
+    BF16Linear, BF16Warning, Int8Linear, QuantizeError, layer_counts, quantize_model,
 )
 from sdlite.models.unet import UNet
 from tests.reference import max_rel_err, seed_all
-from tests.test_quant import BF16_REFUSED, BITS, cosine, emulate, min_cosine_for, rel
+from tests.test_quant import BF16_REFUSED, check_int8_layers_against_emulation, cosine, min_cosine_for
 from tests.test_sdxl_unet import TINY_REFINER, TINY_SDXL
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")   # tests/conftest.py
@@ -167,24 +167,8 @@ def test_int8_sdxl_layers_equal_their_emulation():
     """Every int8 layer of the SDXL UNet, on the activations it really gets, against exact integer arithmetic
     (test_quant.emulate): oneDNN's kernels hold at these shapes and with this CPU's activation bits."""
     cfg = TINY_SDXL
-    unet = tiny_unet(cfg)
     q = quantize_model(copy_of(cfg), "int8")
-    errors = {}
-
-    def check(name):
-        def hook(module, args, output):
-            errors[name] = rel(output, emulate(module, args[0]))
-        return hook
-
-    for name, layer in q.named_modules():
-        if isinstance(layer, (Int8Linear, Int8Conv2d)):
-            assert layer.activation_bits == BITS
-            layer.int_weight = quantize_weight(unet.get_submodule(name).weight)
-            layer.register_forward_hook(check(name))
-    run(q, inputs(cfg))
-    assert len(errors) == sum(1 for m in q.modules() if isinstance(m, (Int8Linear, Int8Conv2d))) > 40
-    worst = max(errors, key=errors.get)
-    assert errors[worst] < 1e-5, (worst, errors[worst])
+    check_int8_layers_against_emulation(tiny_unet(cfg), q, lambda: run(q, inputs(cfg)))
 
 
 # --- prepacked weights --------------------------------------------------------------------------------------------
