@@ -133,6 +133,7 @@ def test_batched_jobs_match_jobs_run_alone(jobs_file, local_run, tmp_path):
     ('{"prompt": "x", "id": "a"}\n{"prompt": "y", "id": "a"}', ["line 2", "already used on line 1"]),
     ('{"prompt": "x"', ["line 1", "not valid JSON"]),
     ('["x"]', ["line 1", "expected a JSON object"]),
+    ('{"prompt": "x", "refiner_checkpoint": "sdxl-refiner"}', ["line 1", "refiner_checkpoint is not supported"]),
 ])
 def test_bad_jobs_are_refused_naming_the_line_and_field(tmp_path, line, words):
     path = tmp_path / "bad.jsonl"

@@ -370,3 +370,117 @@ def test_full_queue_gets_503_with_retry_after():
         queued.join(60)
         assert [r.status_code for r in results] == [200, 200]
         assert c.post(f"{API}/txt2img", json={"prompt": PROMPT, "steps": 2, "seed": 1}).status_code == 200
+
+
+# --- SDXL: models in the models folder, the refiner ----------------------------------------------------------------
+
+SDXL_STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def sdxl(tmp_path_factory, one_torch_thread):
+    """A server over a models folder holding a tiny SDXL base and refiner (diffusers folders, as
+    tests/test_sdxl_pipeline.py builds them) and the demo model; the base is current (the first by name). With the
+    engines the tests compare against: the base with the refiner attached, and the base alone."""
+    from tests.test_sdxl_pipeline import _pipelines
+
+    tmp = tmp_path_factory.mktemp("sdxl_server")
+    base, refiner = _pipelines(tmp)
+    models = tmp / "models"
+    base.save_pretrained(models / "base")
+    refiner.save_pretrained(models / "refiner")
+    (models / "demo").symlink_to(model_path(), target_is_directory=True)
+    engine, refiner_engine = Engine.load(models / "base"), Engine.load(models / "refiner")
+    with TestClient(create_app(models_dir=models)) as c:
+        wait_for(lambda: c.get(f"{API}/progress").json()["state"]["job_count"] == 0, timeout=120)
+        yield c, engine, refiner_engine
+
+
+def sdxl_expected(engine, refiner_engine, switch, **fields):
+    request = Request(PROMPT, steps=SDXL_STEPS, seed=5, cfg_scale=7, sampler="euler", refiner_switch_at=switch,
+                      **fields)
+    engine.set_refiner(refiner_engine if switch is not None else None)
+    try:
+        return pixels(engine.generate(request).images[0])
+    finally:
+        engine.set_refiner(None)
+
+
+def sdxl_txt2img(client, **fields):
+    r = client.post(f"{API}/txt2img", json={"prompt": PROMPT, "steps": SDXL_STEPS, "seed": 5, **fields})
+    assert r.status_code == 200, r.text
+    return pixels(decode(r.json()["images"][0])), json.loads(r.json()["info"]), r.json()["parameters"]
+
+
+def test_sdxl_models_are_listed_and_switchable(sdxl):
+    client, engine, _ = sdxl
+    names = [m["model_name"] for m in client.get(f"{API}/sd-models").json()]
+    assert names == ["base", "demo", "refiner"]
+    image, info, _ = sdxl_txt2img(client)
+    assert info["sd_model_name"] == "base" and info["width"] == 64          # SDXL's native size is the model's
+    assert np.array_equal(image, sdxl_expected(engine, None, None))
+    title = next(m["title"] for m in client.get(f"{API}/sd-models").json() if m["model_name"] == "base")
+    assert client.post(f"{API}/options", json={"sd_model_checkpoint": "demo"}).json() == {}
+    assert client.get(f"{API}/options").json()["sd_model_checkpoint"].startswith("demo [")
+    assert client.post(f"{API}/options", json={"sd_model_checkpoint": title}).json() == {}
+    assert client.get(f"{API}/options").json()["sd_model_checkpoint"] == title
+
+
+def test_sdxl_refiner_hand_off_equals_the_engine(sdxl):
+    client, engine, refiner_engine = sdxl
+    image, info, parameters = sdxl_txt2img(client, refiner_checkpoint="refiner", refiner_switch_at=0.5)
+    assert np.array_equal(image, sdxl_expected(engine, refiner_engine, 0.5)), "not the engine's hand-off"
+    assert not np.array_equal(image, sdxl_expected(engine, None, None))       # the refiner did run
+    refiner = next(m for m in client.get(f"{API}/sd-models").json() if m["model_name"] == "refiner")
+    assert refiner["hash"] and len(refiner["hash"]) == 10                      # known once loaded
+    text = info["infotexts"][0]
+    assert f"Model: base, Refiner: refiner [{refiner['hash']}], Refiner switch at: 0.5, Version: sdlite" in text
+    parsed = parse_infotext(text)
+    assert parsed["Refiner"] == refiner["title"] and parsed["Refiner switch at"] == "0.5"
+    assert info["extra_generation_params"]["Refiner"] == refiner["title"]
+    assert info["extra_generation_params"]["Refiner switch at"] == 0.5 and info["warnings"] == []
+    assert parameters["refiner_checkpoint"] == "refiner" and parameters["refiner_switch_at"] == 0.5
+
+    # named by its title, the switch left out: A1111's 0.8
+    image, info, parameters = sdxl_txt2img(client, refiner_checkpoint=refiner["title"])
+    assert np.array_equal(image, sdxl_expected(engine, refiner_engine, 0.8))
+    assert "Refiner switch at: 0.8" in info["infotexts"][0] and parameters["refiner_switch_at"] == 0.8
+
+    # a model switch keeps the refiner loaded; the base comes back and refines without a reload
+    server = client.app.state.server
+    kept = server.engines.loaded(server.checkpoints.find("refiner"))
+    assert kept is not None
+    assert client.post(f"{API}/options", json={"sd_model_checkpoint": "demo"}).json() == {}
+    assert server.engines.loaded(server.checkpoints.find("refiner")) is kept
+    image, info, _ = sdxl_txt2img(client, refiner_checkpoint="refiner", refiner_switch_at=0.5,
+                                  override_settings={"sd_model_checkpoint": "base"})
+    assert np.array_equal(image, sdxl_expected(engine, refiner_engine, 0.5)) and info["sd_model_name"] == "base"
+    assert server.engines.loaded(server.checkpoints.find("refiner")) is kept
+    assert client.post(f"{API}/options", json={"sd_model_checkpoint": "base"}).json() == {}
+
+
+def test_sdxl_no_refiner_as_before(sdxl):
+    client, engine, _ = sdxl
+    plain = sdxl_expected(engine, None, None)
+    for name in ("None", "", None):
+        image, info, _ = sdxl_txt2img(client, refiner_checkpoint=name, refiner_switch_at=0.5)
+        assert np.array_equal(image, plain), name   # also after a refiner ran on this engine: it was detached
+        assert "Refiner" not in info["infotexts"][0] and info["warnings"] == [], name
+
+
+def test_sdxl_refiner_errors(sdxl):
+    client, _, _ = sdxl
+    for switch in (0, 1, 1.5, -0.2):
+        assert_error(client.post(f"{API}/txt2img", json={"prompt": PROMPT, "steps": 2, "refiner_checkpoint": "refiner",
+                                                         "refiner_switch_at": switch}),
+                     422, f"refiner_switch_at={float(switch)!r}", "above 0 and below 1")
+    assert_error(client.post(f"{API}/txt2img", json={"prompt": PROMPT, "steps": 2, "refiner_checkpoint": "nope"}),
+                 404, "refiner_checkpoint='nope'", "refiner")
+    source, _ = source_and_mask()
+    assert_error(client.post(f"{API}/img2img", json={"prompt": PROMPT, "steps": 2, "init_images": [b64png(source)],
+                                                     "refiner_checkpoint": "refiner"}),
+                 422, "refiner_checkpoint='refiner'", "img2img", "text to image")
+    # the demo model (its own VAE) cannot take over SDXL latents
+    assert_error(client.post(f"{API}/txt2img", json={"prompt": PROMPT, "steps": 2, "refiner_checkpoint": "demo"}),
+                 422, "'demo'", "'base'", "latent space")
+    assert_alive(client)

@@ -121,6 +121,9 @@ def _parse_line(obj: dict, where: str, options: dict) -> tuple[str, list]:
     if plan.checkpoint is not None:
         raise BatchError(f"{where}: override_settings sd_model_checkpoint is not supported in a batch: one model "
                          "(--model) runs every job")
+    if plan.refiner_name is not None:
+        raise BatchError(f"{where}: refiner_checkpoint is not supported in a batch yet: one model (--model) runs "
+                         "every job; use sdlite generate --refiner or the server for a base-to-refiner hand-off")
     return "txt2img", plan.requests
 
 

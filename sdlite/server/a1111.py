@@ -7,8 +7,10 @@ read and set, base64 images in, and :class:`~sdlite.pipeline.Result` s out as A1
 
 Every field accepts ``null`` (meaning its default) and unknown fields are ignored, as A1111's pydantic models do.
 Fields sdlite cannot honour are ignored with a warning in ``info["warnings"]`` when they are set to anything but
-their default, never silently. Two defaults differ from A1111's on purpose: ``width``/``height`` left out mean the
-model's native size (A1111: 512, which is SD 1.x's native size) and, for img2img, the source image's size.
+their default, never silently. ``refiner_checkpoint`` names an SDXL refiner (a checkpoint of ``/sd-models``) that
+takes the latents over at ``refiner_switch_at`` (A1111's default 0.8), in text to image only. Two defaults differ
+from A1111's on purpose: ``width``/``height`` left out mean the model's native size (A1111: 512, which is SD 1.x's
+native size) and, for img2img, the source image's size.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import binascii
 import inspect
 import io
 import json
+import math
 import random
 import warnings as _warnings
 from dataclasses import dataclass, field
@@ -123,6 +126,9 @@ class Img2ImgRequest(Txt2ImgRequest):
 class PngInfoRequest(_Lenient):
     image: str | None = None
 
+
+DEFAULT_REFINER_SWITCH = 0.8   # A1111's "Refiner switch at" when a refiner is named and the switch is not
+NO_REFINER = ("", "none")      # refiner_checkpoint values that mean no refiner, compared without case
 
 # A1111's defaults (modules/processing.py and modules/api/models.py). width/height None: see the module docstring.
 DEFAULTS: dict[str, Any] = {
@@ -394,6 +400,9 @@ class Plan:
     parameters: dict                   # the A1111 request after defaults: the response's "parameters"
     sampler: SamplerChoice
     checkpoint: str | None             # override_settings' sd_model_checkpoint; None: the current model
+    refiner_name: str | None = None    # refiner_checkpoint as the client named it; None: no refiner
+    refiner: Any = None                # the Checkpoint it names, resolved by the routes (ServerBase.find_checkpoint)
+    refiner_switch_at: float | None = None
     keep_overrides: dict = field(default_factory=dict)  # override_settings to keep (restore_afterwards false)
     warnings: list[str] = field(default_factory=list)
     send_images: bool = True
@@ -422,7 +431,6 @@ def _ignored(p: dict, img2img: bool) -> list[str]:
     off("s_tmax", "sampler churn is not supported", 0, 0.0, float("inf"))
     off("s_noise", "sampler noise scaling is not supported", 1, 1.0)
     off("s_min_uncond", "negative-guidance skipping is not supported", 0, 0.0)
-    off("refiner_checkpoint", "refiners are not supported", "", "None", "none")
     off("firstpass_image", "hires fix first-pass images are not supported")
     off("disable_extra_networks", "<lora:...> tags are always applied", False)
     off("infotext", "filling fields from an infotext is not supported")
@@ -486,18 +494,40 @@ def build_plan(req: Txt2ImgRequest, options: dict, *, max_image_bytes: int, lora
                   steps=p["steps"], cfg_scale=p["cfg_scale"], sampler=sampler.sampler, schedule=sampler.schedule,
                   batch_size=batch, clip_skip=opts["CLIP_stop_at_last_layers"], eta=eta, lora_dir=lora_dir,
                   embeddings_dir=embeddings_dir)
+    refiner, switch = _refiner_fields(p, img2img)
     if img2img:
         common.update(_image_fields(p, max_image_bytes, warnings))
-    requests = [Request(seed=seed + i * batch, **common) for i in range(n_iter)]
+    requests = [Request(seed=seed + i * batch, refiner_switch_at=switch, **common) for i in range(n_iter)]
     validate(requests[0])   # everything that can be checked without the model, before the job is queued
 
-    parameters = dict(p)
+    parameters = dict(p, **({"refiner_switch_at": switch} if refiner else {}))
     if img2img and not p["include_init_images"]:
         parameters["init_images"], parameters["mask"] = None, None
     return Plan(kind="img2img" if img2img else "txt2img", requests=requests, parameters=parameters,
-                sampler=sampler, checkpoint=overrides.get("sd_model_checkpoint"),
+                sampler=sampler, checkpoint=overrides.get("sd_model_checkpoint"), refiner_name=refiner,
+                refiner_switch_at=switch,
                 keep_overrides={} if p["override_settings_restore_afterwards"] else overrides,
                 warnings=warnings, send_images=bool(p["send_images"]), preview=opts["show_progress_type"])
+
+
+def _refiner_fields(p: dict, img2img: bool) -> tuple[str | None, float | None]:
+    """``(refiner name, switch)`` of ``refiner_checkpoint`` and ``refiner_switch_at``; ``(None, None)`` without a
+    refiner ("None" or "" name none, as in A1111; the switch alone then does nothing, as in A1111)."""
+    name = p["refiner_checkpoint"]
+    if name is None or name.strip().lower() in NO_REFINER:
+        return None, None
+    if img2img:
+        raise RequestError(f"refiner_checkpoint={name!r} is not supported for img2img: sdlite hands the latents "
+                           "over to a refiner in text to image only. To refine an image, run img2img with the "
+                           "refiner as the model (override_settings: {\"sd_model_checkpoint\": ...})")
+    switch = p["refiner_switch_at"]
+    if switch is None:
+        switch = DEFAULT_REFINER_SWITCH
+    if not (math.isfinite(switch) and 0.0 < switch < 1.0):
+        raise RequestError(f"refiner_switch_at={switch!r} is not valid: it must be above 0 and below 1 (the fraction "
+                           f"of the steps the base model runs before {name!r} takes over; A1111's default "
+                           f"{DEFAULT_REFINER_SWITCH})")
+    return name, float(switch)
 
 
 def _image_fields(p: dict, max_bytes: int, warnings: list[str]) -> dict:
@@ -542,6 +572,7 @@ class Outcome:
     inpainting_model: bool
     job_timestamp: str = ""
     interrupted: bool = False
+    infotext: dict = field(default_factory=dict)   # more fields for every image ("Refiner", "Refiner switch at")
 
 
 def response(plan: Plan, outcome: Outcome) -> dict:
@@ -550,7 +581,8 @@ def response(plan: Plan, outcome: Outcome) -> dict:
     images, infotexts, seeds, warnings = [], [], [], list(plan.warnings)
     for result in outcome.results:
         for image, seed in zip(result.images, result.seeds):
-            text = infotext(result.request, seed, outcome.model_hash, outcome.model_name, result.infotext)
+            text = infotext(result.request, seed, outcome.model_hash, outcome.model_name,
+                            {**result.infotext, **outcome.infotext})
             infotexts.append(text)
             seeds.append(seed)
             if plan.send_images:
@@ -564,6 +596,7 @@ def response(plan: Plan, outcome: Outcome) -> dict:
     extra = {}
     if infotexts:
         extra = {k: v for k, v in parse_infotext(infotexts[0]).items() if k[:1].isupper() and k not in _MAIN_FIELDS}
+        extra.update(outcome.infotext)   # as A1111 holds them: "Refiner switch at" a number
     parameters = dict(plan.parameters, width=used.width, height=used.height)
     count = len(seeds)
     p = plan.parameters

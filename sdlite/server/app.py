@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..errors import CheckpointError, SDLiteError
+from ..pipeline import RequestError
 from ..images import png_bytes
 from . import a1111
 from .checkpoints import Checkpoint, Checkpoints, Engines
@@ -87,12 +88,14 @@ class ServerBase:
             enabled, every = self.options["live_previews_enable"], self.options["show_progress_every_n_steps"]
         return enabled and (step == total if every == -1 else step % every == 0)
 
-    def find_checkpoint(self, name: Any) -> Checkpoint:
+    def find_checkpoint(self, name: Any, field: str | None = None) -> Checkpoint:
+        """The checkpoint ``name`` means (404 when there is none; ``field`` names the request field it came from)."""
         if not isinstance(name, str) or self.checkpoints.find(name) is None:
             self.checkpoints.refresh()   # A1111 refreshes its list once before giving up
         found = self.checkpoints.find(name) if isinstance(name, str) else None
         if found is None:
-            raise HTTPException(404, f"Model not found: {name!r}; available: {', '.join(self.checkpoints.names())}")
+            what = f"{field}={name!r}" if field else repr(name)
+            raise HTTPException(404, f"Model not found: {what}; available: {', '.join(self.checkpoints.names())}")
         return found
 
     def keep_overrides(self, plan: a1111.Plan, checkpoint: Checkpoint) -> None:
@@ -218,7 +221,7 @@ class Server(ServerBase):
 
     def text_width(self) -> int | None:
         engine = self.engines.loaded(self.checkpoints.current)
-        return engine.spec.text.width if engine is not None else None
+        return engine.spec.context_text.width if engine is not None else None   # an SDXL refiner: its only one
 
     def start(self) -> None:
         if self._preload:
@@ -238,22 +241,49 @@ def run_plan(engines: Engines, checkpoint: Checkpoint, plan: a1111.Plan, control
     timestamp = datetime.datetime.now().strftime("%Y%m%d%H%M%S")
     downscale = engine.spec.vae.downscale
     results = []
-    for i, request in enumerate(plan.requests):
-        if control.interrupted:
-            break
-        control.iteration(i, request.steps)
+    try:
+        extra = _attach_refiner(engines, engine, checkpoint, plan, control)
+        for i, request in enumerate(plan.requests):
+            if control.interrupted:
+                break
+            control.iteration(i, request.steps)
 
-        def on_latents(step, total, latents):
-            if control.preview_due(step, total):
-                pixels = latents.shape[-1] * latents.shape[-2] * downscale**2
-                full = plan.preview == "Full" or (plan.preview == "Auto"
-                                                  and pixels <= a1111.AUTO_FULL_PREVIEW_PIXELS)
-                control.set_preview(engine.preview(latents[:1], full=full)[0], step)
+            def on_latents(step, total, latents):
+                if control.preview_due(step, total):
+                    pixels = latents.shape[-1] * latents.shape[-2] * downscale**2
+                    full = plan.preview == "Full" or (plan.preview == "Auto"
+                                                      and pixels <= a1111.AUTO_FULL_PREVIEW_PIXELS)
+                    control.set_preview(engine.preview(latents[:1], full=full)[0], step)
 
-        results.append(engine.generate(request, callback=control.step, on_latents=on_latents))
+            results.append(engine.generate(request, callback=control.step, on_latents=on_latents))
+    finally:
+        engine.set_refiner(None)   # attached for this job only: the engine holds no per-request state otherwise
     inpainting = engine.spec.unet.in_channels != engine.spec.vae.latent_channels
     return a1111.Outcome(results, checkpoint.short_name, engines.checkpoints.hash_of(checkpoint), inpainting,
-                         timestamp, interrupted=control.interrupted)
+                         timestamp, interrupted=control.interrupted, infotext=extra)
+
+
+def _attach_refiner(engines: Engines, engine, checkpoint: Checkpoint, plan: a1111.Plan, control) -> dict:
+    """Attach the plan's ``refiner_checkpoint`` to ``engine`` and return the infotext fields that record it (none
+    without a refiner). The refiner is loaded in the job (progress stays readable meanwhile) and must share the
+    base's latent space (a RequestError, 422, naming both models)."""
+    if plan.refiner_name is None:
+        return {}
+    target = plan.refiner
+    if target is None:   # build_plan names it; the routes resolve it
+        raise RequestError(f"refiner_checkpoint={plan.refiner_name!r} was not resolved to a checkpoint")
+    if target.path == checkpoint.path:
+        refiner = engine   # the model refines its own latents: no second copy
+    else:
+        if engines.loaded(target) is None:
+            control.info(f"{plan.kind}: loading the refiner {target.name}")
+        refiner = engines.refiner(target)
+    try:
+        engine.set_refiner(refiner)
+    except RequestError as e:
+        raise RequestError(f"refiner_checkpoint {target.name!r} cannot refine {checkpoint.name!r}: {e}") from None
+    return {"Refiner": f"{target.short_name} [{engines.checkpoints.hash_of(target)}]",
+            "Refiner switch at": plan.refiner_switch_at}
 
 
 def parse_auth(text: str) -> dict[str, str]:
@@ -400,6 +430,8 @@ def _add_generation_routes(api: APIRouter, server: ServerBase) -> None:
                                        lora_dir=server.lora_dir, embeddings_dir=server.embeddings_dir)
         if plan.checkpoint is not None:
             server.find_checkpoint(plan.checkpoint)   # 404 now rather than after the queue
+        if plan.refiner_name is not None:   # resolved here, so that the plan carries the refiner to any worker
+            plan.refiner = await run_in_threadpool(server.find_checkpoint, plan.refiner_name, "refiner_checkpoint")
         outcome = await server.generate(plan, request)
         if outcome is None:   # the client went away
             return Response(status_code=499)

@@ -8,7 +8,8 @@ path without extension (sub-folders joined with ``_``), and a client may name it
 name or hash (:meth:`Checkpoints.find`).
 
 :class:`Engines` keeps one :class:`~sdlite.pipeline.Engine` per checkpoint, at most ``limit`` of them (A1111's
-``sd_checkpoints_limit``); only the job worker calls it, so a model is never loaded or dropped mid-job.
+``sd_checkpoints_limit``), plus one SDXL refiner (:meth:`Engines.refiner`); only the job worker calls it, so a
+model is never loaded or dropped mid-job.
 """
 from __future__ import annotations
 
@@ -155,21 +156,45 @@ class Engines:
         self.limit = limit
         self.load_options = load_options
         self._loaded: collections.OrderedDict[Path, object] = collections.OrderedDict()
+        self._refiner: tuple[Path, object] | None = None   # (path, engine) of the refiner last asked for
 
     def get(self, checkpoint: Checkpoint):
         """The engine of ``checkpoint``, loaded if needed (dropping the least recently used beyond the limit)."""
-        from ..pipeline import Engine
-
         engine = self._loaded.get(checkpoint.path)
         if engine is None:
             while len(self._loaded) >= max(self.limit, 1):
                 self._loaded.popitem(last=False)
-            engine = Engine.load(checkpoint.path, **self.load_options)
-            self.checkpoints.hash_of(checkpoint)
+            engine = self._load(checkpoint)
             self._loaded[checkpoint.path] = engine
         self._loaded.move_to_end(checkpoint.path)
         return engine
 
     def loaded(self, checkpoint: Checkpoint):
         """The engine of ``checkpoint`` if it is loaded, else None (never loads)."""
-        return self._loaded.get(checkpoint.path)
+        engine = self._loaded.get(checkpoint.path)
+        if engine is None and self._refiner is not None and self._refiner[0] == checkpoint.path:
+            engine = self._refiner[1]
+        return engine
+
+    def refiner(self, checkpoint: Checkpoint):
+        """The engine of ``checkpoint`` as an SDXL refiner: loaded on first use and kept, one refiner at a time (a
+        request naming another refiner replaces it; the old one is dropped before the new one loads). It is kept
+        apart from the ``limit`` base models, so a model switch does not drop it, nor a request without refiner."""
+        if self._refiner is not None and self._refiner[0] == checkpoint.path:
+            return self._refiner[1]
+        self._refiner = None
+        engine = self._loaded.get(checkpoint.path)
+        if engine is None:
+            engine = self._load(checkpoint)
+        self._refiner = (checkpoint.path, engine)
+        return engine
+
+    def _load(self, checkpoint: Checkpoint):
+        """A new engine for ``checkpoint`` (the refiner's, when it is asked for as a base model: never two)."""
+        from ..pipeline import Engine
+
+        if self._refiner is not None and self._refiner[0] == checkpoint.path:
+            return self._refiner[1]
+        engine = Engine.load(checkpoint.path, **self.load_options)
+        self.checkpoints.hash_of(checkpoint)
+        return engine

@@ -250,20 +250,26 @@ class Jobs:
     def _run(self) -> None:
         while (job := self._next()) is not None:
             t0 = time.monotonic()
+            result, error = None, None
             try:
                 result = job.fn(JobControl(self, job))
             except BaseException as e:  # noqa: BLE001 - handed to whoever awaits the job
-                job.future.set_exception(e)
+                error = e
+            with self._cv:
+                self._mean_job_s = 0.8 * self._mean_job_s + 0.2 * (time.monotonic() - t0)
+                # as A1111's state.end(): idle, but whether the last job was interrupted stays readable
+                self._state = _State(interrupted=self._state.interrupted, skipped=self._state.skipped,
+                                     job_timestamp=self._state.job_timestamp)
+            # answered once /progress reports idle (A1111 ends its state before it answers), so that a client that
+            # reads /progress right after its response sees no job; idle for wait_idle once answered
+            if error is not None:
+                job.future.set_exception(error)
             else:
                 job.future.set_result(result)
-            finally:
-                with self._cv:
-                    self._mean_job_s = 0.8 * self._mean_job_s + 0.2 * (time.monotonic() - t0)
-                    self._current = None
-                    # as A1111's state.end(): idle, but whether the last job was interrupted stays readable
-                    self._state = _State(interrupted=self._state.interrupted, skipped=self._state.skipped,
-                                         job_timestamp=self._state.job_timestamp)
-                    self._cv.notify_all()
+            del result, error
+            with self._cv:
+                self._current = None
+                self._cv.notify_all()
 
 
 class JobControl:

@@ -136,6 +136,10 @@ function buildRequest() {
   if (height !== null) body.height = height;
   if ($("sampler").value) body.sampler_name = $("sampler").value;   // none listed: the server's default
   if ($("scheduler").value) body.scheduler = $("scheduler").value;
+  if ($("refiner").value) {   // SDXL's base-to-refiner hand-off (the server refuses it for img2img, and says so)
+    body.refiner_checkpoint = $("refiner").value;
+    body.refiner_switch_at = num("refiner-switch");
+  }
   let endpoint = "txt2img";
   if (state.init) {
     endpoint = "img2img";
@@ -164,6 +168,9 @@ function fillForm(params) {
   if (params.sampler_name && [...$("sampler").options].some((o) => o.value === params.sampler_name)) {
     $("sampler").value = params.sampler_name;
   }
+  const refiner = params.refiner_checkpoint ?? "";
+  if ([...$("refiner").options].some((o) => o.value === refiner)) $("refiner").value = refiner;
+  set("refiner-switch", params.refiner_switch_at);
 }
 
 // --- progress ----------------------------------------------------------------------------------------------
@@ -392,6 +399,10 @@ async function loadServerInfo() {
       $("scheduler-field").hidden = false;
     }
   } catch { /* optional endpoint */ }
+  try {
+    const models = await api("/sd-models");
+    $("refiner").append(...models.map((m) => make("option", { value: m.model_name, textContent: m.title })));
+  } catch { /* without the list, no refiner is offered */ }
   try {
     const options = await api("/options");
     const name = options && options.sd_model_checkpoint;
