@@ -1,4 +1,4 @@
-"""LoRA: low-rank weight updates of the UNet and the text encoder, read from the files people have.
+"""LoRA: low-rank weight updates of the UNet and the text encoder(s), read from the files people have.
 
     lora = read_lora("style.safetensors")                    # kohya/A1111 or diffusers/PEFT, parsed once
     handle = merge(unet, [(lora, 0.8)], "unet")               # W += 0.8 * alpha / rank * up @ down
@@ -18,20 +18,28 @@ Formats (told apart by their keys, whatever the file's extension; safetensors or
   Text-encoder names are transformers' (``lora_te_text_model_encoder_layers_0_self_attn_q_proj``), for SD 2.x
   as well: kohya trains both on transformers' CLIPTextModel. Linear layers, 1x1 and kxk convolutions (LoCon:
   ``lora_down`` is a kxk convolution with the layer's stride and padding, ``lora_up`` a 1x1 one).
-* diffusers / PEFT: ``unet.<module>.lora_A.weight`` / ``.lora_B.weight`` and ``text_encoder.<module>...``, the
-  text encoder's modules with or without transformers' ``text_model.`` (transformers 5 dropped it); alpha from
-  the ``lora_adapter_metadata`` JSON that diffusers writes (``unet.lora_alpha``, ``unet.alpha_pattern``,
-  ``use_rslora``), from ``<module>.alpha`` keys, or else equal to the rank (scale 1). The older diffusers
-  spellings (``...attn1.processor.to_q_lora.down.weight``, ``...lora.down.weight``,
-  ``...lora_linear_layer.down.weight``) are read too.
+  SDXL files (kohya's sd-scripts train SDXL on Stability's SGM UNet) name the UNet's layers in the original layout
+  at SDXL's structure (``lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q``, ``lora_unet_label_emb_0_0``
+  for the added-conditioning MLP, ``lora_unet_time_embed_0``; resolved through the same converter table, which
+  derives the block numbering from the model's config) and the two text encoders ``lora_te1_`` (CLIP ViT-L:
+  ``text_encoder``) and ``lora_te2_`` (OpenCLIP bigG, in transformers' names: ``text_encoder_2``).
+* diffusers / PEFT: ``unet.<module>.lora_A.weight`` / ``.lora_B.weight``, ``text_encoder.<module>...`` and (SDXL)
+  ``text_encoder_2.<module>...``, the text encoders' modules with or without transformers' ``text_model.``
+  (transformers 5 dropped it); alpha from the ``lora_adapter_metadata`` JSON that diffusers writes
+  (``unet.lora_alpha``, ``unet.alpha_pattern``, ``use_rslora``; per component), from ``<module>.alpha`` keys, or
+  else equal to the rank (scale 1). The older diffusers spellings (``...attn1.processor.to_q_lora.down.weight``,
+  ``...lora.down.weight``, ``...lora_linear_layer.down.weight``) are read too.
 
 Scale of one layer: ``multiplier * alpha / rank`` (``alpha / sqrt(rank)`` for rsLoRA; 1 without alpha), as
 A1111, kohya and PEFT compute it.
 
 Refused, with a :class:`LoraError` naming the file and the reason: the LyCORIS types other than LoCon (LoHa,
 LoKr, (IA)^3, full weight differences, GLoRA, norm, OFT/BOFT; also LoCon's CP-decomposed ``lora_mid`` and DoRA),
-a LoRA made for another family (SD 2.x, SDXL: told from its cross-attention or text-encoder width), layers that
-match no layer of the model (how many, and a few of them) or whose shapes do not fit.
+a LoRA made for another family (SD 1.x, SD 2.x, SDXL, the SDXL refiner: told from its cross-attention or
+text-encoder width), one with layers of a network the model lacks (a second text encoder on SD 1.x/2.x, a first one
+on the SDXL refiner), layers that match no layer of the model (how many, and a few of them) or whose shapes do not
+fit. An SD 1.x LoRA's text-encoder layers alone fit SDXL's first text encoder (the same CLIP ViT-L shapes) and are
+applied there, as diffusers does.
 
 Application (:func:`merge`), chosen by how the network holds its weights:
 
@@ -43,7 +51,8 @@ Application (:func:`merge`), chosen by how the network holds its weights:
 * prepacked layers (:mod:`sdlite.engine.packing`): the packed weight is unpacked (``to_dense()`` returns the
   exact fp32 weight it was packed from), merged as above and packed again; the original packed tensor is kept
   and put back by ``restore()``.
-* streamed weights (memory mode 0, ``weight_dtype`` fp16, the text encoder kept as stored): the network's
+* streamed weights (memory mode 0's UNet and SDXL text encoders, ``weight_dtype`` fp16 -- SDXL's default on the
+  CPU for half-precision files --, text encoders kept as stored): the network's
   :class:`~sdlite.engine.memory.WeightStreamer` materialises each block's weights just before the block runs;
   the touched layers' weights are merged there, with the same arithmetic as above, so the result is bit for bit
   the one a resident merge gives, and nothing is kept but the LoRA's own factors. The per-step cost is one
@@ -78,14 +87,20 @@ from torch import nn
 from .engine.packing import PackedConv2d, PackedLinear
 from .errors import CheckpointError, SDLiteError
 
-COMPONENTS = ("unet", "text_encoder")
+COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
+TEXT_COMPONENTS = ("text_encoder", "text_encoder_2")
 _MAX_LISTED = 5
 _DENSE = (nn.Linear, nn.Conv2d)
 _PACKED = (PackedLinear, PackedConv2d)
 
-# widths that tell the family a LoRA was made for
-_CROSS_ATTENTION_FAMILY = {768: "SD 1.x", 1024: "SD 2.x", 2048: "SDXL"}
+# widths that tell the family a LoRA was made for (SDXL's first text encoder is as wide as SD 1.x's)
+_CROSS_ATTENTION_FAMILY = {768: "SD 1.x", 1024: "SD 2.x", 2048: "SDXL", 1280: "the SDXL refiner"}
 _TEXT_WIDTH_FAMILY = {768: "SD 1.x", 1024: "SD 2.x", 1280: "SDXL"}
+# a model's family (ModelSpec.family, "-inpaint" removed) as messages name it
+_SPEC_FAMILY = {"sd1": "SD 1.x", "sd2": "SD 2.x", "sdxl": "SDXL", "sdxl-refiner": "the SDXL refiner"}
+# what a layer of each component is called in the two file formats (for messages)
+_COMPONENT_KEYS = {"unet": "lora_unet_ / unet.", "text_encoder": "lora_te_ or lora_te1_ / text_encoder.",
+                   "text_encoder_2": "lora_te2_ / text_encoder_2."}
 
 # LyCORIS and other network types, by the key parts that give them away
 _UNSUPPORTED = (
@@ -121,6 +136,8 @@ _PROCESSOR_NAMES = {
     ("unet", "to_q"): "to_q", ("unet", "to_k"): "to_k", ("unet", "to_v"): "to_v", ("unet", "to_out"): "to_out.0",
     ("text_encoder", "to_q"): "q_proj", ("text_encoder", "to_k"): "k_proj", ("text_encoder", "to_v"): "v_proj",
     ("text_encoder", "to_out"): "out_proj",
+    ("text_encoder_2", "to_q"): "q_proj", ("text_encoder_2", "to_k"): "k_proj", ("text_encoder_2", "to_v"): "v_proj",
+    ("text_encoder_2", "to_out"): "out_proj",
 }
 _PEFT_PREFIXES = {"unet": "unet", "text_encoder": "text_encoder", "text_encoder_2": "text_encoder_2",
                   "transformer": "transformer"}
@@ -209,18 +226,36 @@ class Lora:
     def layers_of(self, component: str) -> list[LoraLayer]:
         return [layer for layer in self.layers if layer.component == component]
 
-    def implied_family(self, component: str) -> tuple[str, int] | None:
-        """(family, width) the LoRA's shapes imply for ``component``: the cross-attention width (UNet: the
-        in-features of ``attn2.to_k`` / ``to_v``) or the text encoder's width; None where it has no such layer."""
+    def _widths(self, component: str) -> list[int]:
+        """The in-features of the layers that tell ``component``'s family: the UNet's ``attn2.to_k`` / ``to_v``
+        (the cross-attention width), a text encoder's q/k/v projections and first MLP layer (its width)."""
         if component == "unet":
-            pattern, families = re.compile(r"attn2[._]to_[kv]$"), _CROSS_ATTENTION_FAMILY
+            pattern = re.compile(r"attn2[._]to_[kv]$")
         else:
-            pattern, families = re.compile(r"(self_attn[._][qkv]_proj|mlp[._]fc1)$"), _TEXT_WIDTH_FAMILY
-        widths = [layer.in_features for layer in self.layers_of(component) if pattern.search(layer.target)]
+            pattern = re.compile(r"(self_attn[._][qkv]_proj|mlp[._]fc1)$")
+        return [layer.in_features for layer in self.layers_of(component) if pattern.search(layer.target)]
+
+    @property
+    def made_for_sdxl(self) -> bool:
+        """Whether the file shows it was made for SDXL: layers of a second text encoder, kohya's SDXL prefixes
+        (``lora_te1_`` / ``lora_te2_``), layers of the added-conditioning MLP, or SDXL's cross-attention widths."""
+        return (any(layer.component == "text_encoder_2" or layer.key.startswith(("lora_te1_", "lora_te2_"))
+                    or re.match(r"(add_embedding|label_emb)[._]", layer.target) for layer in self.layers)
+                or any(width in (2048, 1280) for width in self._widths("unet")))
+
+    def implied_family(self, component: str) -> tuple[str | None, int] | None:
+        """(family, width) the LoRA's shapes imply for ``component``: the cross-attention width (UNet: the
+        in-features of ``attn2.to_k`` / ``to_v``) or the text encoder's width; None where it has no such layer.
+        The family is None for widths of no released model (a LoRA for a model of another size)."""
+        widths = self._widths(component)
         if not widths:
             return None
         width = max(set(widths), key=widths.count)
-        return families.get(width, f"a model of width {width}"), width
+        if component == "unet":
+            return _CROSS_ATTENTION_FAMILY.get(width), width
+        if component == "text_encoder" and width == 768 and self.made_for_sdxl:
+            return "SDXL", width           # SDXL's CLIP ViT-L is as wide as SD 1.x's
+        return _TEXT_WIDTH_FAMILY.get(width), width
 
     def __repr__(self) -> str:
         ranks = sorted({layer.rank for layer in self.layers})
@@ -508,7 +543,11 @@ def _as_lora(source: LoraSource) -> Lora:
 
 
 def _multiplier(weight: Weight, component: str) -> float:
+    """The multiplier of ``component``; a mapping without ``text_encoder_2`` gives SDXL's second text encoder the
+    first one's (A1111's text-encoder multiplier applies to both)."""
     if isinstance(weight, Mapping):
+        if component == "text_encoder_2" and component not in weight:
+            component = "text_encoder"
         return float(weight.get(component, 1.0))
     return float(weight)
 
@@ -532,7 +571,7 @@ def _lookup(module: nn.Module, component: str) -> dict[str, str]:
               if name and not any(True for _ in layer.children())]
     for name, _ in leaves:
         aliases = [name]
-        if component == "text_encoder" and name.startswith("text_model."):
+        if component in TEXT_COMPONENTS and name.startswith("text_model."):
             aliases.append(name.removeprefix("text_model."))
         for alias in aliases:
             table.setdefault(alias, name)
@@ -551,38 +590,76 @@ def _lookup(module: nn.Module, component: str) -> dict[str, str]:
     return table
 
 
-def _model_family(component: str, module: nn.Module) -> tuple[str | None, int] | None:
+def _spec_family(spec) -> str | None:
+    """How messages name the family of the model ``spec`` describes (None: no spec, or a family without a name)."""
+    if spec is None:
+        return None
+    family = getattr(spec, "family", "")
+    return _SPEC_FAMILY.get(family) or _SPEC_FAMILY.get(family.removesuffix("-inpaint"))
+
+
+def _model_family(component: str, module: nn.Module, spec=None) -> tuple[str | None, int] | None:
+    """(family name, width) of ``module``: its cross-attention width (UNet) or its width (a text encoder); the
+    name from ``spec`` where given, else from the width."""
     config = getattr(module, "config", None)
     if config is None:
         return None
-    if component == "unet":
-        width = getattr(config, "context_dim", None)
-        return (None if width is None else (_CROSS_ATTENTION_FAMILY.get(width), width))
-    width = getattr(config, "width", None)
-    return None if width is None else (_TEXT_WIDTH_FAMILY.get(width), width)
+    width = getattr(config, "context_dim" if component == "unet" else "width", None)
+    if width is None:
+        return None
+    if spec is not None:
+        return _spec_family(spec), width
+    return (_CROSS_ATTENTION_FAMILY if component == "unet" else _TEXT_WIDTH_FAMILY).get(width), width
 
 
-def check_family(lora: Lora, component: str, module: nn.Module) -> None:
-    """Refuse a LoRA whose shapes imply another family than ``module``'s, saying which."""
-    if component == "text_encoder" and any(layer.component == "text_encoder_2" for layer in lora.layers):
-        model = _model_family("text_encoder", module)
+def _model_components(spec) -> tuple[str, ...]:
+    return ("unet", *spec.text_encoders)
+
+
+def check_components(lora: Lora, spec) -> None:
+    """Refuse a LoRA with layers of a network the model of ``spec`` does not have: a second text encoder (an SDXL
+    LoRA on SD 1.x/2.x), a first one (an SDXL base LoRA on the refiner, which has only the second)."""
+    have = _model_components(spec)
+    name = _spec_family(spec)
+    this = f", this model is {name}" if name else ""
+    if lora.layers_of("text_encoder_2") and "text_encoder_2" not in have:
+        raise LoraError(f"made for SDXL (it has layers of a second text encoder: {_COMPONENT_KEYS['text_encoder_2']})"
+                        f"{this}, which has one text encoder", lora.path)
+    if lora.layers_of("text_encoder") and "text_encoder" not in have:
+        made = ("made for the SDXL base model" if lora.made_for_sdxl
+                else "made for a model with a CLIP ViT-L text encoder")
+        raise LoraError(f"{made} (it has layers of a first text encoder: {_COMPONENT_KEYS['text_encoder']}){this}, "
+                        f"whose only text encoder is {', '.join(c for c in have if c != 'unet')}", lora.path)
+
+
+def check_family(lora: Lora, component: str, module: nn.Module, spec=None) -> None:
+    """Refuse a LoRA whose shapes imply another family than ``module``'s (the ``component`` network of the model
+    ``spec`` describes, where given), saying which. Without ``spec`` a LoRA with layers of a second text encoder
+    is refused for a ``text_encoder``: nothing tells that the model has a second one (SDXL's first text encoder
+    has SD 1.x's shapes); ``engine_with_loras`` passes the engine's spec."""
+    if component == "text_encoder" and lora.layers_of("text_encoder_2") and (
+            spec is None or "text_encoder_2" not in spec.text_encoders):
+        model = _model_family("text_encoder", module, spec)
         this = f", this model is {model[0]}" if model and model[0] else ""
-        raise LoraError(f"made for SDXL (it has layers of a second text encoder: lora_te2_ / text_encoder_2){this}",
-                        lora.path)
+        hint = "" if spec is not None else " (for SDXL's first text encoder, pass the model's spec)"
+        raise LoraError(f"made for SDXL (it has layers of a second text encoder: lora_te2_ / text_encoder_2){this}"
+                        f"{hint}", lora.path)
     implied = lora.implied_family(component)
-    model = _model_family(component, module)
+    model = _model_family(component, module, spec)
     if implied is None or model is None or implied[1] == model[1]:
         return
     what = "cross-attention width" if component == "unet" else "text-encoder width"
+    made = f"{implied[0]} ({what} {implied[1]})" if implied[0] else f"a model of {what} {implied[1]}"
     this = f"this model is {model[0]} ({model[1]})" if model[0] else f"this model's {what} is {model[1]}"
-    raise LoraError(f"made for {implied[0]} ({what} {implied[1]}), {this}", lora.path)
+    raise LoraError(f"made for {made}, {this}", lora.path)
 
 
-def resolve_targets(module: nn.Module, lora: Lora, component: str, _table: dict | None = None) -> dict[str, str]:
+def resolve_targets(module: nn.Module, lora: Lora, component: str, _table: dict | None = None,
+                    spec=None) -> dict[str, str]:
     """The module path in ``module`` (the ``component`` network) of each of ``lora``'s layers, by the file's key of
     its down weight. Refuses a LoRA made for another family and one with layers that match nothing."""
     table = _lookup(module, component) if _table is None else _table
-    check_family(lora, component, module)
+    check_family(lora, component, module, spec)
     layers = lora.layers_of(component)
     unmatched = [layer.key for layer in layers if table.get(layer.target) is None]
     if unmatched:
@@ -602,14 +679,14 @@ class _Update:
 
 
 def _plan(module: nn.Module, loras: Sequence[tuple[Lora, Weight]], component: str,
-          device: torch.device | None = None, materialise: bool = True) -> dict[str, list[_Update]]:
+          device: torch.device | None = None, materialise: bool = True, spec=None) -> dict[str, list[_Update]]:
     """Module path -> updates; every check done before anything is changed."""
     if component not in COMPONENTS:
         raise ValueError(f"component {component!r}: expected one of {', '.join(COMPONENTS)}")
     table = _lookup(module, component)
     plan: dict[str, list[_Update]] = {}
     for lora, weight in loras:
-        names = resolve_targets(module, lora, component, table)
+        names = resolve_targets(module, lora, component, table, spec)
         multiplier = _multiplier(weight, component)
         for layer in lora.layers_of(component):
             name = names[layer.key]
@@ -706,18 +783,20 @@ class MergeHandle:
 
 
 def merge(module: nn.Module, loras: Sequence[tuple[LoraSource, Weight]], component: str,
-          keep_originals: bool = True) -> MergeHandle:
-    """Apply ``loras`` (``(Lora or path, multiplier)``; a multiplier may be ``{"unet": a, "text_encoder": b}``)
-    to ``module``, the ``component`` network, and return the handle that undoes it.
+          keep_originals: bool = True, spec=None) -> MergeHandle:
+    """Apply ``loras`` (``(Lora or path, multiplier)``; a multiplier may be ``{"unet": a, "text_encoder": b}``,
+    SDXL's ``text_encoder_2`` taking ``b`` unless given its own) to ``module``, the ``component`` network
+    (``unet``, ``text_encoder`` or ``text_encoder_2``), and return the handle that undoes it.
 
     Resident weights are merged now; a streamed network's (:func:`sdlite.engine.memory.streamed_model`) are
     merged block by block as they are materialised (:func:`apply_on_the_fly`). Everything is checked first: a
     :class:`LoraError` leaves the module as it was. ``keep_originals=False`` keeps nothing to restore (for a
-    network that is discarded after use)."""
+    network that is discarded after use). ``spec``: the :class:`~sdlite.config.ModelSpec` of the model
+    ``module`` belongs to, for the family checks (needed to merge an SDXL LoRA into SDXL's first text encoder)."""
     loaded = [(_as_lora(source), weight) for source, weight in loras]
     if getattr(module, "_streamer", None) is not None:
-        return apply_on_the_fly(module, loaded, component)
-    plan = _plan(module, loaded, component)
+        return apply_on_the_fly(module, loaded, component, spec=spec)
+    plan = _plan(module, loaded, component, spec=spec)
     handle = MergeHandle(module, component, "merged")
     handle.keeps_originals = keep_originals
     try:
@@ -745,7 +824,8 @@ def _merge_layer(layer: nn.Module, updates: Sequence[_Update], handle: MergeHand
         handle._undo.append(lambda: layer._parameters.__setitem__("weight", original))
 
 
-def apply_on_the_fly(module: nn.Module, loras: Sequence[tuple[LoraSource, Weight]], component: str) -> MergeHandle:
+def apply_on_the_fly(module: nn.Module, loras: Sequence[tuple[LoraSource, Weight]], component: str,
+                     spec=None) -> MergeHandle:
     """Apply ``loras`` to a streamed network: each touched layer's weight is merged when its block's weights are
     materialised (its ``WeightStreamer`` provider is wrapped), with :func:`merge`'s arithmetic; ``restore()``
     unwraps it. Costs one fp32 copy and one rank-r ``addmm`` per touched layer and forward pass."""
@@ -754,7 +834,7 @@ def apply_on_the_fly(module: nn.Module, loras: Sequence[tuple[LoraSource, Weight
         raise ValueError("apply_on_the_fly needs a streamed network (sdlite.engine.memory.streamed_model); "
                          "use merge() for resident weights")
     loaded = [(_as_lora(source), weight) for source, weight in loras]
-    plan = _plan(module, loaded, component, device=torch.device(streamer.device))
+    plan = _plan(module, loaded, component, device=torch.device(streamer.device), spec=spec)
     by_key = {f"{name}.weight": updates for name, updates in plan.items()}
     base = streamer.provider
     device = streamer.device
@@ -791,34 +871,41 @@ def _meta_network(spec, component: str) -> nn.Module:
 @contextlib.contextmanager
 def engine_with_loras(engine, loras: Sequence[tuple[LoraSource, Weight]]):
     """Within the block, ``engine`` generates with ``loras`` (``(Lora or path, multiplier)``) applied to its UNet
-    and text encoder; on leaving, every touched weight is restored exactly. Yields the parsed :class:`Lora` list.
+    and text encoder(s) (SDXL: both); on leaving, every touched weight is restored exactly. Yields the parsed
+    :class:`Lora` list.
 
     Works in every memory mode: resident networks are merged now (prepacked layers re-packed), streamed ones
-    (memory mode 0's UNet, ``weight_dtype`` fp16, the text encoder kept as stored) per block as they run, and
-    the networks the :class:`~sdlite.engine.memory.ModelManager` builds while the block runs (the text encoder
-    of modes 0 and 2, loaded for each prompt and freed after) as it builds them, without keeping originals of
-    those it frees. All files are read and checked against the model first; an error changes nothing."""
+    (memory mode 0's UNet and SDXL text encoders, ``weight_dtype`` fp16, text encoders kept as stored) per block as
+    they run, and the networks the :class:`~sdlite.engine.memory.ModelManager` builds while the block runs (the
+    text encoders of modes 0 and 2, loaded for each prompt and freed after) as it builds them, without keeping
+    originals of those it frees. All files are read and checked against the model first (a network the model lacks,
+    another family, layers that match nothing or do not fit); an error changes nothing."""
     loaded = [(_as_lora(source), weight) for source, weight in loras]
     if not loaded:
         yield []
         return
+    spec = engine.spec
+    components = _model_components(spec)
+    touched = [c for c in components if any(lora.layers_of(c) for lora, _ in loaded)]
     manager = engine.models
     resident = dict(manager._resident)
-    for component in COMPONENTS:   # check every layer against the model before touching anything
-        module = resident.get(component) or _meta_network(engine.spec, component)
-        _plan(module, loaded, component, materialise=False)
+    for component in touched:   # check every layer against the model before touching anything
+        module = resident.get(component) or _meta_network(spec, component)
+        _plan(module, loaded, component, materialise=False, spec=spec)
+    for lora, _ in loaded:
+        check_components(lora, spec)
     handles: list[MergeHandle] = []
 
     def adapt(name: str, module: nn.Module, keep: bool) -> None:
-        if name in COMPONENTS and any(lora.layers_of(name) for lora, _ in loaded):
-            handle = merge(module, loaded, name, keep_originals=keep)
+        if name in touched:
+            handle = merge(module, loaded, name, keep_originals=keep, spec=spec)
             if keep:
                 handles.append(handle)
 
-    # networks the manager builds while the block runs (the text encoder of modes 0 and 2, per use) get the
+    # networks the manager builds while the block runs (the text encoders of modes 0 and 2, per use) get the
     # LoRAs through its adapter hook
     try:
-        for component in COMPONENTS:
+        for component in touched:
             if component in resident:
                 adapt(component, resident[component], True)
         manager.adapters.append(adapt)
@@ -832,5 +919,5 @@ def engine_with_loras(engine, loras: Sequence[tuple[LoraSource, Weight]]):
 
 
 __all__ = ["Lora", "LoraLayer", "LoraError", "MergeHandle", "read_lora", "merge", "apply_on_the_fly",
-           "engine_with_loras", "lora_hash", "lora_hashes_infotext", "check_family", "resolve_targets",
-           "find_lora", "lora_name"]
+           "engine_with_loras", "lora_hash", "lora_hashes_infotext", "check_family", "check_components",
+           "resolve_targets", "find_lora", "lora_name"]
