@@ -39,6 +39,7 @@ run: setup
 bench: setup
 	$(BIN)/pip install --quiet -e '.[test,bench]'
 	$(BIN)/python bench/run.py
+	$(BIN)/python bench/sdxl.py
 	# serve --ray and batch --ray against the single-process server; writes bench/scale.md
 	$(BIN)/python bench/scale.py
 
