@@ -341,8 +341,8 @@ class VAEConfig:
     scaling_factor: float = 0.18215
     sample_size: int = 512
     # decode in fp32 even when the model computes in half precision (SDXL's VAE overflows in fp16); diffusers'
-    # SDXL pipelines honour it, its SD 1.x/2.x pipelines do not (sdlite: the same)
-    force_upcast: bool = False
+    # SDXL pipelines honour it, its SD 1.x/2.x pipelines do not (sdlite: the same). True is diffusers' default.
+    force_upcast: bool = True
 
     @property
     def downscale(self) -> int:
