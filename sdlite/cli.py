@@ -366,7 +366,7 @@ def cmd_generate(args) -> int:
     from .sampling.samplers import img2img_start
 
     args.model = resolve_model(args.model, args.prompt)
-    _resolve_turbo_defaults(args)
+    opened = _resolve_turbo_defaults(args)   # the checkpoint's headers, when they were read to decide, for the load
     if args.refiner_switch is not None and args.refiner is None:
         raise RequestError("--refiner-switch needs a refiner: add --refiner PATH")
     if args.refiner is not None and not Path(args.refiner).exists():
@@ -418,7 +418,7 @@ def cmd_generate(args) -> int:
     options = dict(device=str(device), dtype=dtype, memory_mode=args.memory_mode,
                    weight_dtype=getattr(torch, _DTYPES[args.weight_dtype]) if args.weight_dtype else None,
                    quantize=args.quantize, vae_tile=vae_tile, prepack=False if args.no_prepack else None)
-    engine = Engine.load(args.model, prediction_type=args.prediction_type, **options)
+    engine = Engine.load(opened or args.model, prediction_type=args.prediction_type, **options)
     extra_info = {}
     if args.refiner is not None:
         engine.set_refiner(Engine.load(args.refiner, **options))
@@ -461,21 +461,25 @@ def _model_name(path: str) -> str:
     return Path(path).stem if Path(path).is_file() else Path(path).name
 
 
-def _resolve_turbo_defaults(args) -> None:
+def _resolve_turbo_defaults(args):
     """Fill the sampling options the command line left unset (None): a Turbo model's settings with --turbo or when
-    the model says it is one (its scheduler config or metadata; `sdlite info` shows it), A1111's otherwise."""
+    the model says it is one (its scheduler config or metadata; `sdlite info` shows it), A1111's otherwise.
+
+    Returns the checkpoint opened (headers only) to find that out, for the load to use rather than open it again;
+    None when it was not opened or could not be (the load then reports what is wrong with the model)."""
     unset = [key for key in TURBO_DEFAULTS if getattr(args, key) is None]
-    turbo = args.turbo
+    turbo, ckpt = args.turbo, None
     if not turbo and unset:
         from .loader import open_model
 
         try:
-            with open_model(args.model) as ckpt:   # headers only
-                turbo = ckpt.spec.turbo
+            ckpt = open_model(args.model, prediction_type=args.prediction_type)
+            turbo = ckpt.spec.turbo
         except SDLiteError:
-            turbo = False   # the load reports what is wrong with the model
+            turbo = False
     for key in unset:
         setattr(args, key, (TURBO_DEFAULTS if turbo else PLAIN_DEFAULTS)[key])
+    return ckpt
 
 
 def _is_loopback(host: str) -> bool:

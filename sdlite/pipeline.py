@@ -41,7 +41,7 @@ try:
     from .engine.tiling import tiled_decode
     from .errors import SDLiteError
     from .prompts import ScheduledPrompt, extract_networks, prompt_schedule, text_at_step
-    from .loader import StableDiffusion, open_model, resolve_prediction_type
+    from .loader import Checkpoint, StableDiffusion, open_model, resolve_prediction_type
     from .sampling.denoisers import CFGDenoiser, Denoiser
     from .sampling.samplers import SAMPLERS, img2img_start, plan, resolve_sampler, sample
     from .sampling.schedules import SIGMA_KINDS, SPACINGS, NoiseSchedule
@@ -332,7 +332,8 @@ class Engine:
              prediction_type: str | None = None, memory_mode: int = 1,
              weight_dtype: torch.dtype | None = None, quantize: str = "none",
              vae_tile: int | None = None, prepack: bool | None = None) -> "Engine":
-        """Open ``path`` and prepare it in ``memory_mode`` (see :data:`~sdlite.engine.memory.MEMORY_MODES`).
+        """Open ``path`` (or take an already opened :class:`~sdlite.loader.Checkpoint`) and prepare it in
+        ``memory_mode`` (see :data:`~sdlite.engine.memory.MEMORY_MODES`).
 
         ``dtype`` is the compute dtype (default fp32 on the CPU, fp16 on a GPU); ``weight_dtype`` the dtype the
         resident weights are kept in when it differs (e.g. fp16 weights computed in fp32, block by block);
@@ -345,7 +346,8 @@ class Engine:
         device = check_device(device)
         if dtype is None:
             dtype = torch.float32 if device.type == "cpu" else torch.float16
-        ckpt = open_model(path, prediction_type=prediction_type)
+        # a Checkpoint already opened (headers read) by the caller is used as it is
+        ckpt = path if isinstance(path, Checkpoint) else open_model(path, prediction_type=prediction_type)
         if (weight_dtype is None and ckpt.spec.is_sdxl and device.type == "cpu" and dtype == torch.float32
                 and memory_mode != 0 and quantize == "none" and not prepack
                 and ckpt.storage_dtype in (torch.float16, torch.bfloat16)):
