@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from sdlite import lora as L
 from sdlite.pipeline import Engine, Request
 from tests.reference import use_scheduler
-from tests.test_sdxl_pipeline import SIZE, UNET_BASE, _pipelines
+from tests.test_sdxl_pipeline import SIZE, UNET_BASE, saved_pipelines
 
 pytest.importorskip("peft", reason="the reference (diffusers' load_lora_weights) needs the PEFT backend")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -170,9 +170,7 @@ def _half_copy(folder, to):
 @pytest.fixture(scope="module")
 def xl(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora_sdxl")
-    base, refiner = _pipelines(tmp)
-    base.save_pretrained(tmp / "base")
-    refiner.save_pretrained(tmp / "refiner")
+    base, refiner = saved_pipelines(tmp)
     made = peft_factors(base)
     loras = tmp / "loras"
     loras.mkdir()

@@ -87,12 +87,19 @@ def _pipelines(tmp):
     return base, refiner
 
 
+def saved_pipelines(tmp, folder=None):
+    """:func:`_pipelines`, saved by diffusers as the folders ``base`` and ``refiner`` in ``folder`` (default ``tmp``)."""
+    base, refiner = _pipelines(tmp)
+    folder = tmp if folder is None else folder
+    base.save_pretrained(folder / "base")
+    refiner.save_pretrained(folder / "refiner")
+    return base, refiner
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sdxl")
-    base, refiner = _pipelines(tmp)
-    base.save_pretrained(tmp / "base")
-    refiner.save_pretrained(tmp / "refiner")
+    base, refiner = saved_pipelines(tmp)
     engine, ref_engine = Engine.load(tmp / "base"), Engine.load(tmp / "refiner")
     return base, refiner, engine, ref_engine, tmp
 

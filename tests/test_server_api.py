@@ -382,13 +382,11 @@ def sdxl(tmp_path_factory, one_torch_thread):
     """A server over a models folder holding a tiny SDXL base and refiner (diffusers folders, as
     tests/test_sdxl_pipeline.py builds them) and the demo model; the base is current (the first by name). With the
     engines the tests compare against: the base with the refiner attached, and the base alone."""
-    from tests.test_sdxl_pipeline import _pipelines
+    from tests.test_sdxl_pipeline import saved_pipelines
 
     tmp = tmp_path_factory.mktemp("sdxl_server")
-    base, refiner = _pipelines(tmp)
     models = tmp / "models"
-    base.save_pretrained(models / "base")
-    refiner.save_pretrained(models / "refiner")
+    saved_pipelines(tmp, models)
     (models / "demo").symlink_to(model_path(), target_is_directory=True)
     engine, refiner_engine = Engine.load(models / "base"), Engine.load(models / "refiner")
     with TestClient(create_app(models_dir=models)) as c:
