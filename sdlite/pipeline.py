@@ -331,7 +331,8 @@ class Engine:
     def load(cls, path, device: str = "cpu", dtype: torch.dtype | None = None,
              prediction_type: str | None = None, memory_mode: int = 1,
              weight_dtype: torch.dtype | None = None, quantize: str = "none",
-             vae_tile: int | None = None, prepack: bool | None = None) -> "Engine":
+             vae_tile: int | None = None, prepack: bool | None = None,
+             winograd: bool | None = None) -> "Engine":
         """Open ``path`` (or take an already opened :class:`~sdlite.loader.Checkpoint`) and prepare it in
         ``memory_mode`` (see :data:`~sdlite.engine.memory.MEMORY_MODES`).
 
@@ -340,7 +341,9 @@ class Engine:
         ``quantize`` one of :data:`~sdlite.engine.quant.QUANTIZE_MODES` for the UNet; ``vae_tile`` the tiled-decode
         tile in latent pixels (None: tile latents larger than 96x96, i.e. images above 768 px; 0: never);
         ``prepack`` whether fp32 CPU weights are reordered once for oneDNN (:mod:`sdlite.engine.packing`; None:
-        where that applies and this CPU gains from it, as :func:`sdlite.engine.cpu.default_prepack` decides).
+        where that applies and this CPU gains from it, as :func:`sdlite.engine.cpu.default_prepack` decides);
+        ``winograd`` whether the UNet's and VAE's large-map 3x3 convolutions run by Winograd's F(2x2, 3x3)
+        (:mod:`sdlite.engine.winograd`; None: wherever the compute is fp32 on a CPU).
         """
         check_memory_mode(memory_mode)
         device = check_device(device)
@@ -356,7 +359,7 @@ class Engine:
             weight_dtype = ckpt.storage_dtype
         manager = ModelManager(ckpt, memory_mode, dtype, device, weight_dtype=weight_dtype, quantize=quantize,
                                prepack=prepack, vae_dtype=torch.float32 if ckpt.spec.is_sdxl
-                               and ckpt.spec.vae.force_upcast else None)
+                               and ckpt.spec.vae.force_upcast else None, winograd=winograd)
         if memory_mode != 0:
             manager.get("unet")  # resident from the start: the load is part of getting ready
         if ckpt.prediction_source == "unresolved":

@@ -29,6 +29,7 @@ from ..models.layers import Downsample, ResnetBlock, Upsample
 from ..models.unet import TransformerBlock
 from .cpu import default_prepack
 from .packing import load_prepacked, prepack_available, prepack_model, release_packed
+from .winograd import release_workspace, winograd_available, winograd_model
 from .quant import check_quantize_supported, quantize_model
 
 MEMORY_MODES = {
@@ -61,7 +62,9 @@ _LIBC = _libc()
 
 def trim_heap() -> None:
     """Return the C heap's free memory to the system (glibc keeps freed blocks below its mmap threshold,
-    which grows after large frees, so a freed sub-model would otherwise stay in resident memory)."""
+    which grows after large frees, so a freed sub-model would otherwise stay in resident memory). The Winograd
+    convolutions' reusable buffers are freed first."""
+    release_workspace()
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
 
@@ -190,7 +193,8 @@ class ModelManager:
 
     def __init__(self, ckpt: Checkpoint | None, mode: int = 1, dtype: torch.dtype = torch.float32, device="cpu",
                  weight_dtype: torch.dtype | None = None, preloaded: StableDiffusion | None = None,
-                 quantize: str = "none", prepack: bool | None = None, vae_dtype: torch.dtype | None = None):
+                 quantize: str = "none", prepack: bool | None = None, vae_dtype: torch.dtype | None = None,
+                 winograd: bool | None = None):
         self.ckpt, self.mode, self.dtype, self.device = ckpt, check_memory_mode(mode), dtype, torch.device(device)
         # the VAE's own compute dtype where it differs (SDXL's VAE decodes in fp32 under half-precision compute)
         self.vae_dtype = vae_dtype
@@ -200,6 +204,12 @@ class ModelManager:
         self.prepack = (available and default_prepack().use) if prepack is None else bool(prepack)
         if self.prepack and not available:
             raise MemoryModeError(f"prepacked weights need fp32 compute on a CPU with oneDNN; this is {dtype} on "
+                                  f"{self.device.type}")
+        # the UNet's and VAE's large-map 3x3 convolutions by Winograd's F(2x2, 3x3) (engine.winograd); None: where
+        # it applies (fp32 on a CPU), on every ISA
+        self.winograd = winograd_available(self.device, dtype) if winograd is None else bool(winograd)
+        if self.winograd and not winograd_available(self.device, dtype):
+            raise MemoryModeError(f"Winograd convolutions need fp32 compute on a CPU; this is {dtype} on "
                                   f"{self.device.type}")
         self.weight_dtype = weight_dtype
         check_quantize_supported(quantize)  # a valid mode, and bf16 ones only on CPUs with bf16 kernels
@@ -259,11 +269,15 @@ class ModelManager:
 
     def _load_whole(self, name: str) -> nn.Module:
         quantized = name == "unet" and self.quantize != "none"
+        winograd = self.winograd and name in PREPACKED and not quantized and self.dtype_of(name) == torch.float32
         if self.prepack and name in PREPACKED and not quantized:
-            return load_prepacked(self.ckpt, name)   # the same as loading and then prepacking, in one pass
+            # the same as loading and then prepacking, in one pass
+            return load_prepacked(self.ckpt, name, winograd=winograd)
         module = self.ckpt.load(name, self.dtype_of(name), self.device)
         if quantized:
             module = quantize_model(module, self.quantize)
+        if winograd:
+            module = winograd_model(module)   # before prepacking, which leaves the Winograd layers alone
         if self.prepack and name in PREPACKED:
             module = prepack_model(module)
         return module

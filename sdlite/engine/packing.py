@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..loader import RELEASE_EVERY
+from .winograd import WinogradConv2d, eligible as winograd_eligible, winograd_model
 
 
 def prepack_available(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> bool:
@@ -120,8 +121,11 @@ def prepack_model(module: nn.Module) -> nn.Module:
     return module
 
 
-def load_prepacked(ckpt, component: str) -> nn.Module:
+def load_prepacked(ckpt, component: str, winograd: bool = False) -> nn.Module:
     """``prepack_model(ckpt.load(component, torch.float32))`` in one pass: the same module, bit for bit.
+    ``winograd``: the layers :func:`sdlite.engine.winograd.eligible` takes become
+    :class:`~sdlite.engine.winograd.WinogradConv2d` (plain fp32 weights) instead, as
+    ``prepack_model(winograd_model(...))`` would make them.
 
     The two-step way converts every weight into a plain fp32 tensor and then reorders it into a second one.
     Here each Conv2d/Linear weight goes from the file through one reusable fp32 buffer straight into oneDNN's
@@ -130,7 +134,8 @@ def load_prepacked(ckpt, component: str) -> nn.Module:
     back as they are read, as :meth:`~sdlite.loader.Checkpoint.load` does.
     """
     module = ckpt.build_empty(component)
-    layers = [(name, layer) for name, layer in module.named_modules() if type(layer) in (nn.Conv2d, nn.Linear)]
+    layers = [(name, layer) for name, layer in module.named_modules() if type(layer) in (nn.Conv2d, nn.Linear)
+              and not (winograd and winograd_eligible(layer))]
     module = ckpt.load_into(module, component, torch.float32, "cpu",
                             defer=frozenset(f"{name}.weight" for name, _ in layers))
     largest = max((layer.weight.numel() for _, layer in layers), default=0)
@@ -145,6 +150,8 @@ def load_prepacked(ckpt, component: str) -> nn.Module:
             ckpt.release_pages()
             read = 0
     ckpt.release_pages()
+    if winograd:
+        winograd_model(module)
     return module
 
 
@@ -158,6 +165,6 @@ def release_packed(module: nn.Module) -> None:
 
 def conv2d(conv: nn.Module, x: torch.Tensor, padding: tuple[int, int]) -> torch.Tensor:
     """``conv`` (plain or prepacked) applied to ``x`` with ``padding`` instead of its own."""
-    if isinstance(conv, PackedConv2d):
+    if isinstance(conv, (PackedConv2d, WinogradConv2d)):
         return conv(x, padding)
     return F.conv2d(x, conv.weight, conv.bias, conv.stride, padding, conv.dilation, conv.groups)

@@ -1,0 +1,189 @@
+"""3x3 convolutions by Winograd's minimal filtering, F(2x2, 3x3), for fp32 on the CPU.
+
+A 3x3, stride-1 convolution computes each 2x2 block of outputs from a 4x4 tile of its input. Winograd's
+algorithm (Lavin & Gray, "Fast Algorithms for Convolutional Neural Networks", 2015) transforms each input tile
+(``V = B^T d B``) and each filter (``U = G g G^T``) into 16 values, multiplies them element by element -- which
+over the channels is 16 independent matrix products, ``M[s] = V[s] @ U[s]`` -- and transforms back
+(``Y = A^T M A``). That is 16 multiplications per 4 outputs and channel pair instead of 36: 2.25x fewer, paid for
+with the transforms, which read and write memory but multiply little. The matrices (Lavin & Gray, section 4.1)::
+
+    B^T = [[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]]
+    G   = [[1, 0, 0], [1/2, 1/2, 1/2], [1/2, -1/2, 1/2], [0, 0, 1]]
+    A^T = [[1, 1, 1, 0], [0, 1, -1, -1]]
+
+Their entries are 0, +-1 and 1/2, so the transforms round no more than a direct convolution does: on the UNet's
+and the VAE's shapes the result differs from PyTorch's convolution by about 3e-7 of its largest value, the same
+as PyTorch's own convolution differs from a float64 one (``tests/test_winograd.py`` asserts 2e-6).
+
+How it runs here (activations channels-last, as the prepacked layers keep them):
+
+* the input is padded and cut into rows of tiles, a few tile rows at a time (about 512 tiles), so the
+  transformed tiles of one chunk stay small and in cache; the input transform is eight element-wise passes
+  over strided views (its coefficients are +-1: additions only);
+* the filter transform is one matrix product per call (16x9 by 9 x in*out), from the layer's ordinary weight:
+  the layer keeps nothing but that weight, so it costs no memory, and LoRA merges into it as into any Conv2d;
+* the 16 products are one batched matrix multiply; the output transform is one small matrix product, written
+  with the bias straight into the channels-last output;
+* the buffers are reused from call to call (a per-thread workspace, :func:`release_workspace` frees it):
+  freshly allocated, each would be paged in anew on every call.
+
+Where it pays (``bench/winograd.py``; 2-core Zen 4, 2 threads, ms per call, batch 2 for the UNet's shapes and
+1 for the VAE's; "packed" is :class:`~sdlite.engine.packing.PackedConv2d`, the default with AVX-512; "plain" is
+PyTorch's, the default with AVX2 only):
+
+=====================================  ==========================  ==========================
+layer                                  AVX-512: packed / Winograd  AVX2 cap: plain / Winograd
+=====================================  ==========================  ==========================
+see BENCH_TABLE
+=====================================  ==========================  ==========================
+
+It gains where the spatial size is large against the channel count, and loses on small maps of many channels
+(the UNet's 1280-channel layers at 8x8 for a 512 px image) and on few channels (the VAE's 128- and 256-channel
+layers at full resolution, where the transforms' memory traffic outweighs the products). So
+:func:`eligible` takes 3x3 stride-1 layers with 320 to 640 output channels, at least 320 input channels and at
+most 1.25M channel pairs (the filter transform is per call; at 1280x1280 it costs more than it saves at 16x16):
+in SD 1.x/2.x and SDXL the UNet's first two levels, and the VAE decoder's 512-channel layers. Inputs under 8x8
+go to the direct convolution.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_G = torch.tensor([[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]], dtype=torch.float64)
+_AT = torch.tensor([[1, 1, 1, 0], [0, 1, -1, -1]], dtype=torch.float64)
+# the 2-D transforms as matrices over a tile's values in row-major order: U = G16 @ g (9 -> 16), Y = A16 @ M
+_G16 = torch.einsum("xa,yb->xyab", _G, _G).reshape(16, 9).float()
+_A16 = torch.einsum("xa,yb->xyab", _AT, _AT).reshape(4, 16).float()
+
+MIN_CHANNELS = 320
+MAX_OUT_CHANNELS = 640
+MAX_PAIRS = 1920 * 640          # in * out: the largest filter transformed per call (a 79 MB workspace)
+MIN_SIDE = 8                    # smaller inputs (either side) run the direct convolution
+TILES_PER_CHUNK = 512
+
+_workspace = threading.local()
+
+
+def _buffer(key: str, numel: int) -> torch.Tensor:
+    """A flat fp32 buffer of at least ``numel`` elements, kept for the next call on this thread."""
+    buffers = _workspace.__dict__.setdefault("buffers", {})
+    buf = buffers.get(key)
+    if buf is None or buf.numel() < numel:
+        buffers[key] = buf = None   # the old one goes before the larger one is allocated
+        buffers[key] = buf = torch.empty(numel)
+    return buf[:numel]
+
+
+def release_workspace() -> None:
+    """Free this thread's buffers (they are rebuilt at the next call)."""
+    _workspace.__dict__.pop("buffers", None)
+
+
+def winograd_available(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> bool:
+    """Whether :func:`winograd_model` applies: fp32 on a CPU (on a GPU, cuDNN picks its own algorithms)."""
+    return torch.device(device).type == "cpu" and dtype == torch.float32
+
+
+def eligible(conv: nn.Module) -> bool:
+    """Whether ``conv`` (an ``nn.Conv2d``) runs faster as :class:`WinogradConv2d` (see the module docstring)."""
+    return (type(conv) is nn.Conv2d and conv.kernel_size == (3, 3) and conv.stride == (1, 1)
+            and conv.dilation == (1, 1) and conv.groups == 1 and conv.padding_mode == "zeros"
+            and conv.padding == (1, 1) and conv.in_channels >= MIN_CHANNELS
+            and MIN_CHANNELS <= conv.out_channels <= MAX_OUT_CHANNELS
+            and conv.in_channels * conv.out_channels <= MAX_PAIRS)
+
+
+def filter_transform(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``U = G g G^T`` of every (out, in) filter of ``weight`` (out, in, 3, 3): shape (16, out, in)."""
+    k, c = weight.shape[:2]
+    u = torch.mm(_G16, weight.reshape(k * c, 9).t(), out=None if out is None else out.view(16, k * c))
+    return u.view(16, k, c)
+
+
+def winograd_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    padding: tuple[int, int] = (1, 1)) -> torch.Tensor:
+    """``F.conv2d(x, weight, bias, padding=padding)`` for a 3x3 fp32 ``weight``, stride 1, by F(2x2, 3x3).
+
+    ``x``: (N, C, H, W) in any memory format. Returns (N, K, Ho, Wo) in channels-last memory."""
+    n, c, h, w = x.shape
+    k = weight.shape[0]
+    ph, pw = padding
+    ho, wo = h + 2 * ph - 2, w + 2 * pw - 2
+    th, tw = (ho + 1) // 2, (wo + 1) // 2          # tile rows and columns (an odd size is padded by one)
+    u = filter_transform(weight, out=_buffer("u", 16 * k * c)).transpose(1, 2)   # (16, C, K) view
+    xh = x.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1)      # (N, H, W, C)
+    xp = F.pad(xh, (0, 0, pw, pw + 2 * tw - wo, ph, ph + 2 * th - ho))            # (N, 2th+2, 2tw+2, C)
+    out = torch.empty(n, 2 * th, 2 * tw, k)
+    rows = max(1, min(th, -(-TILES_PER_CHUNK // (n * tw))))
+    row_buf = _buffer("rows", 4 * n * rows * (2 * tw + 2) * c)
+    tile_buf = _buffer("tiles", 16 * n * rows * tw * c)
+    prod_buf = _buffer("products", 16 * n * rows * tw * k)
+    for r0 in range(0, th, rows):
+        m = min(rows, th - r0)
+        p = n * m * tw
+        # B^T d: the tile rows' four input rows combined (rows 2i .. 2i+3 of the padded input)
+        d = [xp[:, 2 * r0 + a: 2 * r0 + a + 2 * m: 2] for a in range(4)]          # (N, m, 2tw+2, C) each
+        r = row_buf[:4 * n * m * (2 * tw + 2) * c].view(4, n, m, 2 * tw + 2, c)
+        torch.sub(d[0], d[2], out=r[0])
+        torch.add(d[1], d[2], out=r[1])
+        torch.sub(d[2], d[1], out=r[2])
+        torch.sub(d[1], d[3], out=r[3])
+        # (B^T d) B: the same over the columns, into (4, 4, N, m, tw, C) = 16 matrices of (tiles, C)
+        e = [r[:, :, :, b: b + 2 * tw: 2] for b in range(4)]
+        v = tile_buf[:16 * p * c].view(4, 4, n, m, tw, c)
+        torch.sub(e[0], e[2], out=v[:, 0])
+        torch.add(e[1], e[2], out=v[:, 1])
+        torch.sub(e[2], e[1], out=v[:, 2])
+        torch.sub(e[1], e[3], out=v[:, 3])
+        prod = torch.bmm(v.view(16, p, c), u, out=prod_buf[:16 * p * k].view(16, p, k))
+        y = torch.mm(_A16, prod.view(16, p * k)).view(2, 2, n, m, tw, k)        # A^T M A
+        dst = out[:, 2 * r0: 2 * (r0 + m)].view(n, m, 2, tw, 2, k)
+        src = y.permute(2, 3, 0, 4, 1, 5)
+        if bias is None:
+            dst.copy_(src)
+        else:
+            torch.add(src, bias, out=dst)
+    if (ho, wo) != (2 * th, 2 * tw):
+        out = out[:, :ho, :wo].contiguous()      # an odd size: the extra row/column goes
+    return out.permute(0, 3, 1, 2)
+
+
+class WinogradConv2d(nn.Conv2d):
+    """An ``nn.Conv2d`` (3x3, stride 1, fp32 on the CPU) that runs by :func:`winograd_conv2d`. It keeps the
+    ordinary weight and bias, so loading, LoRA merging and saving see a plain Conv2d."""
+
+    compute_dtype = torch.float32
+
+    @classmethod
+    def from_conv(cls, conv: nn.Conv2d, weight: torch.Tensor | None = None) -> "WinogradConv2d":
+        """The same layer, sharing ``conv``'s parameters (or taking ``weight``): nothing is copied."""
+        layer = cls(conv.in_channels, conv.out_channels, 3, padding=conv.padding, bias=conv.bias is not None,
+                    device="meta")
+        layer.weight = nn.Parameter(conv.weight.detach() if weight is None else weight, requires_grad=False)
+        if conv.bias is not None:
+            layer.bias = nn.Parameter(conv.bias.detach(), requires_grad=False)
+        return layer
+
+    def forward(self, x: torch.Tensor, padding: tuple[int, int] | None = None) -> torch.Tensor:
+        """``padding`` overrides the layer's own (tiled decoding pads by hand and passes 0)."""
+        pad = tuple(self.padding if padding is None else padding)
+        if (x.device.type != "cpu" or x.dtype != torch.float32 or self.weight.dtype != torch.float32
+                or min(x.shape[-2:]) < MIN_SIDE):
+            return F.conv2d(x, self.weight, self.bias, 1, pad)
+        return winograd_conv2d(x, self.weight, self.bias, pad)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", winograd F(2x2,3x3)"
+
+
+def winograd_model(module: nn.Module) -> nn.Module:
+    """Replace, in place, every :func:`eligible` Conv2d of ``module`` (fp32, CPU) by a :class:`WinogradConv2d`
+    sharing its weights; returns ``module``."""
+    for name, layer in list(module.named_modules()):
+        if eligible(layer) and layer.weight.dtype == torch.float32 and layer.weight.device.type == "cpu":
+            module.set_submodule(name, WinogradConv2d.from_conv(layer))
+    return module
