@@ -187,29 +187,38 @@ def machine(facts: dict | None = None) -> str:
             f"; ISA flags: {flags}; torch CPU capability: {facts['capability']}")
 
 
-def measure_isas(isas: list[str], base: dict, results: dict, startup_only: bool, repeat: int) -> dict:
+def measure_isas(isas: list[str], base: dict, results: dict, startup_only: bool, repeat: int,
+                 startup_rows: bool = True, generation_repeat: int = 1) -> dict:
     """The key rows under each ISA cap: mode 1 fp32 20-step 512^2 generation and peak RSS, sdlite and diffusers
     (each in its own process: load, generate), and the start-up breakdown of bench/startup.py. Natively, a full
-    run's own rows are reused."""
+    run's own rows are reused. ``startup_rows=False`` (--no-startup) leaves the start-up rows as last measured;
+    ``generation_repeat`` processes per engine (alternating) give the generation rows' medians."""
     import startup
 
     out = {}
     for isa in isas:
         env = ISAS[isa]
         row = {"env": env}
-        for label, engine in (("diffusers fp32", "diffusers"), ("sdlite mode 1 fp32", "sdlite")):
-            if startup_only:
-                continue
-            if isa == "native" and label in results:
-                row[label] = results[label]
-                continue
-            cfg = {**base, "engine": engine, "text": False, "unet_sizes": [], "decode_sizes": [],
-                   "label": f"{label} {isa}", **({"memory_mode": 1} if engine == "sdlite" else {})}
-            row[label] = run_child(cfg, env=env)
-            print(f"{isa}: {label}: {row[label]}", flush=True)
-        row["startup"] = startup.measure(base["model"], repeat=repeat, env=env, log=lambda m: print(m, flush=True))
-        row["capability"] = row["startup"]["sdlite"]["capability"]
-        print(f"{isa}: start-up: " + json.dumps({e: r["median"] for e, r in row["startup"].items()}), flush=True)
+        runs: dict[str, list] = {}
+        for _ in range(generation_repeat):   # the engines alternate, so slow spells of the machine hit both
+            for label, engine in (("diffusers fp32", "diffusers"), ("sdlite mode 1 fp32", "sdlite")):
+                if startup_only:
+                    continue
+                if isa == "native" and label in results:
+                    row[label] = results[label]
+                    continue
+                cfg = {**base, "engine": engine, "text": False, "unet_sizes": [], "decode_sizes": [],
+                       "label": f"{label} {isa}", **({"memory_mode": 1} if engine == "sdlite" else {})}
+                runs.setdefault(label, []).append(run_child(cfg, env=env))
+                print(f"{isa}: {label}: {runs[label][-1]}", flush=True)
+        for label, got in runs.items():
+            row[label] = {**got[0], **{key: statistics.median(r[key] for r in got)
+                                       for key in ("ready_s", "e2e_s", "peak_rss_mb")}, "runs": got}
+        if startup_rows:
+            row["startup"] = startup.measure(base["model"], repeat=repeat, env=env,
+                                             log=lambda m: print(m, flush=True))
+            row["capability"] = row["startup"]["sdlite"]["capability"]
+            print(f"{isa}: start-up: " + json.dumps({e: r["median"] for e, r in row["startup"].items()}), flush=True)
         out[isa] = row
     return out
 
@@ -230,6 +239,10 @@ def main():
     ap.add_argument("--startup-only", action="store_true",
                     help="measure only the per-ISA start-up breakdown (bench/startup.py), keep the rest")
     ap.add_argument("--startup-repeat", type=int, default=5, help="fresh processes per engine for the start-up rows")
+    ap.add_argument("--generation-repeat", type=int, default=1,
+                    help="with --isa-only: processes per engine (alternating) for the generation rows' medians")
+    ap.add_argument("--no-startup", action="store_true",
+                    help="with --isa-only: measure the generation rows only, keep the start-up rows")
     args = ap.parse_args()
     raw_file = HERE / "results.json"
     if args.report_only:
@@ -252,7 +265,8 @@ def main():
     if args.isa_only or args.startup_only:  # the other rows stay as the last full run measured them
         raw = json.loads(raw_file.read_text()) if raw_file.is_file() else \
             {"results": {}, "sweep": {}, "large": {}, "quick": args.quick}
-        measured = measure_isas(isas, base, {}, args.startup_only, args.startup_repeat)
+        measured = measure_isas(isas, base, {}, args.startup_only, args.startup_repeat,
+                                startup_rows=not args.no_startup, generation_repeat=args.generation_repeat)
         merged = raw.get("isa") or {}
         for isa, row in measured.items():
             merged[isa] = {**merged.get(isa, {}), **row}  # --startup-only keeps that ISA's generation rows
@@ -416,11 +430,14 @@ def isa_section(isa: dict) -> list[str]:
     if not isa:
         return []
     names = list(isa)
+    gen_runs = max((len(isa[n].get("sdlite mode 1 fp32", {}).get("runs", [])) for n in names), default=0)
     lines = ["", "## Per ISA", "",
              "The key rows natively and with the CPU capped to AVX2 (`ONEDNN_MAX_CPU_ISA=AVX2 "
              "ATEN_CPU_CAPABILITY=avx2` in each child process's environment): sdlite mode 1 fp32 against diffusers "
              "fp32, each ratio against diffusers under the same cap. The generation rows: one process per engine "
-             "that loads and runs one 20-step 512^2 generation (DPM++ 2M Karras, cfg 7.5); in a full run the "
+             "that loads and runs one 20-step 512^2 generation (DPM++ 2M Karras, cfg 7.5), timed from the call "
+             "to the images" + (f", the median of {gen_runs} such processes per engine, the engines alternating"
+                                if gen_runs > 1 else "") + "; in a full run the "
              "native ones are the main table's, with `--isa-only` they are measured here (and may then differ "
              "from the main table, which is not re-measured). The start-up rows: `bench/startup.py`, medians over fresh processes, "
              "engines alternating.", "",

@@ -27,23 +27,33 @@ How it runs here (activations channels-last, as the prepacked layers keep them):
 * the buffers are reused from call to call (a per-thread workspace, :func:`release_workspace` frees it):
   freshly allocated, each would be paged in anew on every call.
 
-Where it pays (``bench/winograd.py``; 2-core Zen 4, 2 threads, ms per call, batch 2 for the UNet's shapes and
-1 for the VAE's; "packed" is :class:`~sdlite.engine.packing.PackedConv2d`, the default with AVX-512; "plain" is
-PyTorch's, the default with AVX2 only):
+Where it pays (``python bench/winograd.py``; 2-core Zen 4, 2 threads, ms per call, median of 7; batch 2 for the
+UNet's shapes, 1 for the VAE's; "packed" is :class:`~sdlite.engine.packing.PackedConv2d`, the default with
+AVX-512; "plain" is PyTorch's convolution, the default with AVX2 only, measured under
+``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2``):
 
-=====================================  ==========================  ==========================
-layer                                  AVX-512: packed / Winograd  AVX2 cap: plain / Winograd
-=====================================  ==========================  ==========================
-see BENCH_TABLE
-=====================================  ==========================  ==========================
+=====================================  =========================  =========================
+layer (input)                          AVX-512: packed, Winograd  AVX2 cap: plain, Winograd
+=====================================  =========================  =========================
+320 -> 320 (64x64)                     69.0, 52.5 (1.32x)         74.8, 55.7 (1.34x)
+960 -> 320 (64x64)                     219.6, 142.0 (1.55x)       242.8, 166.0 (1.46x)
+640 -> 640 (64x64)                     275.2, 190.2 (1.45x)       345.8, 221.6 (1.56x)
+640 -> 640 (32x32)                     68.7, 51.1 (1.34x)         87.9, 52.9 (1.66x)
+1920 -> 640 (32x32)                    201.8, 142.1 (1.42x)       309.3, 203.8 (1.52x)
+640 -> 640 (16x16)                     16.8, 18.6 (0.90x)         28.9, 19.7 (1.47x)
+VAE 512 -> 512 (64x64)                 89.9, 56.8 (1.58x)         117.5, 72.7 (1.62x)
+VAE 512 -> 512 (128x128)               377.8, 243.4 (1.55x)       459.3, 316.6 (1.45x)
+VAE 512 -> 512 (256x256)               1559.5, 1214.7 (1.28x)     1723.5, 1212.5 (1.42x)
+=====================================  =========================  =========================
 
 It gains where the spatial size is large against the channel count, and loses on small maps of many channels
 (the UNet's 1280-channel layers at 8x8 for a 512 px image) and on few channels (the VAE's 128- and 256-channel
 layers at full resolution, where the transforms' memory traffic outweighs the products). So
 :func:`eligible` takes 3x3 stride-1 layers with 320 to 640 output channels, at least 320 input channels and at
 most 1.25M channel pairs (the filter transform is per call; at 1280x1280 it costs more than it saves at 16x16):
-in SD 1.x/2.x and SDXL the UNet's first two levels, and the VAE decoder's 512-channel layers. Inputs under 8x8
-go to the direct convolution.
+in SD 1.x/2.x and SDXL the UNet's first two levels, and the VAE's 512-channel layers. Inputs under 8x8 go to
+the direct convolution. At 16x16 (the second level for a 256 px image) a 640-channel layer is 10% slower than
+the prepacked one natively; the rule does not look at the input size, which is not known when the model loads.
 """
 from __future__ import annotations
 

@@ -1,0 +1,60 @@
+"""Winograd F(2x2,3x3) (sdlite.engine.winograd) against the direct convolutions, layer by layer.
+
+    python bench/winograd.py                    natively
+    ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 python bench/winograd.py      the AVX2 paths
+
+For the UNet's (batch 2, cfg) and the VAE's (batch 1) 3x3 shapes that sdlite.engine.winograd.eligible takes:
+ms per call (median of 7, 2 threads) of PyTorch's convolution ("plain"), the prepacked oneDNN convolution
+(sdlite.engine.packing, "packed") and Winograd, and Winograd's largest difference from a float64 convolution,
+relative to the output's largest value. Prints markdown.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from sdlite.engine.winograd import winograd_conv2d  # noqa: E402
+
+SHAPES = [(2, 320, 320, 64), (2, 960, 320, 64), (2, 640, 640, 64), (2, 640, 640, 32), (2, 1920, 640, 32),
+          (2, 640, 640, 16), (1, 512, 512, 64), (1, 512, 512, 128), (1, 512, 512, 256)]   # (batch, in, out, side)
+
+
+def _median_ms(fn, n: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def main():
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    print("| layer (batch, in -> out, side) | plain ms | packed ms | Winograd ms | best direct / Winograd | error |")
+    print("|---|---|---|---|---|---|")
+    with torch.no_grad():
+        for n, c, k, side in SHAPES:
+            x = torch.randn(n, c, side, side).contiguous(memory_format=torch.channels_last)
+            w, b = torch.randn(k, c, 3, 3) / (c * 9) ** 0.5, torch.randn(k)
+            packed = torch.ops.mkldnn._reorder_convolution_weight(w, [1, 1], [1, 1], [1, 1], 1, None)
+            ref = F.conv2d(x.double(), w.double(), b.double(), padding=1)
+            err = ((winograd_conv2d(x, w, b).double() - ref).abs().max() / ref.abs().max()).item()
+            plain = _median_ms(lambda: F.conv2d(x, w, b, padding=1))
+            pk = _median_ms(lambda: torch.ops.mkldnn._convolution_pointwise(x, packed, b, [1, 1], [1, 1], [1, 1], 1,
+                                                                             "none", [], ""))
+            wino = _median_ms(lambda: winograd_conv2d(x, w, b))
+            print(f"| {n}, {c} -> {k}, {side} | {plain:.1f} | {pk:.1f} | {wino:.1f} | {min(plain, pk) / wino:.2f}x "
+                  f"| {err:.1e} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
