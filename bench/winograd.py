@@ -10,30 +10,25 @@ relative to the output's largest value. Prints markdown.
 """
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 
+from profile_unet import _median_time  # noqa: E402
 from sdlite.engine.winograd import winograd_conv2d  # noqa: E402
 
 SHAPES = [(2, 320, 320, 64), (2, 960, 320, 64), (2, 640, 640, 64), (2, 640, 640, 32), (2, 1920, 640, 32),
           (2, 640, 640, 16), (1, 512, 512, 64), (1, 512, 512, 128), (1, 512, 512, 256)]   # (batch, in, out, side)
 
 
-def _median_ms(fn, n: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+def _median_ms(fn) -> float:
+    return _median_time(fn, 7) * 1e3
 
 
 def main():
