@@ -40,6 +40,9 @@ bench: setup
 	$(BIN)/pip install --quiet -e '.[test,bench]'
 	$(BIN)/python bench/run.py
 	$(BIN)/python bench/sdxl.py
+	# Winograd against the direct convolutions, layer by layer, natively and under the AVX2 cap
+	$(BIN)/python bench/winograd.py > bench/winograd.md
+	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(BIN)/python bench/winograd.py --isa-label avx2 >> bench/winograd.md
 	# serve --ray and batch --ray against the single-process server; writes bench/scale.md
 	$(BIN)/python bench/scale.py
 

@@ -1,8 +1,9 @@
 """Winograd F(2x2,3x3) (sdlite.engine.winograd) against the direct convolutions, layer by layer.
 
     python bench/winograd.py                    natively
-    ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 python bench/winograd.py      the AVX2 paths
+    ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 python bench/winograd.py --isa-label avx2     the AVX2 paths
 
+(`make bench` runs both into bench/winograd.md.)
 For the UNet's (batch 2, cfg) and the VAE's (batch 1) 3x3 shapes that sdlite.engine.winograd.eligible takes:
 ms per call (median of 7, 2 threads) of PyTorch's convolution ("plain"), the prepacked oneDNN convolution
 (sdlite.engine.packing, "packed") and Winograd, and Winograd's largest difference from a float64 convolution,
@@ -32,8 +33,10 @@ def _median_ms(fn) -> float:
 
 
 def main():
+    label = sys.argv[sys.argv.index("--isa-label") + 1] if "--isa-label" in sys.argv else "native"
     torch.set_num_threads(2)
     torch.manual_seed(0)
+    print(f"\n### {label} (torch CPU capability {torch.backends.cpu.get_cpu_capability()}, 2 threads)\n")
     print("| layer (batch, in -> out, side) | plain ms | packed ms | Winograd ms | best direct / Winograd | error |")
     print("|---|---|---|---|---|---|")
     with torch.no_grad():
