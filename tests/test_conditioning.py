@@ -143,7 +143,11 @@ def test_prompt_and_negative_of_different_lengths_are_padded_with_the_empty_prom
     assert got.shape[1] == 154
     empty, _ = engine.encode_prompt([""])
     short, _ = engine.encode_prompt(["blurry"])
-    assert torch.equal(got[1, :77], short[0]) and torch.equal(got[1, 77:], empty[0])
+    # to fp32 rounding, not bit for bit: the chunks are encoded in one batch of three here and alone below, and
+    # a matrix product's summation order may depend on the batch (it does in oneDNN's AVX2 kernels)
+    assert (got[1, :77] - short[0]).abs().max().item() <= 1e-5
+    assert (got[1, 77:] - empty[0]).abs().max().item() <= 1e-5
+    assert (got[1, 77:] - short[0]).abs().max().item() > 1e-2    # the padding chunk is not the prompt's
 
 
 def test_long_prompt_image_is_deterministic_and_not_cut(tiny):
