@@ -495,7 +495,7 @@ def system_report(cpu: CPUInfo | None = None) -> list[str]:
     else:
         lines.append("prepack:     no (this PyTorch build has no oneDNN kernels)")
     lines.append("winograd:    yes: fp32 3x3 convolutions of 320-640 output channels (the UNet's first two levels, "
-                 "the VAE decoder's 512-channel layers) by F(2x2,3x3), on every ISA (--no-winograd: off)")
+                 "the VAE's 512-channel layers) by F(2x2,3x3), on every ISA (--no-winograd: off)")
     saturates = int8_saturates() if cpu is this_cpu() else None
     lines.append(f"int8:        {int8_bits_reason(cpu, saturates)}")
     usable = [m for m in QUANTIZE_MODES if "bf16" not in m or bf16_support(cpu) != "none"]
