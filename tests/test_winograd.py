@@ -75,13 +75,39 @@ def test_eligible_layers():
            nn.Conv2d(512, 512, 3, padding=1), nn.Conv2d(640, 640, 3, padding=1)]
     no = [nn.Conv2d(1280, 1280, 3, padding=1),       # its filter transform per call costs more than it saves
           nn.Conv2d(4, 320, 3, padding=1), nn.Conv2d(320, 4, 3, padding=1),
-          nn.Conv2d(256, 256, 3, padding=1), nn.Conv2d(128, 128, 3, padding=1),   # too few channels
+          nn.Conv2d(256, 256, 3, padding=1), nn.Conv2d(128, 128, 3, padding=1),   # too few channels (256: packed)
           nn.Conv2d(320, 320, 3, stride=2, padding=1), nn.Conv2d(320, 320, 1), nn.Conv2d(320, 320, 3, padding=2),
           nn.Conv2d(320, 320, 3, padding=1, groups=2), nn.Conv2d(320, 320, 3, padding=1, padding_mode="reflect"),
           nn.Conv2d(320, 320, 3, padding=1, dilation=2)]
     assert all(W.eligible(conv) for conv in yes)
     assert not any(W.eligible(conv) for conv in no)
     assert not W.eligible(W.WinogradConv2d.from_conv(yes[0]))     # already converted
+    # against PyTorch's plain convolution (no prepacking) the UNet's 1280-channel layers are taken too
+    # (and the VAE's 256-channel ones)
+    wide = [nn.Conv2d(1280, 1280, 3, padding=1), nn.Conv2d(2560, 1280, 3, padding=1),
+            nn.Conv2d(640, 1280, 3, padding=1), nn.Conv2d(256, 256, 3, padding=1), nn.Conv2d(512, 256, 3, padding=1)]
+    assert all(W.eligible(conv, wide=True) for conv in yes + wide)
+    assert not any(W.eligible(conv) for conv in wide)
+    assert not any(W.eligible(conv, wide=True) for conv in no[1:3] + no[4:] + [
+        nn.Conv2d(1280, 2560, 3, padding=1), nn.Conv2d(128, 256, 3, padding=1), nn.Conv2d(256, 128, 3, padding=1)])
+
+
+@pytest.mark.parametrize("budget,tiles", [(16 * 24 * 16, 10**6),   # slices of 16, 16 and 8 channels, one chunk
+                                          (16 * 24 * 35, 9),       # slices of 32 and 8, several chunks
+                                          (1, 5)])                 # the smallest slice: 16 channels
+def test_output_channel_slices_give_the_unsliced_result(monkeypatch, budget, tiles):
+    """Layers whose transformed filter exceeds FILTER_BUDGET run in slices of output channels; any slicing, with
+    one chunk of tiles or several, gives the same result and stays within the direct convolution's rounding."""
+    torch.manual_seed(6)
+    x, weight, b = torch.randn(2, 24, 13, 11), torch.randn(40, 24, 3, 3) / 15, torch.randn(40)
+    whole = W.winograd_conv2d(x, weight, b)
+    monkeypatch.setattr(W, "FILTER_BUDGET", budget)
+    monkeypatch.setattr(W, "TILES_PER_CHUNK", tiles)
+    W.release_workspace()
+    sliced = W.winograd_conv2d(x, weight, b)
+    assert torch.allclose(sliced, whole, rtol=0, atol=1e-5)
+    assert _rel_err(sliced, _reference(x, weight, b, (1, 1))) <= TOL
+    assert W._workspace.buffers["u"].numel() <= max(budget, 16 * 16 * 24)
 
 
 def test_layer_shares_the_weights_and_falls_back_on_small_inputs():
@@ -111,6 +137,9 @@ def test_winograd_model_replaces_only_eligible_layers():
         # 2560 output channels; 2560*640 channel pairs
         assert kinds == [nn.Conv2d, nn.SiLU, W.WinogradConv2d, nn.Conv2d, nn.Conv2d]
         assert _rel_err(net(x), ref.double()) <= 1e-5
+        W.winograd_model(net, wide=True)                        # 2560*640 taken now, 2560 outputs still not
+        assert [type(layer) for layer in net] == [nn.Conv2d, nn.SiLU, W.WinogradConv2d, nn.Conv2d, W.WinogradConv2d]
+        assert _rel_err(net(x), ref.double()) <= 1e-5
 
 
 def test_workspace_is_reused_and_released():
@@ -127,28 +156,39 @@ def test_workspace_is_reused_and_released():
 
 @pytest.mark.slow
 def test_full_size_engine_uses_winograd_and_matches_direct(sd15_folder):
-    """On the real SD 1.5 shapes (memory mode 1, fp32, CPU) the UNet's first two levels and the VAE decoder's
-    and encoder's 512-channel layers run by Winograd, the rest as before; the image equals the --no-winograd one within 1/255
-    and the UNet's output within 1e-5."""
+    """On the real SD 1.5 shapes (memory mode 1, fp32, CPU): with prepacked weights the UNet's first two levels run
+    by Winograd, and with plain weights its 1280-channel layers too; the VAE decoder's and encoder's 512-channel
+    layers in both. The UNet's output equals the --no-winograd one within 1e-5 and the image within 1/255."""
     from sdlite.pipeline import Engine, Request
 
-    engines = {flag: Engine.load(sd15_folder, winograd=flag) for flag in (True, False)}
-    unet, vae = engines[True].models.get("unet"), engines[True].models.get("vae")
-    wino = [name for name, layer in unet.named_modules() if isinstance(layer, W.WinogradConv2d)]
-    # levels 0 and 1: 4 + 4 resnet convs down, 6 + 6 up, and up_blocks.2's upsampler conv (640 -> 640)
-    assert len(wino) == 21, wino
-    assert all(name.startswith(("down_blocks.0.", "down_blocks.1.", "up_blocks.2.", "up_blocks.3."))
-               for name in wino)
-    # the decoder's mid block (4), up_blocks.0 and .1 (6 resnet convs and an upsampler conv each); the encoder's
-    # 512-channel ones (3 in down_blocks.2, 4 in down_blocks.3, 4 in the mid block)
-    assert sum(isinstance(layer, W.WinogradConv2d) for layer in vae.decoder.modules()) == 18
-    assert sum(isinstance(layer, W.WinogradConv2d) for layer in vae.encoder.modules()) == 11
-    assert not any(isinstance(layer, W.WinogradConv2d) for layer in engines[False].models.get("unet").modules())
+    engines = {"packed": Engine.load(sd15_folder, winograd=True, prepack=True),
+               "plain": Engine.load(sd15_folder, winograd=True, prepack=False),
+               "direct": Engine.load(sd15_folder, winograd=False)}
+    levels01 = ("down_blocks.0.", "down_blocks.1.", "up_blocks.2.", "up_blocks.3.")
+    for kind, expected in (("packed", 21), ("plain", 47)):
+        unet, vae = engines[kind].models.get("unet"), engines[kind].models.get("vae")
+        wino = [name for name, layer in unet.named_modules() if isinstance(layer, W.WinogradConv2d)]
+        # levels 0 and 1: 4 + 4 resnet convs down, 6 + 6 up, and up_blocks.2's upsampler conv (640 -> 640);
+        # plain, also levels 2 and 3: 4 + 4 down, 4 in the mid block, 6 + 6 up and two upsampler convs
+        assert len(wino) == expected, (kind, wino)
+        assert all(name.startswith(levels01) for name in wino) == (kind == "packed")
+        # the decoder's mid block (4), up_blocks.0 and .1 (6 resnet convs and an upsampler conv each); the
+        # encoder's 512-channel ones (3 in down_blocks.2, 4 in down_blocks.3, 4 in the mid block); plain, also
+        # those with 256 channels in or out: the decoder's up_blocks.2 (6 and its upsampler), the encoder's
+        # down_blocks.1 (3 of 4, the first taking 128) and down_blocks.2's first (256 -> 512)
+        assert sum(isinstance(layer, W.WinogradConv2d) for layer in vae.decoder.modules()) == \
+            {"packed": 18, "plain": 25}[kind]
+        assert sum(isinstance(layer, W.WinogradConv2d) for layer in vae.encoder.modules()) == \
+            {"packed": 11, "plain": 15}[kind]
+    assert not any(isinstance(layer, W.WinogradConv2d) for layer in engines["direct"].models.get("unet").modules())
     torch.manual_seed(0)
-    x, t, ctx = torch.randn(2, 4, 24, 24), torch.tensor([500.0, 500.0]), torch.randn(2, 77, 768)
-    with torch.no_grad():
-        outs = [engines[flag].models.get("unet")(x, t, ctx) for flag in (True, False)]
-    assert _rel_err(outs[0], outs[1].double()) <= 1e-5
+    # 32x32 latents: levels 0-2 at 8x8 or more run by Winograd, level 3 (4x4) by the direct fallback
+    x, t, ctx = torch.randn(2, 4, 32, 32), torch.tensor([500.0, 500.0]), torch.randn(2, 77, 768)
     request = Request(prompt="a red circle", steps=2, seed=7, width=128, height=128, sampler="euler")
-    images = [np.asarray(engines[flag].generate(request).images[0], dtype=np.int16) for flag in (True, False)]
-    assert np.abs(images[0] - images[1]).max() <= 1
+    with torch.no_grad():
+        outs = {kind: engine.models.get("unet")(x, t, ctx) for kind, engine in engines.items()}
+    images = {kind: np.asarray(engine.generate(request).images[0], dtype=np.int16)
+              for kind, engine in engines.items()}
+    for kind in ("packed", "plain"):
+        assert _rel_err(outs[kind], outs["direct"].double()) <= 1e-5, kind
+        assert np.abs(images[kind] - images["direct"]).max() <= 1, kind

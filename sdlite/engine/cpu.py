@@ -489,13 +489,17 @@ def system_report(cpu: CPUInfo | None = None) -> list[str]:
     lines.append(f"isa caps:    {', '.join(caps) if caps else 'none set'}")
     lines.append(f"torch:       {cpu.torch_version}, CPU capability {cpu.torch_capability}, oneDNN "
                  f"{'available' if cpu.onednn else 'not available'}, {cpu.threads} threads")
+    packed = False
     if prepack_available():
         choice = default_prepack() if cpu is this_cpu() else prepack_choice(cpu)
+        packed = choice.use
         lines.append(f"prepack:     {choice}")
     else:
         lines.append("prepack:     no (this PyTorch build has no oneDNN kernels)")
-    lines.append("winograd:    yes: fp32 3x3 convolutions of 320-640 output channels (the UNet's first two levels, "
-                 "the VAE's 512-channel layers) by F(2x2,3x3), on every ISA (--no-winograd: off)")
+    here = (("prepacked", "the 320-640-channel ones (the UNet's first two levels, the VAE's 512-channel layers)")
+            if packed else ("plain", "the UNet's 320-1280-channel ones and the VAE's 256- and 512-channel ones"))
+    lines.append(f"winograd:    yes: fp32 3x3 convolutions by F(2x2,3x3) (--no-winograd: off); with {here[0]} weights, "
+                 f"as here, {here[1]}")
     saturates = int8_saturates() if cpu is this_cpu() else None
     lines.append(f"int8:        {int8_bits_reason(cpu, saturates)}")
     usable = [m for m in QUANTIZE_MODES if "bf16" not in m or bf16_support(cpu) != "none"]

@@ -277,7 +277,8 @@ class ModelManager:
         if quantized:
             module = quantize_model(module, self.quantize)
         if winograd:
-            module = winograd_model(module)   # before prepacking, which leaves the Winograd layers alone
+            # before prepacking, which leaves the Winograd layers alone; unpacked, the 1280-channel layers gain too
+            module = winograd_model(module, wide=not (self.prepack and name in PREPACKED))
         if self.prepack and name in PREPACKED:
             module = prepack_model(module)
         return module

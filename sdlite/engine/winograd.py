@@ -35,25 +35,30 @@ AVX-512; "plain" is PyTorch's convolution, the default with AVX2 only, measured 
 =====================================  =========================  =========================
 layer (input)                          AVX-512: packed, Winograd  AVX2 cap: plain, Winograd
 =====================================  =========================  =========================
-320 -> 320 (64x64)                     69.0, 52.5 (1.32x)         74.8, 55.7 (1.34x)
-960 -> 320 (64x64)                     219.6, 142.0 (1.55x)       242.8, 166.0 (1.46x)
-640 -> 640 (64x64)                     275.2, 190.2 (1.45x)       345.8, 221.6 (1.56x)
-640 -> 640 (32x32)                     68.7, 51.1 (1.34x)         87.9, 52.9 (1.66x)
-1920 -> 640 (32x32)                    201.8, 142.1 (1.42x)       309.3, 203.8 (1.52x)
-640 -> 640 (16x16)                     16.8, 18.6 (0.90x)         28.9, 19.7 (1.47x)
-VAE 512 -> 512 (64x64)                 89.9, 56.8 (1.58x)         117.5, 72.7 (1.62x)
-VAE 512 -> 512 (128x128)               377.8, 243.4 (1.55x)       459.3, 316.6 (1.45x)
-VAE 512 -> 512 (256x256)               1559.5, 1214.7 (1.28x)     1723.5, 1212.5 (1.42x)
+320 -> 320 (64x64)                     71.2, 64.4 (1.11x)         86.6, 54.8 (1.58x)
+960 -> 320 (64x64)                     270.4, 224.8 (1.20x)       276.2, 222.0 (1.24x)
+640 -> 640 (32x32)                     76.8, 56.6 (1.36x)         86.9, 49.0 (1.77x)
+1920 -> 640 (32x32)                    204.3, 132.9 (1.54x)       291.1, 159.3 (1.83x)
+640 -> 640 (16x16)                     18.0, 17.0 (1.06x)         24.1, 17.1 (1.41x)
+VAE 512 -> 512 (128x128)               422.0, 289.1 (1.46x)       457.9, 279.2 (1.64x)
+VAE 512 -> 512 (256x256)               1468.6, 996.3 (1.47x)      1743.4, 1248.6 (1.40x)
+1280 -> 1280 (16x16)                   63.5, 63.6 (1.00x)         140.7, 63.5 (2.21x)
+2560 -> 1280 (8x8)                     31.0, 59.8 (0.52x)         152.9, 65.5 (2.33x)
+VAE 256 -> 256 (256x256)               380.9, 393.5 (0.96x)       572.2, 332.6 (1.72x)
+VAE 256 -> 256 (512x512)               1489.9, 1351.8 (1.10x)     1742.2, 1289.9 (1.35x)
 =====================================  =========================  =========================
 
-It gains where the spatial size is large against the channel count, and loses on small maps of many channels
-(the UNet's 1280-channel layers at 8x8 for a 512 px image) and on few channels (the VAE's 128- and 256-channel
-layers at full resolution, where the transforms' memory traffic outweighs the products). So
-:func:`eligible` takes 3x3 stride-1 layers with 320 to 640 output channels, at least 320 input channels and at
-most 1.25M channel pairs (the filter transform is per call; at 1280x1280 it costs more than it saves at 16x16):
-in SD 1.x/2.x and SDXL the UNet's first two levels, and the VAE's 512-channel layers. Inputs under 8x8 go to
-the direct convolution. At 16x16 (the second level for a 256 px image) a 640-channel layer is 10% slower than
-the prepacked one natively; the rule does not look at the input size, which is not known when the model loads.
+Against the prepacked layers it gains where the spatial size is large against the channel count, and loses on
+small maps of many channels (the UNet's 1280-channel layers at 8x8 for a 512 px image) and on few channels (the
+VAE's 256- and 128-channel layers). So :func:`eligible` takes 3x3 stride-1 layers with 320 to 640 output
+channels, at least 320 input channels and at most 1.25M channel pairs: in SD 1.x/2.x and SDXL the UNet's first
+two levels, and the VAE's 512-channel layers. PyTorch's plain convolution (the default where prepacking does
+not pay, as on AVX2-only CPUs) is slower than the prepacked one on exactly those small maps, so against it
+(``wide=True``) the rule also takes the UNet's 1280-channel layers and the VAE's layers with 256 channels in
+and out. Inputs under 8x8 go to the direct convolution. The layers whose transformed filter would exceed
+``FILTER_BUDGET`` (1920x640 channel pairs, 79 MB) run in slices of output channels. The rule does not look at
+the input size, which is not known when the model loads: at 16x16 (the second level for a 256 px image) a
+640-channel layer is about as fast as the prepacked one natively.
 """
 from __future__ import annotations
 
@@ -71,7 +76,10 @@ _A16 = torch.einsum("xa,yb->xyab", _AT, _AT).reshape(4, 16).float()
 
 MIN_CHANNELS = 320
 MAX_OUT_CHANNELS = 640
-MAX_PAIRS = 1920 * 640          # in * out: the largest filter transformed per call (a 79 MB workspace)
+MAX_PAIRS = 1920 * 640          # in * out, against prepacked layers (its transformed filter: a 79 MB workspace)
+WIDE_MIN_CHANNELS = 256         # against plain PyTorch convolutions: the VAE's 256-channel layers,
+WIDE_MAX_OUT_CHANNELS = 1280    # and the UNet's 1280-channel ones
+FILTER_BUDGET = 16 * MAX_PAIRS  # floats of transformed filter at once: wider layers go by output-channel slices
 MIN_SIDE = 8                    # smaller inputs (either side) run the direct convolution
 TILES_PER_CHUNK = 512
 
@@ -98,13 +106,15 @@ def winograd_available(device: torch.device | str = "cpu", dtype: torch.dtype = 
     return torch.device(device).type == "cpu" and dtype == torch.float32
 
 
-def eligible(conv: nn.Module) -> bool:
-    """Whether ``conv`` (an ``nn.Conv2d``) runs faster as :class:`WinogradConv2d` (see the module docstring)."""
+def eligible(conv: nn.Module, wide: bool = False) -> bool:
+    """Whether ``conv`` (an ``nn.Conv2d``) runs faster as :class:`WinogradConv2d` (see the module docstring):
+    against a prepacked layer, or with ``wide`` against PyTorch's plain convolution, which leaves more to gain."""
     return (type(conv) is nn.Conv2d and conv.kernel_size == (3, 3) and conv.stride == (1, 1)
             and conv.dilation == (1, 1) and conv.groups == 1 and conv.padding_mode == "zeros"
-            and conv.padding == (1, 1) and conv.in_channels >= MIN_CHANNELS
-            and MIN_CHANNELS <= conv.out_channels <= MAX_OUT_CHANNELS
-            and conv.in_channels * conv.out_channels <= MAX_PAIRS)
+            and conv.padding == (1, 1) and conv.in_channels >= (WIDE_MIN_CHANNELS if wide else MIN_CHANNELS)
+            and (WIDE_MIN_CHANNELS if wide else MIN_CHANNELS) <= conv.out_channels
+            and conv.out_channels <= (WIDE_MAX_OUT_CHANNELS if wide else MAX_OUT_CHANNELS)
+            and (wide or conv.in_channels * conv.out_channels <= MAX_PAIRS))
 
 
 def filter_transform(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -124,39 +134,51 @@ def winograd_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     ph, pw = padding
     ho, wo = h + 2 * ph - 2, w + 2 * pw - 2
     th, tw = (ho + 1) // 2, (wo + 1) // 2          # tile rows and columns (an odd size is padded by one)
-    u = filter_transform(weight, out=_buffer("u", 16 * k * c)).transpose(1, 2)   # (16, C, K) view
     xh = x.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1)      # (N, H, W, C)
     xp = F.pad(xh, (0, 0, pw, pw + 2 * tw - wo, ph, ph + 2 * th - ho))            # (N, 2th+2, 2tw+2, C)
     out = torch.empty(n, 2 * th, 2 * tw, k)
     rows = max(1, min(th, -(-TILES_PER_CHUNK // (n * tw))))
+    # the output channels in slices whose transformed filters fit the budget (one slice up to 1920x640)
+    ks = min(k, max(16, FILTER_BUDGET // (16 * c) // 16 * 16))
+    chunks = [(r0, min(rows, th - r0)) for r0 in range(0, th, rows)]
+    # one chunk: each slice's filter is transformed once against the chunk's tiles; several chunks and several
+    # slices: slice by slice over all chunks (the input transform is redone per slice, the filter's is not)
+    order = [(k0, chunk) for k0 in range(0, k, ks) for chunk in chunks]
     row_buf = _buffer("rows", 4 * n * rows * (2 * tw + 2) * c)
     tile_buf = _buffer("tiles", 16 * n * rows * tw * c)
-    prod_buf = _buffer("products", 16 * n * rows * tw * k)
-    for r0 in range(0, th, rows):
-        m = min(rows, th - r0)
+    prod_buf = _buffer("products", 16 * n * rows * tw * min(ks, k))
+    u_buf = _buffer("u", 16 * min(ks, k) * c)
+    u_for = v_for = None
+    for k0, (r0, m) in order:
+        kk = min(ks, k - k0)
         p = n * m * tw
-        # B^T d: the tile rows' four input rows combined (rows 2i .. 2i+3 of the padded input)
-        d = [xp[:, 2 * r0 + a: 2 * r0 + a + 2 * m: 2] for a in range(4)]          # (N, m, 2tw+2, C) each
-        r = row_buf[:4 * n * m * (2 * tw + 2) * c].view(4, n, m, 2 * tw + 2, c)
-        torch.sub(d[0], d[2], out=r[0])
-        torch.add(d[1], d[2], out=r[1])
-        torch.sub(d[2], d[1], out=r[2])
-        torch.sub(d[1], d[3], out=r[3])
-        # (B^T d) B: the same over the columns, into (4, 4, N, m, tw, C) = 16 matrices of (tiles, C)
-        e = [r[:, :, :, b: b + 2 * tw: 2] for b in range(4)]
-        v = tile_buf[:16 * p * c].view(4, 4, n, m, tw, c)
-        torch.sub(e[0], e[2], out=v[:, 0])
-        torch.add(e[1], e[2], out=v[:, 1])
-        torch.sub(e[2], e[1], out=v[:, 2])
-        torch.sub(e[1], e[3], out=v[:, 3])
-        prod = torch.bmm(v.view(16, p, c), u, out=prod_buf[:16 * p * k].view(16, p, k))
-        y = torch.mm(_A16, prod.view(16, p * k)).view(2, 2, n, m, tw, k)        # A^T M A
-        dst = out[:, 2 * r0: 2 * (r0 + m)].view(n, m, 2, tw, 2, k)
-        src = y.permute(2, 3, 0, 4, 1, 5)
+        if u_for != k0:
+            u = filter_transform(weight[k0:k0 + kk], out=u_buf[:16 * kk * c]).transpose(1, 2)   # (16, C, kk)
+            u_for = k0
+        if v_for != r0:
+            # B^T d: the tile rows' four input rows combined (rows 2i .. 2i+3 of the padded input)
+            d = [xp[:, 2 * r0 + a: 2 * r0 + a + 2 * m: 2] for a in range(4)]          # (N, m, 2tw+2, C) each
+            r = row_buf[:4 * n * m * (2 * tw + 2) * c].view(4, n, m, 2 * tw + 2, c)
+            torch.sub(d[0], d[2], out=r[0])
+            torch.add(d[1], d[2], out=r[1])
+            torch.sub(d[2], d[1], out=r[2])
+            torch.sub(d[1], d[3], out=r[3])
+            # (B^T d) B: the same over the columns, into (4, 4, N, m, tw, C) = 16 matrices of (tiles, C)
+            e = [r[:, :, :, b: b + 2 * tw: 2] for b in range(4)]
+            v = tile_buf[:16 * p * c].view(4, 4, n, m, tw, c)
+            torch.sub(e[0], e[2], out=v[:, 0])
+            torch.add(e[1], e[2], out=v[:, 1])
+            torch.sub(e[2], e[1], out=v[:, 2])
+            torch.sub(e[1], e[3], out=v[:, 3])
+            v_for = r0
+        prod = torch.bmm(v.view(16, p, c), u, out=prod_buf[:16 * p * kk].view(16, p, kk))
+        y = torch.mm(_A16, prod.view(16, p * kk)).view(2, 2, n, m, tw, kk)        # A^T M A
+        dst = out[:, 2 * r0: 2 * (r0 + m), :, k0:k0 + kk].unflatten(2, (tw, 2)).unflatten(1, (m, 2))
+        src = y.permute(2, 3, 0, 4, 1, 5)                                         # (N, m, 2, tw, 2, kk)
         if bias is None:
             dst.copy_(src)
         else:
-            torch.add(src, bias, out=dst)
+            torch.add(src, bias[k0:k0 + kk], out=dst)
     if (ho, wo) != (2 * th, 2 * tw):
         out = out[:, :ho, :wo].contiguous()      # an odd size: the extra row/column goes
     return out.permute(0, 3, 1, 2)
@@ -190,10 +212,11 @@ class WinogradConv2d(nn.Conv2d):
         return super().extra_repr() + ", winograd F(2x2,3x3)"
 
 
-def winograd_model(module: nn.Module) -> nn.Module:
+def winograd_model(module: nn.Module, wide: bool = False) -> nn.Module:
     """Replace, in place, every :func:`eligible` Conv2d of ``module`` (fp32, CPU) by a :class:`WinogradConv2d`
-    sharing its weights; returns ``module``."""
+    sharing its weights; returns ``module``. ``wide``: the layers stay unpacked (PyTorch's plain convolution is
+    the alternative), so the 1280-channel ones are taken too."""
     for name, layer in list(module.named_modules()):
-        if eligible(layer) and layer.weight.dtype == torch.float32 and layer.weight.device.type == "cpu":
+        if eligible(layer, wide) and layer.weight.dtype == torch.float32 and layer.weight.device.type == "cpu":
             module.set_submodule(name, WinogradConv2d.from_conv(layer))
     return module
