@@ -430,14 +430,17 @@ def isa_section(isa: dict) -> list[str]:
     if not isa:
         return []
     names = list(isa)
-    gen_runs = max((len(isa[n].get("sdlite mode 1 fp32", {}).get("runs", [])) for n in names), default=0)
+    counts = {n: len(isa[n].get("sdlite mode 1 fp32", {}).get("runs", [])) for n in names}
+    gen_runs = max(counts.values(), default=0)
+    if len(set(counts.values())) > 1:   # measured at different times with different repeats
+        gen_runs = " / ".join(f"{c} ({n})" for n, c in counts.items())
     lines = ["", "## Per ISA", "",
              "The key rows natively and with the CPU capped to AVX2 (`ONEDNN_MAX_CPU_ISA=AVX2 "
              "ATEN_CPU_CAPABILITY=avx2` in each child process's environment): sdlite mode 1 fp32 against diffusers "
              "fp32, each ratio against diffusers under the same cap. The generation rows: one process per engine "
              "that loads and runs one 20-step 512^2 generation (DPM++ 2M Karras, cfg 7.5), timed from the call "
              "to the images" + (f", the median of {gen_runs} such processes per engine, the engines alternating"
-                                if gen_runs > 1 else "") + "; in a full run the "
+                                if gen_runs not in (0, 1) else "") + "; in a full run the "
              "native ones are the main table's, with `--isa-only` they are measured here (and may then differ "
              "from the main table, which is not re-measured). The start-up rows: `bench/startup.py`, medians over fresh processes, "
              "engines alternating.", "",
