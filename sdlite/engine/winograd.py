@@ -17,9 +17,10 @@ as PyTorch's own convolution differs from a float64 one (``tests/test_winograd.p
 
 How it runs here (activations channels-last, as the prepacked layers keep them):
 
-* the input is padded and cut into rows of tiles, a few tile rows at a time (about 512 tiles), so the
-  transformed tiles of one chunk stay small and in cache; the input transform is eight element-wise passes
-  over strided views (its coefficients are +-1: additions only);
+* the input is cut into rows of tiles, a few tile rows at a time (about 512 tiles); each chunk's rows are
+  copied, zero-padded and channels-last, into a small buffer (the whole padded input never exists: at the VAE's
+  largest layer it would be another 268 MB), so the transformed tiles of one chunk stay small and in cache; the
+  input transform is eight element-wise passes over strided views (its coefficients are +-1: additions only);
 * the filter transform is one matrix product per call (16x9 by 9 x in*out), from the layer's ordinary weight:
   the layer keeps nothing but that weight, so it costs no memory, and LoRA merges into it as into any Conv2d;
 * the 16 products are one batched matrix multiply; the output transform is one small matrix product, written
@@ -134,8 +135,7 @@ def winograd_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     ph, pw = padding
     ho, wo = h + 2 * ph - 2, w + 2 * pw - 2
     th, tw = (ho + 1) // 2, (wo + 1) // 2          # tile rows and columns (an odd size is padded by one)
-    xh = x.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1)      # (N, H, W, C)
-    xp = F.pad(xh, (0, 0, pw, pw + 2 * tw - wo, ph, ph + 2 * th - ho))            # (N, 2th+2, 2tw+2, C)
+    xh = x.permute(0, 2, 3, 1)                      # (N, H, W, C): a view, channels-last or not
     out = torch.empty(n, 2 * th, 2 * tw, k)
     rows = max(1, min(th, -(-TILES_PER_CHUNK // (n * tw))))
     # the output channels in slices whose transformed filters fit the budget (one slice up to 1920x640)
@@ -144,6 +144,7 @@ def winograd_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     # one chunk: each slice's filter is transformed once against the chunk's tiles; several chunks and several
     # slices: slice by slice over all chunks (the input transform is redone per slice, the filter's is not)
     order = [(k0, chunk) for k0 in range(0, k, ks) for chunk in chunks]
+    pad_buf = _buffer("padded", n * (2 * rows + 2) * (2 * tw + 2) * c)
     row_buf = _buffer("rows", 4 * n * rows * (2 * tw + 2) * c)
     tile_buf = _buffer("tiles", 16 * n * rows * tw * c)
     prod_buf = _buffer("products", 16 * n * rows * tw * min(ks, k))
@@ -156,8 +157,18 @@ def winograd_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             u = filter_transform(weight[k0:k0 + kk], out=u_buf[:16 * kk * c]).transpose(1, 2)   # (16, C, kk)
             u_for = k0
         if v_for != r0:
-            # B^T d: the tile rows' four input rows combined (rows 2i .. 2i+3 of the padded input)
-            d = [xp[:, 2 * r0 + a: 2 * r0 + a + 2 * m: 2] for a in range(4)]          # (N, m, 2tw+2, C) each
+            # the chunk's rows of the zero-padded input, channels-last (padded row i is input row i - ph): only
+            # these are copied, never the whole padded input
+            xp = pad_buf[:n * (2 * m + 2) * (2 * tw + 2) * c].view(n, 2 * m + 2, 2 * tw + 2, c)
+            lo = 2 * r0 - ph
+            a0, b0 = max(lo, 0), min(lo + 2 * m + 2, h)
+            xp[:, :a0 - lo].zero_()
+            xp[:, b0 - lo:].zero_()
+            xp[:, :, :pw].zero_()
+            xp[:, :, pw + w:].zero_()
+            xp[:, a0 - lo:b0 - lo, pw:pw + w].copy_(xh[:, a0:b0])
+            # B^T d: the tile rows' four input rows combined (rows 2i .. 2i+3 of the padded chunk)
+            d = [xp[:, a: a + 2 * m: 2] for a in range(4)]                          # (N, m, 2tw+2, C) each
             r = row_buf[:4 * n * m * (2 * tw + 2) * c].view(4, n, m, 2 * tw + 2, c)
             torch.sub(d[0], d[2], out=r[0])
             torch.add(d[1], d[2], out=r[1])
