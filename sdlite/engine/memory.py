@@ -277,8 +277,8 @@ class ModelManager:
         if quantized:
             module = quantize_model(module, self.quantize)
         if winograd:
-            # before prepacking, which leaves the Winograd layers alone; unpacked, the 1280-channel layers gain too
-            module = winograd_model(module, wide=not (self.prepack and name in PREPACKED))
+            # the weights are plain here (a prepacked load returned above), so the wide rule applies
+            module = winograd_model(module, wide=True)
         if self.prepack and name in PREPACKED:
             module = prepack_model(module)
         return module

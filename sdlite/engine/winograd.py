@@ -147,8 +147,8 @@ def winograd_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     pad_buf = _buffer("padded", n * (2 * rows + 2) * (2 * tw + 2) * c)
     row_buf = _buffer("rows", 4 * n * rows * (2 * tw + 2) * c)
     tile_buf = _buffer("tiles", 16 * n * rows * tw * c)
-    prod_buf = _buffer("products", 16 * n * rows * tw * min(ks, k))
-    u_buf = _buffer("u", 16 * min(ks, k) * c)
+    prod_buf = _buffer("products", 16 * n * rows * tw * ks)
+    u_buf = _buffer("u", 16 * ks * c)
     u_for = v_for = None
     for k0, (r0, m) in order:
         kk = min(ks, k - k0)
