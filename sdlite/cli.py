@@ -501,10 +501,8 @@ def cmd_serve(args) -> int:
     except ImportError as e:
         raise SDLiteError(f"sdlite serve needs FastAPI and uvicorn ({e.name} is not installed): "
                           "pip install 'sdlite[server]'") from None
-    import signal
-    import threading
-
     from .server.app import create_app, parse_auth
+    from .server.limits import Limits, parse_size
 
     host = "0.0.0.0" if args.listen else args.host
     if not _is_loopback(host) and not args.api_auth and not args.insecure:
@@ -531,6 +529,12 @@ def cmd_serve(args) -> int:
             raise SDLiteError(f"{option} {path}: no such file or folder")
     if args.models_dir is not None and not Path(args.models_dir).is_dir():
         raise SDLiteError(f"--models-dir {args.models_dir}: not a folder")
+    try:
+        limits = Limits(max_pixels=parse_size(args.max_pixels), max_steps=args.max_steps, max_images=args.max_images,
+                        max_prompt_chars=args.max_prompt_chars, job_timeout=args.job_timeout,
+                        shutdown_grace=args.shutdown_grace)
+    except ValueError as e:
+        raise SDLiteError(str(e)) from None
     flags = {"listen": args.listen, "host": host, "port": args.port, "ckpt": args.model, "models_dir": args.models_dir,
              "lora_dir": args.lora_dir, "embeddings_dir": args.embeddings, "queue_size": args.queue_size,
              "device": args.device, "nowebui": False}
@@ -542,41 +546,76 @@ def cmd_serve(args) -> int:
     if args.ray:
         from .scale.ray_serve import serve_cli
 
-        return serve_cli(args, host, flags)
+        return serve_cli(args, host, flags, limits)
     try:
         app = create_app(model=args.model, models_dir=args.models_dir, api_auth=args.api_auth,
                          queue_size=args.queue_size, lora_dir=args.lora_dir, embeddings_dir=args.embeddings,
-                         engine_options={"device": args.device}, flags=flags)
+                         engine_options={"device": args.device}, flags=flags, limits=limits)
     except FileNotFoundError as e:
         raise SDLiteError(str(e)) from None
     jobs = app.state.server.jobs
+    GracefulServer = graceful_server_class()
+    print(f"sdlite: serving the A1111 API on http://{host}:{args.port}/sdapi/v1 (web page: http://{host}:{args.port}/)"
+          f"; {limits.describe()}", file=sys.stderr)
+    server = GracefulServer(uvicorn.Config(app, host=host, port=args.port, log_level=args.log_level,
+                                           access_log=args.log_level == "debug",
+                                           timeout_graceful_shutdown=CONNECTIONS_WAIT_S),
+                            drain=lambda: jobs.drain(limits.shutdown_grace),
+                            stop_now=lambda: (jobs.close(), jobs.interrupt("stop")))
+    server.run()
+    return 0 if server.started else 1
+
+
+CONNECTIONS_WAIT_S = 3.0   # after the jobs are answered: how long a shutdown waits for open connections
+
+
+def graceful_server_class():
+    """A uvicorn server that drains on SIGTERM. The first SIGTERM: new requests get 503 (``Retry-After``) and so do
+    the queued ones, ``drain()`` gives the running job its grace and then interrupts it (its client gets the
+    partial image), then the server stops with exit status 0. A second SIGTERM, or SIGINT at any time: queued
+    jobs get 503, ``stop_now()`` interrupts the running one, and the process exits at once (status 0)."""
+    import signal
+    import threading
+
+    import uvicorn
 
     class GracefulServer(uvicorn.Server):
-        """On SIGTERM: new jobs get 503, the running one finishes and its client gets its images, then the
-        server stops (exit status 0). A second SIGTERM, or SIGINT, stops it at once."""
-
-        draining = False
+        def __init__(self, config, drain, stop_now):
+            super().__init__(config)
+            self._drain, self._stop_now, self.draining = drain, stop_now, False
 
         def handle_exit(self, sig, frame):
             if sig == signal.SIGTERM and not self.draining:
                 self.draining = True
-                jobs.close()
-                threading.Thread(target=self._exit_when_idle, args=(sig, frame), daemon=True).start()
+                threading.Thread(target=self._drain_then_exit, name="sdlite-drain", daemon=True).start()
                 return
-            super().handle_exit(sig, frame)
+            # at once: no waiting for the job, the connections or the app's shutdown
+            self._stop_now()
+            self.should_exit = self.force_exit = True
+            threading.Thread(target=_exit_soon, args=(EXIT_AT_ONCE_S,), daemon=True).start()
 
-        def _exit_when_idle(self, sig, frame):
-            jobs.wait_idle()
-            super().handle_exit(sig, frame)
+        def _drain_then_exit(self):
+            print(f"sdlite: {SHUTDOWN_OUTCOMES[self._drain()]}; stopping", file=sys.stderr)
+            self.should_exit = True
 
-    # uvicorn raises the signal it stopped for again once it is done; a no-op handler makes SIGTERM's exit status 0
-    signal.signal(signal.SIGTERM, lambda sig, frame: None)
-    print(f"sdlite: serving the A1111 API on http://{host}:{args.port}/sdapi/v1 (web page: http://{host}:{args.port}/)",
-          file=sys.stderr)
-    server = GracefulServer(uvicorn.Config(app, host=host, port=args.port, log_level=args.log_level,
-                                           access_log=args.log_level == "debug"))
-    server.run()
-    return 0 if server.started else 1
+    # handle_exit records no signal, so uvicorn does not raise it again when it is done (which would end the
+    # process with SIGTERM's status, or a KeyboardInterrupt, instead of 0)
+    return GracefulServer
+
+
+SHUTDOWN_OUTCOMES = {"idle": "shutting down: no job was running",
+                     "interrupted": "shutting down: the running job was interrupted after the grace",
+                     "abandoned": "shutting down: the running job did not stop in time; its client got a 503"}
+
+EXIT_AT_ONCE_S = 2.0   # SIGINT / a second SIGTERM: the process ends within this, whatever is still running
+
+
+def _exit_soon(seconds: float) -> None:
+    import time
+
+    time.sleep(seconds)
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def cmd_batch(args) -> int:
@@ -592,13 +631,19 @@ def cmd_batch(args) -> int:
                         workers=args.workers, threads=args.threads, engine_options=engine_options,
                         worker_cpus=args.worker_cpus if args.worker_cpus is not None else 1.0,
                         worker_gpus=args.worker_gpus or 0.0, lora_dir=args.lora_dir, embeddings_dir=args.embeddings,
-                        max_batch=args.max_batch)
+                        max_batch=args.max_batch, shutdown_grace=args.shutdown_grace)
     for job_id, message in summary.failed.items():
         print(f"sdlite: job {job_id} failed: {message}", file=sys.stderr)
     where = f"{summary.workers} Ray worker{'s' if summary.workers != 1 else ''}" if args.ray else "locally"
     print(f"{summary.total} jobs: {summary.done} done now ({summary.images} images, {summary.images_per_min:.1f} "
           f"images/min, {where}), {summary.skipped} already in the manifest, {len(summary.failed)} failed; "
           f"manifest: {Path(args.output) / 'manifest.jsonl'}", file=sys.stderr)
+    if summary.stopped:   # SIGTERM / SIGINT: a clean stop, exit status 0
+        interrupted = (f"; {summary.interrupted} interrupted after the grace and not written" if summary.interrupted
+                       else "")
+        print(f"sdlite: stopped by {summary.stopped}: {summary.done} jobs done by this run, "
+              f"{summary.skipped + summary.done} of {summary.total} in the manifest{interrupted}; run the same "
+              f"command again to resume (the other {summary.remaining} jobs)", file=sys.stderr)
     return 1 if summary.failed else 0
 
 
@@ -738,6 +783,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU threads for generation (default: PyTorch's; 1 is fastest for the tiny demo model)")
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (debug also logs every request)")
+    lim = v.add_argument_group("limits (each refusal is a 422 naming the field, its value and the limit; see "
+                               "docs/server.md)")
+    lim.add_argument("--max-pixels", metavar="N|WxH", default="2048x2048",
+                     help="width x height of one image at most (default 2048x2048)")
+    lim.add_argument("--max-steps", metavar="N", type=int, default=150, help="sampler steps at most (default 150)")
+    lim.add_argument("--max-images", metavar="N", type=int, default=16,
+                     help="images a request at most, batch_size x n_iter (default 16)")
+    lim.add_argument("--max-prompt-chars", metavar="N", type=int, default=10_000,
+                     help="characters of a prompt or negative prompt at most (default 10000)")
+    lim.add_argument("--job-timeout", metavar="S", type=float, default=0.0,
+                     help="seconds a job may run; past it, it is interrupted and its client gets the partial image "
+                          "with a warning (default 0: no limit)")
+    lim.add_argument("--shutdown-grace", metavar="S", type=float, default=30.0,
+                     help="on SIGTERM, seconds the running job has to finish before it is interrupted (default 30)")
     r = v.add_argument_group("on a Ray cluster (the ray extra; see docs/scaling.md)")
     r.add_argument("--ray", action="store_true", help="serve with Ray Serve: the same API, one engine per replica")
     r.add_argument("--address", default=None,
@@ -769,6 +828,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-batch", type=int, default=4,
                    help="jobs differing only in consecutive seeds run as one batch of up to this many (default 4; "
                         "1: never)")
+    b.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C no new job starts and the running ones get this long to finish before "
+                        "they are interrupted (not written: they run again on resume); then exit 0 (default 30; "
+                        "0: interrupt at once). A second signal exits at once")
     b.add_argument("--threads", type=int, default=None,
                    help="torch threads per process / actor (default: PyTorch's locally, --worker-cpus with --ray)")
     b.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default cpu)")

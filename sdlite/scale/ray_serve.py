@@ -48,6 +48,7 @@ from ..server import a1111
 from ..server.app import ServerBase, build_app, run_plan
 from ..server.checkpoints import Checkpoint, Checkpoints, Engines
 from ..server.jobs import PREVIEW_WANTED_S, QueueFull, Unavailable, _State, progress_body
+from ..server.limits import Limits
 
 log = logging.getLogger("sdlite.scale")
 
@@ -85,6 +86,7 @@ class ClusterConfig:
     replica_gpus: float = 0.0
     app_name: str = "sdlite"
     flags: dict = field(default_factory=dict)
+    limits: Limits = field(default_factory=Limits)   # what one request may ask for, job timeout, shutdown grace
 
     def check(self) -> "ClusterConfig":
         if self.queue_size < 1:
@@ -421,7 +423,7 @@ class ClusterServer(ServerBase):
 
     def __init__(self, config: ClusterConfig, generator):
         super().__init__(config.model, config.models_dir, config.api_auth, lora_dir=config.lora_dir,
-                         embeddings_dir=config.embeddings_dir, flags=config.flags)
+                         embeddings_dir=config.embeddings_dir, flags=config.flags, limits=config.limits)
         self.config = config
         self.generator = generator
         self.jobs = _jobs_actor(config)
@@ -583,7 +585,7 @@ def shutdown(config: ClusterConfig) -> None:
             pass
 
 
-def serve_cli(args, host: str, flags: dict) -> int:
+def serve_cli(args, host: str, flags: dict, limits: Limits | None = None) -> int:
     """``sdlite serve --ray``: deploy on the cluster at ``args.address`` (or a Ray instance started here) and serve
     HTTP on ``host:args.port`` until SIGINT / SIGTERM, then delete the application."""
     import signal
@@ -603,7 +605,8 @@ def serve_cli(args, host: str, flags: dict) -> int:
                                engine_options=engine_options, threads=args.threads,
                                replicas=args.replicas if args.replicas is not None else 1, autoscale=autoscale,
                                replica_cpus=args.replica_cpus if args.replica_cpus is not None else 1.0,
-                               replica_gpus=gpus, flags={**flags, "ray": True, "address": args.address}).check()
+                               replica_gpus=gpus, flags={**flags, "ray": True, "address": args.address},
+                               limits=limits if limits is not None else Limits()).check()
     except ValueError as e:
         raise SDLiteError(str(e)) from None
     own = args.address is None

@@ -35,6 +35,7 @@ from ..images import infotext, parameters_of, parse_infotext, png_bytes
 from ..pipeline import MAX_BATCH, MAX_SEED, Request, RequestError, Result, validate
 from ..sampling.samplers import SAMPLERS, resolve_sampler
 from ..sources import MAX_PIXELS
+from .limits import Limits, check_request, check_size
 
 # --- requests ----------------------------------------------------------------------------------------------------
 
@@ -403,6 +404,7 @@ class Plan:
     refiner_name: str | None = None    # refiner_checkpoint as the client named it; None: no refiner
     refiner: Any = None                # the Checkpoint it names, resolved by the routes (ServerBase.find_checkpoint)
     refiner_switch_at: float | None = None
+    limits: Limits | None = None       # the server's, for what only the model tells (its native size)
     keep_overrides: dict = field(default_factory=dict)  # override_settings to keep (restore_afterwards false)
     warnings: list[str] = field(default_factory=list)
     send_images: bool = True
@@ -458,12 +460,15 @@ def _int_field(p: dict, name: str, low: int, high: int | None = None) -> int:
 
 
 def build_plan(req: Txt2ImgRequest, options: dict, *, max_image_bytes: int, lora_dir=None,
-               embeddings_dir=None) -> Plan:
-    """Check an A1111 request and turn it into sdlite Requests (images decoded, names resolved). Raises
-    :class:`RequestError` (422), :class:`ImageTooLarge` (413) or HTTPException (404: no init image, 422: unknown
-    script)."""
+               embeddings_dir=None, limits: Limits | None = None) -> Plan:
+    """Check an A1111 request and turn it into sdlite Requests (images decoded, names resolved). ``limits`` (the
+    server's; None: none, as for ``sdlite batch``) are checked first, before anything costly. Raises
+    :class:`RequestError` (422; :class:`~.limits.LimitExceeded` over a limit), :class:`ImageTooLarge` (413) or
+    HTTPException (404: no init image, 422: unknown script)."""
     img2img = isinstance(req, Img2ImgRequest)
     p = with_defaults(req)
+    if limits is not None:
+        check_request(p, limits)
     warnings = _ignored(p, img2img)
     if p["script_name"] not in (None, ""):
         raise HTTPException(422, f"Script '{p['script_name']}' not found: sdlite has no scripts")
@@ -497,6 +502,10 @@ def build_plan(req: Txt2ImgRequest, options: dict, *, max_image_bytes: int, lora
     refiner, switch = _refiner_fields(p, img2img)
     if img2img:
         common.update(_image_fields(p, max_image_bytes, warnings))
+        source = common["init_image"]   # no size given: the source's, rounded down to a multiple of 8
+        if limits is not None:
+            check_size(p["width"] or max(8, source.width // 8 * 8), p["height"] or max(8, source.height // 8 * 8),
+                       limits, "width x height (of init_images[0] where not given)")
     requests = [Request(seed=seed + i * batch, refiner_switch_at=switch, **common) for i in range(n_iter)]
     validate(requests[0])   # everything that can be checked without the model, before the job is queued
 
@@ -505,7 +514,7 @@ def build_plan(req: Txt2ImgRequest, options: dict, *, max_image_bytes: int, lora
         parameters["init_images"], parameters["mask"] = None, None
     return Plan(kind="img2img" if img2img else "txt2img", requests=requests, parameters=parameters,
                 sampler=sampler, checkpoint=overrides.get("sd_model_checkpoint"), refiner_name=refiner,
-                refiner_switch_at=switch,
+                refiner_switch_at=switch, limits=limits,
                 keep_overrides={} if p["override_settings_restore_afterwards"] else overrides,
                 warnings=warnings, send_images=bool(p["send_images"]), preview=opts["show_progress_type"])
 
@@ -573,6 +582,7 @@ class Outcome:
     job_timestamp: str = ""
     interrupted: bool = False
     infotext: dict = field(default_factory=dict)   # more fields for every image ("Refiner", "Refiner switch at")
+    warnings: list = field(default_factory=list)   # the server's own (a job time limit, a shutdown)
 
 
 def response(plan: Plan, outcome: Outcome) -> dict:
@@ -588,6 +598,7 @@ def response(plan: Plan, outcome: Outcome) -> dict:
             if plan.send_images:
                 images.append(base64.b64encode(png_bytes(image, text)).decode("ascii"))
         warnings += [w for w in result.warnings if w not in warnings]
+    warnings += [w for w in outcome.warnings if w not in warnings]
     if outcome.interrupted and len(outcome.results) < len(plan.requests):
         warnings.append(f"interrupted: {len(outcome.results)} of {len(plan.requests)} iterations were run")
     used = outcome.results[0].request if outcome.results else plan.requests[0]

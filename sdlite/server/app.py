@@ -37,6 +37,7 @@ from ..images import png_bytes
 from . import a1111
 from .checkpoints import Checkpoint, Checkpoints, Engines
 from .jobs import JobControl, Jobs, QueueFull, ShuttingDown, Unavailable  # noqa: F401 (re-exported)
+from .limits import Limits, check_size
 
 log = logging.getLogger("sdlite.server")
 
@@ -58,7 +59,8 @@ class ServerBase:
     cluster server sends them to Ray Serve replicas. A subclass provides the asynchronous methods below."""
 
     def __init__(self, model=None, models_dir=None, api_auth: str | None = None, *, lora_dir=None,
-                 embeddings_dir=None, max_body_bytes: int = MAX_BODY_BYTES, flags: dict | None = None):
+                 embeddings_dir=None, max_body_bytes: int = MAX_BODY_BYTES, flags: dict | None = None,
+                 limits: Limits | None = None):
         if model is None and models_dir is None:
             from ..demo import model_path
 
@@ -70,6 +72,7 @@ class ServerBase:
         self.lora_dir, self.embeddings_dir = lora_dir, embeddings_dir
         self.max_body_bytes = max_body_bytes
         self.flags = flags or {}
+        self.limits = limits if limits is not None else Limits()
         self._preview_cache: tuple[Any, str] | None = None
 
     # --- options -------------------------------------------------------------------------------------------
@@ -152,11 +155,12 @@ class Server(ServerBase):
 
     def __init__(self, model=None, models_dir=None, api_auth: str | None = None, queue_size: int = 32, *,
                  lora_dir=None, embeddings_dir=None, max_body_bytes: int = MAX_BODY_BYTES,
-                 engine_options: dict | None = None, flags: dict | None = None, preload: bool = True):
+                 engine_options: dict | None = None, flags: dict | None = None, preload: bool = True,
+                 limits: Limits | None = None):
         super().__init__(model, models_dir, api_auth, lora_dir=lora_dir, embeddings_dir=embeddings_dir,
-                         max_body_bytes=max_body_bytes, flags=flags)
+                         max_body_bytes=max_body_bytes, flags=flags, limits=limits)
         self.engines = Engines(self.checkpoints, limit=1, **(engine_options or {}))
-        self.jobs = Jobs(queue_size, preview_every=self._preview_due)
+        self.jobs = Jobs(queue_size, preview_every=self._preview_due, job_timeout=self.limits.job_timeout)
         self._preload = preload
 
     def set_options(self, changes: dict) -> None:
@@ -228,7 +232,27 @@ class Server(ServerBase):
             self.jobs.call(self.preload, "load model")
 
     async def stop(self) -> None:
-        await run_in_threadpool(self.jobs.stop)
+        # bounded: a job abandoned by a shutdown (Jobs.drain) may still run in the worker, a daemon thread
+        await run_in_threadpool(self.jobs.stop, STOP_WAIT_S)
+
+
+STOP_WAIT_S = 2.0   # how long the app's shutdown waits for the queue's worker thread
+
+
+def stop_warning(control, limits: Limits | None) -> str | None:
+    """The warning a job interrupted by the server itself carries: past ``--job-timeout``, or by a shutdown."""
+    reason = getattr(control, "stop_reason", None)
+    if reason == "timeout":
+        return (f"the job ran past this server's time limit of {limits.job_timeout:g} s (--job-timeout) and was "
+                "interrupted: the images are those of the step it had reached")
+    if reason == "shutdown":
+        grace = f" after its grace of {limits.shutdown_grace:g} s (--shutdown-grace)" if limits else ""
+        return (f"the server is shutting down: the job was interrupted{grace}; the images are those of the step it "
+                "had reached")
+    if reason == "stop":
+        return ("the server was stopped at once (SIGINT, or a second SIGTERM): the job was interrupted; the images "
+                "are those of the step it had reached")
+    return None
 
 
 def run_plan(engines: Engines, checkpoint: Checkpoint, plan: a1111.Plan, control) -> a1111.Outcome:
@@ -240,6 +264,12 @@ def run_plan(engines: Engines, checkpoint: Checkpoint, plan: a1111.Plan, control
     engine = engines.get(checkpoint)
     timestamp = datetime.datetime.now().strftime("%Y%m%d%H%M%S")
     downscale = engine.spec.vae.downscale
+    if plan.limits is not None:   # a size left out is the model's native one, known only now
+        native = engine.spec.default_size
+        for request in plan.requests[:1]:
+            if request.init_image is None:
+                check_size(request.width or native, request.height or native, plan.limits,
+                           "width x height (the model's native size where not given)")
     results = []
     try:
         extra = _attach_refiner(engines, engine, checkpoint, plan, control)
@@ -259,8 +289,10 @@ def run_plan(engines: Engines, checkpoint: Checkpoint, plan: a1111.Plan, control
     finally:
         engine.set_refiner(None)   # attached for this job only: the engine holds no per-request state otherwise
     inpainting = engine.spec.unet.in_channels != engine.spec.vae.latent_channels
+    warning = stop_warning(control, plan.limits) if control.interrupted else None
     return a1111.Outcome(results, checkpoint.short_name, engines.checkpoints.hash_of(checkpoint), inpainting,
-                         timestamp, interrupted=control.interrupted, infotext=extra)
+                         timestamp, interrupted=control.interrupted, infotext=extra,
+                         warnings=[warning] if warning else [])
 
 
 def _attach_refiner(engines: Engines, engine, checkpoint: Checkpoint, plan: a1111.Plan, control) -> dict:
@@ -360,13 +392,16 @@ class _BodyLimit:
 
 def create_app(model=None, models_dir=None, api_auth: str | None = None, queue_size: int = 32, *,
                lora_dir=None, embeddings_dir=None, max_body_bytes: int = MAX_BODY_BYTES, preload: bool = True,
-               engine_options: dict | None = None, flags: dict | None = None) -> FastAPI:
+               engine_options: dict | None = None, flags: dict | None = None, limits: Limits | None = None) -> FastAPI:
     """The server as a FastAPI app. ``model``: a checkpoint (default: the shipped demo model, or the first one in
     ``models_dir``); ``models_dir``: where the checkpoints a client can switch to are; ``api_auth``:
     ``USER:PASS[,...]`` for HTTP Basic on every API route; ``queue_size``: waiting jobs beyond which requests get
-    503; ``preload``: load the model when the app starts (in the queue, so that the API answers meanwhile)."""
+    503; ``preload``: load the model when the app starts (in the queue, so that the API answers meanwhile);
+    ``limits``: what one request may ask for, the job time limit and the shutdown grace (:class:`.limits.Limits`;
+    default: its defaults)."""
     server = Server(model, models_dir, api_auth, queue_size, lora_dir=lora_dir, embeddings_dir=embeddings_dir,
-                    max_body_bytes=max_body_bytes, engine_options=engine_options, flags=flags, preload=preload)
+                    max_body_bytes=max_body_bytes, engine_options=engine_options, flags=flags, preload=preload,
+                    limits=limits)
     return build_app(server)
 
 
@@ -427,7 +462,8 @@ def _add_generation_routes(api: APIRouter, server: ServerBase) -> None:
     async def generate(body: a1111.Txt2ImgRequest, request: Request):
         options = server.options_snapshot()
         plan = await run_in_threadpool(a1111.build_plan, body, options, max_image_bytes=server.max_body_bytes,
-                                       lora_dir=server.lora_dir, embeddings_dir=server.embeddings_dir)
+                                       lora_dir=server.lora_dir, embeddings_dir=server.embeddings_dir,
+                                       limits=server.limits)
         if plan.checkpoint is not None:
             server.find_checkpoint(plan.checkpoint)   # 404 now rather than after the queue
         if plan.refiner_name is not None:   # resolved here, so that the plan carries the refiner to any worker
@@ -481,7 +517,8 @@ def _add_control_routes(api: APIRouter, server: ServerBase) -> None:
 
     @api.get("/cmd-flags")
     async def cmd_flags():
-        return {**server.flags, "api": True, "api_auth": "***" if server.credentials else None}
+        return {**server.flags, **server.limits.flags(), "api": True,
+                "api_auth": "***" if server.credentials else None}
 
     @api.post("/refresh-checkpoints")
     async def refresh_checkpoints():

@@ -32,6 +32,7 @@ from typing import Any, Callable
 from ..pipeline import StopSampling
 
 PREVIEW_WANTED_S = 10.0   # previews are made only while a client asked for one this recently
+ANSWER_S = 3.0            # after a shutdown's interrupt: how long the running job has to return its partial image
 
 
 class Unavailable(Exception):
@@ -53,8 +54,10 @@ class ShuttingDown(Unavailable):
 
     retry_after = 30
 
-    def __init__(self):
-        super().__init__("the server is shutting down: it finishes the running job and accepts no new ones")
+    def __init__(self, running: bool = False):
+        super().__init__("the server is shutting down: this job was still running when the shutdown grace and "
+                         "the interrupt had passed" if running else
+                         "the server is shutting down: it finishes the running job and accepts no new ones")
 
 
 @dataclass(eq=False)
@@ -68,6 +71,9 @@ class Job:
     interrupted: bool = False     # the whole job stops at its next step
     skipped: bool = False         # the current iteration stops at its next step; the job goes on
     submitted: float = field(default_factory=time.monotonic)
+    started: float | None = None  # monotonic time the worker took it
+    stop_reason: str | None = None   # why it was interrupted: None (/interrupt, a client gone), "timeout",
+                                     # "shutdown" (after the grace), "stop" (a shutdown at once)
 
 
 @dataclass
@@ -122,10 +128,12 @@ class Jobs:
     ``show_progress_every_n_steps`` option); previews are made only while clients ask for them.
     """
 
-    def __init__(self, queue_size: int = 32, preview_every: Callable[[int, int], bool] | None = None):
+    def __init__(self, queue_size: int = 32, preview_every: Callable[[int, int], bool] | None = None,
+                 job_timeout: float = 0.0):
         if queue_size < 1:
             raise ValueError(f"queue size {queue_size} is not valid: it must be at least 1")
         self.queue_size = queue_size
+        self.job_timeout = job_timeout     # seconds a job may run before it is interrupted; 0: no limit
         self.preview_every = preview_every or (lambda step, total: step % 10 == 0 or step == total)
         self._cv = threading.Condition()
         self._queue: collections.deque[Job] = collections.deque()
@@ -164,10 +172,13 @@ class Jobs:
             elif job is self._current:
                 job.interrupted = True
 
-    def interrupt(self) -> None:
-        """Stop the running job at its next step (it returns what it has); queued jobs still run."""
+    def interrupt(self, reason: str | None = None) -> None:
+        """Stop the running job at its next step (it returns what it has); queued jobs still run. ``reason``
+        (``"timeout"``, ``"shutdown"``) is reported with the partial image; None is a client's interrupt."""
         with self._cv:
             if self._current is not None:
+                if not self._current.interrupted:
+                    self._current.stop_reason = reason
                 self._current.interrupted = True
                 self._state.interrupted = True
 
@@ -220,12 +231,33 @@ class Jobs:
             return self._cv.wait_for(lambda: self._current is None and not self._queue, timeout)
 
     def stop(self, timeout: float | None = None) -> None:
-        """:meth:`close`, let the running job finish, and end the worker thread."""
+        """:meth:`close`, let the running job finish (at most ``timeout`` seconds), and end the worker thread."""
         self.close()
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
         self._worker.join(timeout)
+
+    def drain(self, grace: float, answer_s: float = ANSWER_S) -> str:
+        """A graceful shutdown's work: take no new jobs and answer the queued ones 503 (:meth:`close`); give the
+        running job ``grace`` seconds to finish, then interrupt it (its client gets the partial image) and give it
+        ``answer_s`` seconds to return; a job still running then (one step longer than that) is abandoned: its
+        client gets a 503 at once, and the worker thread, a daemon, ends with the process. Returns what happened:
+        ``"idle"``, ``"interrupted"`` or ``"abandoned"``."""
+        self.close()
+        if self.wait_idle(grace):
+            return "idle"
+        self.interrupt("shutdown")
+        if self.wait_idle(answer_s):
+            return "interrupted"
+        with self._cv:
+            job = self._current
+        if job is not None and not job.future.done():
+            try:
+                job.future.set_exception(ShuttingDown(running=True))
+            except concurrent.futures.InvalidStateError:   # it returned just now
+                pass
+        return "abandoned"
 
     # --- the worker ------------------------------------------------------------------------------------------
 
@@ -242,6 +274,7 @@ class Jobs:
                 job = self._queue.popleft()
                 if job.future.set_running_or_notify_cancel():   # False: cancelled while it waited
                     self._current = job
+                    job.started = time.monotonic()
                     self._state = _State(job=job.label, job_count=1, time_start=time.time(),
                                          job_timestamp=datetime.datetime.now().strftime("%Y%m%d%H%M%S"),
                                          textinfo=f"{job.label}: starting")
@@ -262,10 +295,13 @@ class Jobs:
                                      job_timestamp=self._state.job_timestamp)
             # answered once /progress reports idle (A1111 ends its state before it answers), so that a client that
             # reads /progress right after its response sees no job; idle for wait_idle once answered
-            if error is not None:
-                job.future.set_exception(error)
-            else:
-                job.future.set_result(result)
+            try:
+                if error is not None:
+                    job.future.set_exception(error)
+                else:
+                    job.future.set_result(result)
+            except concurrent.futures.InvalidStateError:   # abandoned by a shutdown (drain): answered already
+                pass
             del result, error
             with self._cv:
                 self._current = None
@@ -280,7 +316,28 @@ class JobControl:
 
     @property
     def interrupted(self) -> bool:
+        self._check_time()
         return self._job.interrupted
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the job was interrupted: None (a client's /interrupt, or the client went away), ``"timeout"``
+        (the server's job time limit) or ``"shutdown"``."""
+        return self._job.stop_reason if self._job.interrupted else None
+
+    @property
+    def job_timeout(self) -> float:
+        return self._jobs.job_timeout
+
+    def _check_time(self) -> None:
+        limit = self._jobs.job_timeout
+        job = self._job
+        if limit and not job.interrupted and job.started is not None and time.monotonic() - job.started > limit:
+            with self._jobs._cv:
+                if not job.interrupted:
+                    job.stop_reason, job.interrupted = "timeout", True
+                    if self._jobs._current is job:
+                        self._jobs._state.interrupted = True
 
     def begin(self, job_count: int, textinfo: str | None = None) -> None:
         """The job runs ``job_count`` iterations (A1111's batch count)."""
@@ -303,7 +360,9 @@ class JobControl:
             s.textinfo = f"{self._job.label}: image {job_no + 1} of {s.job_count}"
 
     def step(self, step: int, total: int) -> None:
-        """Sampler step ``step`` of ``total`` is done; raises StopSampling when the job or iteration must stop."""
+        """Sampler step ``step`` of ``total`` is done; raises StopSampling when the job or iteration must stop (an
+        interrupt, a skip, or the job past the server's time limit)."""
+        self._check_time()
         with self._jobs._cv:
             s = self._jobs._state
             s.sampling_step, s.sampling_steps = step, total

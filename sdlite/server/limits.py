@@ -1,0 +1,116 @@
+"""The work a request may ask of the server, and how long a job and a shutdown may take.
+
+One :class:`Limits` holds them, for ``sdlite serve`` (its flags), ``create_app`` and the Ray cluster
+(``ClusterConfig.limits``). :func:`check_request` applies the per-request ones to an A1111 request after its
+defaults are filled in and before anything costly is done, so that a request for a 20000x20000 image or 6,400
+images is answered at once with a 422 that names the field, its value and the limit (and the flag that sets it).
+
+    limits = Limits(max_pixels=1024 * 1024)
+    check_request(fields, limits)        # LimitExceeded (422) naming e.g. "width x height"
+
+The defaults suit a CPU server: one image of at most 2048x2048 (4.2 megapixels, a 16x upscale of SD 1.5's 512x512
+area), 150 steps (the A1111 UI's slider maximum), 16 images a request (batch_size x n_iter) and prompts of 10,000
+characters (about 30 chunks of 75 tokens, far more than any prompt people write).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..pipeline import RequestError
+
+DEFAULT_MAX_PIXELS = 2048 * 2048
+DEFAULT_MAX_STEPS = 150
+DEFAULT_MAX_IMAGES = 16
+DEFAULT_MAX_PROMPT_CHARS = 10_000
+DEFAULT_JOB_TIMEOUT_S = 0.0          # 0: no time limit
+DEFAULT_SHUTDOWN_GRACE_S = 30.0
+# the text fields a prompt-length bound applies to
+PROMPT_FIELDS = ("prompt", "negative_prompt", "hr_prompt", "hr_negative_prompt")
+
+
+class LimitExceeded(RequestError):
+    """A request asks for more than the server's limits allow (HTTP 422); the message names the field, the value,
+    the limit and the flag that sets it."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-request bounds (``max_*``), the job time limit and the shutdown grace. ``job_timeout`` 0 means none."""
+
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    max_steps: int = DEFAULT_MAX_STEPS
+    max_images: int = DEFAULT_MAX_IMAGES
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
+    job_timeout: float = DEFAULT_JOB_TIMEOUT_S
+    shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_S
+
+    def __post_init__(self):
+        for name in ("max_pixels", "max_steps", "max_images", "max_prompt_chars"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {value!r} is not valid: it must be a whole number of "
+                                 "at least 1")
+        for name in ("job_timeout", "shutdown_grace"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"--{name.replace('_', '-')} {value!r} is not valid: it must be 0 or more seconds")
+
+    def flags(self) -> dict:
+        """The limits as ``/sdapi/v1/cmd-flags`` reports them (the flag names, with underscores)."""
+        return asdict(self)
+
+    def describe(self) -> str:
+        side = int(self.max_pixels ** 0.5)
+        timeout = f"{self.job_timeout:g} s" if self.job_timeout else "none"
+        return (f"limits: {self.max_pixels} pixels an image (about {side}x{side}), {self.max_steps} steps, "
+                f"{self.max_images} images a request, {self.max_prompt_chars} prompt characters; job timeout "
+                f"{timeout}; shutdown grace {self.shutdown_grace:g} s")
+
+
+def parse_size(text: str) -> int:
+    """``--max-pixels``: a pixel count (``4194304``) or a size (``2048x2048``) -> pixels."""
+    t = str(text).strip().lower()
+    try:
+        if "x" in t:
+            w, h = (int(part) for part in t.split("x"))
+            value = w * h
+        else:
+            value = int(t)
+    except ValueError:
+        raise ValueError(f"--max-pixels {text!r} is not valid: give a pixel count (4194304) or a size "
+                         "(2048x2048)") from None
+    if value < 1:
+        raise ValueError(f"--max-pixels {text!r} is not valid: it must be at least 1 pixel")
+    return value
+
+
+def _side(pixels: int) -> str:
+    side = int(round(pixels ** 0.5))
+    return f" ({side}x{side})" if side * side == pixels else ""
+
+
+def check_size(width, height, limits: Limits, what: str = "width x height") -> None:
+    """One image of ``width`` x ``height`` pixels must be within ``max_pixels``."""
+    if isinstance(width, int) and isinstance(height, int) and not isinstance(width, bool) \
+            and not isinstance(height, bool) and width > 0 and height > 0 and width * height > limits.max_pixels:
+        raise LimitExceeded(f"{what} = {width} x {height} = {width * height} pixels is over this server's limit of "
+                            f"{limits.max_pixels} pixels an image{_side(limits.max_pixels)} (--max-pixels)")
+
+
+def check_request(p: dict, limits: Limits) -> None:
+    """The per-request limits on an A1111 request's fields (defaults filled in, as :func:`.a1111.with_defaults`
+    gives them). Only the limits are checked here; the fields' own validity is checked where they are used."""
+    for name in PROMPT_FIELDS:
+        text = p.get(name)
+        if isinstance(text, str) and len(text) > limits.max_prompt_chars:
+            raise LimitExceeded(f"{name} has {len(text)} characters, over this server's limit of "
+                                f"{limits.max_prompt_chars} (--max-prompt-chars)")
+    steps = p.get("steps")
+    if isinstance(steps, int) and not isinstance(steps, bool) and steps > limits.max_steps:
+        raise LimitExceeded(f"steps={steps} is over this server's limit of {limits.max_steps} steps (--max-steps)")
+    check_size(p.get("width"), p.get("height"), limits)
+    batch, n_iter = p.get("batch_size"), p.get("n_iter")
+    if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (batch, n_iter)) \
+            and batch * n_iter > limits.max_images:
+        raise LimitExceeded(f"batch_size x n_iter = {batch} x {n_iter} = {batch * n_iter} images is over this "
+                            f"server's limit of {limits.max_images} images a request (--max-images)")
