@@ -34,6 +34,7 @@ try:
     import torch
     from PIL import Image
 
+    from .engine import budget
     from .engine.memory import ModelManager, check_memory_mode, trim_heap
     from .conditioning import chunk_prompt, encode_chunks, pad_to_same_length, single_row
     from .config import is_bert
@@ -315,6 +316,10 @@ class Engine:
         # SDXL: a refiner engine that takes the latents over for the last steps of a request that asks for it
         # (Request.refiner_switch_at); see :meth:`set_refiner`
         self.refiner: Engine | None = None
+        # a batch whose estimated UNet (decoder) activations exceed these bytes runs in pieces (None: the device's
+        # default, sdlite.engine.budget); the rule never looks at the memory free, so images never depend on it
+        self.unet_piece_bytes: int | None = None
+        self.decode_piece_bytes: int | None = None
 
     def set_refiner(self, refiner: "Engine | None") -> None:
         """Attach (or, with None, detach) an SDXL refiner for requests with ``refiner_switch_at``: both models must
@@ -474,15 +479,23 @@ class Engine:
         encoded = dict(zip(texts, self._encode_texts(texts, r.clip_skip, embeddings, warnings)))
         return ScheduledConditioning(schedules[0], schedules[1] if use_cfg else None, encoded, warnings)
 
-    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        """Unscaled latents (B, 4, h, w) -> images (B, 3, 8h, 8w) in about [-1, 1]."""
+    def decode_tile(self, height: int, width: int) -> int:
+        """The tile (latent pixels; 0: untiled) a latent of ``height`` x ``width`` is decoded in."""
         tile = self.vae_tile
         if tile is None:  # automatic: large images are decoded in tiles, which bounds the decoder's temporaries
-            side = max(latents.shape[-2:])
+            side = max(height, width)
             if self.models.mode == 0:  # low memory: an untiled 512^2 decode alone needs about 1 GB of temporaries
                 tile = LOW_MEMORY_TILE if side > LOW_MEMORY_TILE else 0
             else:
                 tile = AUTO_TILE if side > AUTO_TILE_ABOVE else 0
+        return tile
+
+    def decode_latents(self, latents: torch.Tensor, piece: int | None = None) -> torch.Tensor:
+        """Unscaled latents (B, 4, h, w) -> images (B, 3, 8h, 8w) in about [-1, 1]; ``piece`` images per decoder
+        call (None: all at once)."""
+        if piece is not None and piece < latents.shape[0]:
+            return torch.cat([self.decode_latents(latents[i:i + piece]) for i in range(0, latents.shape[0], piece)])
+        tile = self.decode_tile(*latents.shape[-2:])
         if not tile:
             with torch.no_grad(), self.models.use("vae") as vae:
                 return vae.decode(latents.to(self.device, vae.dtype))
@@ -656,6 +669,8 @@ class Engine:
             x, start, noised, concat, blend = self._image_latents(r, source, generators, shape, inpaint_model)
         stages[0].start = start
 
+        # a large batch runs in pieces (sdlite.engine.budget.pieces: fixed by the model, request and device)
+        unet_piece, decode_piece = budget.pieces(self, r)
         done = [0]  # sampler steps completed, over all stages
         interrupted = False
         for st in stages:
@@ -678,8 +693,10 @@ class Engine:
 
             engine = st.engine
             with torch.no_grad(), engine.models.use("unet") as unet:
-                denoised = _Recorded(CFGDenoiser(Denoiser(unet, engine.schedule, engine.spec.prediction_type,
-                                                          dtype=unet.dtype), r.cfg_scale if use_cfg else 1.0))
+                guided = CFGDenoiser(Denoiser(unet, engine.schedule, engine.spec.prediction_type, dtype=unet.dtype),
+                                     r.cfg_scale if use_cfg else 1.0)
+                denoised = _Recorded(_Pieces(guided, unet_piece, r.batch_size) if unet_piece < r.batch_size
+                                     else guided)
                 try:
                     x = sample(r.sampler, denoised, x, engine.schedule, r.steps, r.schedule, generator=generators,
                                spacing=r.timestep_spacing, eta=r.eta, callback=on_step, extra_args=extra,
@@ -696,7 +713,7 @@ class Engine:
         # less peak at 512^2 for SD 1.5)
         trim_heap()
         t2 = time.perf_counter()
-        decoded = decoder.decode_latents(latents / decoder.spec.vae.scaling_factor)
+        decoded = decoder.decode_latents(latents / decoder.spec.vae.scaling_factor, piece=decode_piece)
         images = latents_to_images(decoded)
         if source is not None and source.mask is not None:
             images = [source.finish(im, r.overlay) for im in images]
@@ -877,6 +894,36 @@ class _Recorded:
 
 
 @dataclass
+class _Pieces:
+    """A denoiser over a batch of ``batch`` images run ``piece`` images at a time: each argument whose first
+    dimension is the batch is cut along it (a (1, ...) tensor, broadcast to every image, is passed whole), and the
+    pieces' outputs are put back together. Each piece is computed as a batch of ``piece`` images would be."""
+
+    def __init__(self, denoiser, piece: int, batch: int):
+        self.denoiser, self.piece, self.batch = denoiser, piece, batch
+
+    def with_timesteps(self, sigmas: torch.Tensor, timesteps: torch.Tensor) -> "_Pieces":
+        inner = self.denoiser
+        if hasattr(inner, "with_timesteps"):
+            inner = inner.with_timesteps(sigmas, timesteps)
+        return _Pieces(inner, self.piece, self.batch)
+
+    def _cut(self, value, lo: int, hi: int):
+        if isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape[0] == self.batch:
+            return value[lo:hi]
+        if isinstance(value, dict):
+            return {k: self._cut(v, lo, hi) for k, v in value.items()}
+        return value
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, **extra) -> torch.Tensor:
+        outs = []
+        for lo in range(0, self.batch, self.piece):
+            hi = min(lo + self.piece, self.batch)
+            outs.append(self.denoiser(x[lo:hi], self._cut(sigma, lo, hi),
+                                      **{k: self._cut(v, lo, hi) for k, v in extra.items()}))
+        return torch.cat(outs)
+
+
 class _Blend:
     """A 4-channel UNet's inpainting (diffusers' StableDiffusionInpaintPipeline): after each step, the
     unmasked region is replaced by the source latents noised to the step's new level (the same noise as the

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..pipeline import RequestError
+from ..engine import budget
+from ..pipeline import RequestError, validate
+from .jobs import Unavailable
 
 DEFAULT_MAX_PIXELS = 2048 * 2048
 DEFAULT_MAX_STEPS = 150
@@ -33,6 +35,16 @@ class LimitExceeded(RequestError):
     the limit and the flag that sets it."""
 
 
+class NeverFits(LimitExceeded):
+    """A job whose estimated peak memory exceeds what this server could ever give it (HTTP 422)."""
+
+
+class NotEnoughMemoryNow(Unavailable):
+    """A job whose estimated peak memory exceeds the memory available now, less the margin (HTTP 503)."""
+
+    retry_after = 10
+
+
 @dataclass(frozen=True)
 class Limits:
     """Per-request bounds (``max_*``), the job time limit and the shutdown grace. ``job_timeout`` 0 means none."""
@@ -43,6 +55,8 @@ class Limits:
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
     job_timeout: float = DEFAULT_JOB_TIMEOUT_S
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_S
+    max_memory_mb: int = 0            # the most memory this server may use; 0: the machine's (or its cgroup's)
+    memory_margin_mb: int = 0         # kept free beside every job; 0: 5% of the memory, at least 256 MB
 
     def __post_init__(self):
         for name in ("max_pixels", "max_steps", "max_images", "max_prompt_chars"):
@@ -50,6 +64,11 @@ class Limits:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {value!r} is not valid: it must be a whole number of "
                                  "at least 1")
+        for name in ("max_memory_mb", "memory_margin_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"--{name[:-3].replace('_', '-')} {value!r} is not valid: it must be 0 (automatic) "
+                                 "or more megabytes")
         for name in ("job_timeout", "shutdown_grace"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
@@ -62,9 +81,10 @@ class Limits:
     def describe(self) -> str:
         side = int(self.max_pixels ** 0.5)
         timeout = f"{self.job_timeout:g} s" if self.job_timeout else "none"
+        memory = f"{self.max_memory_mb} MB" if self.max_memory_mb else "the machine's"
         return (f"limits: {self.max_pixels} pixels an image (about {side}x{side}), {self.max_steps} steps, "
-                f"{self.max_images} images a request, {self.max_prompt_chars} prompt characters; job timeout "
-                f"{timeout}; shutdown grace {self.shutdown_grace:g} s")
+                f"{self.max_images} images a request, {self.max_prompt_chars} prompt characters; memory {memory}; "
+                f"job timeout {timeout}; shutdown grace {self.shutdown_grace:g} s")
 
 
 def parse_size(text: str) -> int:
@@ -114,3 +134,47 @@ def check_request(p: dict, limits: Limits) -> None:
             and batch * n_iter > limits.max_images:
         raise LimitExceeded(f"batch_size x n_iter = {batch} x {n_iter} = {batch * n_iter} images is over this "
                             f"server's limit of {limits.max_images} images a request (--max-images)")
+
+
+def _sized(engine, request):
+    """``request`` validated against ``engine``'s model, with the size an image-to-image source gives it."""
+    r = validate(request, engine.spec.default_size)
+    if r.width is None or r.height is None:
+        source = r.init_image
+        width = r.width or max(8, getattr(source, "width", 512) // 8 * 8)
+        height = r.height or max(8, getattr(source, "height", 512) // 8 * 8)
+        r = r.replace(width=width, height=height)
+    return r
+
+
+def admit(engine, request, limits: Limits, memory: "budget.Memory | None" = None, rss: int | None = None):
+    """Memory admission, before a job starts: its estimated peak (:func:`sdlite.engine.budget.estimate`, with the
+    pieces a large batch runs in) must fit in the memory available now less the margin, or the job is refused with
+    :class:`NotEnoughMemoryNow` (503), or :class:`NeverFits` (422) when it exceeds all the memory this server could
+    have. ``memory`` and ``rss`` (bytes) default to what the machine and this process have now. Returns the
+    estimate (None when the machine's memory cannot be read)."""
+    memory = memory if memory is not None else budget.memory_now()
+    if memory is None:
+        return None
+    rss = budget.process_rss() if rss is None else rss
+    mb = budget.MB
+    total, available = memory.total, memory.available
+    if limits.max_memory_mb:
+        cap = limits.max_memory_mb * mb
+        total, available = min(total, cap), min(available, max(cap - rss, 0))
+    margin = limits.memory_margin_mb * mb if limits.memory_margin_mb else max(256 * mb, total // 20)
+    estimate = budget.estimate(engine, _sized(engine, request))
+    need = estimate.peak
+    r = _sized(engine, request)
+    what = (f"{r.width}x{r.height}, batch {r.batch_size}" + (f" (in pieces of {estimate.unet_piece})"
+                                                             if estimate.unet_piece < r.batch_size else ""))
+    flag = " (--max-memory)" if limits.max_memory_mb else ""
+    if need > total - rss - margin:
+        raise NeverFits(f"this job ({what}) needs about {need // mb} MB above the {rss // mb} MB the server holds "
+                        f"({estimate.describe()}), and this server can never give it that: {total // mb} MB in "
+                        f"all{flag}, less a margin of {margin // mb} MB. Ask for a smaller size or batch")
+    if need > available - margin:
+        raise NotEnoughMemoryNow(f"not enough memory for this job now: it needs about {need // mb} MB "
+                                 f"({estimate.describe()}), {max(available, 0) // mb} MB are available{flag}, less a "
+                                 f"margin of {margin // mb} MB; retry later, or ask for a smaller size or batch")
+    return estimate
