@@ -639,11 +639,14 @@ def cmd_batch(args) -> int:
           f"images/min, {where}), {summary.skipped} already in the manifest, {len(summary.failed)} failed; "
           f"manifest: {Path(args.output) / 'manifest.jsonl'}", file=sys.stderr)
     if summary.stopped:   # SIGTERM / SIGINT: a clean stop, exit status 0
+        def jobs(n):
+            return f"{n} job{'s' if n != 1 else ''}"
+
         interrupted = (f"; {summary.interrupted} interrupted after the grace and not written" if summary.interrupted
                        else "")
-        print(f"sdlite: stopped by {summary.stopped}: {summary.done} jobs done by this run, "
+        print(f"sdlite: stopped by {summary.stopped}: {jobs(summary.done)} done by this run, "
               f"{summary.skipped + summary.done} of {summary.total} in the manifest{interrupted}; run the same "
-              f"command again to resume (the other {summary.remaining} jobs)", file=sys.stderr)
+              f"command again to resume (the {jobs(summary.remaining)} left)", file=sys.stderr)
     return 1 if summary.failed else 0
 
 

@@ -4,12 +4,23 @@ loopback only), with the demo model.
 Checks: the local run writes every image with its parameters and a complete manifest; bad job files are refused
 naming the line and the field; a run stopped part-way (Ctrl-C) resumes without duplicates; 40 jobs over 2 Ray
 workers give the local run's images byte for byte; a worker killed mid-batch (plus the driver stopped) loses
-nothing: re-running finishes the remaining jobs, with no duplicates in the manifest.
+nothing: re-running finishes the remaining jobs, with no duplicates in the manifest. Shutdown on signals (`sdlite
+batch` as a subprocess, and in this process): SIGTERM stops the run with exit status 0 and a manifest of complete
+lines, and the same command resumes it to the images of an uninterrupted run, locally and over Ray; the running job
+finishes within --shutdown-grace and nothing new starts; past the grace (0 here) the running job is interrupted and
+not written, and Ray's actors are killed; a second signal exits at once; signal handlers are installed only in the
+main thread and are restored after the run.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +33,7 @@ from sdlite import cli
 from sdlite.images import parse_infotext
 from sdlite.scale import loopback_only
 from sdlite.scale.batch import BatchError, read_jobs, run_batch
+from tests.loopback import wait_for
 
 PROMPTS = ["a red circle on a blue background", "a yellow star on a black background",
            "a green triangle on a white background", "a purple square on an orange background"]
@@ -191,3 +203,223 @@ def test_killed_worker_then_rerun_finishes_without_duplicates(jobs_file, local_r
     summary = run_batch(jobs_file, tmp_path, use_ray=True, workers=2, threads=1, progress=False, run_id="resume")
     assert (summary.skipped, summary.done, summary.failed) == (20, N_JOBS - 20, {})
     assert check_complete(tmp_path, read_jobs(jobs_file)) == local_run[1]
+
+
+# --- shutdown on signals (issue 23) ---------------------------------------------------------------------------------
+
+SIGNAL_JOBS = 20
+STARTUP_S = 120      # a subprocess loading torch and the model, or starting Ray, on a loaded machine: a bound, not a wait
+EXIT_S = 5           # after the grace: the time the process may take to exit (Ray's own shutdown: more)
+RAY_EXIT_S = 30
+
+
+def write_signal_jobs(path: Path) -> Path:
+    """20 jobs of 16 steps (about 0.1 s each on one thread), no seed sweep: several seconds of work in all."""
+    with open(path, "w") as f:
+        for i in range(SIGNAL_JOBS):
+            f.write(json.dumps({"id": f"sig-{i:02d}", "prompt": PROMPTS[i % 4], "steps": 16, "seed": 500 + 2 * i,
+                                "cfg_scale": 7, "sampler_name": "Euler a" if i % 2 else "DPM++ 2M"}) + "\n")
+    return path
+
+
+def write_long_jobs(path: Path, order=("short", "long", "after"), steps: int = 1000) -> Path:
+    """Short jobs (4 steps) and a long one (1000 steps at 256x256: about 15 s on one thread here, far past any wait
+    of these tests; fewer steps for one that should finish), in the order given."""
+    with open(path, "w") as f:
+        for seed, name in enumerate(order, 1):
+            size = {"steps": steps, "width": 256, "height": 256} if name == "long" else {"steps": 4}
+            f.write(json.dumps({"id": name, "prompt": PROMPTS[seed % 4], "seed": seed, **size}) + "\n")
+    return path
+
+
+class Batch:
+    """``python -m sdlite batch`` in a subprocess, its stderr in a file."""
+
+    def __init__(self, jobs: Path, out: Path, *extra: str):
+        self.out, self.log = out, out.parent / f"{out.name}.log"
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "sdlite", "batch", str(jobs), "--output", str(out),
+                                          "--threads", "1", "--max-batch", "1", *extra],
+                                         stdout=subprocess.DEVNULL, stderr=log, env=env)
+
+    def lines(self) -> int:
+        path = self.out / "manifest.jsonl"
+        return path.read_bytes().count(b"\n") if path.is_file() else 0
+
+    def stderr(self) -> str:
+        return self.log.read_text()
+
+    def signal_when(self, predicate, sig=signal.SIGTERM, after: float = 0.0) -> float:
+        """Send ``sig`` ``after`` s after ``predicate()`` holds (while the process runs); the time it was sent."""
+        wait_for(lambda: predicate() or self.proc.poll() is not None, timeout=STARTUP_S, every=0.02)
+        time.sleep(after)
+        assert self.proc.poll() is None, f"exited before the signal:\n{self.stderr()}"
+        self.proc.send_signal(sig)
+        return time.monotonic()
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"still running {timeout:.0f} s after the signal:\n{self.stderr()}") from None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def check_stopped(folder: Path) -> dict[str, str]:
+    """After a stop: only complete manifest lines, each file there with its hash, no temporary file left."""
+    data = (folder / "manifest.jsonl").read_bytes()
+    assert data.endswith(b"\n")
+    entries = [json.loads(line) for line in data.splitlines()]
+    for e in entries:
+        assert hashlib.sha256((folder / e["file"]).read_bytes()).hexdigest() == e["sha256"]
+    pngs = {p.name for p in folder.iterdir() if p.suffix == ".png"}
+    assert pngs == {e["file"] for e in entries}, "an image without its manifest line"
+    assert not [p for p in folder.iterdir() if p.name.endswith(".tmp")]
+    return {e["id"]: e["sha256"] for e in entries}
+
+
+@pytest.fixture(scope="module")
+def signal_jobs(tmp_path_factory) -> Path:
+    return write_signal_jobs(tmp_path_factory.mktemp("signal-jobs") / "jobs.jsonl")
+
+
+@pytest.fixture(scope="module")
+def signal_reference(signal_jobs, tmp_path_factory) -> dict[str, str]:
+    """An uninterrupted run of the signal jobs, in this process, 1 thread, no batching: id -> sha256."""
+    out = tmp_path_factory.mktemp("signal-reference")
+    threads = torch.get_num_threads()
+    try:
+        summary = run_batch(signal_jobs, out, threads=1, progress=False, max_batch=1)
+    finally:
+        torch.set_num_threads(threads)
+    assert summary.done == SIGNAL_JOBS
+    return check_complete(out, read_jobs(signal_jobs))
+
+
+def test_sigterm_stops_a_local_batch_and_the_same_command_resumes_it(signal_jobs, signal_reference, tmp_path):
+    grace = 30
+    out = tmp_path / "out"
+    with Batch(signal_jobs, out, "--shutdown-grace", str(grace)) as run:
+        run.signal_when(lambda: run.lines() >= 1)
+        assert run.wait(grace + EXIT_S) == 0, run.stderr()
+    first = check_stopped(out)
+    assert 1 <= len(first) < SIGNAL_JOBS
+    text = run.stderr()
+    assert "sdlite: stopped by SIGTERM" in text and "run the same command again" in text, text
+    assert "interrupted after the grace" not in text, text    # the running job (0.1 s) finished within 30 s
+    with Batch(signal_jobs, out) as again:
+        assert again.wait(STARTUP_S) == 0, again.stderr()
+    assert f"{SIGNAL_JOBS - len(first)} done now" in again.stderr() and \
+        f"{len(first)} already in the manifest" in again.stderr(), again.stderr()
+    assert check_complete(out, read_jobs(signal_jobs)) == signal_reference   # byte for byte, job for job
+
+
+def test_past_the_grace_the_running_job_is_interrupted_and_not_written(tmp_path):
+    out = tmp_path / "out"
+    with Batch(write_long_jobs(tmp_path / "jobs.jsonl"), out, "--shutdown-grace", "0") as run:
+        sent = run.signal_when(lambda: run.lines() >= 1, after=1.0)     # "long" is running by then
+        assert run.wait(0 + EXIT_S) == 0, run.stderr()
+        elapsed = time.monotonic() - sent
+    assert list(check_stopped(out)) == ["short"]          # "long" stopped at its next step, "after" never started
+    assert not (out / "long.png").exists()
+    assert "1 interrupted after the grace and not written" in run.stderr(), run.stderr()
+    assert elapsed < EXIT_S
+
+
+def test_a_second_signal_exits_at_once(tmp_path):
+    out = tmp_path / "out"
+    with Batch(write_long_jobs(tmp_path / "jobs.jsonl"), out, "--shutdown-grace", "60") as run:
+        run.signal_when(lambda: run.lines() >= 1, after=1.0)     # "long" is running by then
+        sent = run.signal_when(lambda: "SIGTERM: stopping" in run.stderr(), signal.SIGINT)
+        assert run.wait(EXIT_S) == 0, run.stderr()      # not the 60 s grace, nor the rest of the 15 s job
+        elapsed = time.monotonic() - sent
+    assert list(check_stopped(out)) == ["short"]
+    assert "SIGINT again: exiting at once" in run.stderr(), run.stderr()
+    assert elapsed < EXIT_S
+
+
+def test_the_running_job_finishes_within_the_grace_and_nothing_new_starts(tmp_path):
+    """In this process (the handlers are installed in the main thread, and restored after): SIGTERM to itself half a
+    second after the first job is written; the second (200 steps at 256x256, about 3 s) finishes, the third never
+    starts."""
+    jobs = write_long_jobs(tmp_path / "jobs.jsonl", steps=200)
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    during = []
+
+    def stop(entry):
+        during.append(signal.getsignal(signal.SIGTERM))
+        if entry["id"] == "short":
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+    threads = torch.get_num_threads()
+    try:
+        summary = run_batch(jobs, tmp_path / "out", threads=1, progress=False, on_result=stop, shutdown_grace=60)
+    finally:
+        torch.set_num_threads(threads)
+    assert (summary.stopped, summary.done, summary.interrupted, summary.remaining) == ("SIGTERM", 2, 0, 1)
+    assert list(check_stopped(tmp_path / "out")) == ["short", "long"]
+    assert during[0] not in before
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+def test_no_handlers_outside_the_main_thread_and_a_negative_grace_is_refused(tmp_path, capsys):
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text(json.dumps({"prompt": PROMPTS[0], "steps": 2, "seed": 1}) + "\n")
+    before = signal.getsignal(signal.SIGTERM)
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append(run_batch(
+        jobs, tmp_path / "out", threads=1, progress=False, on_result=lambda e: seen.append(signal.getsignal(
+            signal.SIGTERM)))))
+    threads = torch.get_num_threads()
+    try:
+        worker.start()
+        worker.join(STARTUP_S)
+    finally:
+        torch.set_num_threads(threads)
+    assert seen[0] is before and seen[1].done == 1
+    assert cli.main(["batch", str(jobs), "--output", str(tmp_path / "out2"), "--shutdown-grace", "-1"]) == 2
+    assert "--shutdown-grace -1 is not valid" in capsys.readouterr().err and not (tmp_path / "out2").exists()
+
+
+def test_sigterm_stops_a_ray_batch_and_it_resumes(signal_jobs, signal_reference, local_ray, tmp_path):
+    """`sdlite batch --ray` with a Ray instance of its own (which sets its own SIGTERM handler, replaced), then the
+    rest in this process's Ray instance."""
+    grace = 30
+    out = tmp_path / "out"
+    with Batch(signal_jobs, out, "--ray", "--workers", "2", "--shutdown-grace", str(grace)) as run:
+        run.signal_when(lambda: run.lines() >= 1)
+        assert run.wait(grace + RAY_EXIT_S) == 0, run.stderr()
+    first = check_stopped(out)
+    assert 1 <= len(first) < SIGNAL_JOBS and "sdlite: stopped by SIGTERM" in run.stderr(), run.stderr()
+    summary = run_batch(signal_jobs, out, use_ray=True, workers=2, threads=1, progress=False, max_batch=1)
+    assert (summary.skipped, summary.done, summary.failed) == (len(first), SIGNAL_JOBS - len(first), {})
+    assert check_complete(out, read_jobs(signal_jobs)) == signal_reference
+
+
+def test_past_the_grace_ray_actors_are_killed_and_their_jobs_not_written(local_ray, tmp_path):
+    """Worker 0 gets "long" and "queued" (sent ahead), worker 1 "short": SIGTERM as "short" is written; "queued" is
+    cancelled, "long" is still running 1 s later and its actor is killed."""
+    jobs = write_long_jobs(tmp_path / "jobs.jsonl", order=("long", "queued", "short"))
+    start = []
+
+    def stop(entry):
+        if entry["id"] == "short":
+            start.append(time.monotonic())
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    summary = run_batch(jobs, tmp_path / "out", use_ray=True, workers=2, threads=1, progress=False, on_result=stop,
+                        shutdown_grace=1, run_id="gracetest")
+    elapsed = time.monotonic() - start[0]
+    assert (summary.stopped, summary.done, summary.interrupted, summary.remaining) == ("SIGTERM", 1, 1, 2)
+    assert list(check_stopped(tmp_path / "out")) == ["short"]
+    assert elapsed < 1 + EXIT_S     # not the 15 s of the long job

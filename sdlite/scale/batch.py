@@ -28,6 +28,12 @@ pixel values, float sums being taken in another order). That is faster where per
 demo model, bench/scale.py). The groups are made from the whole file, before the manifest is read, so the local run,
 the Ray run and a resumed run batch the same jobs and give the same images, byte for byte; ``max_batch=1`` turns
 batching off.
+
+SIGTERM or SIGINT (Ctrl-C) stops a run cleanly (:class:`Shutdown`): no new job starts, the running ones get
+``shutdown_grace`` seconds (``--shutdown-grace``, default 30) to finish and be written, then they are interrupted
+(locally at the engine's next sampler step; with Ray the actors are killed) and not written, so that running the
+same command again runs them anew and gives the images an uninterrupted run gives. The run then returns (``sdlite
+batch`` exits 0). A second SIGTERM or SIGINT exits at once.
 """
 from __future__ import annotations
 
@@ -37,7 +43,9 @@ import json
 import os
 import random
 import re
+import signal
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field, fields
@@ -53,6 +61,79 @@ NAMESPACE = "sdlite"
 
 class BatchError(SDLiteError):
     """A jobs file, output folder or batch run that cannot go on; the message names the line and field."""
+
+
+class JobInterrupted(Exception):
+    """A job's sampling was stopped part-way (a shutdown's grace ran out): its images are not the job's, so they are
+    not written."""
+
+
+class Shutdown:
+    """SIGTERM and SIGINT during a run. The first one asks the run to stop: no new job starts, and after ``grace``
+    seconds :meth:`step` (the engine's step callback) stops the running job's sampling. A second one exits the process
+    at once (status 0, as ``sdlite serve`` does): the manifest is append-only and fsync'd, a cut last line is dropped
+    on the next run, and images are written under a temporary name and then renamed, so nothing half-written counts.
+
+    Handlers are installed only in the main thread (:func:`run_batch` also runs from other threads, as a library
+    call); :meth:`restore` puts back the ones found. :meth:`request` asks for a stop without a signal."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, grace: float):
+        self.grace = grace
+        self.signal: str | None = None        # the name of the signal that asked for the stop
+        self.deadline: float | None = None    # time.monotonic() past which running jobs are interrupted
+        self._previous: dict = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def remaining(self) -> float:
+        return max(0.0, self.deadline - time.monotonic()) if self.deadline is not None else float("inf")
+
+    def request(self, name: str = "stop") -> None:
+        if self.signal is None:
+            self.signal, self.deadline = name, time.monotonic() + self.grace
+
+    def step(self, step: int, total: int) -> None:
+        """The engine's step callback: past the grace, stop sampling (the job is then not written)."""
+        if self.expired():
+            from ..pipeline import StopSampling
+
+            raise StopSampling
+
+    def install(self) -> None:
+        """Handle SIGTERM and SIGINT (again after ``ray.init``, which sets its own SIGTERM handler)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in self.SIGNALS:
+            self._previous.setdefault(sig, signal.getsignal(sig))
+            signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        # os.write, not print: the handler may run while the main thread is inside a write to stderr
+        if self.requested:
+            os.write(2, f"\nsdlite: {name} again: exiting at once; the jobs not in the manifest run when the same "
+                        "command is run again\n".encode())
+            os._exit(0)
+        self.request(name)
+        if self.grace > 0:
+            then = (f"the running jobs get up to {self.grace:g} s to finish, then they are interrupted and not "
+                    "written")
+        else:
+            then = "the running jobs are interrupted and not written"
+        os.write(2, f"\nsdlite: {name}: stopping: no new job starts; {then} (send SIGTERM or Ctrl-C again to exit "
+                    "at once)\n".encode())
 
 
 @dataclass
@@ -243,14 +324,17 @@ class Writer:
 
 # --- running one job (in this process or in an actor) ---------------------------------------------------------------
 
-def run_job(engine, model_hash: str, model_name: str, job: Job, worker: str = "local") -> dict:
-    """Generate a job's images: {"images": [(seed, png bytes)], "timings", "warnings", "worker"}."""
+def run_job(engine, model_hash: str, model_name: str, job: Job, worker: str = "local", callback=None) -> dict:
+    """Generate a job's images: {"images": [(seed, png bytes)], "timings", "warnings", "worker"}. ``callback`` is
+    the engine's step callback; a run it stops raises :class:`JobInterrupted`."""
     from ..images import infotext, png_bytes
 
     t0 = time.perf_counter()
     images, timings, warnings = [], collections.Counter(), []
     for request in job.requests:
-        result = engine.generate(request)
+        result = engine.generate(request, callback)
+        if result.interrupted:
+            raise JobInterrupted(job.id)
         for image, seed in zip(result.images, result.seeds):
             text = infotext(result.request, seed, model_hash, model_name, result.infotext)
             images.append((seed, png_bytes(image, text)))
@@ -261,14 +345,17 @@ def run_job(engine, model_hash: str, model_name: str, job: Job, worker: str = "l
     return {"images": images, "timings": timings, "warnings": warnings, "worker": worker}
 
 
-def run_group(engine, model_hash: str, model_name: str, group: list[Job], worker: str = "local") -> list[dict]:
+def run_group(engine, model_hash: str, model_name: str, group: list[Job], worker: str = "local",
+              callback=None) -> list[dict]:
     """A group of :func:`group_jobs` as one engine call (alone: :func:`run_job`); one result per job."""
     if len(group) == 1:
-        return [run_job(engine, model_hash, model_name, group[0], worker)]
+        return [run_job(engine, model_hash, model_name, group[0], worker, callback)]
     from ..images import infotext, png_bytes
 
     t0 = time.perf_counter()
-    result = engine.generate(group[0].requests[0].replace(batch_size=len(group)))
+    result = engine.generate(group[0].requests[0].replace(batch_size=len(group)), callback)
+    if result.interrupted:
+        raise JobInterrupted(", ".join(job.id for job in group))
     share = {k: round(v / len(group), 4) for k, v in result.timings.items() if isinstance(v, (int, float))}
     share["total"] = round((time.perf_counter() - t0) / len(group), 4)
     share["batch"] = len(group)
@@ -348,6 +435,13 @@ class Summary:
     seconds: float = 0.0
     workers: int = 1
     replaced_workers: int = 0
+    stopped: str | None = None         # the signal that stopped the run early (SIGTERM, SIGINT), if one did
+    interrupted: int = 0               # jobs running when the grace ran out: interrupted, not written
+
+    @property
+    def remaining(self) -> int:
+        """Jobs neither in the manifest nor failed: a resumed run runs them."""
+        return self.total - self.skipped - self.done - len(self.failed)
 
     @property
     def images_per_min(self) -> float:
@@ -358,9 +452,14 @@ def run_batch(jobs_file, output, *, model=None, use_ray: bool = False, address: 
               workers: int | None = None, threads: int | None = None, engine_options: dict | None = None,
               worker_cpus: float = 1.0, worker_gpus: float = 0.0, lora_dir=None, embeddings_dir=None,
               run_id: str | None = None, progress: bool = True, max_batch: int = 4,
-              on_result: Callable[[dict], None] | None = None) -> Summary:
-    """Run the jobs of ``jobs_file`` not yet in ``output``'s manifest; see the module docstring."""
+              on_result: Callable[[dict], None] | None = None, shutdown_grace: float = 30.0) -> Summary:
+    """Run the jobs of ``jobs_file`` not yet in ``output``'s manifest; see the module docstring. In the main thread,
+    SIGTERM and SIGINT stop the run as :class:`Shutdown` says (``summary.stopped`` names the signal); the previous
+    handlers are back when it returns."""
     jobs = read_jobs(jobs_file, lora_dir=lora_dir, embeddings_dir=embeddings_dir)
+    if not shutdown_grace >= 0:   # NaN too
+        raise BatchError(f"--shutdown-grace {shutdown_grace:g} is not valid: it must be 0 or more seconds "
+                         "(0: interrupt the running job at once)")
     output = Path(output)
     if output.exists() and not output.is_dir():
         raise BatchError(f"--output {output}: exists and is not a folder")
@@ -402,19 +501,26 @@ def run_batch(jobs_file, output, *, model=None, use_ray: bool = False, address: 
                 on_result(entry)
 
     t0 = time.perf_counter()
+    shutdown = Shutdown(shutdown_grace)
+    shutdown.install()
     try:
         if use_ray:
-            _run_ray(groups, model, identity, finished, summary, address=address, workers=workers, threads=threads,
-                     engine_options=engine_options or {}, worker_cpus=worker_cpus, worker_gpus=worker_gpus,
-                     run_id=run_id or uuid.uuid4().hex[:8])
+            _run_ray(groups, model, identity, finished, summary, shutdown, address=address, workers=workers,
+                     threads=threads, engine_options=engine_options or {}, worker_cpus=worker_cpus,
+                     worker_gpus=worker_gpus, run_id=run_id or uuid.uuid4().hex[:8])
         else:
-            _run_local(groups, model, identity, finished, summary, threads, engine_options or {})
+            _run_local(groups, model, identity, finished, summary, shutdown, threads, engine_options or {})
     finally:
+        shutdown.restore()
         summary.seconds = time.perf_counter() - t0
+        summary.stopped = shutdown.signal
+        if bar is not None and bar.enabled and 0 < bar.done < bar.total:
+            bar.stream.write("\n")      # end the progress line the run left part-way
+            bar.stream.flush()
     return summary
 
 
-def _run_local(groups, model, identity, finished, summary, threads, engine_options) -> None:
+def _run_local(groups, model, identity, finished, summary, shutdown, threads, engine_options) -> None:
     import torch
 
     from ..pipeline import Engine
@@ -423,8 +529,13 @@ def _run_local(groups, model, identity, finished, summary, threads, engine_optio
         torch.set_num_threads(threads)
     engine = Engine.load(model, **engine_options)
     for group in groups:
+        if shutdown.requested:       # no new group starts
+            break
         try:
-            results = run_group(engine, *identity, group)
+            results = run_group(engine, *identity, group, callback=shutdown.step)
+        except JobInterrupted:
+            summary.interrupted += len(group)
+            break
         except SDLiteError as e:
             summary.failed.update({job.id: str(e) for job in group})
             continue
@@ -434,9 +545,32 @@ def _run_local(groups, model, identity, finished, summary, threads, engine_optio
 
 MAX_REPLACEMENTS = 3      # per worker slot: a worker that keeps dying is not replaced forever
 PREFETCH = 2              # jobs sent to each worker ahead: the next one is there when one finishes
+POLL = 1.0                # seconds between looks at the shutdown flag while waiting on the workers
 
 
-def _run_ray(groups, model, identity, finished, summary, *, address, workers, threads, engine_options,
+def _running(inflight: dict) -> list:
+    """The refs of the groups the workers are running (or about to): an actor runs its tasks in the order they were
+    sent, so the oldest in flight on each actor; the others wait behind it."""
+    first: dict = {}
+    for ref, (group, slot, actor) in inflight.items():    # in the order they were sent
+        first.setdefault(id(actor), ref)
+    return list(first.values())
+
+
+def _cancel_queued(ray, inflight: dict) -> None:
+    """Cancel the groups sent ahead, waiting behind each worker's running one, so that they never start (Ray answers
+    TaskCancelledError for them once the running one is done). The running ones are left to finish: a running
+    actor task cannot be stopped, and a cancelled one may lose its result."""
+    running = set(_running(inflight))
+    for ref in list(inflight):
+        if ref not in running:
+            try:
+                ray.cancel(ref)
+            except Exception:  # noqa: BLE001 - already done, or a Ray without actor-task cancellation
+                pass
+
+
+def _run_ray(groups, model, identity, finished, summary, shutdown, *, address, workers, threads, engine_options,
              worker_cpus, worker_gpus, run_id) -> None:
     try:
         import ray
@@ -456,6 +590,7 @@ def _run_ray(groups, model, identity, finished, summary, *, address, workers, th
             ray.init(address=address, namespace=NAMESPACE, configure_logging=False, log_to_driver=False, **local)
         except ConnectionError as e:
             raise BatchError(f"--address {address}: cannot reach a Ray cluster there ({e})") from None
+        shutdown.install()      # ray.init set its own SIGTERM handler
     try:
         if workers is None:
             cpus = ray.cluster_resources().get("CPU", 1)
@@ -475,25 +610,39 @@ def _run_ray(groups, model, identity, finished, summary, *, address, workers, th
         slots.update({i: start(i, 0) for i in range(workers)})
         generations = {i: 0 for i in range(workers)}
         queue = collections.deque(groups)
-        inflight: dict = {}                     # ref -> (group, slot, actor)
+        inflight: dict = {}                     # ref -> (group, slot, actor), in the order they were sent
         load: dict[int, int] = {i: 0 for i in slots}
-        while queue or inflight:
-            for slot, actor in list(slots.items()):
-                while queue and load[slot] < PREFETCH:
-                    group = queue.popleft()
-                    inflight[actor.run.remote(group)] = (group, slot, actor)
-                    load[slot] += 1
+        cancelled = False
+        while (queue and not shutdown.requested) or inflight:
+            if not shutdown.requested:
+                for slot, actor in list(slots.items()):
+                    while queue and load[slot] < PREFETCH:
+                        group = queue.popleft()
+                        inflight[actor.run.remote(group)] = (group, slot, actor)
+                        load[slot] += 1
+            elif not cancelled:                 # a shutdown: nothing more is sent, and what waits is dropped
+                cancelled = True
+                _cancel_queued(ray, inflight)
             if not inflight:
+                if shutdown.requested:
+                    break
                 raise BatchError(f"every worker died; {sum(map(len, queue))} jobs were not run (run the command "
                                  "again to resume)")
-            ready, _ = ray.wait(list(inflight), num_returns=1)
+            if shutdown.expired():              # the grace is over: the actors are killed below, unwritten
+                summary.interrupted += sum(len(inflight[ref][0]) for ref in _running(inflight))
+                break
+            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=min(POLL, shutdown.remaining()))
             for ref in ready:
                 group, slot, actor = inflight.pop(ref)
                 if slots.get(slot) is actor:
                     load[slot] -= 1
                 try:
                     result = ray.get(ref)
+                except ray.exceptions.TaskCancelledError:
+                    continue                     # sent ahead, cancelled by a shutdown before it started
                 except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                    if shutdown.requested:
+                        continue                 # no replacement while stopping: it runs on resume
                     queue.appendleft(group)      # in flight on a worker that died: run it again
                     if slots.get(slot) is actor:
                         generations[slot] += 1
