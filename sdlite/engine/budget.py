@@ -33,7 +33,7 @@ from pathlib import Path
 
 MB = 1 << 20
 UNET_FIXED = 80 * MB          # workspaces (Winograd's, oneDNN's) and the small tensors of one UNet call
-VAE_FIXED = 80 * MB
+VAE_FIXED = 128 * MB
 TEXT_ACTIVATIONS = 64 * MB    # one text-encoder pass over a few 77-token chunks
 UNET_ROW_PIXEL_FLOATS = 47    # x C0: live floats a latent pixel of one UNet row needs at the call's peak
 DECODE_PIXEL_FLOATS = 9       # x the decoder's last width: live floats an image pixel needs in an untiled decode

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..engine import budget
-from ..pipeline import RequestError, validate
+from ..pipeline import MAX_STEPS, RequestError, validate
 from .jobs import Unavailable
 
 DEFAULT_MAX_PIXELS = 2048 * 2048
@@ -64,6 +64,8 @@ class Limits:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {value!r} is not valid: it must be a whole number of "
                                  "at least 1")
+        if self.max_steps > MAX_STEPS:
+            raise ValueError(f"--max-steps {self.max_steps} is not valid: the engine runs at most {MAX_STEPS} steps")
         for name in ("max_memory_mb", "memory_margin_mb"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
