@@ -532,7 +532,8 @@ def cmd_serve(args) -> int:
     try:
         limits = Limits(max_pixels=parse_size(args.max_pixels), max_steps=args.max_steps, max_images=args.max_images,
                         max_prompt_chars=args.max_prompt_chars, job_timeout=args.job_timeout,
-                        shutdown_grace=args.shutdown_grace)
+                        shutdown_grace=args.shutdown_grace, max_memory_mb=args.max_memory,
+                        memory_margin_mb=args.memory_margin)
     except ValueError as e:
         raise SDLiteError(str(e)) from None
     flags = {"listen": args.listen, "host": host, "port": args.port, "ckpt": args.model, "models_dir": args.models_dir,
@@ -563,10 +564,17 @@ def cmd_serve(args) -> int:
                             drain=lambda: jobs.drain(limits.shutdown_grace),
                             stop_now=lambda: (jobs.close(), jobs.interrupt("stop")))
     server.run()
-    return 0 if server.started else 1
+    status = 0 if server.started else 1
+    if jobs.worker_alive():
+        # a job still inside the engine (a shutdown at once, or one abandoned): the interpreter's own exit would
+        # abort on the thread inside torch, so the process ends here, its answers sent and its output flushed
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
 
 
-CONNECTIONS_WAIT_S = 3.0   # after the jobs are answered: how long a shutdown waits for open connections
+CONNECTIONS_WAIT_S = 1.0   # after the jobs are answered: how long a shutdown waits for open connections to close
 
 
 def graceful_server_class():
@@ -798,6 +806,11 @@ def build_parser() -> argparse.ArgumentParser:
     lim.add_argument("--job-timeout", metavar="S", type=float, default=0.0,
                      help="seconds a job may run; past it, it is interrupted and its client gets the partial image "
                           "with a warning (default 0: no limit)")
+    lim.add_argument("--max-memory", metavar="MB", type=int, default=0,
+                     help="the most memory the server may use; a job whose estimated peak does not fit in what is "
+                          "free now gets 503, one that never could 422 (default 0: the machine's or its cgroup's)")
+    lim.add_argument("--memory-margin", metavar="MB", type=int, default=0,
+                     help="memory kept free beside every job (default 0: 5%% of the memory, at least 256 MB)")
     lim.add_argument("--shutdown-grace", metavar="S", type=float, default=30.0,
                      help="on SIGTERM, seconds the running job has to finish before it is interrupted (default 30)")
     r = v.add_argument_group("on a Ray cluster (the ray extra; see docs/scaling.md)")

@@ -893,7 +893,6 @@ class _Recorded:
         return out
 
 
-@dataclass
 class _Pieces:
     """A denoiser over a batch of ``batch`` images run ``piece`` images at a time: each argument whose first
     dimension is the batch is cut along it (a (1, ...) tensor, broadcast to every image, is passed whole), and the
@@ -924,6 +923,7 @@ class _Pieces:
         return torch.cat(outs)
 
 
+@dataclass
 class _Blend:
     """A 4-channel UNet's inpainting (diffusers' StableDiffusionInpaintPipeline): after each step, the
     unmasked region is replaced by the source latents noised to the step's new level (the same noise as the

@@ -23,6 +23,7 @@ from sdlite.demo import model_path
 from sdlite.images import parse_infotext
 from sdlite.pipeline import Engine, Request
 from sdlite.server import create_app
+from sdlite.server.limits import Limits
 from tests import loopback
 
 PROMPT = "a red circle on a blue background"
@@ -37,7 +38,8 @@ INFO_KEYS = {"seed", "all_seeds", "subseed", "all_subseeds", "prompt", "all_prom
 
 @pytest.fixture(scope="module")
 def client():
-    with TestClient(create_app()) as c:
+    # long jobs (400 steps) for progress, interrupt and skip: over the default limit of 150 steps
+    with TestClient(create_app(limits=Limits(max_steps=1000))) as c:
         wait_for(lambda: c.get(f"{API}/progress").json()["state"]["job_count"] == 0, timeout=120)  # model loaded
         yield c
 
@@ -351,7 +353,7 @@ def test_progress_preview_interrupt_and_skip(client):
 
 
 def test_full_queue_gets_503_with_retry_after():
-    with TestClient(create_app(queue_size=1)) as c:
+    with TestClient(create_app(queue_size=1, limits=Limits(max_steps=1000))) as c:
         wait_for(lambda: c.get(f"{API}/progress").json()["state"]["job_count"] == 0, timeout=120)
         results = []
         running = threading.Thread(target=lambda: results.append(

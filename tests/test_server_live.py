@@ -81,7 +81,7 @@ def live(tmp_path_factory):
     log = tmp_path_factory.mktemp("log") / "server.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "sdlite", "serve", "--port", str(port), "--models-dir",
-                                 str(models)], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+                                 str(models), "--max-steps", "1000"], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
     server = Live(proc, port, log)
     try:
         wait_for(lambda: server.get("options").json()["sd_checkpoint_hash"], timeout=180, every=0.2)

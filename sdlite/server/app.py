@@ -16,8 +16,12 @@ import asyncio
 import base64
 import binascii
 import datetime
+import email.message
+import json
 import logging
+import math
 import os
+import re
 import secrets
 import threading
 from contextlib import asynccontextmanager
@@ -25,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Body, Depends, FastAPI, HTTPException, Query, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
@@ -37,7 +43,7 @@ from ..images import png_bytes
 from . import a1111
 from .checkpoints import Checkpoint, Checkpoints, Engines
 from .jobs import JobControl, Jobs, QueueFull, ShuttingDown, Unavailable  # noqa: F401 (re-exported)
-from .limits import Limits, check_size
+from .limits import Limits, admit, check_size
 
 log = logging.getLogger("sdlite.server")
 
@@ -236,7 +242,7 @@ class Server(ServerBase):
         await run_in_threadpool(self.jobs.stop, STOP_WAIT_S)
 
 
-STOP_WAIT_S = 2.0   # how long the app's shutdown waits for the queue's worker thread
+STOP_WAIT_S = 0.5   # how long the app's shutdown waits for the queue's worker thread (answered by then, or abandoned)
 
 
 def stop_warning(control, limits: Limits | None) -> str | None:
@@ -270,6 +276,7 @@ def run_plan(engines: Engines, checkpoint: Checkpoint, plan: a1111.Plan, control
             if request.init_image is None:
                 check_size(request.width or native, request.height or native, plan.limits,
                            "width x height (the model's native size where not given)")
+            admit(engine, request, plan.limits)   # 503 when it does not fit now, 422 when it never could
     results = []
     try:
         extra = _attach_refiner(engines, engine, checkpoint, plan, control)
@@ -355,10 +362,29 @@ def _install_error_handlers(app: FastAPI) -> None:
             return _error(500, type(e).__name__, f"the model cannot be loaded: {e}")
         return _error(422, type(e).__name__, str(e))
 
+    @app.exception_handler(MemoryError)   # an estimate that fell short: the job is lost, the server goes on
+    async def out_of_memory(request, e):
+        log.error("out of memory in %s %s", request.method, request.url.path)
+        return _error(503, "MemoryError", "the job ran out of memory; retry with a smaller size or batch",
+                      headers={"Retry-After": "10"})
+
     @app.exception_handler(Exception)
     async def unexpected(request, e: Exception):
         log.exception("error in %s %s", request.method, request.url.path)
         return _error(500, type(e).__name__, "internal error; the server log has the details", str(e))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request, e: RequestValidationError):
+        # FastAPI's own 422, with the inputs it echoes made writable: a body that is not read as JSON (text/plain,
+        # a form, no Content-Type) reaches the model as bytes, and bytes that are not UTF-8 made FastAPI's encoder
+        # fail (a 500); if anything else cannot be written, the answer leaves the inputs out
+        detail = jsonable_encoder(e.errors(), custom_encoder={bytes: lambda b: b.decode("utf-8", "backslashreplace")})
+        try:
+            return JSONResponse({"detail": detail}, status_code=422)
+        except (ValueError, UnicodeError):
+            bare = [{"type": d.get("type"), "loc": [ascii(x) if isinstance(x, str) else x for x in d.get("loc", ())],
+                     "msg": d.get("msg")} for d in detail]
+            return JSONResponse({"detail": bare}, status_code=422)
 
 
 class _BodyLimit:
@@ -390,6 +416,120 @@ class _BodyLimit:
         return await self.app(scope, limited, send)
 
 
+MAX_JSON_DEPTH = 100   # nesting levels a JSON body may have (A1111's requests, alwayson_scripts included, use < 10)
+
+
+class _NotStrictJSON(ValueError):
+    pass
+
+
+def _json_constant(name: str):
+    raise _NotStrictJSON(f"{name} is not a JSON value")
+
+
+def _json_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NotStrictJSON(f"the number {text[:40]}{'...' if len(text) > 40 else ''} is beyond the range of a double")
+    return value
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_LONE_SURROGATE = ("holds a lone UTF-16 surrogate (an escape \\ud800-\\udfff that is not part of a high-low pair), "
+                   "which is not a Unicode character")
+
+
+def _strict_json_problem(body: bytes, max_depth: int) -> tuple[list, str] | None:
+    """Where and why ``body``, JSON that Python's json module reads, is not strict JSON: ``(location, reason)``.
+    None when it is strict JSON, and when it is not JSON at all (FastAPI answers that itself)."""
+    try:
+        data = json.loads(body, parse_constant=_json_constant, parse_float=_json_float)
+    except _NotStrictJSON as e:
+        return [], str(e)
+    except RecursionError:
+        return [], f"the JSON is nested more than {max_depth} levels deep"
+    except ValueError:   # JSONDecodeError, UnicodeDecodeError, an integer of too many digits
+        return None
+    if isinstance(data, str) and not data.isascii() and _SURROGATE.search(data):
+        return [], f"the string {_LONE_SURROGATE}"
+    stack = [(data, (), 1)]   # iterative: the depth is what is checked
+    while stack:
+        value, where, depth = stack.pop()
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > max_depth:   # named by the top-level field that holds it
+            return list(where[:1]), f"the JSON is nested more than {max_depth} levels deep"
+        for key, item in (value.items() if isinstance(value, dict) else enumerate(value)):
+            if isinstance(key, str) and not key.isascii() and _SURROGATE.search(key):
+                return [*where, key.encode("utf-8", "backslashreplace").decode("ascii")], f"the key {_LONE_SURROGATE}"
+            if isinstance(item, str):
+                if not item.isascii() and _SURROGATE.search(item):
+                    return [*where, key], f"the string {_LONE_SURROGATE}"
+            elif isinstance(item, (dict, list)):
+                stack.append((item, (*where, key), depth + 1))
+    return None
+
+
+def _json_body(scope) -> bool:
+    """Whether FastAPI may read the request's body as JSON: a JSON media type, or none given."""
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            message = email.message.Message()
+            message["content-type"] = value.decode("latin-1")
+            subtype = message.get_content_subtype()
+            return message.get_content_maintype() == "application" and (subtype == "json"
+                                                                        or subtype.endswith("+json"))
+    return True
+
+
+class _StrictJSON:
+    """Answers 422 (FastAPI's ``json_invalid`` error) to a JSON body that Python's json module reads but JSON does
+    not allow, before any route sees it: NaN and Infinity, numbers beyond a double's range (1e400), strings with a
+    lone UTF-16 surrogate ("\\ud800"), and nesting deeper than ``max_depth``. Let through, such a value failed only
+    when the server wrote it back out (a response echoes the request's fields; /options keeps them): a 500 after the
+    work was done, and for /options on every later GET /options. The body is read here, under :class:`_BodyLimit`'s
+    cap, and handed on unchanged."""
+
+    def __init__(self, app, max_depth: int = MAX_JSON_DEPTH):
+        self.app, self.max_depth = app, max_depth
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH") or not _json_body(scope):
+            return await self.app(scope, receive, send)
+        chunks = []
+        while True:
+            try:
+                message = await receive()
+            except StarletteHTTPException as e:   # over the body cap (_BodyLimit)
+                response = _error(e.status_code, "HTTPException", e.detail, f"{e.status_code}: {e.detail}", e.headers)
+                return await response(scope, receive, send)
+            if message["type"] != "http.request":   # the client went away: there is no one to answer
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        if len(body) > 1 << 20:
+            problem = await run_in_threadpool(_strict_json_problem, body, self.max_depth)
+        else:
+            problem = _strict_json_problem(body, self.max_depth)
+        if problem is not None:
+            where, reason = problem
+            detail = [{"type": "json_invalid", "loc": ["body", *where], "msg": "JSON decode error", "input": {},
+                       "ctx": {"error": reason}}]
+            return await JSONResponse({"detail": detail}, status_code=422)(scope, receive, send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+
 def create_app(model=None, models_dir=None, api_auth: str | None = None, queue_size: int = 32, *,
                lora_dir=None, embeddings_dir=None, max_body_bytes: int = MAX_BODY_BYTES, preload: bool = True,
                engine_options: dict | None = None, flags: dict | None = None, limits: Limits | None = None) -> FastAPI:
@@ -419,6 +559,7 @@ def build_app(server: ServerBase) -> FastAPI:
     app = FastAPI(title="sdlite", version=__version__, lifespan=lifespan,
                   description="AUTOMATIC1111-compatible /sdapi/v1 API over sdlite")
     app.state.server = server
+    app.add_middleware(_StrictJSON)   # added first: inside _BodyLimit, which checks the size before it reads
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
     _install_error_handlers(app)
 

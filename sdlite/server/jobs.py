@@ -238,6 +238,10 @@ class Jobs:
             self._cv.notify_all()
         self._worker.join(timeout)
 
+    def worker_alive(self) -> bool:
+        """Whether the worker thread still runs (a job abandoned by a shutdown, still inside the engine)."""
+        return self._worker.is_alive()
+
     def drain(self, grace: float, answer_s: float = ANSWER_S) -> str:
         """A graceful shutdown's work: take no new jobs and answer the queued ones 503 (:meth:`close`); give the
         running job ``grace`` seconds to finish, then interrupt it (its client gets the partial image) and give it
