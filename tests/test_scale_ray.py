@@ -30,6 +30,7 @@ from sdlite.demo import model_path  # noqa: E402
 from sdlite.pipeline import Engine, Request  # noqa: E402
 from sdlite.scale import loopback_only  # noqa: E402
 from sdlite.scale.ray_serve import ClusterConfig, application, jobs_actor, shutdown  # noqa: E402
+from sdlite.server.limits import Limits  # noqa: E402
 from tests import loopback  # noqa: E402
 from tests.loopback import free_port  # noqa: E402
 
@@ -67,7 +68,8 @@ def cluster():
     loopback_only()   # every Ray address on 127.0.0.1, no usage reports: nothing leaves this machine
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
              log_to_driver=False)
-    config = ClusterConfig(replicas=2, threads=1, queue_size=10, app_name="sdlite-test")
+    # 1000-step jobs (interrupt, previews): over the default limit of 150 steps
+    config = ClusterConfig(replicas=2, threads=1, queue_size=10, app_name="sdlite-test", limits=Limits(max_steps=1000))
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
