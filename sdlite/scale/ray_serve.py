@@ -25,6 +25,12 @@ Where things live::
   answers once one replica has loaded it.
 * **A replica that dies** is restarted by Ray Serve; its in-flight request is sent once more to another replica
   (same seeds, so the same pixels), and if that fails too the client gets a ``503`` saying so.
+* **Limits** (``ClusterConfig.limits``): the ingress checks each request's; a replica interrupts a job that runs
+  past ``job_timeout`` (its client gets the partial image, with a warning), as the single-machine server does.
+* **Shutdown** (:func:`drain`, what ``sdlite serve --ray`` does on SIGTERM): :meth:`ClusterJobs.close` refuses new
+  jobs and drops the waiting ones (the ingress answers their clients ``503`` with ``Retry-After``), the running jobs
+  get the grace, then are interrupted (their clients get the partial images), and a job that still does not stop
+  is abandoned (its client gets a ``503``); then the application is deleted.
 
 The model path must be readable at the same path on every node (a shared folder, or the same copy).
 """
@@ -37,6 +43,8 @@ import itertools
 import logging
 import math
 import os
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,13 +55,15 @@ from ray import serve
 from ..server import a1111
 from ..server.app import ServerBase, build_app, run_plan
 from ..server.checkpoints import Checkpoint, Checkpoints, Engines
-from ..server.jobs import PREVIEW_WANTED_S, QueueFull, Unavailable, _State, progress_body
+from ..server.jobs import PREVIEW_WANTED_S, QueueFull, ShuttingDown, Unavailable, _State, progress_body
 from ..server.limits import Limits
 
 log = logging.getLogger("sdlite.scale")
 
 NAMESPACE = "sdlite"
-DISCONNECT_POLL_S = 0.5
+SHUTDOWN_CHECK_S = 0.2    # a replica being stopped checks this often whether its requests are done
+DISCONNECT_POLL_S = 0.5   # how often the ingress checks, for each request, whether its client left or a shutdown
+                          # refused its job
 # what a replica that died mid-request raises at the ingress
 _REPLICA_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
@@ -130,6 +140,8 @@ class _ClusterJob:
     interrupted: bool = False
     skipped: bool = False
     preview_key: int = 0
+    stop_reason: str | None = None    # why it was interrupted: None (/interrupt, its client gone), "timeout",
+                                      # "shutdown" (after the grace), "stop" (a shutdown at once)
 
 
 class ClusterJobs:
@@ -146,6 +158,9 @@ class ClusterJobs:
         self.mean_job_s = 5.0
         self.last = _State()
         self.requeued = 0                                # jobs sent again after their replica died
+        self.closed = False                              # shutting down: no new jobs
+        self.refused: dict[int, str] = {}                # job id -> "dropped" (it waited) or "abandoned" (it ran
+                                                         # past the grace and the interrupt), by a shutdown
 
     # replicas
     def register(self, replica: str, handle) -> None:
@@ -167,8 +182,10 @@ class ClusterJobs:
 
     # the ingress
     def admit(self, label: str) -> tuple:
-        """("ok", job id), or ("full", waiting, retry_after) when queue_size jobs already wait behind the running
-        ones (one per replica alive)."""
+        """("ok", job id), ("full", waiting, retry_after) when queue_size jobs already wait behind the running
+        ones (one per replica alive), or ("closed",) once a shutdown began."""
+        if self.closed:
+            return ("closed",)
         capacity = self.queue_size + max(len(self.replicas), 1)
         if len(self.jobs) >= capacity:
             waiting = sum(1 for j in self.jobs.values() if j.replica is None)
@@ -219,6 +236,52 @@ class ClusterJobs:
         if job is not None:
             job.interrupted = job.state.interrupted = True
 
+    def stop_job(self, job_id: int, reason: str) -> None:
+        """Interrupt one job for ``reason`` (a replica's job past the time limit: "timeout")."""
+        job = self.jobs.get(job_id)
+        if job is not None:
+            self._stop(job, reason)
+
+    @staticmethod
+    def _stop(job: _ClusterJob, reason: str | None) -> None:
+        if not job.interrupted:   # the first reason stays: a client's /interrupt is not reported as a shutdown
+            job.stop_reason = reason
+        job.interrupted = job.state.interrupted = True
+
+    # a shutdown
+    def close(self) -> tuple[int, int]:
+        """Take no new jobs (admit answers "closed") and drop the waiting ones (the ingress answers their clients
+        503, see :meth:`refusals`). Returns (jobs dropped, jobs running)."""
+        self.closed = True
+        waiting = [i for i, j in self.jobs.items() if j.replica is None]
+        for job_id in waiting:
+            del self.jobs[job_id]
+            self.refused[job_id] = "dropped"
+        return len(waiting), len(self.jobs)
+
+    def interrupt_all(self, reason: str | None) -> int:
+        """Interrupt every job for ``reason`` ("shutdown", "stop"); returns how many there were."""
+        for job in self.jobs.values():
+            self._stop(job, reason)
+        return len(self.jobs)
+
+    def abandon(self) -> int:
+        """The jobs still running after the grace and the interrupt: forgotten here, and their clients answered
+        503 by the ingress. Returns how many."""
+        n = len(self.jobs)
+        for job_id in list(self.jobs):
+            del self.jobs[job_id]
+            self.refused[job_id] = "abandoned"
+        return n
+
+    def pending(self) -> int:
+        """Jobs admitted and not finished (waiting or running)."""
+        return len(self.jobs)
+
+    def refusals(self) -> dict[int, str]:
+        """The jobs a shutdown refused: job id -> "dropped" or "abandoned" (empty while no shutdown began)."""
+        return dict(self.refused)
+
     def skip(self) -> None:
         job = self._oldest_running()
         if job is not None:
@@ -244,11 +307,12 @@ class ClusterJobs:
         return body, image, (id(job), job.preview_key) if job is not None and image is not None else None
 
     # replicas reporting
-    def _flags(self, job: _ClusterJob | None) -> tuple[bool, bool, bool]:
-        if job is None:      # dropped meanwhile: stop
-            return True, False, False
+    def _flags(self, job: _ClusterJob | None) -> tuple[bool, bool, bool, str | None]:
+        """What a replica's report is answered: (interrupted, skipped, previews wanted, stop reason)."""
+        if job is None:      # dropped meanwhile (its client went away, or a shutdown abandoned it): stop
+            return True, False, False, None
         wanted = time.monotonic() - self.preview_wanted < PREVIEW_WANTED_S
-        return job.interrupted, job.skipped, wanted
+        return job.interrupted, job.skipped, wanted, job.stop_reason
 
     def start(self, job_id: int, replica: str) -> tuple | None:
         job = self.jobs.get(job_id)
@@ -314,14 +378,22 @@ class RemoteControl:
     job's interrupt / skip flags and whether a client wants previews; the newest reply that has arrived is used,
     so an interrupt takes effect a step or two after it is asked for, and sampling never waits on the actor. Steps
     are reported at most every REPORT_EVERY_S: a small model's steps take milliseconds, and a report each would
-    cost more than the step."""
+    cost more than the step.
 
-    def __init__(self, jobs, job_id: int, flags: tuple, preview: tuple[bool, int]):
+    ``job_timeout`` (seconds; 0: none) is the server's job time limit, counted from when the replica took the job:
+    past it the job is interrupted here at once (and in the ClusterJobs actor, for /progress), and
+    :attr:`stop_reason` says ``"timeout"``, so that run_plan adds the warning."""
+
+    def __init__(self, jobs, job_id: int, flags: tuple, preview: tuple[bool, int], job_timeout: float = 0.0):
         self._jobs, self._id = jobs, job_id
-        self._interrupted, self._skipped, self._wanted = flags
+        self._interrupted = self._skipped = self._wanted = False
+        self._stop_reason: str | None = None
+        self._apply(flags)
         self._preview_enabled, self._preview_every = preview
         self._pending: list = []
         self._sent = -math.inf
+        self._timeout = job_timeout
+        self._started = time.monotonic()
 
     def _send(self, ref) -> None:
         self._pending.append(ref)
@@ -338,14 +410,27 @@ class RemoteControl:
             self._pending = [r for r in self._pending[newest + 1:] if r not in ready_set]
 
     def _apply(self, flags) -> None:
-        interrupted, skipped, self._wanted = flags
-        self._interrupted = self._interrupted or interrupted
+        interrupted, skipped, self._wanted, reason = flags
+        if interrupted and not self._interrupted:
+            self._interrupted, self._stop_reason = True, reason
         self._skipped = skipped
+
+    def _check_time(self) -> None:
+        if self._timeout and not self._interrupted and time.monotonic() - self._started > self._timeout:
+            self._interrupted, self._stop_reason = True, "timeout"
+            self._jobs.stop_job.remote(self._id, "timeout")
 
     @property
     def interrupted(self) -> bool:
         self._poll()
+        self._check_time()
         return self._interrupted
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the job was interrupted: None (a client's /interrupt, or the client went away), ``"timeout"``,
+        ``"shutdown"`` (after the grace) or ``"stop"`` (a shutdown at once)."""
+        return self._stop_reason if self._interrupted else None
 
     def begin(self, job_count: int, textinfo: str | None = None) -> None:
         self._jobs.begin.remote(self._id, job_count, textinfo)
@@ -366,6 +451,7 @@ class RemoteControl:
             self._send(self._jobs.step.remote(self._id, step, total))
         else:
             self._poll()
+        self._check_time()
         if (self._interrupted or self._skipped) and step < total:
             raise StopSampling()
 
@@ -401,7 +487,9 @@ class Generator:
         flags = await self.jobs.start.remote(job_id, self.replica_id)
         if flags is None:      # the client went away while the job waited
             return None
-        control = RemoteControl(self.jobs, job_id, flags, work["preview"])
+        limits = work["plan"].limits   # the ingress's: ClusterConfig.limits
+        control = RemoteControl(self.jobs, job_id, flags, work["preview"],
+                                job_timeout=limits.job_timeout if limits is not None else 0.0)
         return await asyncio.to_thread(self._run, work, control)
 
     def _run(self, work: dict, control: RemoteControl) -> a1111.Outcome:
@@ -429,6 +517,8 @@ class ClusterServer(ServerBase):
         self.jobs = _jobs_actor(config)
         self._widths: dict = {}
         self._preview: tuple[Any, Any] = (None, None)
+        self._refusals_query: asyncio.Future | None = None
+        self._refusals_asked = -math.inf
 
     def _work(self, plan: a1111.Plan, checkpoint: Checkpoint) -> dict:
         options = self.options_snapshot()
@@ -438,6 +528,8 @@ class ClusterServer(ServerBase):
     async def generate(self, plan: a1111.Plan, request) -> a1111.Outcome | None:
         checkpoint = self.checkpoints.current if plan.checkpoint is None else self.find_checkpoint(plan.checkpoint)
         admitted = await self.jobs.admit.remote(plan.kind)
+        if admitted[0] == "closed":
+            raise ShuttingDown()
         if admitted[0] == "full":
             raise QueueFull(admitted[1], admitted[2])
         job_id = admitted[1]
@@ -473,20 +565,52 @@ class ClusterServer(ServerBase):
             return await response
 
         task = asyncio.ensure_future(result())
+        # a response cancelled below (a client gone, a job refused) raises in the task, which nobody reads then
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
                 if done:
-                    return task.result()
+                    outcome = task.result()
+                    if outcome is None:   # the replica found the job gone: its client left, or a shutdown dropped it
+                        self._raise_refused(job_id, await self._ask_refusals())
+                    return outcome
                 if await request.is_disconnected():
                     running = await self.jobs.cancel.remote(job_id)
                     if not running:
                         response.cancel()
                     log.info("client went away: job %d %s", job_id, "interrupted" if running else "dropped")
                     return None
+                refusals = await self._refusals()
+                if job_id in refusals:
+                    response.cancel()
+                    self._raise_refused(job_id, refusals)
         except asyncio.CancelledError:
             self.jobs.cancel.remote(job_id)
             raise
+
+    @staticmethod
+    def _raise_refused(job_id: int, refusals: dict) -> None:
+        how = refusals.get(job_id)
+        if how is not None:
+            log.info("shutting down: job %d %s, its client is answered 503", job_id, how)
+            raise ShuttingDown(running=how == "abandoned")
+
+    async def _refusals(self) -> dict[int, str]:
+        """The jobs a shutdown refused (:meth:`ClusterJobs.refusals`), asked of the actor at most every half
+        DISCONNECT_POLL_S however many requests wait, and answered from that."""
+        query = self._refusals_query
+        if query is None or (query.done() and time.monotonic() - self._refusals_asked >= DISCONNECT_POLL_S / 2):
+            self._refusals_asked = time.monotonic()
+            self._refusals_query = query = asyncio.ensure_future(self._ask_refusals())
+        return await asyncio.shield(query)
+
+    async def _ask_refusals(self) -> dict[int, str]:
+        try:
+            return await self.jobs.refusals.remote()
+        except Exception as e:  # noqa: BLE001 - the actor is gone (the application is being deleted)
+            log.debug("no refusals known: %s", e)
+            return {}
 
     async def progress(self, want_image: bool) -> tuple[dict, Any]:
         body, image, key = await self.jobs.progress.remote(want_image)
@@ -548,7 +672,10 @@ def application(config: ClusterConfig) -> "serve.Application":
     config.check()
     model_path = str(Checkpoints(config.model, config.models_dir).current.path) if (config.model or config.models_dir) \
         else _demo_path()
+    # graceful_shutdown_wait_loop_s: how often a replica being stopped checks for requests still running (Serve's
+    # default, 2 s, made deleting the application take 3 s instead of 1)
     options: dict = dict(name="Generator", max_ongoing_requests=1, graceful_shutdown_timeout_s=60,
+                         graceful_shutdown_wait_loop_s=SHUTDOWN_CHECK_S,
                          ray_actor_options={"num_cpus": config.replica_cpus, "num_gpus": config.replica_gpus})
     if config.autoscale is not None:
         low, high = config.autoscale
@@ -559,6 +686,7 @@ def application(config: ClusterConfig) -> "serve.Application":
     generator = serve.deployment(Generator, **options).bind(config, model_path)
     ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress", num_replicas=1,
                                max_ongoing_requests=config.queue_size + 1000,
+                               graceful_shutdown_wait_loop_s=SHUTDOWN_CHECK_S,
                                ray_actor_options={"num_cpus": 0})
     return ingress.bind(generator, config)
 
@@ -585,13 +713,128 @@ def shutdown(config: ClusterConfig) -> None:
             pass
 
 
+# --- stopping ------------------------------------------------------------------------------------------------------
+
+# SIGTERM: the process ends within --shutdown-grace + EXIT_SLACK_S whatever is still running (a watchdog), so
+# within the grace + 5 s. Of the slack, ANSWER_S is for the interrupted jobs to return their partial images (a step,
+# then the VAE decode); the rest is for the ingress to answer and for the application and Ray to be shut down, which
+# the watchdog cuts short when they are slow (a busy machine): the answers come first.
+EXIT_SLACK_S = 4.5
+ANSWER_S = 3.0
+EXIT_AT_ONCE_S = 2.0    # SIGINT / a second SIGTERM: the process ends within this
+_POLL_S = 0.05
+
+DRAIN_OUTCOMES = {"done": "no job was running, or the running jobs finished within the grace",
+                  "interrupted": "the running jobs were interrupted after the grace; their clients got the partial "
+                                 "images",
+                  "abandoned": "a job did not stop in time after the interrupt; its client got a 503"}
+
+
+def _wait_until_done(jobs, seconds: float) -> bool:
+    """Wait (at most ``seconds``) until the ClusterJobs actor ``jobs`` holds no job; False when time ran out."""
+    deadline = time.monotonic() + seconds
+    while True:
+        left = deadline - time.monotonic()
+        if ray.get(jobs.pending.remote(), timeout=max(left, _POLL_S) + 1.0) == 0:
+            return True
+        if left <= 0:
+            return False
+        time.sleep(min(_POLL_S, left))
+
+
+def drain(config: ClusterConfig, grace: float, answer_s: float = ANSWER_S) -> str:
+    """A graceful shutdown's work on the running application's jobs: take no new jobs and drop the waiting ones
+    (the ingress answers both 503 with ``Retry-After``); give the running jobs ``grace`` seconds to finish, then
+    interrupt them (reason ``"shutdown"``: their clients get the partial images, with a warning) and give them
+    ``answer_s`` seconds to return; a job still running then is abandoned (its client gets a 503 within
+    DISCONNECT_POLL_S). Returns ``"done"``, ``"interrupted"`` or ``"abandoned"`` (:data:`DRAIN_OUTCOMES`). The
+    answers are on their way, not necessarily sent: deleting the application (:func:`shutdown`) waits for them."""
+    jobs = jobs_actor(config)
+    dropped, running = ray.get(jobs.close.remote())
+    log.info("shutting down: %d waiting jobs dropped, %d running", dropped, running)
+    if _wait_until_done(jobs, grace):
+        return "done"
+    ray.get(jobs.interrupt_all.remote("shutdown"))
+    if _wait_until_done(jobs, answer_s):
+        return "interrupted"
+    ray.get(jobs.abandon.remote())
+    return "abandoned"
+
+
+def _exit_now(message: str | None = None) -> None:
+    """End the process with status 0 now (the threads and the interpreter's teardown are not waited for)."""
+    if message:
+        print(f"sdlite: {message}", file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(0)
+
+
+def _exit_after(seconds: float, message: str) -> None:
+    time.sleep(seconds)
+    _exit_now(message)
+
+
+def _stop_at_once(config: ClusterConfig, own: bool) -> None:
+    """SIGINT or a second SIGTERM: waiting jobs get 503, running ones are interrupted (reason ``"stop"``), and the
+    process exits within EXIT_AT_ONCE_S (status 0), whatever is still running; answers that are ready by then are
+    sent. A Ray instance of our own ends with the process; on a cluster the application is deleted."""
+    threading.Thread(target=_exit_after, daemon=True, args=(EXIT_AT_ONCE_S, "exiting now")).start()
+    print("sdlite: stopping at once: waiting jobs are answered 503, running ones interrupted", file=sys.stderr)
+    try:
+        jobs = jobs_actor(config)
+        ray.get([jobs.close.remote(), jobs.interrupt_all.remote("stop")], timeout=EXIT_AT_ONCE_S / 4)
+        _wait_until_done(jobs, EXIT_AT_ONCE_S / 4)
+        time.sleep(DISCONNECT_POLL_S)    # the ingress answers the dropped jobs at its next poll
+        if not own:
+            serve.delete(config.app_name, _blocking=False)
+            ray.kill(jobs)
+    except Exception as e:  # noqa: BLE001 - stopping at once: whatever failed, the process ends
+        log.debug("stopping at once: %s", e)
+    finally:
+        _exit_now()
+
+
+class _Signals:
+    """``sdlite serve --ray``'s SIGTERM and SIGINT: the first SIGTERM sets :attr:`requested` (serve_cli then
+    drains) and starts a watchdog that ends the process ``grace + EXIT_SLACK_S`` seconds later in any case; SIGINT,
+    or a second SIGTERM, stops at once (:func:`_stop_at_once`). Both exit with status 0."""
+
+    def __init__(self, config: ClusterConfig, own: bool):
+        import signal
+
+        self.config, self.own = config, own
+        self.requested = threading.Event()
+        self.draining = self.at_once = False
+        self._sigterm = signal.SIGTERM
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self.handle)
+
+    def handle(self, sig, frame) -> None:
+        if sig == self._sigterm and not (self.draining or self.at_once):
+            self.draining = True
+            deadline = self.config.limits.shutdown_grace + EXIT_SLACK_S
+            threading.Thread(target=_exit_after, daemon=True, args=(
+                deadline, f"the shutdown took {deadline:g} s (--shutdown-grace + {EXIT_SLACK_S:g}): exiting now")
+            ).start()
+            self.requested.set()
+            return
+        if not self.at_once:
+            self.at_once = True
+            self.requested.set()
+            threading.Thread(target=_stop_at_once, args=(self.config, self.own), daemon=True).start()
+
+
 def serve_cli(args, host: str, flags: dict, limits: Limits | None = None) -> int:
     """``sdlite serve --ray``: deploy on the cluster at ``args.address`` (or a Ray instance started here) and serve
-    HTTP on ``host:args.port`` until SIGINT / SIGTERM, then delete the application."""
-    import signal
-    import sys
-    import threading
-
+    HTTP on ``host:args.port``. SIGTERM: no new jobs, waiting ones answered 503, the running ones get
+    ``--shutdown-grace`` and are then interrupted (:func:`drain`), the application is deleted and Ray shut down, and
+    the process ends with status 0 within the grace + EXIT_SLACK_S: it ends itself (``os._exit``) once Ray is down,
+    as the interpreter's own teardown after Ray's takes most of a second more, during which no watchdog can act.
+    SIGINT or a second SIGTERM: the same at once (:func:`_stop_at_once`)."""
     from ..errors import SDLiteError
 
     try:
@@ -621,24 +864,47 @@ def serve_cli(args, host: str, flags: dict, limits: Limits | None = None) -> int
                  **({"include_dashboard": False, "_node_ip_address": "127.0.0.1"} if own else {}))
     except ConnectionError as e:
         raise SDLiteError(f"--address {args.address}: cannot reach a Ray cluster there ({e})") from None
+    # after ray.init, which sets a SIGTERM handler of its own; a SIGTERM while the application deploys is answered
+    # once it is deployed (there is no job to wait for then)
+    signals = _Signals(config, own)
+    drained = False
     try:
+        if not own:   # a job table left by an earlier run that did not end cleanly would refuse every job
+            try:
+                ray.kill(jobs_actor(config))
+            except ValueError:
+                pass
         serve.start(http_options={"host": host, "port": args.port})
         try:
             app = application(config)
         except FileNotFoundError as e:
             raise SDLiteError(str(e)) from None
         serve.run(app, name=config.app_name, route_prefix="/", blocking=False)
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
         replicas = f"{autoscale[0]}..{autoscale[1]} (autoscaled)" if autoscale else str(config.replicas)
         print(f"sdlite: serving the A1111 API on http://{host}:{args.port}/sdapi/v1 with Ray Serve, {replicas} "
-              "replica(s); Ctrl-C stops it", file=sys.stderr)
-        stop.wait()
+              f"replica(s); {config.limits.describe()}; Ctrl-C stops it", file=sys.stderr)
+        signals.requested.wait()
+        outcome = None
+        if not signals.at_once:
+            grace = config.limits.shutdown_grace
+            print(f"sdlite: SIGTERM: no new jobs, waiting ones are answered 503; the running jobs get {grace:g} s "
+                  "(--shutdown-grace)", file=sys.stderr)
+            try:
+                outcome = drain(config, grace)
+            except Exception:
+                if not signals.at_once:
+                    raise
+        if signals.at_once:   # SIGINT, or a second SIGTERM during the drain: _stop_at_once ends the process
+            threading.Event().wait()
+        print(f"sdlite: shutting down: {DRAIN_OUTCOMES[outcome]}; stopping", file=sys.stderr)
+        drained = True
         return 0
     finally:
-        try:
-            shutdown(config)
-        finally:
-            if own:
-                ray.shutdown()
+        if not signals.at_once:
+            try:
+                shutdown(config)   # the ingress's requests still being answered are waited for
+            finally:
+                if own:
+                    ray.shutdown()
+                if drained and not signals.at_once:
+                    _exit_now()
