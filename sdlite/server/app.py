@@ -249,7 +249,8 @@ def stop_warning(control, limits: Limits | None) -> str | None:
     """The warning a job interrupted by the server itself carries: past ``--job-timeout``, or by a shutdown."""
     reason = getattr(control, "stop_reason", None)
     if reason == "timeout":
-        return (f"the job ran past this server's time limit of {limits.job_timeout:g} s (--job-timeout) and was "
+        limit = f" of {limits.job_timeout:g} s" if limits is not None else ""
+        return (f"the job ran past this server's time limit{limit} (--job-timeout) and was "
                 "interrupted: the images are those of the step it had reached")
     if reason == "shutdown":
         grace = f" after its grace of {limits.shutdown_grace:g} s (--shutdown-grace)" if limits else ""
