@@ -58,6 +58,20 @@ class Running:
         thread.start()
         self.threads.append(thread)
 
+    def start_long(self, seed: int) -> None:
+        """A long job, running (past its first step) when this returns."""
+        self.send("running", {**LONG, "seed": seed})
+        wait_for(lambda: self.state()["sampling_step"] > 0, timeout=START_S, every=0.05)
+
+    def signal_and_wait(self, sig, timeout: float) -> tuple[int, float]:
+        """Send ``sig``; (exit status, seconds from the signal to the exit); the clients are joined after."""
+        t0 = time.monotonic()
+        self.proc.send_signal(sig)
+        code = self.proc.wait(timeout)
+        seconds = time.monotonic() - t0
+        self.join()
+        return code, seconds
+
     def join(self):
         for thread in self.threads:
             thread.join(START_S)
@@ -79,18 +93,14 @@ def server(tmp_path):
 
 
 def test_sigterm_interrupts_the_running_job_after_the_grace_and_exits_0(server):
-    server.send("running", {**LONG, "seed": 1})
-    wait_for(lambda: server.state()["sampling_step"] > 0, timeout=START_S, every=0.05)
+    server.start_long(1)
     server.send("queued-1", {**LONG, "seed": 2})
     server.send("queued-2", {**LONG, "seed": 3})
     # both queued behind the running job before the signal
     wait_for(lambda: "2 jobs waiting" in (requests.get(f"{server.api}/progress", timeout=30).json()["textinfo"] or ""),
              timeout=60, every=0.05)
-    t0 = time.monotonic()
-    server.proc.send_signal(signal.SIGTERM)
-    code = server.proc.wait(GRACE_S + 5 + 30)   # waited on generously; the bound the issue sets is checked below
-    seconds = time.monotonic() - t0
-    server.join()
+    # waited on generously; the bound the issue sets is checked below
+    code, seconds = server.signal_and_wait(signal.SIGTERM, GRACE_S + 5 + 30)
     print(f"\nSIGTERM -> exit {code} in {seconds:.2f} s (grace {GRACE_S} s)")
     assert code == 0, server.log.read_text()[-2000:]
     assert seconds <= GRACE_S + 5, seconds
@@ -108,13 +118,8 @@ def test_sigterm_interrupts_the_running_job_after_the_grace_and_exits_0(server):
 
 
 def test_sigint_exits_at_once(server):
-    server.send("running", {**LONG, "seed": 4})
-    wait_for(lambda: server.state()["sampling_step"] > 0, timeout=START_S, every=0.05)
-    t0 = time.monotonic()
-    server.proc.send_signal(signal.SIGINT)
-    code = server.proc.wait(30)
-    seconds = time.monotonic() - t0
-    server.join()
+    server.start_long(4)
+    code, seconds = server.signal_and_wait(signal.SIGINT, 30)
     print(f"\nSIGINT -> exit {code} in {seconds:.2f} s")
     assert code == 0 and seconds < GRACE_S + 3, (code, seconds)
     # the running client was answered, or its connection closed: it is not left hanging
@@ -126,16 +131,11 @@ def test_a_second_sigterm_exits_at_once(tmp_path):
     s = Running(tmp_path, "--shutdown-grace", "600")
     try:
         s.ready()
-        s.send("running", {**LONG, "seed": 5})
-        wait_for(lambda: s.state()["sampling_step"] > 0, timeout=START_S, every=0.05)
+        s.start_long(5)
         s.proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         assert s.proc.poll() is None   # draining: the grace is 600 s
-        t0 = time.monotonic()
-        s.proc.send_signal(signal.SIGTERM)
-        code = s.proc.wait(30)
-        seconds = time.monotonic() - t0
-        s.join()
+        code, seconds = s.signal_and_wait(signal.SIGTERM, 30)
         print(f"\nsecond SIGTERM -> exit {code} in {seconds:.2f} s")
         assert code == 0 and seconds < 5, (code, seconds)
     finally:

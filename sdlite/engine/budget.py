@@ -87,23 +87,33 @@ def _to_load(engine, name: str) -> int:
     return size
 
 
+def _unet_rows_bytes(engine, rows: int, latent_pixels: int) -> int:
+    """The activations of ``rows`` UNet rows over ``latent_pixels`` latent pixels (what grows with the batch)."""
+    return rows * latent_pixels * UNET_ROW_PIXEL_FLOATS * engine.spec.unet.block_channels[0] * 4
+
+
 def unet_call_bytes(engine, rows: int, latent_pixels: int) -> int:
-    c0 = engine.spec.unet.block_channels[0]
-    return UNET_FIXED + int(0.05 * _weights_bytes(engine, "unet")) + rows * latent_pixels * UNET_ROW_PIXEL_FLOATS * c0 * 4
+    return UNET_FIXED + int(0.05 * _weights_bytes(engine, "unet")) + _unet_rows_bytes(engine, rows, latent_pixels)
+
+
+def _vae_image_bytes(engine, height: int, width: int, tile: int) -> int:
+    """The activations one image of ``height`` x ``width`` pixels adds to a decode (or encode) tiled in tiles of
+    ``tile`` latent pixels (0: untiled)."""
+    vae = engine.spec.vae
+    channels = vae.block_channels
+    scale = vae.downscale
+    if not tile or (height <= tile * scale and width <= tile * scale):
+        return height * width * DECODE_PIXEL_FLOATS * channels[0] * 4
+    one_tile = min(height, tile * scale) * min(width, tile * scale) * DECODE_PIXEL_FLOATS * channels[0] * 4
+    full = TILED_FULL_RES_FLOATS * channels[min(1, len(channels) - 1)] * height * width * 4
+    return int(one_tile + full)
 
 
 def vae_call_bytes(engine, images: int, height: int, width: int, tile: int) -> int:
     """A decode (or encode) of ``images`` images of ``height`` x ``width`` pixels, tiled in tiles of ``tile`` latent
     pixels (0: untiled)."""
-    vae = engine.spec.vae
-    channels = vae.block_channels
     fixed = VAE_FIXED + int(0.2 * _weights_bytes(engine, "vae"))
-    scale = vae.downscale
-    if not tile or (height <= tile * scale and width <= tile * scale):
-        return fixed + images * height * width * DECODE_PIXEL_FLOATS * channels[0] * 4
-    one_tile = min(height, tile * scale) * min(width, tile * scale) * DECODE_PIXEL_FLOATS * channels[0] * 4
-    full = TILED_FULL_RES_FLOATS * channels[min(1, len(channels) - 1)] * height * width * 4
-    return fixed + images * int(one_tile + full)
+    return fixed + images * _vae_image_bytes(engine, height, width, tile)
 
 
 def pieces(engine, request) -> tuple[int, int]:
@@ -114,13 +124,10 @@ def pieces(engine, request) -> tuple[int, int]:
     decode_cap = getattr(engine, "decode_piece_bytes", None) or DECODE_PIECE_BYTES.get(kind, DECODE_PIECE_BYTES["cpu"])
     scale = engine.spec.vae.downscale
     latent_pixels = (request.height // scale) * (request.width // scale)
-    c0 = engine.spec.unet.block_channels[0]
-    rows = 2 if request.cfg_scale > 1.0 else 1
-    per_image = rows * latent_pixels * UNET_ROW_PIXEL_FLOATS * c0 * 4
+    per_image = _unet_rows_bytes(engine, 2 if request.cfg_scale > 1.0 else 1, latent_pixels)
     unet_piece = max(1, min(request.batch_size, unet_cap // max(per_image, 1)))
     tile = engine.decode_tile(request.height // scale, request.width // scale)
-    one = vae_call_bytes(engine, 1, request.height, request.width, tile) - VAE_FIXED \
-        - int(0.2 * _weights_bytes(engine, "vae"))
+    one = _vae_image_bytes(engine, request.height, request.width, tile)
     decode_piece = max(1, min(request.batch_size, decode_cap // max(one, 1)))
     return int(unet_piece), int(decode_piece)
 

@@ -165,9 +165,9 @@ def admit(engine, request, limits: Limits, memory: "budget.Memory | None" = None
         cap = limits.max_memory_mb * mb
         total, available = min(total, cap), min(available, max(cap - rss, 0))
     margin = limits.memory_margin_mb * mb if limits.memory_margin_mb else max(256 * mb, total // 20)
-    estimate = budget.estimate(engine, _sized(engine, request))
-    need = estimate.peak
     r = _sized(engine, request)
+    estimate = budget.estimate(engine, r)
+    need = estimate.peak
     what = (f"{r.width}x{r.height}, batch {r.batch_size}" + (f" (in pieces of {estimate.unet_piece})"
                                                              if estimate.unet_piece < r.batch_size else ""))
     flag = " (--max-memory)" if limits.max_memory_mb else ""
