@@ -50,8 +50,9 @@ def server(tmp_path_factory):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
            "OMP_NUM_THREADS": "1"}
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "sdlite", "serve", "--host", "127.0.0.1", "--port", str(port)],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
+        # --max-steps: the interrupt test runs 1000 steps, over the server's default limit of 150
+        proc = subprocess.Popen([sys.executable, "-m", "sdlite", "serve", "--host", "127.0.0.1", "--port", str(port),
+                                 "--max-steps", "1000"], stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + 120
         while True:
