@@ -116,8 +116,9 @@ def cmd_info(args) -> int:
 
     if getattr(args, "system", False):
         from .engine.cpu import system_report
+        from .engine.precision import precision_report
 
-        print("\n".join(system_report()))
+        print("\n".join(system_report() + precision_report()))
         if args.path is None:
             return 0
         print()
@@ -361,7 +362,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from .engine.memory import check_memory_mode
-    from .engine.quant import check_quantize_supported
+    from .engine.precision import choose_precision
     from .images import FORMATS, check_writable, infotext, model_hash, output_paths, save_image
     from .sampling.samplers import img2img_start
 
@@ -371,6 +372,7 @@ def cmd_generate(args) -> int:
         raise RequestError("--refiner-switch needs a refiner: add --refiner PATH")
     if args.refiner is not None and not Path(args.refiner).exists():
         raise RequestError(f"--refiner {args.refiner}: no such file or folder")
+    taesd = _vae_decoder_option(args.vae_decoder, args.model) if args.vae_decoder is not None else None
     # left out: the Request's defaults (A1111's)
     image_options = {name: value for name, value in (
         ("strength", args.strength), ("mask_blur", args.mask_blur), ("inpaint_fill", args.inpaint_fill),
@@ -400,7 +402,9 @@ def cmd_generate(args) -> int:
         raise RequestError(f"dtype {args.dtype!r} is not valid: expected one of fp32, fp16, bf16")
     device = check_device(args.device)
     check_memory_mode(args.memory_mode)
-    check_quantize_supported(args.quantize)  # bf16 modes need bf16 kernels on this CPU
+    dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
+    # auto resolved, and a precision this CPU cannot run refused, before the load
+    precision = choose_precision(args.precision, dtype, args.quantize, device)
     vae_tile = None
     if args.vae_tile is not None:
         if args.vae_tile != 0 and (args.vae_tile < 64 or args.vae_tile % 8):
@@ -410,14 +414,13 @@ def cmd_generate(args) -> int:
     if args.weight_dtype is not None and args.weight_dtype not in _DTYPES:
         raise RequestError(f"weight dtype {args.weight_dtype!r} is not valid: expected one of fp32, fp16, bf16")
     check_writable(args.output)
-    dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
     if args.threads:
         torch.set_num_threads(args.threads)
 
     t0 = time.perf_counter()
-    options = dict(device=str(device), dtype=dtype, memory_mode=args.memory_mode,
+    options = dict(device=str(device), precision=precision.requested, memory_mode=args.memory_mode,
                    weight_dtype=getattr(torch, _DTYPES[args.weight_dtype]) if args.weight_dtype else None,
-                   quantize=args.quantize, vae_tile=vae_tile, prepack=False if args.no_prepack else None,
+                   vae_tile=vae_tile, prepack=False if args.no_prepack else None,
                    winograd=False if args.no_winograd else None)
     engine = Engine.load(opened or args.model, prediction_type=args.prediction_type, **options)
     extra_info = {}
@@ -425,6 +428,8 @@ def cmd_generate(args) -> int:
         engine.set_refiner(Engine.load(args.refiner, **options))
         extra_info = {"Refiner": f"{_model_name(args.refiner)} [{model_hash(args.refiner)}]",
                       "Refiner switch at": request.refiner_switch_at}
+    if taesd is not None:
+        engine.set_vae_decoder(_vae_decoder_option(args.vae_decoder, taesd, engine.spec, device))
     load_s = time.perf_counter() - t0
     result = engine.generate(request, callback=ProgressBar())
     for w in result.warnings:
@@ -456,6 +461,20 @@ def cmd_generate(args) -> int:
     for path in written:
         print(path)
     return 0
+
+
+def _vae_decoder_option(value: str, path, spec=None, device="cpu"):
+    """``--vae-decoder VALUE``: without ``spec``, the TAESD file or folder it names (checked before the model is
+    loaded; the word ``taesd``: the one kept with the model at ``path``); with the model's ``spec``, the TAESD at
+    ``path`` loaded for that model's latents."""
+    from .weights.taesd import TAESDError, load_taesd, model_variant, resolve_taesd
+
+    try:
+        if spec is None:
+            return resolve_taesd(value, path)
+        return load_taesd(path, model_variant(spec), device=device)
+    except TAESDError as e:
+        raise SDLiteError(f"--vae-decoder {value}: {e}") from None
 
 
 def _model_name(path: str) -> str:
@@ -524,7 +543,7 @@ def cmd_serve(args) -> int:
         except ValueError as e:
             raise SDLiteError(str(e)) from None
     for option, path in (("--model", args.model), ("--models-dir", args.models_dir), ("--lora-dir", args.lora_dir),
-                         ("--embeddings", args.embeddings)):
+                         ("--embeddings", args.embeddings), ("--taesd", args.taesd)):
         if path is not None and not Path(path).exists():
             raise SDLiteError(f"{option} {path}: no such file or folder")
     if args.models_dir is not None and not Path(args.models_dir).is_dir():
@@ -536,9 +555,10 @@ def cmd_serve(args) -> int:
                         memory_margin_mb=args.memory_margin)
     except ValueError as e:
         raise SDLiteError(str(e)) from None
+    precision = _check_precision_option(args, args.device)
     flags = {"listen": args.listen, "host": host, "port": args.port, "ckpt": args.model, "models_dir": args.models_dir,
              "lora_dir": args.lora_dir, "embeddings_dir": args.embeddings, "queue_size": args.queue_size,
-             "device": args.device, "nowebui": False}
+             "device": args.device, "precision": precision, "nowebui": False}
     ray_options = [flag for flag, value in (("--address", args.address), ("--replicas", args.replicas),
                                             ("--autoscale", args.autoscale), ("--replica-cpus", args.replica_cpus),
                                             ("--replica-gpus", args.replica_gpus)) if value is not None]
@@ -551,7 +571,9 @@ def cmd_serve(args) -> int:
     try:
         app = create_app(model=args.model, models_dir=args.models_dir, api_auth=args.api_auth,
                          queue_size=args.queue_size, lora_dir=args.lora_dir, embeddings_dir=args.embeddings,
-                         engine_options={"device": args.device}, flags=flags, limits=limits)
+                         engine_options={"device": args.device, "precision": precision, "taesd": args.taesd},
+                         flags=flags,
+                         limits=limits)
     except FileNotFoundError as e:
         raise SDLiteError(str(e)) from None
     jobs = app.state.server.jobs
@@ -635,6 +657,7 @@ def cmd_batch(args) -> int:
     if ray_only and not args.ray:
         raise SDLiteError(f"{', '.join(ray_only)} need{'s' if len(ray_only) == 1 else ''} --ray")
     engine_options = {"device": args.device} if args.device else {}
+    engine_options["precision"] = _check_precision_option(args, args.device or "cpu")
     summary = run_batch(args.jobs, args.output, model=args.model, use_ray=args.ray, address=args.address,
                         workers=args.workers, threads=args.threads, engine_options=engine_options,
                         worker_cpus=args.worker_cpus if args.worker_cpus is not None else 1.0,
@@ -656,6 +679,23 @@ def cmd_batch(args) -> int:
               f"{summary.skipped + summary.done} of {summary.total} in the manifest{interrupted}; run the same "
               f"command again to resume (the {jobs(summary.remaining)} left)", file=sys.stderr)
     return 1 if summary.failed else 0
+
+
+def _check_precision_option(args, device: str) -> str:
+    """``--precision`` checked before anything starts (a name we know, and one this CPU can run); returns the name
+    to hand to the engines ("auto" stays "auto": each machine resolves it for itself)."""
+    from .engine.precision import check_precision, resolve
+
+    name = check_precision(args.precision or "auto")
+    resolve(name, device)
+    return name
+
+
+def add_precision_option(parser) -> None:
+    parser.add_argument("--precision", default=None, metavar="P",
+                        help="auto (default: bf16 on CPUs with native bf16, fp16 on a GPU, else exact), exact (fp32, the "
+                             "diffusers-exact path), bf16, int8, int8-bf16 or fp16; `sdlite info --system` shows what "
+                             "auto picks here and why")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -701,18 +741,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output", "-o", default="outputs/", help="a file name, or a folder (numbered names)")
     g.add_argument("--format", default="png", help="png or jpg")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
-    g.add_argument("--dtype", default=None, help="fp32, fp16 or bf16 (default: fp32 on cpu, fp16 on gpu)")
+    g.add_argument("--dtype", default=None, help="(older form of --precision) fp32 (= exact), fp16 or bf16")
     g.add_argument("--prediction-type", choices=["epsilon", "v_prediction"], default=None)
     g.add_argument("--threads", type=int, default=None, help="CPU threads (default: PyTorch's)")
     g.add_argument("--memory-mode", type=int, default=1,
                    help="0 = low (sub-models loaded when needed, UNet weights streamed), 1 = all resident "
                         "(default, fastest), 2 = balanced (UNet resident)")
-    g.add_argument("--quantize", default="none",
-                   help="UNet weights: none, int8 (~0.5x the fp32 step time with VNNI; 7-bit activations without), "
-                        "int8-bf16 or bf16 (slower than fp32 without native bf16); see `sdlite info --system`")
+    add_precision_option(g)
+    g.add_argument("--quantize", default=None,
+                   help="(older form of --precision) UNet weights: none, int8, int8-bf16 or bf16")
     g.add_argument("--vae-tile", type=int, default=None,
                    help="decode in tiles of this many image pixels (0 = never; default: tiles of 512 above 768 px, "
                         "in memory mode 0 tiles of 256 above 256 px)")
+    g.add_argument("--vae-decoder", metavar="taesd|PATH", default=None,
+                   help="decode the images with a TAESD (the tiny autoencoder) instead of the VAE: much faster, a "
+                        "little less detail. PATH: a diffusers AutoencoderTiny folder, a taesd_decoder / "
+                        "taesdxl_decoder file (.pth or .safetensors) or a folder of them; taesd: the one in the "
+                        "model's folder, in its vae_tiny or taesd subfolder")
     g.add_argument("--weight-dtype", default=None,
                    help="keep resident weights in fp16/bf16 and compute in --dtype, block by block")
     g.add_argument("--no-prepack", action="store_true",
@@ -790,6 +835,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--lora-dir", metavar="DIR", default=None, help="where <lora:NAME:...> prompt tags are found")
     v.add_argument("--embeddings", metavar="DIR", default=None, help="textual-inversion embeddings")
     v.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
+    add_precision_option(v)
+    v.add_argument("--taesd", metavar="PATH", default=None,
+                   help="TAESDs for the 'TAESD' live previews (option show_progress_type): a folder of "
+                        "taesd_decoder / taesdxl_decoder files (A1111's models/VAE-approx), one such file, or a "
+                        "diffusers AutoencoderTiny folder; each model uses the one for its latents")
     v.add_argument("--threads", type=int, default=None,
                    help="CPU threads for generation (default: PyTorch's; 1 is fastest for the tiny demo model)")
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -851,6 +901,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, default=None,
                    help="torch threads per process / actor (default: PyTorch's locally, --worker-cpus with --ray)")
     b.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default cpu)")
+    add_precision_option(b)
     b.add_argument("--lora-dir", metavar="DIR", default=None, help="where <lora:NAME:...> prompt tags are found")
     b.add_argument("--embeddings", metavar="DIR", default=None, help="textual-inversion embeddings")
     b.set_defaults(func=cmd_batch)

@@ -36,6 +36,8 @@ try:
 
     from .engine import budget
     from .engine.memory import ModelManager, check_memory_mode, trim_heap
+    from .engine.precision import Precision, choose_precision
+    from .engine.precision import resolve as resolve_precision
     from .conditioning import chunk_prompt, encode_chunks, pad_to_same_length, single_row
     from .config import is_bert
     from .embeddings import EmbeddingDB
@@ -316,10 +318,16 @@ class Engine:
         # SDXL: a refiner engine that takes the latents over for the last steps of a request that asks for it
         # (Request.refiner_switch_at); see :meth:`set_refiner`
         self.refiner: Engine | None = None
+        # TAESDs (sdlite.models.taesd): one that decodes the final images instead of the VAE (:meth:`set_vae_decoder`)
+        # and one for the "TAESD" live previews (:meth:`set_preview_decoder`); None: the VAE / no such previews
+        self.vae_decoder = None
+        self.preview_decoder = None
         # a batch whose estimated UNet (decoder) activations exceed these bytes runs in pieces (None: the device's
         # default, sdlite.engine.budget); the rule never looks at the memory free, so images never depend on it
         self.unet_piece_bytes: int | None = None
         self.decode_piece_bytes: int | None = None
+        # what each network computes in (sdlite.engine.precision; :meth:`load` sets it); recorded in the PNG
+        self.precision: Precision = resolve_precision("exact" if self.device.type == "cpu" else "fp16", self.device)
 
     def set_refiner(self, refiner: "Engine | None") -> None:
         """Attach (or, with None, detach) an SDXL refiner for requests with ``refiner_switch_at``: both models must
@@ -332,16 +340,48 @@ class Engine:
                                    f"this model {mine.latent_channels} by {mine.scaling_factor:g}")
         self.refiner = refiner
 
+    def set_vae_decoder(self, taesd) -> None:
+        """Decode the final images with ``taesd`` (a :class:`~sdlite.models.taesd.TinyAutoencoder` with a decoder)
+        instead of the VAE: a fraction of the VAE's time, some detail lost; the PNG parameters say ``VAE decoder``.
+        None: the VAE again."""
+        self.vae_decoder = self._checked_taesd(taesd)
+
+    def set_preview_decoder(self, taesd) -> None:
+        """The TAESD for :meth:`preview` with ``tiny`` (A1111's "TAESD" live previews); None: none."""
+        self.preview_decoder = self._checked_taesd(taesd)
+
+    def _checked_taesd(self, taesd):
+        if taesd is None:
+            return None
+        from .weights.taesd import model_variant
+
+        cfg, vae, name = taesd.config, self.spec.vae, taesd.name
+        if taesd.decoder is None:
+            raise RequestError(f"{name} holds no TAESD decoder")
+        if cfg.latent_channels != vae.latent_channels or cfg.downscale != vae.downscale:
+            raise RequestError(f"{name} decodes {cfg.latent_channels}-channel latents {cfg.downscale}x; this model's "
+                               f"are {vae.latent_channels}-channel, {vae.downscale}x")
+        wanted = model_variant(self.spec)
+        if cfg.variant is not None and cfg.variant != wanted:
+            raise RequestError(f"{name} is a TAESD for {cfg.variant} latents; this model ({self.spec.family}) needs "
+                               f"one for {wanted}")
+        return taesd.to(self.device)
+
     @classmethod
     def load(cls, path, device: str = "cpu", dtype: torch.dtype | None = None,
              prediction_type: str | None = None, memory_mode: int = 1,
              weight_dtype: torch.dtype | None = None, quantize: str = "none",
              vae_tile: int | None = None, prepack: bool | None = None,
-             winograd: bool | None = None) -> "Engine":
+             winograd: bool | None = None, precision: str | None = None) -> "Engine":
         """Open ``path`` (or take an already opened :class:`~sdlite.loader.Checkpoint`) and prepare it in
         ``memory_mode`` (see :data:`~sdlite.engine.memory.MEMORY_MODES`).
 
-        ``dtype`` is the compute dtype (default fp32 on the CPU, fp16 on a GPU); ``weight_dtype`` the dtype the
+        ``precision`` is the policy of :mod:`sdlite.engine.precision`: ``auto`` (the default: bf16 on a CPU with
+        native bf16, fp16 on a GPU, else fp32), ``exact`` (fp32, the diffusers-exact path), ``bf16``, ``int8``,
+        ``int8-bf16`` or ``fp16``. The older ``dtype`` and ``quantize`` name a precision too (``dtype=float32`` is
+        ``exact``, ``quantize="int8"`` is ``int8``); given with ``precision`` they must agree with it.
+
+        ``dtype`` is the compute dtype; ``weight_dtype`` the dtype the
         resident weights are kept in when it differs (e.g. fp16 weights computed in fp32, block by block);
         ``quantize`` one of :data:`~sdlite.engine.quant.QUANTIZE_MODES` for the UNet; ``vae_tile`` the tiled-decode
         tile in latent pixels (None: tile latents larger than 96x96, i.e. images above 768 px; 0: never);
@@ -352,8 +392,8 @@ class Engine:
         """
         check_memory_mode(memory_mode)
         device = check_device(device)
-        if dtype is None:
-            dtype = torch.float32 if device.type == "cpu" else torch.float16
+        plan = choose_precision(precision, dtype, quantize, device)
+        dtype, quantize = plan.dtype, plan.quantize
         # a Checkpoint already opened (headers read) by the caller is used as it is
         ckpt = path if isinstance(path, Checkpoint) else open_model(path, prediction_type=prediction_type)
         if (weight_dtype is None and ckpt.spec.is_sdxl and device.type == "cpu" and dtype == torch.float32
@@ -362,16 +402,21 @@ class Engine:
             # SDXL on the CPU: its weights stay in the file's half precision (zero-copy), computed in fp32 block by
             # block -- 6.9 GB resident instead of 13.5 GB
             weight_dtype = ckpt.storage_dtype
+        # SDXL's VAE overflows in fp16: it decodes in fp32 then (bf16 has fp32's range)
+        vae_dtype = torch.float32 if ckpt.spec.is_sdxl and ckpt.spec.vae.force_upcast and \
+            plan.vae_dtype == torch.float16 else plan.vae_dtype
         manager = ModelManager(ckpt, memory_mode, dtype, device, weight_dtype=weight_dtype, quantize=quantize,
-                               prepack=prepack, vae_dtype=torch.float32 if ckpt.spec.is_sdxl
-                               and ckpt.spec.vae.force_upcast else None, winograd=winograd)
+                               prepack=prepack, vae_dtype=vae_dtype, winograd=winograd, text_dtype=plan.text_dtype,
+                               channels_last=plan.channels_last)
         if memory_mode != 0:
             manager.get("unet")  # resident from the start: the load is part of getting ready
         if ckpt.prediction_source == "unresolved":
             with manager.use("unet") as unet:
                 resolve_prediction_type(ckpt, unet, device=device)
-        return cls(manager, device, ckpt.tokenizer(), ckpt.spec, ckpt.scheduler_config, vae_tile=vae_tile,
-                   tokenizers=ckpt.tokenizers())
+        engine = cls(manager, device, ckpt.tokenizer(), ckpt.spec, ckpt.scheduler_config, vae_tile=vae_tile,
+                     tokenizers=ckpt.tokenizers())
+        engine.precision = plan
+        return engine
 
     def encode_prompt(self, prompts: list[str], clip_skip: int = 1, labels: list[str] | None = None,
                       embeddings: EmbeddingDB | None = None) -> tuple[torch.Tensor, list[str]]:
@@ -502,9 +547,24 @@ class Engine:
         with torch.no_grad(), self.models.use_whole("vae") as vae:  # tiling calls the layers one by one
             return tiled_decode(vae, latents.to(self.device, vae.dtype), tile)
 
-    def preview(self, latents: torch.Tensor, full: bool = False) -> list:
+    def decode_scaled(self, latents: torch.Tensor, piece: int | None = None) -> torch.Tensor:
+        """Latents as the sampler gives them (B, 4, h, w) -> images (B, 3, 8h, 8w) in about [-1, 1]: by the TAESD of
+        :meth:`set_vae_decoder` when there is one (it takes them as they are), else by the VAE."""
+        if self.vae_decoder is None:
+            return self.decode_latents(latents / self.spec.vae.scaling_factor, piece=piece)
+        taesd, piece = self.vae_decoder, piece or latents.shape[0]
+        with torch.no_grad():
+            return torch.cat([taesd.decode(latents[i:i + piece].to(taesd.device, taesd.dtype))
+                              for i in range(0, latents.shape[0], piece)])
+
+    def preview(self, latents: torch.Tensor, full: bool = False, tiny: bool = False) -> list:
         """Images of an estimate of the final latents (what ``on_latents`` of :meth:`generate` receives): decoded by
-        the VAE (``full``: exact, a decoder pass) or by :func:`approximate_images` (instant, approximate)."""
+        the VAE (``full``: exact, a decoder pass), by the TAESD of :meth:`set_preview_decoder` (``tiny``: close, a
+        small fraction of the VAE's time) or by :func:`approximate_images` (instant, approximate)."""
+        if tiny and self.preview_decoder is not None:
+            taesd = self.preview_decoder
+            with torch.no_grad():
+                return latents_to_images(taesd.decode(latents.to(taesd.device, taesd.dtype)))
         if not full:
             return approximate_images(latents, self.spec.vae.downscale, sdxl=self.spec.is_sdxl)
         return latents_to_images(self.decode_latents(latents / self.spec.vae.scaling_factor))
@@ -602,7 +662,10 @@ class Engine:
         use_cfg = r.cfg_scale > 1.0
         networks = self.prompt_networks(r)
         with networks.applied(self):
-            return self._generate(r, source, seeds, use_cfg, networks, inpaint_model, callback, t0, on_latents)
+            result = self._generate(r, source, seeds, use_cfg, networks, inpaint_model, callback, t0, on_latents)
+        if self.vae_decoder is not None:
+            result.infotext["VAE decoder"] = self.vae_decoder.name
+        return result
 
     def prompt_networks(self, r: Request) -> "PromptNetworks":
         """The request's add-ons: ``<lora:name:w>`` tags (removed from the text, as A1111 does) and
@@ -713,13 +776,15 @@ class Engine:
         # less peak at 512^2 for SD 1.5)
         trim_heap()
         t2 = time.perf_counter()
-        decoded = decoder.decode_latents(latents / decoder.spec.vae.scaling_factor, piece=decode_piece)
+        if self.vae_decoder is not None:   # a TAESD decodes the latents of whichever model denoised last
+            decoder = self
+        decoded = decoder.decode_scaled(latents, piece=decode_piece)
         images = latents_to_images(decoded)
         if source is not None and source.mask is not None:
             images = [source.finish(im, r.overlay) for im in images]
         t3 = time.perf_counter()
         return Result(images=images, seeds=seeds, request=r, latents=latents, warnings=warnings,
-                      infotext=networks.infotext(), timings={"text": t1 - t0, "sampling": t2 - t1, "decode": t3 - t2,
+                      infotext={**networks.infotext(), "Precision": self.precision.label}, timings={"text": t1 - t0, "sampling": t2 - t1, "decode": t3 - t2,
                                                   "total": t3 - t0}, interrupted=interrupted)
 
     def refiner_switch_step(self, r: Request) -> int:

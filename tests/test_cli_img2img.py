@@ -62,7 +62,7 @@ def _mask(path, width: int, height: int, box=None):
 
 def _gen(model, out, *extra, steps: int = 3):
     return ["generate", "a red circle", "--model", str(model), "--steps", str(steps), "--seed", "7",
-            "--output", str(out), *extra]
+            "--output", str(out), "--precision", "exact", *extra]
 
 
 def _run(argv, capsys) -> tuple[np.ndarray, dict, str]:

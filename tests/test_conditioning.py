@@ -94,7 +94,7 @@ def tiny(tmp_path_factory):
             if ".attn2.to_v." in name or ".attn2.to_out." in name:
                 p.mul_(8.0)
     pipe = saved_pipeline(with_contrast(pipe), tmp / "model")
-    return pipe, tmp / "model", Engine.load(tmp / "model")
+    return pipe, tmp / "model", Engine.load(tmp / "model", precision="exact")
 
 
 def test_long_weighted_prompt_matches_a1111_rules(tiny):
@@ -256,7 +256,7 @@ def test_embedding_matches_diffusers_load_textual_inversion(tiny, tmp_path, fmt)
     prompt = "a photo of zorblax on a blue background"
     with torch.no_grad():
         expected = ref.encode_prompt(prompt, "cpu", 1, False)[0]
-    engine = Engine.load(folder)
+    engine = Engine.load(folder, precision="exact")
     from sdlite.embeddings import EmbeddingDB
 
     db = EmbeddingDB.from_dir(emb_dir, engine.tokenizer, width)

@@ -202,8 +202,10 @@ def test_negative_prompt_moves_the_colour_away(engine, default_run):
     assert after > before + 3.0, (before, after)
 
 
-def test_diffusers_loads_the_shipped_folder_and_draws_the_same_image(engine):
+def test_diffusers_loads_the_shipped_folder_and_draws_the_same_image():
     from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline
+
+    engine = Engine.load(model_path(), precision="exact")
 
     pipe = StableDiffusionPipeline.from_pretrained(model_path(), dtype=torch.float32, local_files_only=True,
                                                    safety_checker=None, requires_safety_checker=False)

@@ -39,7 +39,7 @@ def _skip_embeds(pipe, text, clip_skip):
 def run_cli(model, out, sampler, *, steps, seed, size, cfg=7.5, negative=NEGATIVE, batch=1, clip_skip=1):
     argv = ["generate", PROMPT, "--model", str(model), "--negative", negative, "--steps", str(steps),
             "--cfg", str(cfg), "--sampler", sampler, "--seed", str(seed), "--width", str(size),
-            "--height", str(size), "--batch", str(batch), "--clip-skip", str(clip_skip),
+            "--height", str(size), "--batch", str(batch), "--clip-skip", str(clip_skip), "--precision", "exact",
             "--output", f"{out}/" if batch > 1 else str(out)]  # a trailing slash names a folder
     assert main(argv) == 0
     files = sorted(out.iterdir()) if out.is_dir() else [out]

@@ -97,11 +97,11 @@ def tiny(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tiny_i2i")
     pipe = saved_pipeline(with_contrast(diffusers_pipeline("sd1", tmp)), tmp / "model")
     inpaint = saved_pipeline(with_contrast(diffusers_pipeline("sd1-inpaint", tmp, seed=5)), tmp / "inpaint")
-    return {"img2img": StableDiffusionImg2ImgPipeline(**pipe.components), "engine": Engine.load(tmp / "model"),
+    return {"img2img": StableDiffusionImg2ImgPipeline(**pipe.components), "engine": Engine.load(tmp / "model", precision="exact"),
             "engine_path": tmp / "model",
             "inpaint": StableDiffusionInpaintPipeline(**inpaint.components),
             "inpaint_4ch": StableDiffusionInpaintPipeline(**pipe.components),
-            "inpaint_engine": Engine.load(tmp / "inpaint")}
+            "inpaint_engine": Engine.load(tmp / "inpaint", precision="exact")}
 
 
 ALL_SAMPLERS = [*SCHEDULERS, *MORE_SCHEDULERS]
@@ -147,7 +147,7 @@ def test_img2img_image_regenerates_alone_from_its_seed(tiny):
 
 def test_low_memory_mode_gives_the_same_inpainting(tiny, tmp_path):
     """Memory mode 0 loads the VAE for the encode, frees it, and loads it again for the decode: same pixels."""
-    low = Engine.load(tiny["engine_path"], memory_mode=0)
+    low = Engine.load(tiny["engine_path"], memory_mode=0, precision="exact")
     image, mask = source_image(64), square_mask(64)
     resident, _ = ours(tiny["engine"], "dpmpp_2m_karras", image, 0.8, steps=4, seed=12, mask=mask)
     streamed, _ = ours(low, "dpmpp_2m_karras", image, 0.8, steps=4, seed=12, mask=mask)
@@ -201,7 +201,7 @@ def sd15(sd15_folder):
                                                               local_files_only=True, safety_checker=None,
                                                               requires_safety_checker=False)
         return {"img2img": pipe, "inpaint_4ch": StableDiffusionInpaintPipeline(**pipe.components),
-                "engine": Engine.load(sd15_folder)}
+                "engine": Engine.load(sd15_folder, precision="exact")}
     return _full_set("sd15", build)
 
 
@@ -232,7 +232,7 @@ def sd15_inpaint(sd15_inpaint_folder):
         pipe = StableDiffusionInpaintPipeline.from_pretrained(sd15_inpaint_folder, dtype=torch.float32,
                                                               local_files_only=True, safety_checker=None,
                                                               requires_safety_checker=False)
-        return {"inpaint": pipe, "engine": Engine.load(sd15_inpaint_folder)}
+        return {"inpaint": pipe, "engine": Engine.load(sd15_inpaint_folder, precision="exact")}
     return _full_set("sd15_inpaint", build)
 
 

@@ -114,7 +114,7 @@ def test_timestep_spacing_override(layouts, tmp_path):
     out = tmp_path / "linspace.png"
     argv = ["generate", "a red circle on a blue background", "--model", str(paths["safetensors"]), "--negative",
             "blurry, green", "--steps", "3", "--sampler", "euler", "--seed", "7", "--width", "64", "--height", "64",
-            "--timestep-spacing", "linspace", "--output", str(out)]
+            "--timestep-spacing", "linspace", "--precision", "exact", "--output", str(out)]
     assert main(argv) == 0
     params = parse_infotext(read_parameters(out))
     assert params["Timestep spacing"] == "linspace"

@@ -426,7 +426,7 @@ def test_engine_every_memory_mode(tiny, tiny_lora):
     for bit, twice over (a long-lived engine serves requests with and without)."""
     results = {}
     for mode in (1, 0, 2):
-        engine = Engine.load(tiny[1], memory_mode=mode, prepack=False)
+        engine = Engine.load(tiny[1], memory_mode=mode, prepack=False, precision="exact")
         base = _generate(engine)
         with_lora = _generate(engine, tiny_lora)
         assert torch.equal(_generate(engine), base), f"mode {mode}: un-merged"
@@ -443,7 +443,7 @@ def test_engine_leaves_no_adapter_behind(tiny, tiny_lora):
     """Memory modes 0 and 2 load the text encoder per use: the LoRA reaches it through the manager's adapter hook,
     which is empty again afterwards, and the next request is the no-LoRA one bit for bit."""
     for mode in (0, 2):
-        engine = Engine.load(tiny[1], memory_mode=mode, prepack=False)
+        engine = Engine.load(tiny[1], memory_mode=mode, prepack=False, precision="exact")
         base = _generate(engine)
         with_lora = _generate(engine, tiny_lora)
         assert engine.models.adapters == []
@@ -454,8 +454,8 @@ def test_engine_leaves_no_adapter_behind(tiny, tiny_lora):
 def test_engine_fp16_weights(half_folder, tiny_lora):
     """weight_dtype fp16 (weights streamed, LoRA on the fly) equals the fp16 file loaded resident in fp32 with the
     LoRA merged, as the engine without a LoRA does (tests/test_memory.py)."""
-    streamed = Engine.load(half_folder, weight_dtype=torch.float16, prepack=False)
-    resident = Engine.load(half_folder, prepack=False)
+    streamed = Engine.load(half_folder, weight_dtype=torch.float16, prepack=False, precision="exact")
+    resident = Engine.load(half_folder, prepack=False, precision="exact")
     base = _generate(streamed)
     got, expected = _generate(streamed, tiny_lora), _generate(resident, tiny_lora)
     assert torch.allclose(got, expected, rtol=0, atol=1e-5)
@@ -467,8 +467,8 @@ def test_engine_fp16_weights(half_folder, tiny_lora):
 def test_engine_prepacked(tiny, tiny_lora):
     """Prepacked layers are unpacked, merged and packed again: the plain engine's result to fp32 rounding; the
     original packed weights come back (the same objects), and with them the no-LoRA image bit for bit."""
-    packed = Engine.load(tiny[1], prepack=True)
-    plain = Engine.load(tiny[1], prepack=False)
+    packed = Engine.load(tiny[1], prepack=True, precision="exact")
+    plain = Engine.load(tiny[1], prepack=False, precision="exact")
     unet = packed.models.get("unet")
     assert isinstance(unet.conv_in, PackedConv2d)
     before = weights_of(unet)
@@ -496,7 +496,7 @@ def test_engine_error_changes_nothing(tiny, tmp_path):
     """A LoRA whose text-encoder part does not fit is refused before the UNet is touched (mode 2: the text
     encoder is not even loaded yet)."""
     _, folder, _, _, us, ts = tiny
-    engine = Engine.load(folder, memory_mode=2, prepack=False)
+    engine = Engine.load(folder, memory_mode=2, prepack=False, precision="exact")
     unet = engine.models.get("unet")
     before = weights_of(unet)
     te_f = random_factors(targets(ts, ("q_proj",)), 4, 1)
@@ -515,7 +515,7 @@ def test_requests_name_their_loras(tiny, tiny_lora, tmp_path):
     result, and the PNG parameters' "Lora hashes" as A1111 writes them."""
     import shutil
 
-    engine = Engine.load(tiny[1], prepack=False)
+    engine = Engine.load(tiny[1], prepack=False, precision="exact")
     (file, weight), (other, other_weight) = tiny_lora
     expected = _generate(engine, tiny_lora)
     by_path = engine.generate(TINY_REQUEST.replace(loras=((str(file), weight), (str(other), other_weight))))
@@ -659,7 +659,7 @@ def test_refuses_quantized_layers(tiny, tmp_path):
     except QuantizeError as e:
         pytest.skip(str(e))
     _, folder, _, _, us, _ = tiny
-    engine = Engine.load(folder, quantize="int8", prepack=False)
+    engine = Engine.load(folder, prepack=False, precision="int8")
     name = "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"
     f = write_kohya(tmp_path / "q.safetensors", random_factors({name: us[name]}, 4, 1))
     with pytest.raises(L.LoraError, match=r"q\.safetensors: .* is quantized \(Int8Linear\) .*without --quantize"):
@@ -768,7 +768,7 @@ def full(sd15_folder, sd15_meta, tmp_path_factory):
                                                    random_factors({**every_other, **targets(us, CONVS)}, 4, 7),
                                                    random_factors(targets(ts, TEXT), 4, 8)), 0.5)],
     }
-    engine = Engine.load(sd15_folder)
+    engine = Engine.load(sd15_folder, precision="exact")
     pipe = StableDiffusionPipeline.from_pretrained(sd15_folder, dtype=torch.float32, local_files_only=True,
                                                    safety_checker=None, requires_safety_checker=False)
     base = pixels(engine.generate(FULL_REQUEST))

@@ -175,7 +175,7 @@ def xl(tmp_path_factory):
     loras = tmp / "loras"
     loras.mkdir()
     files = {"peft": write_peft(made, loras), "kohya": write_kohya(made, loras / "xl_kohya.safetensors")}
-    engine = Engine.load(tmp / "base", prepack=False)
+    engine = Engine.load(tmp / "base", prepack=False, precision="exact")
     base_latents = engine.generate(REQUEST)
     return dict(base=base, refiner=refiner, engine=engine, plain=base_latents, files=files, made=made, tmp=tmp)
 
@@ -351,7 +351,7 @@ def test_memory_modes_0_and_2(xl):
     with L.engine_with_loras(xl["engine"], files):
         expected = xl["engine"].generate(REQUEST).latents
     for mode in (0, 2):
-        engine = Engine.load(xl["tmp"] / "base", memory_mode=mode, prepack=False)
+        engine = Engine.load(xl["tmp"] / "base", memory_mode=mode, prepack=False, precision="exact")
         streamer = getattr(engine.models.get("unet"), "_streamer", None)
         assert (streamer is not None) == (mode == 0)
         provider = streamer and streamer.provider
@@ -368,8 +368,8 @@ def test_streamed_fp16_weights(xl):
     merged on the fly as each block's weights are up-cast; it equals the same file loaded whole in fp32 with the
     LoRA merged, and un-merges exactly."""
     half = _half_copy(xl["tmp"] / "base", xl["tmp"] / "base-fp16")
-    streamed = Engine.load(half)
-    resident = Engine.load(half, weight_dtype=torch.float32, prepack=False)
+    streamed = Engine.load(half, precision="exact")
+    resident = Engine.load(half, weight_dtype=torch.float32, prepack=False, precision="exact")
     unet = streamed.models.get("unet")
     assert unet._streamer is not None and getattr(resident.models.get("unet"), "_streamer", None) is None
     files = [(xl["files"]["peft"], WEIGHT)]
@@ -390,7 +390,7 @@ def test_second_text_encoder_only_on_the_refiner(xl):
     """A LoRA of the second text encoder alone fits the refiner too (it shares bigG with the base): merged, it
     changes the refiner's image, and un-merges exactly."""
     path = write_kohya(xl["made"], xl["tmp"] / "te2.safetensors", components=("text_encoder_2",))
-    refiner = Engine.load(xl["tmp"] / "refiner", prepack=False)
+    refiner = Engine.load(xl["tmp"] / "refiner", prepack=False, precision="exact")
     request = REQUEST.replace(init_image=xl["plain"].images[0], strength=0.6)
     before = refiner.generate(request).latents
     with L.engine_with_loras(refiner, [(path, 1.0)]):
@@ -468,7 +468,7 @@ def test_refuses_other_families_at_real_shapes(tmp_path, real_meta):
 def test_engine_refusals_change_nothing(xl):
     """On the tiny engines: the refiner given the base LoRA (its UNet's cross-attention width differs; a first text
     encoder it lacks), an SD 1.x-sized LoRA on the base. Nothing is merged, no adapter is left behind."""
-    refiner = Engine.load(xl["tmp"] / "refiner", prepack=False)
+    refiner = Engine.load(xl["tmp"] / "refiner", prepack=False, precision="exact")
     with pytest.raises(L.LoraError, match=r"xl_kohya\.safetensors: made for a model of cross-attention width 72, this "
                                           r"model is the SDXL refiner \(40\)"):
         with L.engine_with_loras(refiner, [(xl["files"]["kohya"], 1.0)]):

@@ -33,10 +33,10 @@ def _pixels(result):
 def test_every_mode_gives_the_mode_1_image(model_dir):
     """Bit for bit where the same kernels run; mode 0 streams the UNet's plain weights while modes 1 and 2
     prepack them for oneDNN (engine.packing), so against prepacked mode 1 it agrees to fp32 rounding."""
-    reference = Engine.load(model_dir, memory_mode=1).generate(REQUEST)
-    plain_reference = Engine.load(model_dir, memory_mode=1, prepack=False).generate(REQUEST)
+    reference = Engine.load(model_dir, memory_mode=1, precision="exact").generate(REQUEST)
+    plain_reference = Engine.load(model_dir, memory_mode=1, prepack=False, precision="exact").generate(REQUEST)
     for mode in (0, 2):
-        engine = Engine.load(model_dir, memory_mode=mode)
+        engine = Engine.load(model_dir, memory_mode=mode, precision="exact")
         got = engine.generate(REQUEST)
         if mode == 2:
             assert torch.equal(got.latents, reference.latents), f"memory mode {mode}"
@@ -46,14 +46,14 @@ def test_every_mode_gives_the_mode_1_image(model_dir):
             assert np.abs(_pixels(got) - _pixels(reference)).max() <= 1
         # what stays resident after a generation is what the mode promises
         assert engine.models.resident() == (["unet"] if mode in (0, 2) else ["text_encoder", "unet", "vae"])
-        plain = Engine.load(model_dir, memory_mode=mode, prepack=False).generate(REQUEST)
+        plain = Engine.load(model_dir, memory_mode=mode, prepack=False, precision="exact").generate(REQUEST)
         assert torch.equal(plain.latents, plain_reference.latents), f"memory mode {mode}, plain weights"
         assert np.array_equal(_pixels(plain), _pixels(plain_reference))
 
 
 def test_fp16_weights_computed_in_fp32(model_dir, tmp_path):
     """Weights kept in fp16, up-cast block by block: the same image as fp32 weights rounded to fp16."""
-    engine = Engine.load(model_dir, weight_dtype=torch.float16)
+    engine = Engine.load(model_dir, weight_dtype=torch.float16, precision="exact")
     unet = engine.models.get("unet")
     assert unet.conv_in.weight.device.type == "meta"  # nothing resident in fp32 between calls
     got = engine.generate(REQUEST)
@@ -62,7 +62,7 @@ def test_fp16_weights_computed_in_fp32(model_dir, tmp_path):
     from sdlite.loader import load_model
 
     save_diffusers(load_model(model_dir), tmp_path / "half", dtype=torch.float16)
-    expected = Engine.load(tmp_path / "half", prepack=False).generate(REQUEST)  # the same (plain) kernels
+    expected = Engine.load(tmp_path / "half", prepack=False, precision="exact").generate(REQUEST)  # the same (plain) kernels
     assert torch.allclose(got.latents, expected.latents, rtol=0, atol=1e-5)
 
 
@@ -141,13 +141,13 @@ def test_mode_0_frees_each_sub_model(tmp_path):
 
 def test_int8_and_tiled_decode_through_the_engine(model_dir):
     """--quantize int8 stays close to fp32 on the tiny model; a tiled decode gives the untiled image."""
-    reference = Engine.load(model_dir).generate(REQUEST)
-    int8 = Engine.load(model_dir, quantize="int8")
+    reference = Engine.load(model_dir, precision="exact").generate(REQUEST)
+    int8 = Engine.load(model_dir, precision="int8")
     got = int8.generate(REQUEST)
     cos = torch.nn.functional.cosine_similarity(got.latents.flatten(), reference.latents.flatten(), dim=0)
     assert cos > 0.99
     assert any(type(m).__name__ == "Int8Conv2d" for m in int8.models.get("unet").modules())
-    tiled = Engine.load(model_dir, vae_tile=8)  # 64 px images: 32x32 latents here (2x VAE), 4 tiles of 8
+    tiled = Engine.load(model_dir, vae_tile=8, precision="exact")  # 64 px images: 32x32 latents here (2x VAE), 4 tiles of 8
     assert np.abs(_pixels(tiled.generate(REQUEST)) - _pixels(reference)).max() <= 1
 
 
@@ -160,9 +160,9 @@ def test_mode_0_decodes_in_tiles(model_dir, monkeypatch):
     monkeypatch.setattr(pipeline, "tiled_decode", lambda vae, z, tile: tiles.append(tile) or real(vae, z, tile))
     torch.manual_seed(0)
     z = torch.randn(1, 4, 48, 40)
-    low = Engine.load(model_dir, memory_mode=0).decode_latents(z)
+    low = Engine.load(model_dir, memory_mode=0, precision="exact").decode_latents(z)
     assert tiles == [pipeline.LOW_MEMORY_TILE]
-    full = Engine.load(model_dir, memory_mode=1).decode_latents(z)  # 384 px: untiled in mode 1
+    full = Engine.load(model_dir, memory_mode=1, precision="exact").decode_latents(z)  # 384 px: untiled in mode 1
     assert tiles == [pipeline.LOW_MEMORY_TILE]
     assert (low - full).abs().max().item() < 1e-4
 
@@ -172,8 +172,8 @@ def test_tiled_decode_with_streamed_weights(model_dir):
     copy for the duration: the same image as the untiled, streamed decode."""
     torch.manual_seed(2)
     z = torch.randn(1, 4, 40, 48)
-    tiled = Engine.load(model_dir, weight_dtype=torch.float16, vae_tile=16).decode_latents(z)
-    plain = Engine.load(model_dir, weight_dtype=torch.float16, vae_tile=0).decode_latents(z)
+    tiled = Engine.load(model_dir, weight_dtype=torch.float16, vae_tile=16, precision="exact").decode_latents(z)
+    plain = Engine.load(model_dir, weight_dtype=torch.float16, vae_tile=0, precision="exact").decode_latents(z)
     assert tiled.shape == plain.shape and tiled.shape[-1] > z.shape[-1]
     assert (tiled - plain).abs().max().item() < 1e-3
 

@@ -100,7 +100,7 @@ def saved_pipelines(tmp, folder=None):
 def models(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sdxl")
     base, refiner = saved_pipelines(tmp)
-    engine, ref_engine = Engine.load(tmp / "base"), Engine.load(tmp / "refiner")
+    engine, ref_engine = Engine.load(tmp / "base", precision="exact"), Engine.load(tmp / "refiner", precision="exact")
     return base, refiner, engine, ref_engine, tmp
 
 
@@ -272,7 +272,7 @@ def test_cli_refiner_and_info(models, tmp_path, capsys):
     out = tmp_path / "r.png"
     assert main(["generate", PROMPT, "--model", str(tmp / "base"), "--refiner", str(tmp / "refiner"),
                  "--refiner-switch", "0.5", "--steps", "4", "--sampler", "euler", "--cfg", "5", "--seed", "7",
-                 "-o", str(out)]) == 0
+                 "--precision", "exact", "-o", str(out)]) == 0
     params = parse_infotext(read_parameters(out))
     assert params["Refiner switch at"] == "0.5" and params["Refiner"].startswith("refiner [")
     engine.set_refiner(ref_engine)
@@ -334,7 +334,7 @@ def test_sd_turbo_settings_match_diffusers(tmp_path):
     pipe.set_progress_bar_config(disable=True)
     assert json.loads((tmp_path / "sd-turbo" / "scheduler" / "scheduler_config.json").read_text())[
         "timestep_spacing"] == "trailing"
-    engine = Engine.load(tmp_path / "sd-turbo")
+    engine = Engine.load(tmp_path / "sd-turbo", precision="exact")
     assert engine.spec.turbo and engine.spec.family == "sd2" and not engine.spec.is_sdxl
     size = engine.spec.default_size
     expected = pipe(PROMPT, num_inference_steps=1, guidance_scale=0.0, generator=torch.Generator().manual_seed(6),
@@ -374,14 +374,14 @@ def test_memory_modes_and_fp16_default(models, tmp_path, mode):
     _, _, _, _, tmp = models
     request = Request(prompt=PROMPT, negative_prompt=NEGATIVE, steps=3, cfg_scale=5.0, sampler="euler", seed=1)
     # plain fp32 weights in mode 1 too (prepacked ones run other kernels, with other rounding)
-    resident = Engine.load(tmp / "base", prepack=False).generate(request)
-    other = Engine.load(tmp / "base", memory_mode=mode, prepack=False).generate(request)
+    resident = Engine.load(tmp / "base", prepack=False, precision="exact").generate(request)
+    other = Engine.load(tmp / "base", memory_mode=mode, prepack=False, precision="exact").generate(request)
     assert torch.equal(other.latents, resident.latents)
     if mode == 0:
         half = _fp16_copy(tmp / "base", tmp_path / "fp16")
-        default = Engine.load(half)
+        default = Engine.load(half, precision="exact")
         assert default.models.weight_dtype == torch.float16 and default.models.dtype == torch.float32
-        explicit = Engine.load(half, weight_dtype=torch.float16, prepack=False)
+        explicit = Engine.load(half, weight_dtype=torch.float16, prepack=False, precision="exact")
         got = default.generate(request)
         assert torch.equal(got.latents, explicit.generate(request).latents)
         assert np.abs(_pixels(got.images) - _pixels(resident.images)).max() <= 3   # fp16 rounding of the weights

@@ -122,7 +122,7 @@ def tiny(tmp_path_factory):
     it (transformers 5 writes tokenizer.json only)."""
     tmp = tmp_path_factory.mktemp("taiyi")
     pipe = saved_pipeline(with_contrast(taiyi_pipeline(tmp)), tmp / "model")
-    return pipe, tmp / "model", Engine.load(tmp / "model")
+    return pipe, tmp / "model", Engine.load(tmp / "model", precision="exact")
 
 
 @pytest.mark.parametrize("sampler", ["euler_a", "dpmpp_2m_karras", "pndm"])
@@ -235,7 +235,7 @@ def test_bad_taiyi_folders_are_named(tiny, tmp_path):
     cfg_file.write_text(json.dumps(cfg))
     shutil.rmtree(bad / "tokenizer")
     with pytest.raises(CheckpointError, match=r"tokenizer/vocab.txt"):
-        Engine.load(bad)
+        Engine.load(bad, precision="exact")
 
 
 def test_bilingual_clip_architecture_loads_as_declared(tmp_path):
@@ -244,7 +244,7 @@ def test_bilingual_clip_architecture_loads_as_declared(tmp_path):
     from tests.reference import diffusers_pipeline
 
     ref = saved_pipeline(with_contrast(diffusers_pipeline("sd1", tmp_path)), tmp_path / "bilingual")
-    engine = Engine.load(tmp_path / "bilingual")
+    engine = Engine.load(tmp_path / "bilingual", precision="exact")
     assert engine.spec.text.architecture == "clip" and engine.tokenizer.kind == "clip_bpe"
     got, _ = ours(engine, "euler", prompt="a red circle", negative="", steps=3, size=64)
     assert max_diff(got, reference(ref, "euler", prompt="a red circle", negative="", steps=3, size=64)) <= 2
@@ -285,7 +285,7 @@ def test_full_size_taiyi_folder_loads_and_matches_diffusers(taiyi_full, capsys):
     out = capsys.readouterr().out
     # 102,267,648 parameters with BertModel's pooler (590,592), which SD never uses and the loader ignores
     assert "sd1 (Taiyi, Chinese BERT text encoder)" in out and "101,677,056 params" in out
-    engine = Engine.load(folder)
+    engine = Engine.load(folder, precision="exact")
     assert engine.spec.text == TAIYI.text and engine.tokenizer.max_length == 512
     expected = reference(pipe, "euler_a", steps=2, size=64)
     got, _ = ours(engine, "euler_a", steps=2, size=64)
@@ -303,7 +303,7 @@ def test_saved_again_by_sdlite(tiny, tmp_path):
     out = save_diffusers(model, tmp_path / "again")
     index = json.loads((out / "model_index.json").read_text())
     assert index["text_encoder"] == ["transformers", "BertModel"] and (out / "tokenizer" / "vocab.txt").is_file()
-    again = Engine.load(out)
+    again = Engine.load(out, precision="exact")
     assert torch.equal(again.encode_prompt([PROMPT, "a b"])[0], engine.encode_prompt([PROMPT, "a b"])[0])
     with pytest.raises(CheckpointError, match="BERT text encoder"):
         save_single_file(model, tmp_path / "taiyi.safetensors")
@@ -323,7 +323,7 @@ def test_memory_modes_with_a_half_precision_bert(tiny, tmp_path):
     weights = half / "text_encoder" / "model.safetensors"
     save_file({k: v.half() if v.is_floating_point() else v for k, v in load_file(weights).items()}, weights,
               metadata={"format": "pt"})
-    engines = [Engine.load(half, memory_mode=m) for m in (1, 2, 0)]
+    engines = [Engine.load(half, memory_mode=m, precision="exact") for m in (1, 2, 0)]
     assert engines[0].models._keeps_as_stored("text_encoder")
     contexts = [e.encode_prompt([PROMPT, ""])[0] for e in engines]
     assert torch.equal(contexts[0], contexts[1]) and torch.equal(contexts[0], contexts[2])

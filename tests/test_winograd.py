@@ -161,9 +161,9 @@ def test_full_size_engine_uses_winograd_and_matches_direct(sd15_folder):
     layers in both. The UNet's output equals the --no-winograd one within 1e-5 and the image within 1/255."""
     from sdlite.pipeline import Engine, Request
 
-    engines = {"packed": Engine.load(sd15_folder, winograd=True, prepack=True),
-               "plain": Engine.load(sd15_folder, winograd=True, prepack=False),
-               "direct": Engine.load(sd15_folder, winograd=False)}
+    engines = {"packed": Engine.load(sd15_folder, winograd=True, prepack=True, precision="exact"),
+               "plain": Engine.load(sd15_folder, winograd=True, prepack=False, precision="exact"),
+               "direct": Engine.load(sd15_folder, winograd=False, precision="exact")}
     levels01 = ("down_blocks.0.", "down_blocks.1.", "up_blocks.2.", "up_blocks.3.")
     for kind, expected in (("packed", 21), ("plain", 47)):
         unet, vae = engines[kind].models.get("unet"), engines[kind].models.get("vae")

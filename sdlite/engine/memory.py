@@ -194,10 +194,15 @@ class ModelManager:
     def __init__(self, ckpt: Checkpoint | None, mode: int = 1, dtype: torch.dtype = torch.float32, device="cpu",
                  weight_dtype: torch.dtype | None = None, preloaded: StableDiffusion | None = None,
                  quantize: str = "none", prepack: bool | None = None, vae_dtype: torch.dtype | None = None,
-                 winograd: bool | None = None):
+                 winograd: bool | None = None, text_dtype: torch.dtype | None = None, channels_last: bool = False):
         self.ckpt, self.mode, self.dtype, self.device = ckpt, check_memory_mode(mode), dtype, torch.device(device)
         # the VAE's own compute dtype where it differs (SDXL's VAE decodes in fp32 under half-precision compute)
         self.vae_dtype = vae_dtype
+        # the text encoders' where it differs (the bf16 precision keeps them in fp32)
+        self.text_dtype = text_dtype
+        # the UNet's and VAE's weights channels-last, so that their convolutions (and everything between them) run
+        # channels-last end to end (the bf16 precision, sdlite.engine.precision)
+        self.channels_last = channels_last
         # fp32 CPU weights reordered once for oneDNN (engine.packing); None: where it applies and this CPU gains
         # from it (engine.cpu: decided by the ISA flags, or by a short cached measurement)
         available = prepack_available(self.device, dtype)
@@ -248,7 +253,7 @@ class ModelManager:
         250 MB for SD 1.5, resident beside the decoder's buffers at the peak), and about 0.1 s more per prompt,
         which is encoded once per generation."""
         if not (name in TEXT_ENCODERS and self.mode == 1 and self.weight_dtype is None and self.ckpt is not None
-                and self.dtype == torch.float32 and self.device.type == "cpu"
+                and self.dtype_of(name) == torch.float32 and self.device.type == "cpu"
                 and name in self.ckpt.sources):
             return False
         source = self.ckpt.sources[name]
@@ -257,7 +262,11 @@ class ModelManager:
 
     def dtype_of(self, name: str) -> torch.dtype:
         """The compute dtype of network ``name``."""
-        return self.vae_dtype if name == "vae" and self.vae_dtype is not None else self.dtype
+        if name == "vae" and self.vae_dtype is not None:
+            return self.vae_dtype
+        if name in TEXT_ENCODERS and self.text_dtype is not None:
+            return self.text_dtype
+        return self.dtype
 
     def _build(self, name: str) -> nn.Module:
         if self._streams_from_file(name):
@@ -281,6 +290,8 @@ class ModelManager:
             module = winograd_model(module, wide=True)
         if self.prepack and name in PREPACKED:
             module = prepack_model(module)
+        if self.channels_last and name in ("unet", "vae"):
+            module = module.to(memory_format=torch.channels_last)
         return module
 
     def _discard(self, module: nn.Module) -> None:

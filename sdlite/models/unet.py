@@ -195,6 +195,7 @@ class UNet(nn.Module):
         t = t.reshape(-1).to(x.device)
         if t.numel() == 1:
             t = t.expand(x.shape[0])
+        context = context.to(x.dtype)  # the text encoders may compute in another precision (fp32 under bf16)
         temb = timestep_embedding(t, cfg.block_channels[0], cfg.flip_sin_to_cos, cfg.freq_shift)
         temb = self.time_embedding(temb.to(x.dtype))                       # (B, 4*C0)
         if cfg.addition_embed == "text_time":

@@ -1,0 +1,188 @@
+"""The precision policy: which number formats each network computes in, chosen per device and CPU.
+
+One table, read by the engine (what to load), ``sdlite info --system`` (what ``auto`` chose here and why), the PNG
+parameters (``Precision: ...``, the precision actually used) and the server (``--precision``), in the spirit of
+OpenVINO's PERFORMANCE / ACCURACY execution modes:
+
+* ``exact`` -- fp32 everywhere: the path that matches diffusers (every parity test names it). Prepacked weights
+  and Winograd convolutions apply where this CPU gains from them; they reorder sums, they round nothing.
+* ``bf16`` -- the UNet and the VAE in bf16, channels-last, end to end (norms, attention -- PyTorch's flash kernel --
+  and activations too, no fp32 round trips between layers); the text encoders stay fp32 (one pass per generation,
+  0.5 s, and their output conditions every step). Needs native bf16 dot products to pay: ``avx512_bf16``,
+  ``amx_bf16`` or ``avx_ne_convert``; with AVX-512 but none of them oneDNN emulates bf16 (2.5-3x slower than fp32,
+  allowed with a warning); below AVX-512 it is refused.
+* ``int8`` / ``int8-bf16`` -- the UNet's Linear and Conv2d layers in int8 (:mod:`sdlite.engine.quant`), the rest
+  as in ``exact``.
+* ``fp16`` -- half precision compute on a GPU (CUDA, MPS), as diffusers runs there; the SDXL VAE in fp32.
+* ``auto`` (the default) -- the fastest of these that meets the quality bound (PSNR >= 40 dB against ``exact`` on
+  the full-size SD 1.5, >= 35 dB on the demo model; BENCHMARKS.md) on this device: ``fp16`` on a GPU; ``bf16`` on a
+  CPU with native bf16; ``exact`` on any other CPU.
+
+Why ``auto`` never picks int8 (measured, ``bench/precision.py``, SD 1.5 UNet, 512x512, batch 2, 2-core Zen 4
+with AVX512-VNNI and AVX512-BF16): one step takes 7.3 s in fp32, 3.6 s in int8 (8-bit activations), 3.5 s in bf16
+and 3.3 s in int8 with everything else in bf16; the step's output is at 30.7 dB (int8), 25.7 dB (int8 + bf16) and
+40.2 dB (bf16) against fp32. int8 is not faster than bf16 where both are native, and loses 10 dB. Without VNNI
+the activations use 7 bits (twice as coarse again, about 6 dB lower), below the bound: such a CPU gets ``exact``,
+which is never slower than before this policy existed.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import SDLiteError
+from .cpu import CPUInfo, bf16_support, this_cpu
+from .quant import BF16Warning, check_quantize_mode
+
+PRECISIONS = {
+    "auto": "the fastest path meeting the quality bound on this device (see `sdlite info --system`)",
+    "exact": "fp32 everywhere: the diffusers-exact path",
+    "bf16": "UNet and VAE in bf16, channels-last end to end; text encoders fp32 (needs native bf16 on a CPU)",
+    "int8": "UNet Linear/Conv2d in int8 (weights per channel, activations dynamic), the rest fp32",
+    "int8-bf16": "UNet Linear in int8, its convolutions in bf16, the rest fp32",
+    "fp16": "fp16 compute on a GPU (the SDXL VAE in fp32)",
+}
+PRECISION_CHOICES = tuple(PRECISIONS)
+# names accepted for the ones above
+ALIASES = {"fp32": "exact", "float32": "exact", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+
+
+class PrecisionError(SDLiteError, ValueError):
+    """A precision that is not valid, or that this device cannot run (the message says which and why)."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What a precision means for each network of one engine."""
+    name: str                     # the precision used: exact, bf16, int8, int8-bf16, fp16
+    requested: str                # what was asked for (auto, or the same as name)
+    dtype: torch.dtype            # the UNet's compute dtype
+    vae_dtype: torch.dtype        # the VAE's
+    text_dtype: torch.dtype       # the text encoders'
+    quantize: str = "none"        # sdlite.engine.quant's mode for the UNet
+    channels_last: bool = False   # UNet and VAE weights (and so their activations) channels-last
+    reason: str = ""              # why (for auto: why this one on this device)
+
+    @property
+    def label(self) -> str:
+        """The PNG parameters' ``Precision`` value: the precision used, and ``auto`` when it was chosen."""
+        return f"{self.name} (auto)" if self.requested == "auto" and self.name != "auto" else self.name
+
+
+def check_precision(name) -> str:
+    """The canonical name of ``name`` (aliases resolved), or a :class:`PrecisionError` listing the choices."""
+    if isinstance(name, str):
+        key = name.strip().lower()
+        key = ALIASES.get(key, key)
+        if key in PRECISIONS:
+            return key
+    listed = "; ".join(f"{k}: {v}" for k, v in PRECISIONS.items())
+    raise PrecisionError(f"precision {name!r} is not valid: expected one of {', '.join(PRECISION_CHOICES)} "
+                         f"({listed})")
+
+
+def auto_choice(device: str | torch.device = "cpu", cpu: CPUInfo | None = None) -> tuple[str, str]:
+    """(precision, why) that ``auto`` takes on ``device`` (on a CPU: this CPU, as its effective flags say)."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return "fp16", f"a {device.type} device: fp16 compute, as diffusers runs there"
+    cpu = cpu or this_cpu()
+    if cpu.native_bf16:
+        flags = ", ".join(f for f in ("avx512_bf16", "amx_bf16", "avx_ne_convert") if cpu.has(f))
+        return "bf16", (f"native bf16 dot products ({flags}): the UNet and VAE in bf16 run about 2x faster than "
+                        "fp32 at >= 40 dB against it")
+    if cpu.avx512:
+        return "exact", ("AVX-512 without native bf16: bf16 would be emulated (2.5-3x slower than fp32) and int8 "
+                         "falls below the quality bound; fp32")
+    return "exact", ("no native bf16 (oneDNN ISA " + cpu.isa_level + "): bf16 has no fast kernels here and "
+                     "int8 (7-bit activations without VNNI) falls below the quality bound; fp32")
+
+
+def resolve(name: str = "auto", device: str | torch.device = "cpu", cpu: CPUInfo | None = None) -> Precision:
+    """What precision ``name`` means on ``device``: ``auto`` resolved; a CPU that cannot run it usefully refused."""
+    requested = check_precision(name)
+    device = torch.device(device)
+    chosen, reason = auto_choice(device, cpu) if requested == "auto" else (requested, "asked for")
+    fp32, bf16 = torch.float32, torch.bfloat16
+    if chosen == "fp16":
+        if device.type == "cpu":
+            raise PrecisionError("precision 'fp16' is for GPUs: PyTorch's CPU kernels compute fp16 slowly or not "
+                                 "at all; use bf16 (native bf16 CPUs), int8 or exact on a CPU")
+        return Precision("fp16", requested, torch.float16, torch.float16, torch.float16, reason=reason)
+    if chosen == "exact":
+        return Precision("exact", requested, fp32, fp32, fp32, reason=reason)
+    if chosen == "bf16":
+        if device.type == "cpu":
+            _check_bf16(cpu)
+        return Precision("bf16", requested, bf16, bf16, fp32, channels_last=device.type == "cpu", reason=reason)
+    # int8 modes: the CPU's oneDNN kernels
+    if device.type != "cpu":
+        raise PrecisionError(f"precision {chosen!r} runs on oneDNN's CPU kernels; on {device.type} use fp16 or exact")
+    if chosen == "int8-bf16":
+        _check_bf16(cpu)
+    return Precision(chosen, requested, fp32, fp32, fp32, quantize=chosen, reason=reason)
+
+
+def _check_bf16(cpu: CPUInfo | None) -> None:
+    support = bf16_support(cpu)
+    if support == "emulated":
+        warnings.warn("this CPU has no native bf16 (avx512_bf16, amx_bf16): oneDNN emulates it with AVX-512, "
+                      "2.5-3x slower than fp32 (--precision auto picks fp32 here)", BF16Warning, stacklevel=3)
+    if support == "none":
+        cpu = cpu or this_cpu()
+        capped = f" under ONEDNN_MAX_CPU_ISA={cpu.onednn_cap}" if cpu.onednn_cap else ""
+        raise PrecisionError(
+            f"bf16 needs bf16 kernels, and this CPU{capped} has neither native bf16 (avx512_bf16, amx_bf16, "
+            f"avx_ne_convert) nor AVX-512 to emulate it (oneDNN ISA {cpu.isa_level}): oneDNN falls back to a "
+            "reference kernel, 6-120x slower than fp32. Use --precision exact (or auto), or int8")
+
+
+def from_legacy(dtype: torch.dtype | None, quantize: str | None = "none") -> str | None:
+    """The precision the older ``dtype`` / ``quantize`` options ask for (None: neither was given).
+
+    ``quantize="bf16"`` (bf16 Linear and Conv2d layers, fp32 between them) becomes the ``bf16`` precision, which
+    is the same arithmetic in the layers and faster (no fp32 round trips); ``dtype=bfloat16`` too."""
+    if quantize not in (None, "none"):
+        check_quantize_mode(quantize)
+        return quantize
+    if dtype is None:
+        return None
+    named = {torch.float32: "exact", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    if dtype not in named:
+        raise PrecisionError(f"dtype {dtype} is not valid: expected float32, bfloat16 or float16")
+    return named[dtype]
+
+
+def choose_precision(precision: str | None, dtype: torch.dtype | None = None, quantize: str | None = "none",
+                     device: str | torch.device = "cpu", cpu: CPUInfo | None = None) -> Precision:
+    """:func:`resolve` for the engine's options: ``precision`` (None: ``auto``), or the older ``dtype`` /
+    ``quantize``, which must agree with it when both are given."""
+    legacy = from_legacy(dtype, quantize)
+    if precision is None:
+        return resolve(legacy or "auto", device, cpu)
+    name = check_precision(precision)
+    if legacy is not None and legacy != name:
+        raise PrecisionError(f"precision {precision!r} and the older dtype/quantize options (dtype {dtype}, quantize "
+                             f"{quantize!r}, which mean {legacy!r}) disagree: give only --precision")
+    return resolve(name, device, cpu)
+
+
+def precision_report(cpu: CPUInfo | None = None) -> list[str]:
+    """The lines ``sdlite info --system`` adds: what ``auto`` picks on this CPU and why, and which precisions run."""
+    cpu = cpu or this_cpu()
+    chosen, why = auto_choice("cpu", cpu)
+    lines = [f"precision:   auto -> {chosen} on this CPU: {why}"]
+    for name, what in PRECISIONS.items():
+        if name == "auto":
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", BF16Warning)
+                resolve(name, "cpu", cpu)
+            runs = "emulated bf16: slower than fp32" if "bf16" in name and bf16_support(cpu) == "emulated" else "runs"
+        except PrecisionError as e:
+            runs = f"refused here: --precision {name} says why"
+        lines.append(f"  {name:<11}{what} [{runs}]")
+    return lines
