@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: setup test run bench clean
+.PHONY: setup setup-openvino test run bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,23 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 
 setup: $(VENV)/.installed
 
+# OpenVINO for `make bench` alone (bench/openvino.py), in a virtualenv of its own: optimum-intel pins an older
+# transformers than the tests do, and requires torchvision. torch first, pinned, and torchvision without its
+# dependencies, so that no CUDA wheels of torch are pulled. The torchvision wheel found is a CUDA build whose operators
+# do not load against the CPU torch; nothing on the Stable Diffusion path uses it, so the check (and
+# bench/openvino.py) hide it.
+OV_VENV := .venv-openvino
+$(OV_VENV)/.installed:
+	$(PY) -m venv $(OV_VENV)
+	$(OV_VENV)/bin/pip install --quiet torch==2.13.0
+	$(OV_VENV)/bin/pip install --quiet --no-deps torchvision==0.28.0
+	$(OV_VENV)/bin/pip install --quiet "optimum-intel[openvino,diffusers]==2.2.0" torch==2.13.0 torchvision==0.28.0 psutil
+	$(OV_VENV)/bin/python -c "import sys; sys.modules['torchvision'] = None; \
+		from optimum.intel import OVStableDiffusionPipeline"
+	touch $@
+
+setup-openvino: $(OV_VENV)/.installed
+
 # then the CPU-dependent tests again as an AVX2-only CPU runs them (no AVX-512, no VNNI: 7-bit int8
 # activations, no prepacking by default), by capping oneDNN's and PyTorch's kernels on this one; the Winograd
 # convolutions and the chunked text encoding, whose summation orders follow the kernels, with them
@@ -37,11 +54,13 @@ test: setup
 run: setup
 	$(BIN)/sdlite generate "a red circle on a blue background" --seed 1 --output outputs/
 
-# sdlite against diffusers on a cached full-size SD 1.5 checkpoint; writes BENCHMARKS.md (about an hour on 2 cores)
-bench: setup
+# sdlite against diffusers on a cached full-size SD 1.5 checkpoint, then SDXL and OpenVINO; writes BENCHMARKS.md (hours on 2 cores)
+bench: setup setup-openvino
 	$(BIN)/pip install --quiet -e '.[test,bench]'
 	$(BIN)/python bench/run.py
 	$(BIN)/python bench/sdxl.py
+	# sdlite against OpenVINO (default and f32), 3 alternating rounds; the OpenVINO section of BENCHMARKS.md
+	$(BIN)/python bench/openvino.py
 	# Winograd against the direct convolutions, layer by layer, natively and under the AVX2 cap
 	$(BIN)/python bench/winograd.py > bench/winograd.md
 	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(BIN)/python bench/winograd.py --isa-label avx2 >> bench/winograd.md
@@ -49,4 +68,4 @@ bench: setup
 	$(BIN)/python bench/scale.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(OV_VENV) build *.egg-info
