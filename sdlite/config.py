@@ -391,6 +391,80 @@ class VAEConfig:
         }
 
 
+# The latent spaces a TAESD is trained for, as madebyollin names its files (taesd_decoder.pth, taesdxl_decoder.pth,
+# taesd3_decoder.pth, taef1_decoder.pth): variant -> file-name stem
+TAESD_VARIANTS = {"sd": "taesd", "sdxl": "taesdxl", "sd3": "taesd3", "flux": "taef1"}
+
+
+@dataclass(frozen=True)
+class TAESDConfig:
+    """TAESD, the tiny autoencoder (madebyollin/taesd; diffusers' ``AutoencoderTiny``, whose config.json defaults
+    these are): 3x3 convolutions and ReLU blocks (``encoder_channels`` / ``decoder_channels`` wide per stage), no
+    normalisation, no attention.
+
+    Encoder stage i: a convolution (stride 2 after the first stage) and ``encoder_blocks[i]`` blocks; then a
+    convolution to ``latent_channels``. Decoder: a convolution from the latents and a ReLU; stage i: its
+    ``decoder_blocks[i]`` blocks then, except the last stage, a nearest-neighbour x``upsample`` and a convolution
+    without bias; then a convolution to ``out_channels``. ``latent_magnitude`` / ``latent_shift`` map latents to
+    [0, 1] for storing them as 8-bit images (:meth:`~sdlite.models.taesd.TinyAutoencoder.scale_latents`); they play
+    no part in encoding or decoding. ``variant`` is the latent space it was trained for (a key of
+    :data:`TAESD_VARIANTS`), None when nothing says.
+    """
+
+    latent_channels: int = 4
+    in_channels: int = 3
+    out_channels: int = 3
+    encoder_channels: tuple[int, ...] = (64, 64, 64, 64)
+    decoder_channels: tuple[int, ...] = (64, 64, 64, 64)
+    encoder_blocks: tuple[int, ...] = (1, 3, 3, 3)
+    decoder_blocks: tuple[int, ...] = (3, 3, 3, 1)
+    upsample: int = 2
+    latent_magnitude: float = 3.0
+    latent_shift: float = 0.5
+    variant: str | None = None
+
+    def __post_init__(self):
+        if len(self.encoder_channels) != len(self.encoder_blocks):
+            raise ConfigError(f"TAESD config: {len(self.encoder_channels)} encoder channel counts for "
+                              f"{len(self.encoder_blocks)} encoder stages")
+        if len(self.decoder_channels) != len(self.decoder_blocks):
+            raise ConfigError(f"TAESD config: {len(self.decoder_channels)} decoder channel counts for "
+                              f"{len(self.decoder_blocks)} decoder stages")
+        if self.variant is not None and self.variant not in TAESD_VARIANTS:
+            raise ConfigError(f"TAESD variant {self.variant!r}: expected one of {', '.join(TAESD_VARIANTS)}")
+
+    @property
+    def downscale(self) -> int:
+        """Image pixels per latent pixel, each way (8 for every published TAESD)."""
+        return self.upsample ** (len(self.decoder_blocks) - 1)
+
+    @classmethod
+    def from_diffusers(cls, cfg: dict, variant: str | None = None) -> "TAESDConfig":
+        """From an ``AutoencoderTiny`` config.json; fields that change the computation and that sdlite does not
+        implement are named."""
+        for name, supported in (("act_fn", "relu"), ("upsample_fn", "nearest")):
+            if cfg.get(name, supported) != supported:
+                raise ConfigError(f"TAESD config field {name}={cfg[name]!r} is not supported (only {supported!r})")
+        # the pipeline's latents / scaling_factor + shift_factor, which TAESD's own latents make a no-op
+        for name, neutral in (("scaling_factor", 1.0), ("shift_factor", 0.0)):
+            if cfg.get(name) not in (None, neutral):
+                raise ConfigError(f"TAESD config field {name}={cfg[name]!r} is not supported (only {neutral})")
+        defaults = cls()
+        return cls(
+            latent_channels=cfg.get("latent_channels", defaults.latent_channels),
+            in_channels=cfg.get("in_channels", defaults.in_channels),
+            out_channels=cfg.get("out_channels", defaults.out_channels),
+            encoder_channels=_tuple(cfg.get("encoder_block_out_channels", defaults.encoder_channels)),
+            decoder_channels=_tuple(cfg.get("decoder_block_out_channels", defaults.decoder_channels)),
+            encoder_blocks=_tuple(cfg.get("num_encoder_blocks", defaults.encoder_blocks)),
+            decoder_blocks=_tuple(cfg.get("num_decoder_blocks", defaults.decoder_blocks)),
+            upsample=cfg.get("upsampling_scaling_factor", defaults.upsample),
+            latent_magnitude=float(cfg.get("latent_magnitude", defaults.latent_magnitude)),
+            latent_shift=float(cfg.get("latent_shift", defaults.latent_shift)),
+            variant=variant,
+        )
+
+
 # --- scheduler configs ----------------------------------------------------------------------------------
 
 # The latent diffusion training schedule, as every SD 1.x/2.x reference repository publishes it in

@@ -279,7 +279,7 @@ def _eta_default(sampler: str) -> float | None:
 
 # --- options -----------------------------------------------------------------------------------------------------
 
-PREVIEW_TYPES = ("Auto", "Full", "Approx cheap")
+PREVIEW_TYPES = ("Auto", "Full", "Approx cheap", "TAESD")   # "TAESD": the server's --taesd decoder, else Approx cheap
 AUTO_FULL_PREVIEW_PIXELS = 256 * 256   # "Auto": a VAE decode up to this size, the cheap approximation above
 
 

@@ -278,7 +278,7 @@ def run_plan(engines: Engines, checkpoint: Checkpoint, plan: a1111.Plan, control
                 check_size(request.width or native, request.height or native, plan.limits,
                            "width x height (the model's native size where not given)")
             admit(engine, request, plan.limits)   # 503 when it does not fit now, 422 when it never could
-    results = []
+    results, warnings = [], []
     try:
         extra = _attach_refiner(engines, engine, checkpoint, plan, control)
         for i, request in enumerate(plan.requests):
@@ -291,7 +291,11 @@ def run_plan(engines: Engines, checkpoint: Checkpoint, plan: a1111.Plan, control
                     pixels = latents.shape[-1] * latents.shape[-2] * downscale**2
                     full = plan.preview == "Full" or (plan.preview == "Auto"
                                                       and pixels <= a1111.AUTO_FULL_PREVIEW_PIXELS)
-                    control.set_preview(engine.preview(latents[:1], full=full)[0], step)
+                    tiny = plan.preview == "TAESD"
+                    if tiny and engine.preview_decoder is None and not warnings:
+                        warnings.append(NO_TAESD_WARNING)
+                        log.warning(NO_TAESD_WARNING)
+                    control.set_preview(engine.preview(latents[:1], full=full, tiny=tiny)[0], step)
 
             results.append(engine.generate(request, callback=control.step, on_latents=on_latents))
     finally:
@@ -300,7 +304,11 @@ def run_plan(engines: Engines, checkpoint: Checkpoint, plan: a1111.Plan, control
     warning = stop_warning(control, plan.limits) if control.interrupted else None
     return a1111.Outcome(results, checkpoint.short_name, engines.checkpoints.hash_of(checkpoint), inpainting,
                          timestamp, interrupted=control.interrupted, infotext=extra,
-                         warnings=[warning] if warning else [])
+                         warnings=warnings + ([warning] if warning else []))
+
+
+NO_TAESD_WARNING = ("live previews: show_progress_type 'TAESD' needs a TAESD for this model's latents (sdlite serve "
+                    "--taesd PATH); the previews were made by 'Approx cheap' instead")
 
 
 def _attach_refiner(engines: Engines, engine, checkpoint: Checkpoint, plan: a1111.Plan, control) -> dict:

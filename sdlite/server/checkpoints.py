@@ -9,7 +9,8 @@ name or hash (:meth:`Checkpoints.find`).
 
 :class:`Engines` keeps one :class:`~sdlite.pipeline.Engine` per checkpoint, at most ``limit`` of them (A1111's
 ``sd_checkpoints_limit``), plus one SDXL refiner (:meth:`Engines.refiner`); only the job worker calls it, so a
-model is never loaded or dropped mid-job.
+model is never loaded or dropped mid-job. With ``taesd`` (``sdlite serve --taesd PATH``) each engine gets the TAESD
+there for its latents as its "TAESD" live-preview decoder, when PATH has one for them.
 """
 from __future__ import annotations
 
@@ -151,10 +152,12 @@ class Checkpoints:
 class Engines:
     """One loaded engine per checkpoint, the ``limit`` most recently used kept. Called by the job worker only."""
 
-    def __init__(self, checkpoints: Checkpoints, limit: int = 1, **load_options):
+    def __init__(self, checkpoints: Checkpoints, limit: int = 1, *, taesd=None, **load_options):
         self.checkpoints = checkpoints
         self.limit = limit
         self.load_options = load_options
+        self.taesd = taesd                  # a TAESD file or folder for the "TAESD" live previews, or None
+        self._taesds: dict[str, object] = {}   # variant -> the TAESD loaded from it (None: it has none)
         self._loaded: collections.OrderedDict[Path, object] = collections.OrderedDict()
         self._refiner: tuple[Path, object] | None = None   # (path, engine) of the refiner last asked for
 
@@ -197,4 +200,19 @@ class Engines:
             return self._refiner[1]
         engine = Engine.load(checkpoint.path, **self.load_options)
         self.checkpoints.hash_of(checkpoint)
+        if self.taesd is not None:
+            engine.set_preview_decoder(self._preview_taesd(engine))
         return engine
+
+    def _preview_taesd(self, engine):
+        """The TAESD of ``self.taesd`` for ``engine``'s latents (loaded once per variant), or None when it has none;
+        a damaged one is an error."""
+        from ..weights.taesd import TAESDNotFound, load_taesd, model_variant
+
+        variant = model_variant(engine.spec)
+        if variant not in self._taesds:
+            try:
+                self._taesds[variant] = load_taesd(self.taesd, variant, device=engine.device)
+            except TAESDNotFound:
+                self._taesds[variant] = None
+        return self._taesds[variant]

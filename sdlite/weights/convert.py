@@ -26,6 +26,7 @@ Layouts handled here:
   ``text_projection`` stored as the matrix of ``x @ text_projection``, the transpose of a Linear weight); the UNet's
   added-conditioning MLP is ``label_emb.0.0`` / ``label_emb.0.2`` (diffusers' ``add_embedding.linear_1/2``).
 * Legacy diffusers VAE attention names (``query/key/value/proj_attn``), see :func:`normalize_diffusers_keys`.
+* TAESD halves in madebyollin's layout (bare ``nn.Sequential`` indices), see :func:`taesd_from_original`.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ __all__ = [
     "unet_from_original", "unet_to_original", "vae_from_original", "vae_to_original",
     "clip_from_original", "clip_to_original", "openclip_from_original", "openclip_to_original",
     "plan_from_original", "plan_to_original", "normalize_diffusers_keys", "normalize_bert_keys", "apply_plan",
+    "TAESD_PARTS", "TAESD_INDEX_SHIFT", "taesd_from_original",
 ]
 
 UNET_PREFIX = "model.diffusion_model."
@@ -887,6 +889,32 @@ def normalize_bert_keys(keys: Iterable[str], *, expected: Iterable[str] | None =
         _add(plan, target, PlanEntry((key,), COPY))
     _check_expected(plan, expected)
     return plan
+
+
+# --- TAESD ------------------------------------------------------------------------------------------------
+
+# madebyollin/taesd saves each half of a TAESD as a bare ``nn.Sequential`` state dict (``N.weight``,
+# ``N.conv.M.weight``; A1111's taesd_decoder.pth / taesdxl_decoder.pth), at times under a prefix. Its decoder starts
+# with a parameterless Clamp module, so its layer N is the canonical (diffusers ``AutoencoderTiny``)
+# ``decoder.layers.{N-1}``; the encoder is numbered alike in both. The canonical layout needs no table.
+TAESD_PARTS = ("decoder", "encoder")
+TAESD_INDEX_SHIFT = {"decoder": 1, "encoder": 0}
+_TAESD_LAYER = re.compile(r"(\d+)\.")
+
+
+def taesd_from_original(keys: Iterable[str], part: str, *, prefix: str = "",
+                        expected: Iterable[str] | None = None) -> ComponentPlan:
+    """Plan ``{canonical key: PlanEntry}`` for one TAESD half (``part``: decoder or encoder) in madebyollin's
+    layout under ``prefix``; keys outside ``prefix`` are not looked at. With ``expected`` (the canonical keys of the
+    module to load), keys it does not have are listed in ``unexpected`` and those nothing maps to in ``missing``."""
+    if part not in TAESD_INDEX_SHIFT:
+        raise ConversionError(f"unknown TAESD part {part!r} (expected decoder or encoder)")
+    keys = list(keys)
+    shift = TAESD_INDEX_SHIFT[part]
+    layers = sorted({int(m.group(1)) for k in keys
+                     if k.startswith(prefix) and (m := _TAESD_LAYER.match(k[len(prefix):]))})
+    rules = _RuleSet(_Rule(str(n), f"{part}.layers.{n - shift}", "subtree") for n in layers if n >= shift)
+    return _build(f"TAESD {part}", keys, rules, to_canon=True, src_prefix=prefix, dst_prefix="", expected=expected)
 
 
 # --- whole files -------------------------------------------------------------------------------------------
