@@ -734,6 +734,7 @@ def _check_shapes(path: str, layer: LoraLayer, name: str, shape: tuple[int, ...]
 def _add_updates(weight: torch.Tensor, updates: Sequence[_Update]) -> torch.Tensor:
     """``weight`` (a fresh fp32 tensor, changed in place) plus each update, in order. The one function that
     merges, for resident and streamed weights alike, so both give the same bits."""
+    weight = weight.contiguous()   # a channels-last copy (the bf16 precision's convolutions): made plain
     flat = weight.view(weight.shape[0], -1)
     for u in updates:
         if u.pad_in:   # conv_in of an inpainting UNet: the LoRA covers the first input channels only
@@ -819,6 +820,9 @@ def _merge_layer(layer: nn.Module, updates: Sequence[_Update], handle: MergeHand
         return
     original = layer._parameters["weight"]
     merged = _add_updates(original.detach().to(torch.float32, copy=True), updates).to(original.dtype)
+    if original.dim() == 4 and not original.is_contiguous() and \
+            original.is_contiguous(memory_format=torch.channels_last):
+        merged = merged.contiguous(memory_format=torch.channels_last)   # the layer keeps its layout
     layer._parameters["weight"] = nn.Parameter(merged, requires_grad=False)
     if keep:
         handle._undo.append(lambda: layer._parameters.__setitem__("weight", original))

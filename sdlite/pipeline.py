@@ -372,7 +372,8 @@ class Engine:
              prediction_type: str | None = None, memory_mode: int = 1,
              weight_dtype: torch.dtype | None = None, quantize: str = "none",
              vae_tile: int | None = None, prepack: bool | None = None,
-             winograd: bool | None = None, precision: str | None = None) -> "Engine":
+             winograd: bool | None = None, precision: str | None = None,
+             compile: bool | str = False) -> "Engine":
         """Open ``path`` (or take an already opened :class:`~sdlite.loader.Checkpoint`) and prepare it in
         ``memory_mode`` (see :data:`~sdlite.engine.memory.MEMORY_MODES`).
 
@@ -388,14 +389,17 @@ class Engine:
         ``prepack`` whether fp32 CPU weights are reordered once for oneDNN (:mod:`sdlite.engine.packing`; None:
         where that applies and this CPU gains from it, as :func:`sdlite.engine.cpu.default_prepack` decides);
         ``winograd`` whether the UNet's and VAE's large-map 3x3 convolutions run by Winograd's F(2x2, 3x3)
-        (:mod:`sdlite.engine.winograd`; None: wherever the compute is fp32 on a CPU).
+        (:mod:`sdlite.engine.winograd`; None: wherever the compute is fp32 on a CPU); ``compile`` whether the UNet
+        runs through ``torch.compile`` (:mod:`sdlite.engine.compile`: per input shape, cached on disk; eager, with one
+        line on stderr saying why, where it does not apply; ``"auto"``: where it measured faster, never ``exact``).
         """
         check_memory_mode(memory_mode)
         device = check_device(device)
-        plan = choose_precision(precision, dtype, quantize, device)
-        dtype, quantize = plan.dtype, plan.quantize
+        choose_precision(precision, dtype, quantize, device)   # bad names and options refused before the open
         # a Checkpoint already opened (headers read) by the caller is used as it is
         ckpt = path if isinstance(path, Checkpoint) else open_model(path, prediction_type=prediction_type)
+        plan = choose_precision(precision, dtype, quantize, device, spec=ckpt.spec)
+        dtype, quantize = plan.dtype, plan.quantize
         if (weight_dtype is None and ckpt.spec.is_sdxl and device.type == "cpu" and dtype == torch.float32
                 and memory_mode != 0 and quantize == "none" and not prepack
                 and ckpt.storage_dtype in (torch.float16, torch.bfloat16)):
@@ -407,7 +411,7 @@ class Engine:
             plan.vae_dtype == torch.float16 else plan.vae_dtype
         manager = ModelManager(ckpt, memory_mode, dtype, device, weight_dtype=weight_dtype, quantize=quantize,
                                prepack=prepack, vae_dtype=vae_dtype, winograd=winograd, text_dtype=plan.text_dtype,
-                               channels_last=plan.channels_last)
+                               channels_last=plan.channels_last, compile=compile)
         if memory_mode != 0:
             manager.get("unet")  # resident from the start: the load is part of getting ready
         if ckpt.prediction_source == "unresolved":
@@ -756,7 +760,8 @@ class Engine:
 
             engine = st.engine
             with torch.no_grad(), engine.models.use("unet") as unet:
-                guided = CFGDenoiser(Denoiser(unet, engine.schedule, engine.spec.prediction_type, dtype=unet.dtype),
+                guided = CFGDenoiser(Denoiser(engine.models.runner("unet", unet), engine.schedule,
+                                              engine.spec.prediction_type, dtype=unet.dtype),
                                      r.cfg_scale if use_cfg else 1.0)
                 denoised = _Recorded(_Pieces(guided, unet_piece, r.batch_size) if unet_piece < r.batch_size
                                      else guided)

@@ -16,7 +16,8 @@ OpenVINO's PERFORMANCE / ACCURACY execution modes:
 * ``fp16`` -- half precision compute on a GPU (CUDA, MPS), as diffusers runs there; the SDXL VAE in fp32.
 * ``auto`` (the default) -- the fastest of these that meets the quality bound (PSNR >= 40 dB against ``exact`` on
   the full-size SD 1.5, >= 35 dB on the demo model; BENCHMARKS.md) on this device: ``fp16`` on a GPU; ``bf16`` on a
-  CPU with native bf16; ``exact`` on any other CPU.
+  CPU with native bf16; ``exact`` on any other CPU, and for small UNets (under 128 channels at the first level,
+  the demo's 32), where bf16 is slower than fp32 (a 20-step demo image: 0.21 s against 0.16 s).
 
 Why ``auto`` never picks int8 (measured, ``bench/precision.py``, SD 1.5 UNet, 512x512, batch 2, 2-core Zen 4
 with AVX512-VNNI and AVX512-BF16): one step takes 7.3 s in fp32, 3.6 s in int8 (8-bit activations), 3.5 s in bf16
@@ -45,6 +46,9 @@ PRECISIONS = {
     "fp16": "fp16 compute on a GPU (the SDXL VAE in fp32)",
 }
 PRECISION_CHOICES = tuple(PRECISIONS)
+# auto keeps a UNet narrower than this at its first level (the demo's: 32) in fp32, where bf16 does not pay;
+# every Stable Diffusion family has 320
+MIN_BF16_CHANNELS = 128
 # names accepted for the ones above
 ALIASES = {"fp32": "exact", "float32": "exact", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
 
@@ -83,12 +87,18 @@ def check_precision(name) -> str:
                          f"({listed})")
 
 
-def auto_choice(device: str | torch.device = "cpu", cpu: CPUInfo | None = None) -> tuple[str, str]:
-    """(precision, why) that ``auto`` takes on ``device`` (on a CPU: this CPU, as its effective flags say)."""
+def auto_choice(device: str | torch.device = "cpu", cpu: CPUInfo | None = None, spec=None) -> tuple[str, str]:
+    """(precision, why) that ``auto`` takes on ``device`` (on a CPU: this CPU, as its effective flags say) for a
+    model of ``spec`` (a :class:`~sdlite.config.ModelSpec`; None: a full-size one)."""
     device = torch.device(device)
     if device.type != "cpu":
         return "fp16", f"a {device.type} device: fp16 compute, as diffusers runs there"
     cpu = cpu or this_cpu()
+    small = spec is not None and spec.unet.block_channels[0] < MIN_BF16_CHANNELS
+    if cpu.native_bf16 and small:
+        return "exact", (f"a small UNet ({spec.unet.block_channels[0]} channels at its first level, under "
+                         f"{MIN_BF16_CHANNELS}): bf16's conversions cost more than its kernels save (the demo: "
+                         "0.21 s a 20-step image in bf16, 0.16 s in fp32)")
     if cpu.native_bf16:
         flags = ", ".join(f for f in ("avx512_bf16", "amx_bf16", "avx_ne_convert") if cpu.has(f))
         return "bf16", (f"native bf16 dot products ({flags}): the UNet and VAE in bf16 run about 2x faster than "
@@ -100,11 +110,13 @@ def auto_choice(device: str | torch.device = "cpu", cpu: CPUInfo | None = None) 
                      "int8 (7-bit activations without VNNI) falls below the quality bound; fp32")
 
 
-def resolve(name: str = "auto", device: str | torch.device = "cpu", cpu: CPUInfo | None = None) -> Precision:
-    """What precision ``name`` means on ``device``: ``auto`` resolved; a CPU that cannot run it usefully refused."""
+def resolve(name: str = "auto", device: str | torch.device = "cpu", cpu: CPUInfo | None = None,
+            spec=None) -> Precision:
+    """What precision ``name`` means on ``device`` for a model of ``spec`` (None: full size): ``auto`` resolved; a
+    CPU that cannot run it usefully refused."""
     requested = check_precision(name)
     device = torch.device(device)
-    chosen, reason = auto_choice(device, cpu) if requested == "auto" else (requested, "asked for")
+    chosen, reason = auto_choice(device, cpu, spec) if requested == "auto" else (requested, "asked for")
     fp32, bf16 = torch.float32, torch.bfloat16
     if chosen == "fp16":
         if device.type == "cpu":
@@ -156,17 +168,17 @@ def from_legacy(dtype: torch.dtype | None, quantize: str | None = "none") -> str
 
 
 def choose_precision(precision: str | None, dtype: torch.dtype | None = None, quantize: str | None = "none",
-                     device: str | torch.device = "cpu", cpu: CPUInfo | None = None) -> Precision:
+                     device: str | torch.device = "cpu", cpu: CPUInfo | None = None, spec=None) -> Precision:
     """:func:`resolve` for the engine's options: ``precision`` (None: ``auto``), or the older ``dtype`` /
     ``quantize``, which must agree with it when both are given."""
     legacy = from_legacy(dtype, quantize)
     if precision is None:
-        return resolve(legacy or "auto", device, cpu)
+        return resolve(legacy or "auto", device, cpu, spec)
     name = check_precision(precision)
     if legacy is not None and legacy != name:
         raise PrecisionError(f"precision {precision!r} and the older dtype/quantize options (dtype {dtype}, quantize "
                              f"{quantize!r}, which mean {legacy!r}) disagree: give only --precision")
-    return resolve(name, device, cpu)
+    return resolve(name, device, cpu, spec)
 
 
 def precision_report(cpu: CPUInfo | None = None) -> list[str]:
@@ -174,6 +186,8 @@ def precision_report(cpu: CPUInfo | None = None) -> list[str]:
     cpu = cpu or this_cpu()
     chosen, why = auto_choice("cpu", cpu)
     lines = [f"precision:   auto -> {chosen} on this CPU: {why}"]
+    if chosen == "bf16":
+        lines.append("             (exact for small models such as the demo: bf16 does not pay there)")
     for name, what in PRECISIONS.items():
         if name == "auto":
             continue
