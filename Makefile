@@ -61,6 +61,8 @@ bench: setup setup-openvino
 	$(BIN)/python bench/sdxl.py
 	# sdlite against OpenVINO (default and f32), 3 alternating rounds; the OpenVINO section of BENCHMARKS.md
 	$(BIN)/python bench/openvino.py
+	# the precision policy: UNet step per precision, the default's PSNR against exact (SD 1.5, demo)
+	$(BIN)/python bench/precision.py all
 	# Winograd against the direct convolutions, layer by layer, natively and under the AVX2 cap
 	$(BIN)/python bench/winograd.py > bench/winograd.md
 	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(BIN)/python bench/winograd.py --isa-label avx2 >> bench/winograd.md

@@ -26,6 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+from sdlite.engine.cpu import this_cpu  # noqa: E402
 from sdlite.engine.packing import PackedConv2d, PackedLinear, prepack_model  # noqa: E402
 
 KINDS = {
@@ -84,6 +85,12 @@ def _attention_flops(prof) -> float:
     return total
 
 
+def bf16_peak() -> float:
+    """GFLOP/s of the best of 5 2048^2 bf16 matmuls (this CPU's attainable bf16 peak, as the issue measured it)."""
+    a, b = torch.randn(2048, 2048).bfloat16(), torch.randn(2048, 2048).bfloat16()
+    return 2 * 2048 ** 3 / _median_time(lambda: a @ b) / 1e9
+
+
 def unet_profile(size: int, peak: float) -> list[str]:
     from checkpoint import build
     from sdlite.loader import open_model
@@ -102,9 +109,18 @@ def unet_profile(size: int, peak: float) -> list[str]:
         counts = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
         flops = {"convolution": counts.get("aten.convolution", 0),
                  "linear": counts.get("aten.addmm", 0) + counts.get("aten.mm", 0)}
-        for label in ("plain weights (as diffusers runs them)", "prepacked weights (sdlite default)"):
-            if label.startswith("prepacked"):
+        configs = [("plain fp32 weights (as diffusers runs them)", None, peak),
+                   ("prepacked fp32 weights (sdlite exact)", "prepack", peak)]
+        bf16 = bf16_peak() if this_cpu().native_bf16 else None
+        if bf16:
+            configs.append((f"bf16 channels-last (sdlite auto here; as a share of the bf16 peak, {bf16:.0f} "
+                            "GFLOP/s: the best 2048^2 bf16 matmul)", "bf16", bf16))
+        for label, change, peak in configs:
+            if change == "prepack":
                 unet = prepack_model(unet)
+            elif change == "bf16":
+                unet = ckpt.load("unet", torch.bfloat16, "cpu").to(memory_format=torch.channels_last)
+                x, ctx = x.to(torch.bfloat16), ctx.to(torch.bfloat16)
             unet(x, t, ctx)  # warm-up
             with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
                 start = time.perf_counter()
