@@ -421,7 +421,7 @@ def cmd_generate(args) -> int:
     options = dict(device=str(device), precision=precision.requested, memory_mode=args.memory_mode,
                    weight_dtype=getattr(torch, _DTYPES[args.weight_dtype]) if args.weight_dtype else None,
                    vae_tile=vae_tile, prepack=False if args.no_prepack else None,
-                   winograd=False if args.no_winograd else None)
+                   winograd=False if args.no_winograd else None, compile=args.compile)
     engine = Engine.load(opened or args.model, prediction_type=args.prediction_type, **options)
     extra_info = {}
     if args.refiner is not None:
@@ -571,7 +571,8 @@ def cmd_serve(args) -> int:
     try:
         app = create_app(model=args.model, models_dir=args.models_dir, api_auth=args.api_auth,
                          queue_size=args.queue_size, lora_dir=args.lora_dir, embeddings_dir=args.embeddings,
-                         engine_options={"device": args.device, "precision": precision, "taesd": args.taesd},
+                         engine_options={"device": args.device, "precision": precision, "taesd": args.taesd,
+                                         "compile": args.compile},
                          flags=flags,
                          limits=limits)
     except FileNotFoundError as e:
@@ -658,6 +659,7 @@ def cmd_batch(args) -> int:
         raise SDLiteError(f"{', '.join(ray_only)} need{'s' if len(ray_only) == 1 else ''} --ray")
     engine_options = {"device": args.device} if args.device else {}
     engine_options["precision"] = _check_precision_option(args, args.device or "cpu")
+    engine_options["compile"] = args.compile
     summary = run_batch(args.jobs, args.output, model=args.model, use_ray=args.ray, address=args.address,
                         workers=args.workers, threads=args.threads, engine_options=engine_options,
                         worker_cpus=args.worker_cpus if args.worker_cpus is not None else 1.0,
@@ -689,6 +691,13 @@ def _check_precision_option(args, device: str) -> str:
     name = check_precision(args.precision or "auto")
     resolve(name, device)
     return name
+
+
+def add_compile_option(parser) -> None:
+    parser.add_argument("--compile", action="store_true",
+                        help="run the UNet through torch.compile: the first run of an image shape compiles (about a "
+                             "minute for SD 1.5), later processes find it in the user's cache folder; eager, with one "
+                             "line saying why, where it cannot. Opt-in: it measured no faster than eager on a CPU")
 
 
 def add_precision_option(parser) -> None:
@@ -748,6 +757,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="0 = low (sub-models loaded when needed, UNet weights streamed), 1 = all resident "
                         "(default, fastest), 2 = balanced (UNet resident)")
     add_precision_option(g)
+    add_compile_option(g)
     g.add_argument("--quantize", default=None,
                    help="(older form of --precision) UNet weights: none, int8, int8-bf16 or bf16")
     g.add_argument("--vae-tile", type=int, default=None,
@@ -836,6 +846,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--embeddings", metavar="DIR", default=None, help="textual-inversion embeddings")
     v.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     add_precision_option(v)
+    add_compile_option(v)
     v.add_argument("--taesd", metavar="PATH", default=None,
                    help="TAESDs for the 'TAESD' live previews (option show_progress_type): a folder of "
                         "taesd_decoder / taesdxl_decoder files (A1111's models/VAE-approx), one such file, or a "
@@ -902,6 +913,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads per process / actor (default: PyTorch's locally, --worker-cpus with --ray)")
     b.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default cpu)")
     add_precision_option(b)
+    add_compile_option(b)
     b.add_argument("--lora-dir", metavar="DIR", default=None, help="where <lora:NAME:...> prompt tags are found")
     b.add_argument("--embeddings", metavar="DIR", default=None, help="textual-inversion embeddings")
     b.set_defaults(func=cmd_batch)

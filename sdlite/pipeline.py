@@ -373,7 +373,7 @@ class Engine:
              weight_dtype: torch.dtype | None = None, quantize: str = "none",
              vae_tile: int | None = None, prepack: bool | None = None,
              winograd: bool | None = None, precision: str | None = None,
-             compile: bool | str = False) -> "Engine":
+             compile: bool = False) -> "Engine":
         """Open ``path`` (or take an already opened :class:`~sdlite.loader.Checkpoint`) and prepare it in
         ``memory_mode`` (see :data:`~sdlite.engine.memory.MEMORY_MODES`).
 
@@ -391,7 +391,7 @@ class Engine:
         ``winograd`` whether the UNet's and VAE's large-map 3x3 convolutions run by Winograd's F(2x2, 3x3)
         (:mod:`sdlite.engine.winograd`; None: wherever the compute is fp32 on a CPU); ``compile`` whether the UNet
         runs through ``torch.compile`` (:mod:`sdlite.engine.compile`: per input shape, cached on disk; eager, with one
-        line on stderr saying why, where it does not apply; ``"auto"``: where it measured faster, never ``exact``).
+        line on stderr saying why, where it does not apply).
         """
         check_memory_mode(memory_mode)
         device = check_device(device)

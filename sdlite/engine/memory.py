@@ -194,7 +194,8 @@ class ModelManager:
     def __init__(self, ckpt: Checkpoint | None, mode: int = 1, dtype: torch.dtype = torch.float32, device="cpu",
                  weight_dtype: torch.dtype | None = None, preloaded: StableDiffusion | None = None,
                  quantize: str = "none", prepack: bool | None = None, vae_dtype: torch.dtype | None = None,
-                 winograd: bool | None = None, text_dtype: torch.dtype | None = None, channels_last: bool = False):
+                 winograd: bool | None = None, text_dtype: torch.dtype | None = None, channels_last: bool = False,
+                 compile: bool = False):
         self.ckpt, self.mode, self.dtype, self.device = ckpt, check_memory_mode(mode), dtype, torch.device(device)
         # the VAE's own compute dtype where it differs (SDXL's VAE decodes in fp32 under half-precision compute)
         self.vae_dtype = vae_dtype
@@ -203,10 +204,16 @@ class ModelManager:
         # the UNet's and VAE's weights channels-last, so that their convolutions (and everything between them) run
         # channels-last end to end (the bf16 precision, sdlite.engine.precision)
         self.channels_last = channels_last
+        # the UNet run through torch.compile (engine.compile) where that applies
+        if not isinstance(compile, bool):
+            raise MemoryModeError(f"compile {compile!r} is not valid: expected True or False")
+        self.compile = compile
+        self._compiled: dict[str, object] = {}
         # fp32 CPU weights reordered once for oneDNN (engine.packing); None: where it applies and this CPU gains
         # from it (engine.cpu: decided by the ISA flags, or by a short cached measurement)
         available = prepack_available(self.device, dtype)
         self.prepack = (available and default_prepack().use) if prepack is None else bool(prepack)
+        self._prepack_default = prepack is None
         if self.prepack and not available:
             raise MemoryModeError(f"prepacked weights need fp32 compute on a CPU with oneDNN; this is {dtype} on "
                                   f"{self.device.type}")
@@ -279,7 +286,7 @@ class ModelManager:
     def _load_whole(self, name: str) -> nn.Module:
         quantized = name == "unet" and self.quantize != "none"
         winograd = self.winograd and name in PREPACKED and not quantized and self.dtype_of(name) == torch.float32
-        if self.prepack and name in PREPACKED and not quantized:
+        if self._prepacks(name) and not quantized:
             # the same as loading and then prepacking, in one pass
             return load_prepacked(self.ckpt, name, winograd=winograd)
         module = self.ckpt.load(name, self.dtype_of(name), self.device)
@@ -288,11 +295,21 @@ class ModelManager:
         if winograd:
             # the weights are plain here (a prepacked load returned above), so the wide rule applies
             module = winograd_model(module, wide=True)
-        if self.prepack and name in PREPACKED:
+        if self._prepacks(name):
             module = prepack_model(module)
         if self.channels_last and name in ("unet", "vae"):
             module = module.to(memory_format=torch.channels_last)
         return module
+
+    def _prepacks(self, name: str) -> bool:
+        """Whether network ``name``'s weights are prepacked: where the rule says so, except a UNet that is compiled
+        (Inductor takes oneDNN-prepacked weights only as constants of a frozen graph; engine.compile)."""
+        if not (self.prepack and name in PREPACKED):
+            return False
+        if self.compile and self._prepack_default:
+            from .compile import compiles
+            return not compiles(self, name)
+        return True
 
     def _discard(self, module: nn.Module) -> None:
         # the caller may still hold the module object: empty it, so its weights are freed regardless
@@ -335,6 +352,15 @@ class ModelManager:
             yield module
         finally:
             self._discard(module)
+
+    def runner(self, name: str, module: nn.Module):
+        """What to call to run ``module`` (network ``name``, from :meth:`use`): the module, or with ``compile`` its
+        compiled forward (:mod:`sdlite.engine.compile`: one per resident network, eager where it does not apply)."""
+        if not self.compile:
+            return module
+        from .compile import runner_for
+
+        return runner_for(self, name, module)
 
     def free(self) -> None:
         """Hand freed memory back: Python objects, the allocators' caches and the file pages read so far."""

@@ -843,7 +843,8 @@ def serve_cli(args, host: str, flags: dict, limits: Limits | None = None) -> int
             raise ValueError("--replicas and --autoscale exclude each other: give one")
         gpus = args.replica_gpus or 0.0
         engine_options = {"device": "cuda" if gpus > 0 and args.device == "cpu" else args.device,
-                          "precision": flags.get("precision") or "auto", "taesd": getattr(args, "taesd", None)}
+                          "precision": flags.get("precision") or "auto", "taesd": getattr(args, "taesd", None),
+                          "compile": bool(getattr(args, "compile", False))}
         config = ClusterConfig(model=args.model, models_dir=args.models_dir, api_auth=args.api_auth,
                                queue_size=args.queue_size, lora_dir=args.lora_dir, embeddings_dir=args.embeddings,
                                engine_options=engine_options, threads=args.threads,

@@ -1,0 +1,268 @@
+"""Graph compilation of the UNet with ``torch.compile`` (Inductor), per input shape, cached on disk. Opt-in.
+
+:class:`Compiled` runs a network's ``forward`` through ``torch.compile(..., dynamic=False)``: one graph per input
+shape (a new size or batch compiles again), the network's weights graph *inputs*, not constants. Inductor's on-disk
+caches -- the FX graph cache (the generated code of a graph, keyed by the graph, its inputs' shapes, strides and
+dtypes, Inductor's configuration, the torch version and the CPU's ISA), the AOT autograd cache above it and the built
+kernels -- go to ``inductor/`` in the user's cache folder (:func:`sdlite.engine.cpu.cache_dir`: ``$SDLITE_CACHE_DIR``,
+else ``$XDG_CACHE_HOME/sdlite``, else ``~/.cache/sdlite``) unless the user set ``TORCHINDUCTOR_CACHE_DIR``. So only
+the first process to meet a shape pays Inductor's compile; later ones trace the model with Dynamo again and load the
+rest from the cache. Nothing in the key depends on the weights' values, so it is stable across processes (and
+across checkpoints of one architecture).
+
+Where compiling does not apply, the network runs eager, with one line on stderr that says why
+(``sdlite: --compile: ...; running eager``): no C++ compiler (Inductor's CPU backend builds its kernels with its
+``cpp.cxx`` setting: ``$CXX``, else ``g++``), memory mode 0 (the UNet's weights are streamed block by block by forward
+hooks, which swap its parameters while it runs), weights stored in another dtype and up-cast block by block (the same
+hooks), the int8 UNet (its dynamic activation scales are read with ``.item()``: a graph break at every layer). A
+compile that fails while running falls back to eager the same way, never a crash. Prepacked fp32 weights
+(:mod:`sdlite.engine.packing`, the ``exact`` precision's default on AVX-512 CPUs) cannot be compiled unfrozen
+(Inductor's oneDNN lowering asserts that a packed weight is a graph constant): a UNet that will be compiled is built
+with plain weights instead; the Winograd convolutions compile as they are.
+
+Measured (``python bench/compile.py --freezing``; the SD 1.5 UNet of ``bench/cache/sd15-fp16`` as the bf16
+precision runs it: bf16 weights, channels-last; 512x512, batch 2 (one CFG step); 2-core Zen 4 with AVX512-BF16,
+torch 2.13, 2 threads; eager and compiled steps alternating in one process, median of 3 after a warm-up):
+
+=====================================================  ====================  ====================
+                                                       eager step            compiled step
+=====================================================  ====================  ====================
+first process (cold cache)                             3.72 s                3.70 s (0.99x)
+second process (warm cache)                            3.48 s                3.45 s (0.99x)
+=====================================================  ====================  ====================
+
+* Compile time, the first call less one step: 62.5 s with a cold cache (FX graph and AOT autograd cache misses, 346
+  extern calls, the C++ kernels built), 4.9 s in the next process (``fxgraph_cache_hit``, ``autograd_cache_hit``:
+  Dynamo traces again, the rest comes from the cache).
+* A whole 20-step sampling: 72 s eager, 134 s compiled with a cold cache, 76 s with a warm one. At the 1% measured
+  (within this machine's noise) a warm compile pays back after about 115 steps. Compiling does not pay here, so it
+  is **opt-in** (``--compile``) in ``generate``, ``serve`` and ``batch`` alike, long-lived or not.
+* Why nothing is gained: an eager step spends 46% of its time in the flash-attention kernel, 31% in oneDNN
+  convolutions and 17% in matmuls (``torch.profiler``); Inductor calls the very same kernels (``extern_kernels``)
+  and fuses only what lies between them (GroupNorm + SiLU, GELU, residual adds, copies), about 5% of the step.
+* Accuracy: the compiled bf16 UNet's output differs from eager bf16's by at most 0.023 at magnitude 1.66 (3 bf16
+  ulp); on the demo UNet its error against fp32 is 3.8-4.5e-3 (relative, 5 inputs), eager bf16's 4.2-4.5e-3.
+* The VAE decoder is not compiled: it is convolutions end to end, where Inductor has even less to fuse.
+* Steps timed one run after the other misled: a first run measured 3.9 s eager, then 12 s compiled in both
+  processes, because other work took the cores while the compiled steps ran (eager steps timed after the compile
+  were as slow, 12.6 s). ``bench/compile.py`` alternates them for that reason.
+
+Freezing (``torch._inductor.config.freezing``) is **off**, measured and checked:
+
+* It costs the cache. The AOT autograd cache refuses any frozen graph (``autograd_cache_bypass``), so every process
+  traces and lowers the graph again: in the SD 1.5 UNet's second process the first frozen call took 14.6 s more than
+  a step (in the first run, on a loaded machine), an unfrozen one 4.9 s; cold, 80 s against 62 s. On fp32 weights the freezing passes also prepack them into oneDNN tensors, which the FX graph
+  cache cannot pickle (``fxgraph_cache_bypass``): a tiny UNet's second process compiled in 24 s frozen against
+  3.8 s unfrozen.
+* It is a correctness trap for LoRAs: a weight changed in place is not seen by a frozen graph (measured: the old
+  weights' output came back), and a weight replaced by a new tensor -- how :func:`sdlite.lora.merge` merges --
+  recompiles the whole graph, for every LoRA applied and again when it is removed. Unfrozen, the graph takes the
+  weights as inputs at every call: a merged LoRA changes the image, with no recompile (``tests/test_compile.py``).
+* It gains nothing on the bf16 UNet: the frozen graph has the same fusions (960 pattern matches against 956) and no
+  oneDNN weight prepacking (that pass took fp32 weights only). Its steps were timed while other work loaded the
+  machine (7.3 s against 11.9 s eager, alternating), so there is no figure to set beside the idle ones above.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .cpu import cache_dir
+from .packing import PackedConv2d, PackedLinear
+
+INDUCTOR_DIR = "inductor"
+# graphs kept per compiled function (one per input shape): Dynamo's default of 8 would run a long-lived server's
+# ninth shape eager, silently
+RECOMPILE_LIMIT = 64
+FREEZING = False
+PREFIX = "sdlite: --compile:"
+
+_lock = threading.Lock()
+_said: set[str] = set()
+
+
+def notice(message: str) -> None:
+    """One line on stderr, once per process for each message."""
+    with _lock:
+        if message in _said:
+            return
+        _said.add(message)
+    print(f"{PREFIX} {message}", file=sys.stderr, flush=True)
+
+
+def _inductor_default() -> str | None:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except Exception:
+        return None
+    return os.path.abspath(default_cache_dir())
+
+
+def inductor_cache_dir(environ=None) -> Path:
+    """Where Inductor's caches go: ``$TORCHINDUCTOR_CACHE_DIR`` when the user set it, else ``inductor/`` in the
+    user's cache folder. (Inductor writes its own default, a folder in /tmp, into that variable the first time it
+    looks for it: that value counts as unset.)"""
+    environ = os.environ if environ is None else environ
+    given = environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if given and os.path.abspath(given) != _inductor_default():
+        return Path(given)
+    return cache_dir(environ) / INDUCTOR_DIR
+
+
+def configure() -> Path:
+    """Point Inductor's on-disk caches at :func:`inductor_cache_dir` (Inductor reads the variable whenever it looks
+    for a cache, so this takes effect for every compile from now on), make sure the local caches are on, and raise
+    Dynamo's limit of graphs per function to :data:`RECOMPILE_LIMIT`."""
+    folder = inductor_cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    import torch._dynamo
+    import torch._functorch.config
+    import torch._inductor.config
+
+    torch._inductor.config.fx_graph_cache = True
+    torch._functorch.config.enable_autograd_cache = True
+    dynamo = torch._dynamo.config
+    if dynamo.recompile_limit < RECOMPILE_LIMIT:
+        dynamo.recompile_limit = RECOMPILE_LIMIT
+    if dynamo.accumulated_recompile_limit < 4 * RECOMPILE_LIMIT:
+        dynamo.accumulated_recompile_limit = 4 * RECOMPILE_LIMIT
+    return folder
+
+
+def compiler_name() -> str:
+    """The C++ compiler Inductor looks for (its ``cpp.cxx`` setting: ``$CXX`` when torch was imported, else g++)."""
+    try:
+        import torch._inductor.config as inductor_config
+
+        names = [c for c in inductor_config.cpp.cxx if c] if isinstance(inductor_config.cpp.cxx, (list, tuple)) \
+            else [inductor_config.cpp.cxx]
+        return " or ".join(names) or "g++"
+    except Exception:
+        return os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+
+
+@functools.cache
+def compiler_problem() -> str | None:
+    """Why Inductor cannot build kernels here (None: it can): no Inductor in this torch, or no C++ compiler that
+    answers ``--version`` where Inductor looks for one."""
+    if not hasattr(torch, "compile"):
+        return f"torch {torch.__version__} has no torch.compile"
+    try:
+        from torch._inductor import cpp_builder
+    except Exception as e:  # a torch built without Inductor
+        return f"Inductor is not available in torch {torch.__version__} ({type(e).__name__})"
+    try:
+        cpp_builder.get_cpp_compiler()
+    except Exception:
+        return f"no C++ compiler ({compiler_name()}) found"
+    return None
+
+
+def unavailable() -> str | None:
+    """Why compiling cannot run in this process (None: it can): :func:`compiler_problem`, or Windows (Inductor's
+    CPU backend wants a C++ toolchain set up by hand there)."""
+    if sys.platform == "win32":
+        return "Inductor's CPU backend needs a hand-configured C++ toolchain on Windows"
+    return compiler_problem()
+
+
+def _reason(error: BaseException) -> str:
+    """The first line of a compile failure, short."""
+    inner = error
+    for _ in range(4):  # Dynamo wraps the backend's exception (BackendCompilerFailed.inner_exception)
+        nxt = getattr(inner, "inner_exception", None) or inner.__cause__
+        if nxt is None:
+            break
+        inner = nxt
+    text = (str(inner).strip().splitlines() or [""])[0]
+    text = text if len(text) <= 160 else text[:157] + "..."
+    return f"{type(inner).__name__}: {text}" if text else type(inner).__name__
+
+
+class Compiled:
+    """``module.<method>`` through ``torch.compile`` (one graph per input shape), eager after a compile failure.
+
+    A failure is the compiler's when the eager call with the same arguments succeeds: then one line says why and
+    every later call runs eager. When eager fails too, the error is the caller's, and it is raised as eager raises
+    it, compiling left on."""
+
+    def __init__(self, module: nn.Module, name: str = "unet", method: str = "forward"):
+        self.module, self.name, self.method = module, name, method
+        self.failed: str | None = None
+        self._fn = torch.compile(getattr(module, method), dynamic=False, fullgraph=False,
+                                 options={"freezing": FREEZING})
+
+    def __call__(self, *args, **kwargs):
+        if self.failed is None:
+            try:
+                return self._fn(*args, **kwargs)
+            except Exception as e:
+                out = getattr(self.module, self.method)(*args, **kwargs)  # raises the caller's own errors
+                self.failed = _reason(e)
+                notice(f"compiling the {self.name} failed ({self.failed}); running eager")
+                return out
+        return getattr(self.module, self.method)(*args, **kwargs)
+
+    def __getattr__(self, name):  # dtype, config ...: the module's
+        return getattr(self.module, name)
+
+
+def compiled(module: nn.Module, name: str = "unet", method: str = "forward"):
+    """``module.<method>`` compiled (a :class:`Compiled`), or the eager method where compiling is unavailable
+    here (one line on stderr says why)."""
+    problem = unavailable()
+    if problem is not None:
+        notice(f"{problem}; running eager")
+        return getattr(module, method)
+    configure()
+    return Compiled(module, name, method)
+
+
+def blocker(manager, name: str, module: nn.Module | None = None) -> str | None:
+    """Why network ``name`` of ``manager`` (a :class:`~sdlite.engine.memory.ModelManager`; ``module``: as built)
+    runs eager however compiling is set (None: it can be compiled)."""
+    if name != "unet":
+        return f"only the UNet is compiled, not the {name}"
+    if module is not None and any(isinstance(m, (PackedConv2d, PackedLinear)) for m in module.modules()):
+        return ("the UNet's weights are prepacked for oneDNN (prepack=True), which Inductor takes only as constants "
+                "of a frozen graph")
+    if manager._streams_from_file(name):
+        return ("memory mode 0 streams the UNet's weights block by block with forward hooks, which swap its "
+                "parameters while it runs: a compiled graph cannot follow them")
+    if manager._streams(name):
+        return (f"the UNet's weights are kept in {manager.weight_dtype} and up-cast block by block by forward hooks, "
+                "which a compiled graph cannot follow")
+    if manager.quantize != "none":
+        return (f"the {manager.quantize} UNet reads its dynamic activation scales with .item(): a graph break at every "
+                "layer")
+    return None
+
+
+def compiles(manager, name: str) -> bool:
+    """Whether ``manager`` will run network ``name`` compiled (asked for, applicable, a compiler here): then the
+    manager builds it with plain weights, not prepacked ones (which Inductor's oneDNN lowerings take only from a
+    frozen graph: an unfrozen compile of them fails). The winograd convolutions compile as they are."""
+    return bool(manager.compile) and blocker(manager, name) is None and unavailable() is None
+
+
+def runner_for(manager, name: str, module: nn.Module):
+    """What runs ``module`` for ``manager`` (see :meth:`~sdlite.engine.memory.ModelManager.runner`): its compiled
+    forward, made once per module object and kept by the manager, or the module where compiling does not apply
+    (then one line says why, once)."""
+    held = manager._compiled.get(name)
+    if held is not None and held.module is module:
+        return held
+    why = unavailable() or blocker(manager, name, module)
+    if why is not None:
+        notice(f"{why}; running eager")
+        return module
+    configure()  # before the first compile
+    held = manager._compiled[name] = Compiled(module, name)
+    return held
