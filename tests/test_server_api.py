@@ -434,7 +434,9 @@ def test_sdxl_refiner_hand_off_equals_the_engine(sdxl):
     refiner = next(m for m in client.get(f"{API}/sd-models").json() if m["model_name"] == "refiner")
     assert refiner["hash"] and len(refiner["hash"]) == 10                      # known once loaded
     text = info["infotexts"][0]
-    assert f"Model: base, Refiner: refiner [{refiner['hash']}], Refiner switch at: 0.5, Version: sdlite" in text
+    # the precision the engine used (a tiny SDXL: exact under auto), then the refiner
+    assert f"Model: base, Precision: exact (auto), Refiner: refiner [{refiner['hash']}], Refiner switch at: 0.5, " \
+           "Version: sdlite" in text
     parsed = parse_infotext(text)
     assert parsed["Refiner"] == refiner["title"] and parsed["Refiner switch at"] == "0.5"
     assert info["extra_generation_params"]["Refiner"] == refiner["title"]
