@@ -19,12 +19,16 @@ OpenVINO's PERFORMANCE / ACCURACY execution modes:
   CPU with native bf16; ``exact`` on any other CPU, and for small UNets (under 128 channels at the first level,
   the demo's 32), where bf16 is slower than fp32 (a 20-step demo image: 0.21 s against 0.16 s).
 
-Why ``auto`` never picks int8 (measured, ``bench/precision.py``, SD 1.5 UNet, 512x512, batch 2, 2-core Zen 4
-with AVX512-VNNI and AVX512-BF16): one step takes 7.3 s in fp32, 3.6 s in int8 (8-bit activations), 3.5 s in bf16
-and 3.3 s in int8 with everything else in bf16; the step's output is at 30.7 dB (int8), 25.7 dB (int8 + bf16) and
-40.2 dB (bf16) against fp32. int8 is not faster than bf16 where both are native, and loses 10 dB. Without VNNI
-the activations use 7 bits (twice as coarse again, about 6 dB lower), below the bound: such a CPU gets ``exact``,
-which is never slower than before this policy existed.
+Why ``auto`` never picks int8 (``python bench/precision.py step``: SD 1.5 UNet, 512x512, batch 2, each precision
+in its own process, 2-core Zen 4 with AVX512-VNNI and AVX512-BF16): one step takes 5.50 s in exact (prepacked fp32,
+Winograd), 3.34 s in bf16 and 3.13 s in int8 (3.6 s against bf16's 3.5 s in an earlier run; int8 with bf16 between
+its layers 3.3 s); the step's output is at 40.2 dB (bf16), 30.8 dB (int8) and 25.7 dB (int8 + bf16) against exact.
+int8 is no more than a few per cent faster than bf16 where both are native, loses 10 dB, and leaves the decoder in
+fp32 (7.2 s against bf16's 3.5 s at 512x512). Without VNNI its activations use 7 bits (twice as coarse, about 6 dB
+lower again): such a CPU gets ``exact``, which is never slower than before this policy existed.
+
+Whole generations (``bench/openvino.py``, 512x512, 20 steps, medians of 3): exact 119.4 s, bf16 73.7 s; the bf16
+image is at 51.0 dB against exact's (``bench/precision.py``: 50.9 dB, the lowest of 8 seeds at 256x256).
 """
 from __future__ import annotations
 
