@@ -2,6 +2,8 @@
 
     python bench/precision.py step [--model FOLDER] [--size 512] [--precisions exact,bf16,int8]
     python bench/precision.py quality [--model FOLDER|demo] [--size 256] [--steps 20] [--seeds 8]
+    python bench/precision.py step --model bench/cache/sdxl-fp16 --size 1024 --precisions exact,bf16 --calls 1 \
+        --json bench/results-precision-sdxl.json                  (SDXL, as reported in BENCHMARKS.md)
     python bench/precision.py all [--out BENCHMARKS.md]          (what `make bench` runs: both, on the cached
                                                                    full-size SD 1.5 and on the demo)
 
@@ -46,16 +48,18 @@ def child_step(cfg: dict) -> dict:
     extra = {}
     if spec.is_sdxl:
         extra = {"text_embeds": torch.randn(2, 1280, generator=g),
-                 "time_ids": torch.tensor([[cfg["size"], cfg["size"], 0, 0, cfg["size"], cfg["size"]]] * 2.0)}
+                 "time_ids": torch.tensor([[cfg["size"], cfg["size"], 0, 0, cfg["size"], cfg["size"]]] * 2,
+                                          dtype=torch.float32)}
     with torch.no_grad():
         times = []
-        for _ in range(4):
+        for _ in range(cfg.get("calls", 4)):
             start = time.perf_counter()
             out = unet(x.to(unet.dtype), t, ctx.to(unet.dtype), **{k: v.to(unet.dtype) if k == "text_embeds" else v
                                                                   for k, v in extra.items()})
             times.append(time.perf_counter() - start)
     torch.save(out.float(), cfg["save"])
-    return {"precision": engine.precision.name, "first_s": times[0], "step_s": statistics.median(times[1:])}
+    return {"precision": engine.precision.name, "first_s": times[0],
+            "step_s": statistics.median(times[1:]) if len(times) > 1 else times[0]}
 
 
 def child_quality(cfg: dict) -> dict:
@@ -85,13 +89,13 @@ def run_child(kind: str, cfg: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def measure_steps(model: str, size: int, precisions: list[str], tmp: Path) -> list[dict]:
+def measure_steps(model: str, size: int, precisions: list[str], tmp: Path, calls: int = 4) -> list[dict]:
     import torch
 
     rows = []
     for p in precisions:
         save = tmp / f"step-{p}.pt"
-        row = run_child("step", {"model": model, "precision": p, "size": size, "save": str(save)})
+        row = run_child("step", {"model": model, "precision": p, "size": size, "save": str(save), "calls": calls})
         row["requested"] = p
         rows.append(row)
         print(f"step {size}^2 {p}: {row}", file=sys.stderr)
@@ -177,6 +181,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--precisions", default="exact,bf16,int8")
+    ap.add_argument("--calls", type=int, default=4, help="UNet calls per process: a warm-up, then the median of the "
+                                                          "rest (1: the one call)")
     ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     ap.add_argument("--json", default=str(HERE / "results-precision.json"))
     args = ap.parse_args()
@@ -188,7 +194,7 @@ def main() -> int:
         tmp = Path(tmp)
         result = {}
         if args.what in ("step", "all"):
-            result["steps"] = measure_steps(args.model, args.size or 512, args.precisions.split(","), tmp)
+            result["steps"] = measure_steps(args.model, args.size or 512, args.precisions.split(","), tmp, args.calls)
             result["step_size"] = args.size or 512
         if args.what in ("quality", "all"):
             runs = [(args.model, "auto")] + ([("demo", "auto"), ("demo", "bf16")] if args.what == "all" else [])
