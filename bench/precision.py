@@ -200,6 +200,9 @@ def main() -> int:
             runs = [(args.model, "auto")] + ([("demo", "auto"), ("demo", "bf16")] if args.what == "all" else [])
             result["quality"] = [measure_quality(m, (args.size or 256) if m != "demo" else 64, args.steps,
                                                  args.seeds, tmp, fast) for m, fast in runs]
+    for q in result.get("quality", []):   # the model as the repository names it, not this machine's path
+        path = Path(q["model"])
+        q["model"] = str(path.relative_to(ROOT)) if path.is_absolute() and path.is_relative_to(ROOT) else q["model"]
     print(json.dumps(result, indent=1))
     Path(args.json).write_text(json.dumps(result, indent=1))
     if args.what == "all":
