@@ -105,8 +105,8 @@ def auto_choice(device: str | torch.device = "cpu", cpu: CPUInfo | None = None, 
                          "0.21 s a 20-step image in bf16, 0.16 s in fp32)")
     if cpu.native_bf16:
         flags = ", ".join(f for f in ("avx512_bf16", "amx_bf16", "avx_ne_convert") if cpu.has(f))
-        return "bf16", (f"native bf16 dot products ({flags}): the UNet and VAE in bf16 run about 2x faster than "
-                        "fp32 at >= 40 dB against it")
+        return "bf16", (f"native bf16 dot products ({flags}): the UNet and VAE in bf16 run about 1.6x faster than "
+                        "fp32 (a 512x512 SD 1.5 image: 73.7 s against 119.4 s) at >= 40 dB against it")
     if cpu.avx512:
         return "exact", ("AVX-512 without native bf16: bf16 would be emulated (2.5-3x slower than fp32) and int8 "
                          "falls below the quality bound; fp32")
