@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SDLiteError
-from .cpu import CPUInfo, bf16_support, this_cpu
+from .cpu import BF16_FLAGS, CPUInfo, bf16_support, this_cpu
 from .quant import BF16Warning, check_quantize_mode
 
 PRECISIONS = {
@@ -104,7 +104,7 @@ def auto_choice(device: str | torch.device = "cpu", cpu: CPUInfo | None = None, 
                          f"{MIN_BF16_CHANNELS}): bf16's conversions cost more than its kernels save (the demo: "
                          "0.21 s a 20-step image in bf16, 0.16 s in fp32)")
     if cpu.native_bf16:
-        flags = ", ".join(f for f in ("avx512_bf16", "amx_bf16", "avx_ne_convert") if cpu.has(f))
+        flags = ", ".join(f for f in BF16_FLAGS if cpu.has(f))
         return "bf16", (f"native bf16 dot products ({flags}): the UNet and VAE in bf16 run about 1.6x faster than "
                         "fp32 (a 512x512 SD 1.5 image: 73.7 s against 119.4 s) at >= 40 dB against it")
     if cpu.avx512:
