@@ -195,9 +195,25 @@ class UNetConfig:
     flip_sin_to_cos: bool = True
     freq_shift: float = 0.0
     sample_size: int = 64
+    # A class-conditioned UNet (diffusers' num_class_embeds with class_embed_type None; the original's num_classes):
+    # a table of this many time-embedding-wide vectors (``class_embedding``), the row of each sample's label added to
+    # its time embedding. The x4 upscaler's label is the noise level of its low-resolution input. 0: none.
+    num_class_embeds: int = 0
+    # Per level: the first attention of each transformer block attends to the text context instead of the image
+    # (diffusers' only_cross_attention, the original's disable_self_attentions); () for none. Only levels with
+    # attention keep a True (the x4 upscaler: (False, True, True, False)); the middle block never has it.
+    cross_only: tuple[bool, ...] = ()
 
     def __post_init__(self):
         n = len(self.block_channels)
+        if self.cross_only:
+            if len(self.cross_only) != n:
+                raise ConfigError(f"UNet config: {n} levels in block_channels but cross_only {self.cross_only} has "
+                                  f"{len(self.cross_only)}")
+            only = tuple(bool(c) and a for c, a in zip(self.cross_only, self.attention))
+            object.__setattr__(self, "cross_only", only if any(only) else ())
+        if self.num_class_embeds < 0:
+            raise ConfigError(f"UNet config: num_class_embeds {self.num_class_embeds} must be 0 (none) or more")
         if len(self.attention) != n or len(self.heads) != n:
             raise ConfigError(
                 f"UNet config: {n} levels in block_channels but {len(self.attention)} attention flags "
@@ -222,6 +238,10 @@ class UNetConfig:
     def time_embed_dim(self) -> int:
         return self.block_channels[0] * 4
 
+    def cross_only_at(self, level: int) -> bool:
+        """Whether the transformers of ``level`` attend to the text in place of their self-attention."""
+        return bool(self.cross_only) and self.cross_only[level]
+
     def depth_at(self, level: int) -> int:
         """Transformer blocks per spatial transformer at ``level`` (-1: the middle block)."""
         d = self.transformer_depth
@@ -233,7 +253,7 @@ class UNetConfig:
         unsupported = {
             "class_embed_type": None, "encoder_hid_dim": None,
             "time_embedding_type": "positional", "resnet_time_scale_shift": "default",
-            "only_cross_attention": False, "dual_cross_attention": False, "num_class_embeds": None,
+            "dual_cross_attention": False,
             "mid_block_type": "UNetMidBlock2DCrossAttn", "center_input_sample": False,
             "conv_in_kernel": 3, "conv_out_kernel": 3, "act_fn": "silu", "downsample_padding": 1,
             "mid_block_scale_factor": 1, "time_cond_proj_dim": None, "class_embeddings_concat": False,
@@ -241,8 +261,6 @@ class UNetConfig:
         }
         for key, default in unsupported.items():
             value = cfg.get(key, default)
-            if isinstance(value, list) and key == "only_cross_attention":
-                value = any(value)
             if value != default:
                 raise ConfigError(f"UNet config field {key}={value!r} is not supported (expected {default!r})")
         down = list(cfg.get("down_block_types", []))
@@ -277,6 +295,14 @@ class UNetConfig:
         layers = cfg.get("layers_per_block", 2)
         if isinstance(layers, (list, tuple)):
             raise ConfigError(f"UNet config: layers_per_block={layers} must be one integer")
+        # one flag for every block (the middle block's attention ignores it in diffusers' UNetMidBlock2DCrossAttn),
+        # or one per down block, the up path taking them reversed: per level
+        only = cfg.get("only_cross_attention", False)
+        only = [only] * len(down) if isinstance(only, bool) else list(only)
+        if len(only) != len(down):
+            raise ConfigError(f"UNet config: only_cross_attention {only} has {len(only)} flags for "
+                              f"{len(down)} down blocks")
+        classes = cfg.get("num_class_embeds") or 0
         return cls(
             in_channels=cfg.get("in_channels", 4),
             out_channels=cfg.get("out_channels", 4),
@@ -295,6 +321,8 @@ class UNetConfig:
             flip_sin_to_cos=cfg.get("flip_sin_to_cos", True),
             freq_shift=cfg.get("freq_shift", 0),
             sample_size=cfg.get("sample_size", 64),
+            num_class_embeds=int(classes),
+            cross_only=tuple(bool(o) for o in only) if any(only) else (),
         )
 
     def to_diffusers(self) -> dict:
@@ -316,6 +344,8 @@ class UNetConfig:
                                              else self.transformer_depth),
             **({"addition_embed_type": self.addition_embed, "addition_time_embed_dim": self.addition_time_embed_dim,
                 "projection_class_embeddings_input_dim": self.add_embed_in} if self.addition_embed else {}),
+            **({"num_class_embeds": self.num_class_embeds} if self.num_class_embeds else {}),
+            **({"only_cross_attention": list(self.cross_only)} if self.cross_only else {}),
             "norm_num_groups": self.norm_groups,
             "norm_eps": self.norm_eps,
             "flip_sin_to_cos": self.flip_sin_to_cos,
@@ -500,6 +530,13 @@ PUBLISHED_SCHEDULERS: dict[str, tuple[str, dict]] = {
     "sd-turbo": ("stabilityai/sd-turbo",
                  {**_LDM_SCHEDULE, "_class_name": "EulerDiscreteScheduler", "timestep_spacing": "trailing",
                   "prediction_type": "epsilon"}),
+    # the x4 upscaler's: its own training schedule (linear in sqrt(beta) from 0.0001 to 0.02, the original's
+    # linear_start / linear_end), v-prediction, sampled by DDIM
+    "sd-x4-upscaler": ("stabilityai/stable-diffusion-x4-upscaler",
+                       {"_class_name": "DDIMScheduler", "beta_start": 0.0001, "beta_end": 0.02,
+                        "beta_schedule": "scaled_linear", "num_train_timesteps": 1000, "steps_offset": 1,
+                        "set_alpha_to_one": False, "clip_sample": False, "skip_prk_steps": True,
+                        "trained_betas": None, "prediction_type": "v_prediction"}),
 }
 
 # The published files predate the ``timestep_spacing`` field. diffusers fills a missing field with the default of the
@@ -566,6 +603,11 @@ class ModelSpec:
     force_zeros_for_empty_prompt: bool = False
     requires_aesthetics_score: bool = False
     turbo: bool = False               # a distilled Turbo model: trailing spacing, 1-4 steps, no guidance
+    # the x4 upscaler (family X4_FAMILY): the DDPM schedule by which its low-resolution input is noised to the
+    # requested noise level (low_res_scheduler/scheduler_config.json), and the highest level it accepts
+    # (model_index.json max_noise_level)
+    low_res_scheduler: dict | None = None
+    max_noise_level: int = 0
 
     def replace(self, **changes) -> "ModelSpec":
         return dataclasses.replace(self, **changes)
@@ -575,6 +617,12 @@ class ModelSpec:
         """Conditioned the SDXL way: penultimate hidden states of one or two CLIP towers, a pooled text embedding
         and size/crop (or aesthetic) time ids."""
         return self.unet.addition_embed == "text_time"
+
+    @property
+    def is_x4_upscaler(self) -> bool:
+        """The SD x4 upscaler: a UNet conditioned on a noised low-resolution image (concatenated to the latent)
+        and on its noise level (a class label), run by :mod:`sdlite.upscalers.x4`."""
+        return self.family == X4_FAMILY
 
     @property
     def text_encoders(self) -> tuple[str, ...]:
@@ -677,6 +725,34 @@ SDXL_TURBO = SDXL_BASE.replace(
 # stabilityai/sd-turbo: SD 2.1 (23-layer OpenCLIP ViT-H text tower, epsilon) distilled the same way, 512x512
 SD_TURBO = SD21_BASE.replace(turbo=True, scheduler=dict(PUBLISHED_SCHEDULERS["sd-turbo"][1]))
 
+# stabilityai/stable-diffusion-x4-upscaler (model_index.json: StableDiffusionUpscalePipeline, max_noise_level 350;
+# text_encoder, unet, vae config.json; scheduler and low_res_scheduler scheduler_config.json), the diffusers form of
+# Stability-AI/stablediffusion configs/stable-diffusion/x4-upscaling.yaml. SD 2.x's OpenCLIP ViT-H text tower. The
+# UNet takes 7 channels (4 latent + the noised low-resolution RGB image), 256/512/512/1024 wide, attention at the
+# last three levels with 8 heads each and linear projections; at the middle two levels the first attention of each
+# transformer block attends to the text too (only_cross_attention); the noise level of the low-resolution image is a
+# class label (1000 embeddings). A 3-level VAE (the latent is H/4 x W/4) scaled by 0.08333 (the pipeline enforces
+# it). The latent has the input image's size: the output is 4x the input.
+X4_FAMILY = "sd-x4-upscaler"
+X4_SCALING_FACTOR = 0.08333
+X4_LOW_RES_SCHEDULER = {"_class_name": "DDPMScheduler", "beta_start": 0.0001, "beta_end": 0.02,
+                        "beta_schedule": "scaled_linear", "num_train_timesteps": 1000, "clip_sample": True,
+                        "prediction_type": "epsilon", "trained_betas": None, "variance_type": "fixed_small"}
+X4_MAX_NOISE_LEVEL = 350
+SD_X4_UPSCALER = ModelSpec(
+    family=X4_FAMILY,
+    text=_SD2_TEXT,
+    unet=UNetConfig(in_channels=7, block_channels=(256, 512, 512, 1024), attention=(False, True, True, True),
+                    heads=(8, 8, 8, 8), context_dim=1024, linear_projection=True, num_class_embeds=1000,
+                    cross_only=(False, True, True, False), sample_size=128),
+    vae=VAEConfig(block_channels=(128, 256, 512), scaling_factor=X4_SCALING_FACTOR, sample_size=256),
+    prediction_type="v_prediction",
+    default_size=512,
+    scheduler=dict(PUBLISHED_SCHEDULERS[X4_FAMILY][1]),
+    low_res_scheduler=dict(X4_LOW_RES_SCHEDULER),
+    max_noise_level=X4_MAX_NOISE_LEVEL,
+)
+
 PRESETS: dict[str, ModelSpec] = {
     "sd15": SD15,
     "sd15-inpaint": SD15_INPAINT,
@@ -690,4 +766,5 @@ PRESETS: dict[str, ModelSpec] = {
     "sdxl-refiner": SDXL_REFINER,
     "sdxl-turbo": SDXL_TURBO,
     "sd-turbo": SD_TURBO,
+    "sd-x4-upscaler": SD_X4_UPSCALER,
 }

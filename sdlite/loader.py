@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .config import (PRESETS, BertTextConfig, ConfigError, ModelSpec, TextEncoderConfig, UNetConfig, VAEConfig,
-                     explicit_spacing, is_bert, published_scheduler)
+from .config import (PRESETS, X4_FAMILY, X4_LOW_RES_SCHEDULER, X4_MAX_NOISE_LEVEL, X4_SCALING_FACTOR, BertTextConfig,
+                     ConfigError, ModelSpec, TextEncoderConfig, UNetConfig, VAEConfig, explicit_spacing, is_bert,
+                     published_scheduler)
 from .errors import CheckpointError
 from .models.bert import BertTextEncoder
 from .models.clip import CLIPTextEncoder
@@ -40,6 +41,7 @@ _SPEC_FIELD = {"text_encoder": "text", "text_encoder_2": "text2", "unet": "unet"
 # pipeline classes of the diffusers folders sdlite opens (model_index.json _class_name)
 SD_PIPELINES = ("StableDiffusionPipeline", "StableDiffusionInpaintPipeline", "StableDiffusionImg2ImgPipeline")
 SDXL_PIPELINES = ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline")
+X4_PIPELINES = ("StableDiffusionUpscalePipeline",)   # the SD x4 upscaler (run by sdlite.upscalers.x4)
 # model_index.json key of a folder that holds only some components and takes the others from another folder (a
 # path relative to it): the shipped ``demo-zh`` has its own text encoder and tokenizer and shares the demo's UNet,
 # VAE and scheduler. diffusers ignores keys that start with "_".
@@ -410,9 +412,10 @@ def _open_diffusers_folder(folder: Path) -> Checkpoint:
     cls = index.get("_class_name", "")
     if cls in SDXL_PIPELINES:
         return _open_sdxl_folder(folder, index, index_file)
-    if cls and cls not in SD_PIPELINES:
+    if cls and cls not in SD_PIPELINES + X4_PIPELINES:
         raise CheckpointError(f"pipeline class {cls!r} is not a pipeline sdlite runs (Stable Diffusion 1.x/2.x: "
-                              f"{', '.join(SD_PIPELINES)}; SDXL: {', '.join(SDXL_PIPELINES)})", index_file)
+                              f"{', '.join(SD_PIPELINES)}; SDXL: {', '.join(SDXL_PIPELINES)}; the x4 upscaler: "
+                              f"{', '.join(X4_PIPELINES)})", index_file)
     where = _component_folders(folder, index, index_file)
     stores: list[TensorStore] = []
     sources: dict[str, ComponentSource] = {}
@@ -457,9 +460,9 @@ def _open_diffusers_folder(folder: Path) -> Checkpoint:
                                       f"{unet.context_dim}", folder)
             if pad is not None:
                 text = dataclasses.replace(text, pad_token_id=pad)
-        elif tokenizer_dir is None:
-            text = dataclasses.replace(text, pad_token_id=SD2_PAD_TOKEN_ID if detection.base_family == "sd2"
-                                       else SD1_PAD_TOKEN_ID)
+        elif tokenizer_dir is None:   # OpenCLIP towers (SD 2.x, the x4 upscaler) pad with "!", CLIP-L with the end
+            openclip = detection.base_family == "sd2" or detection.family == X4_FAMILY
+            text = dataclasses.replace(text, pad_token_id=SD2_PAD_TOKEN_ID if openclip else SD1_PAD_TOKEN_ID)
         else:
             text = dataclasses.replace(text, pad_token_id=pad)
         sched_file = where["scheduler"] / "scheduler_config.json"
@@ -469,14 +472,20 @@ def _open_diffusers_folder(folder: Path) -> Checkpoint:
             raise CheckpointError(f"prediction_type {prediction!r} is not supported", sched_file)
         base = _family_preset(detection.family, prediction)
         sched_cfg, sched_source = _folder_scheduler(sched_file, scheduler, detection.family, prediction)
+        x4_parts, notes = {}, []
+        if (detection.family == X4_FAMILY) != (cls in X4_PIPELINES) and cls:
+            what = "an x4 upscaler's" if detection.family == X4_FAMILY else f"a {detection.family} one"
+            raise CheckpointError(f"model_index.json names {cls} but the UNet is {what}", index_file)
+        if detection.family == X4_FAMILY:
+            x4_parts, notes = _x4_folder_parts(folder, index, index_file, vae, configs["vae"])
+            vae = x4_parts.pop("vae")
         spec = base.replace(family=detection.family, text=text, unet=unet, vae=vae, prediction_type=prediction,
                             scheduler=sched_cfg, default_size=unet.sample_size * vae.downscale,
-                            turbo=_says_turbo(index, scheduler))
+                            turbo=_says_turbo(index, scheduler), **x4_parts)
     except BaseException:
         for store in stores:
             store.close()
         raise
-    notes = []
     if index.get(SHARED_FROM_KEY) is not None:
         own = [p for p in ("text_encoder", "tokenizer", "unet", "vae", "scheduler") if (folder / p).is_dir()]
         notes.append(f"holds {', '.join(own)}; the other parts are shared from {index[SHARED_FROM_KEY]!r}")
@@ -579,6 +588,40 @@ def _open_sdxl_folder(folder: Path, index: dict, index_file: Path) -> Checkpoint
                       _tokenizer=tokenizers.get("text_encoder"), _tokenizer_2=tokenizers["text_encoder_2"])
 
 
+def _x4_folder_parts(folder: Path, index: dict, index_file: Path, vae: VAEConfig,
+                     vae_config: dict) -> tuple[dict, list[str]]:
+    """An x4 upscaler folder's own parts: ``{"low_res_scheduler", "max_noise_level", "vae"}`` for its ModelSpec, and
+    notes. The low-resolution image's DDPM schedule comes from ``low_res_scheduler/scheduler_config.json`` (completed
+    by the published one, which a folder without it gets whole), the highest noise level from model_index.json
+    (diffusers' default 350 where it does not say). The VAE's latents are scaled by 0.08333 whatever its config says,
+    as diffusers' StableDiffusionUpscalePipeline enforces."""
+    from .sampling.schedules import NoiseSchedule, ScheduleError
+
+    notes = []
+    low_file = folder / "low_res_scheduler" / "scheduler_config.json"
+    low = dict(X4_LOW_RES_SCHEDULER)
+    if low_file.is_file():
+        low.update({k: v for k, v in _read_json(low_file).items() if k != "_diffusers_version"})
+    else:
+        notes.append("no low_res_scheduler/scheduler_config.json: the low-resolution image is noised by the schedule "
+                      "published with stabilityai/stable-diffusion-x4-upscaler")
+        low_file = index_file
+    try:
+        n_train = NoiseSchedule.from_config(low).num_train_timesteps
+    except ScheduleError as e:
+        raise CheckpointError(f"unusable low-resolution noise schedule: {e}", low_file) from None
+    level = index.get("max_noise_level", X4_MAX_NOISE_LEVEL)
+    if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level < n_train:
+        raise CheckpointError(f"max_noise_level {level!r} is not valid: expected an integer from 0 to {n_train - 1} "
+                              "(the low-resolution schedule's timesteps)", index_file)
+    if vae.scaling_factor != X4_SCALING_FACTOR:
+        stated = vae_config.get("scaling_factor")
+        notes.append(f"vae/config.json {'has no scaling_factor' if stated is None else f'says scaling_factor {stated}'}"
+                     f": the x4 upscaler's latents are scaled by {X4_SCALING_FACTOR}, as diffusers enforces")
+        vae = dataclasses.replace(vae, scaling_factor=X4_SCALING_FACTOR)
+    return {"low_res_scheduler": low, "max_noise_level": level, "vae": vae}, notes
+
+
 def _folder_scheduler(sched_file: Path, scheduler: dict, family: str, prediction: str) -> tuple[dict, str]:
     """A folder's scheduler config (``scheduler``, read from ``sched_file``; empty when there is none) completed by
     the one published for ``family``, the timestep spacing made explicit, and a line saying where it came from."""
@@ -646,6 +689,9 @@ def _open_single_file(path: Path, use_ema: bool) -> Checkpoint:
             _set_prediction(ckpt, "epsilon", "family default (SD 1.x is always epsilon)")
         elif detection.base_family == "sdxl":  # the UNet probe below cannot run without SDXL's added conditioning
             _set_prediction(ckpt, "epsilon", "family default (SDXL is epsilon unless the file says otherwise)")
+        elif detection.family == X4_FAMILY:   # nor without the x4 upscaler's image and noise level
+            _set_prediction(ckpt, "v_prediction", "family default (the x4 upscaler is v-prediction: parameterization "
+                                                  "v in its x4-upscaling.yaml)")
     return ckpt
 
 
@@ -775,6 +821,8 @@ def _family_preset(family: str, prediction: str, turbo: bool = False) -> ModelSp
     distilled SDXL-Turbo / SD-Turbo)."""
     if family in ("sdxl", "sdxl-refiner"):
         preset = PRESETS["sdxl-turbo" if turbo and family == "sdxl" else family]
+    elif family == X4_FAMILY:
+        preset = PRESETS[X4_FAMILY]
     elif family.startswith("sd2"):
         if turbo and family == "sd2" and prediction == "epsilon":
             preset = PRESETS["sd-turbo"]

@@ -41,19 +41,23 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-LayerNorm self-attention, cross-attention on the text context, and a GEGLU feed-forward."""
+    """Pre-LayerNorm self-attention, cross-attention on the text context, and a GEGLU feed-forward.
 
-    def __init__(self, dim: int, heads: int, context_dim: int):
+    ``cross_only``: the first attention attends to the text context as well, in place of the self-attention (the x4
+    upscaler's middle levels)."""
+
+    def __init__(self, dim: int, heads: int, context_dim: int, cross_only: bool = False):
         super().__init__()
+        self.cross_only = cross_only
         self.norm1 = nn.LayerNorm(dim)
-        self.attn1 = Attention(dim, heads)
+        self.attn1 = Attention(dim, heads, context_dim=context_dim if cross_only else None)
         self.norm2 = nn.LayerNorm(dim)
         self.attn2 = Attention(dim, heads, context_dim=context_dim)
         self.norm3 = nn.LayerNorm(dim)
         self.ff = FeedForward(dim)
 
     def forward(self, x, context):
-        x = residual(x, self.attn1(self.norm1(x)))
+        x = residual(x, self.attn1(self.norm1(x), context if self.cross_only else None))
         x = residual(x, self.attn2(self.norm2(x), context))
         return residual(x, self.ff(self.norm3(x)))
 
@@ -64,12 +68,14 @@ class SpatialTransformer(nn.Module):
     SD 1.x projects with 1x1 convolutions before flattening; SD 2.x with Linear layers after flattening.
     """
 
-    def __init__(self, ch: int, heads: int, context_dim: int, depth: int, linear: bool, groups: int):
+    def __init__(self, ch: int, heads: int, context_dim: int, depth: int, linear: bool, groups: int,
+                 cross_only: bool = False):
         super().__init__()
         self.linear = linear
         self.norm = nn.GroupNorm(groups, ch, eps=1e-6)
         self.proj_in = nn.Linear(ch, ch) if linear else nn.Conv2d(ch, ch, 1)
-        self.transformer_blocks = nn.ModuleList(TransformerBlock(ch, heads, context_dim) for _ in range(depth))
+        self.transformer_blocks = nn.ModuleList(TransformerBlock(ch, heads, context_dim, cross_only)
+                                                for _ in range(depth))
         self.proj_out = nn.Linear(ch, ch) if linear else nn.Conv2d(ch, ch, 1)
 
     def forward(self, x, context):
@@ -97,7 +103,7 @@ class DownBlock(nn.Module):
         if cfg.attention[level]:
             self.attentions = nn.ModuleList(
                 SpatialTransformer(out_ch, cfg.heads[level], cfg.context_dim, cfg.depth_at(level),
-                                   cfg.linear_projection, g) for _ in range(n))
+                                   cfg.linear_projection, g, cfg.cross_only_at(level)) for _ in range(n))
         if level < len(cfg.block_channels) - 1:
             self.downsamplers = nn.ModuleList([Downsample(out_ch, padding=1)])
 
@@ -128,7 +134,7 @@ class UpBlock(nn.Module):
         if cfg.attention[level]:
             self.attentions = nn.ModuleList(
                 SpatialTransformer(out_ch, cfg.heads[level], cfg.context_dim, cfg.depth_at(level),
-                                   cfg.linear_projection, g) for _ in range(n + 1))
+                                   cfg.linear_projection, g, cfg.cross_only_at(level)) for _ in range(n + 1))
         if level > 0:
             self.upsamplers = nn.ModuleList([Upsample(out_ch)])
 
@@ -163,6 +169,10 @@ class UNet(nn.Module):
     embedding, and ``time_ids`` (B, 6 or 5), the size/crop ids (original size, crop top-left, target size; the
     refiner has an aesthetic score instead of the target size): each id is embedded sinusoidally, the pooled text
     is appended, and an MLP (``add_embedding``) maps them to a vector added to the time embedding.
+
+    A class-conditioned UNet (``num_class_embeds``: the x4 upscaler, whose class is the noise level of its
+    low-resolution input) takes ``class_labels`` (B,) integers: the row of ``class_embedding`` each selects is added
+    to the time embedding.
     """
 
     def __init__(self, cfg: UNetConfig):
@@ -173,6 +183,8 @@ class UNet(nn.Module):
         self.time_embedding = TimestepEmbedding(chans[0], temb_dim)
         if cfg.addition_embed == "text_time":
             self.add_embedding = TimestepEmbedding(cfg.add_embed_in, temb_dim)
+        if cfg.num_class_embeds:
+            self.class_embedding = nn.Embedding(cfg.num_class_embeds, temb_dim)
         self.down_blocks = nn.ModuleList(
             DownBlock(cfg, i, chans[max(i - 1, 0)], chans[i], temb_dim) for i in range(len(chans)))
         self.mid_block = MidBlock(cfg, temb_dim)
@@ -190,7 +202,8 @@ class UNet(nn.Module):
         return getattr(layer, "compute_dtype", None) or layer.weight.dtype
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
-                text_embeds: torch.Tensor | None = None, time_ids: torch.Tensor | None = None) -> torch.Tensor:
+                text_embeds: torch.Tensor | None = None, time_ids: torch.Tensor | None = None,
+                class_labels: torch.Tensor | None = None) -> torch.Tensor:
         cfg = self.config
         t = t.reshape(-1).to(x.device)
         if t.numel() == 1:
@@ -198,6 +211,8 @@ class UNet(nn.Module):
         context = context.to(x.dtype)  # the text encoders may compute in another precision (fp32 under bf16)
         temb = timestep_embedding(t, cfg.block_channels[0], cfg.flip_sin_to_cos, cfg.freq_shift)
         temb = self.time_embedding(temb.to(x.dtype))                       # (B, 4*C0)
+        if cfg.num_class_embeds or class_labels is not None:
+            temb = temb + self._class_embedding(class_labels, x)
         if cfg.addition_embed == "text_time":
             temb = temb + self._added_embedding(text_embeds, time_ids, x.shape[0], x.dtype)
 
@@ -213,6 +228,21 @@ class UNet(nn.Module):
             size = sizes[-2 - i] if i < len(self.up_blocks) - 1 else None
             x = block(x, temb, context, skips, size)
         return self.conv_out(norm_silu(self.conv_norm_out, x))
+
+    def _class_embedding(self, labels, x: torch.Tensor) -> torch.Tensor:
+        n = self.config.num_class_embeds
+        if not n:
+            raise ValueError("class_labels were given, but this UNet has no class embedding (num_class_embeds)")
+        if labels is None:
+            raise ValueError(f"this UNet is class-conditioned ({n} class embeddings; the x4 upscaler: the noise "
+                             "level of its low-resolution input): pass class_labels")
+        batch = x.shape[0]
+        labels = torch.as_tensor(labels).reshape(-1).to(x.device, torch.long)
+        if labels.numel() == 1 and batch > 1:
+            labels = labels.expand(batch)
+        if labels.numel() != batch or not bool(((labels >= 0) & (labels < n)).all()):
+            raise ValueError(f"class_labels {labels.tolist()}: expected {batch} integers from 0 to {n - 1}")
+        return self.class_embedding(labels).to(x.dtype)                     # (B, 4*C0)
 
     def _added_embedding(self, text_embeds, time_ids, batch: int, dtype) -> torch.Tensor:
         cfg = self.config

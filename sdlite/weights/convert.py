@@ -24,7 +24,9 @@ Layouts handled here:
 * SDXL (Stability's SGM layout): the text encoders are ``conditioner.embedders.N.``, ``transformer.`` (CLIP ViT-L,
   transformers names: ``text_encoder``) or ``model.`` (OpenCLIP bigG: ``text_encoder_2``, all layers, and
   ``text_projection`` stored as the matrix of ``x @ text_projection``, the transpose of a Linear weight); the UNet's
-  added-conditioning MLP is ``label_emb.0.0`` / ``label_emb.0.2`` (diffusers' ``add_embedding.linear_1/2``).
+  added-conditioning MLP is ``label_emb.0.0`` / ``label_emb.0.2`` (diffusers' ``add_embedding.linear_1/2``); a
+  class-conditioned UNet's table (the x4 upscaler's noise-level embedding) is ``label_emb.weight``
+  (``class_embedding.weight``).
 * Legacy diffusers VAE attention names (``query/key/value/proj_attn``), see :func:`normalize_diffusers_keys`.
 * TAESD halves in madebyollin's layout (bare ``nn.Sequential`` indices), see :func:`taesd_from_original`.
 """
@@ -514,6 +516,8 @@ class UNetStructure:
             # SDXL's added conditioning (pooled text + size/crop ids): an MLP like the time embedding's
             _Rule("label_emb.0.0", "add_embedding.linear_1"),
             _Rule("label_emb.0.2", "add_embedding.linear_2"),
+            # a class-conditioned UNet's embedding table (the x4 upscaler's noise level): nn.Embedding in both
+            _Rule("label_emb", "class_embedding"),
             _Rule("input_blocks.0.0", "conv_in"),
             _Rule("out.0", "conv_norm_out"),
             _Rule("out.2", "conv_out"),

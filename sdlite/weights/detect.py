@@ -7,7 +7,9 @@ Everything sdlite concludes about a weights file is concluded here:
 * the family: ``sd1`` / ``sd2`` (OpenAI CLIP-L vs OpenCLIP ViT-H text tower; UNet cross-attention context
   768 vs 1024) and their inpainting variants ``sd1-inpaint`` / ``sd2-inpaint`` (9 UNet input channels);
   ``sdxl`` (CLIP-L and OpenCLIP bigG, context 768 + 1280 = 2048, a UNet with added "text_time" conditioning)
-  and ``sdxl-refiner`` (bigG alone, context 1280, four UNet levels);
+  and ``sdxl-refiner`` (bigG alone, context 1280, four UNet levels); ``sd-x4-upscaler`` (SD 2.x's OpenCLIP text
+  tower, a UNet of 7 input channels -- the latent and the low-resolution image -- with a class embedding for the
+  image's noise level, and a 3-level VAE);
 * a clear refusal, saying what the file looks like, for LoRA / LyCORIS adapters, textual-inversion
   embeddings, ControlNets, standalone VAEs or text encoders, transformer-based models and anything else;
 * the UNet, VAE and text-encoder configs implied by the shapes (:class:`UNetInfo`, :class:`VAEInfo`,
@@ -21,6 +23,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from ..config import X4_FAMILY
 from ..errors import CheckpointError
 from .convert import (
     CLIP_PREFIX, EMA_PREFIX, EMBEDDERS_PREFIX, OPENCLIP_PREFIX, UNET_PREFIX, VAE_PREFIX, UNetStructure,
@@ -48,6 +51,9 @@ CONTEXT_DIMS = {768: "sd1", 1024: "sd2"}
 SDXL_CONTEXT_DIMS = {2048: "sdxl", 1280: "sdxl-refiner"}
 SDXL_TIME_IDS = {"sdxl": 6, "sdxl-refiner": 5}
 SDXL_TIME_EMBED_DIM = 256
+# the SD x4 upscaler (family X4_FAMILY): its UNet reads the latent and the noised low-resolution RGB image side by side
+X4_IN_CHANNELS = 7
+X4_UNET_HEADS = 8   # at every level, whatever its width (num_heads: 8 in x4-upscaling.yaml), unlike SD 2.x's 64-wide heads
 
 
 class UnsupportedModelError(CheckpointError):
@@ -79,6 +85,8 @@ class UNetInfo:
     mid_transformer_depth: int = 0       # blocks in the middle block's transformer (0: read nothing)
     add_embed_in: int = 0
     addition_time_embed_dim: int = SDXL_TIME_EMBED_DIM
+    num_class_embeds: int = 0            # rows of the class-embedding table (``class_embedding.weight``; 0: none)
+    cross_only: tuple[bool, ...] = ()    # per level: attn1 attends to the context (its to_k is context-wide)
 
     @property
     def model_channels(self) -> int:
@@ -115,6 +123,10 @@ class UNetInfo:
         if self.add_embed_in:
             out.update(addition_embed="text_time", add_embed_in=self.add_embed_in,
                        addition_time_embed_dim=self.addition_time_embed_dim)
+        if self.num_class_embeds:
+            out["num_class_embeds"] = self.num_class_embeds
+        if any(self.cross_only):
+            out["cross_only"] = self.cross_only
         return out
 
 
@@ -167,7 +179,7 @@ class TextEncoderInfo:
 class Detection:
     layout: str                                  # "original" | "diffusers"
     family: str                                  # "sd1" | "sd2" | "sd1-inpaint" | "sd2-inpaint" | "sdxl" |
-                                                 # "sdxl-refiner"
+                                                 # "sdxl-refiner" | "sd-x4-upscaler"
     components: tuple[str, ...]                  # of "unet", "vae", "text_encoder", "text_encoder_2"
     unet: UNetInfo
     vae: VAEInfo | None = None
@@ -308,6 +320,13 @@ def infer_unet(shapes: Shapes) -> UNetInfo:
     mid_depth = len({int(m.group(1)) for k in shapes
                      if (m := re.match(r"mid_block\.attentions\.0\.transformer_blocks\.(\d+)\.", k))})
     add = shapes.get("add_embedding.linear_1.weight")
+    classes = shapes.get("class_embedding.weight")
+    # attn1 reads the context where its key projection's input is context-wide rather than the level's width (not
+    # visible at a level whose width is the context's: taken as self-attention there, as the x4 upscaler has it)
+    cross_only = []
+    for i, ch in enumerate(channels):
+        k1 = shapes.get(f"down_blocks.{i}.attentions.0.transformer_blocks.0.attn1.to_k.weight")
+        cross_only.append(k1 is not None and len(k1) == 2 and k1[1] != ch)
     for k, s in shapes.items():
         if context is None and k.endswith("attn2.to_k.weight"):
             context = s[1]
@@ -323,7 +342,9 @@ def infer_unet(shapes: Shapes) -> UNetInfo:
         layers_per_block=st.layers_per_block, attention=st.down_attention, up_attention=st.up_attention,
         mid_attention=st.mid_attention, context_dim=context, linear_projection=linear,
         transformer_depth=tuple(depth), time_embed_dim=_need(shapes, "time_embedding.linear_1.weight", "UNet")[0],
-        heads=heads, mid_transformer_depth=mid_depth, add_embed_in=add[1] if add is not None and len(add) == 2 else 0)
+        heads=heads, mid_transformer_depth=mid_depth, add_embed_in=add[1] if add is not None and len(add) == 2 else 0,
+        num_class_embeds=classes[0] if classes is not None and len(classes) == 2 else 0,
+        cross_only=tuple(cross_only) if any(cross_only) else ())
 
 
 def infer_vae(shapes: Shapes) -> VAEInfo:
@@ -452,8 +473,9 @@ def describe(keys: Iterable[str]) -> str | None:
         return f"a textual-inversion embedding ({n} tensors), not a model"
     if any(k.startswith(("control_model.", "input_hint_block.", "controlnet_cond_embedding.")) for k in keys):
         return "a ControlNet, not a base model"
-    if any(k.startswith(("class_embedding.", "class_embedding_")) for k in keys):
-        return "a UNet with class embeddings (unCLIP/upscaler-like), not supported"
+    # a class-embedding table (class_embedding.weight) is the x4 upscaler's noise level; the other kinds are MLPs
+    if any(k.startswith(("class_embedding.linear_", "class_embedding_")) for k in keys):
+        return "a UNet with projected class embeddings (unCLIP-like), not supported"
     has_unet = any(k.startswith((UNET_PREFIX + "input_blocks.", "input_blocks.0.0.", "conv_in.")) for k in keys)
     if has_unet:
         return None
@@ -493,12 +515,21 @@ def _family(unet: UNetInfo, te: TextEncoderInfo | None, notes: list[str],
         base = "sd2" if unet.linear_projection else "sd1"
         notes.append(f"non-standard context dim {context}: family {base} guessed from "
                      f"{'linear' if unet.linear_projection else '1x1 conv'} transformer projections")
+    if unet.num_class_embeds:
+        if unet.in_channels == X4_IN_CHANNELS:
+            return X4_FAMILY
+        raise UnsupportedModelError(
+            f"the UNet has {unet.num_class_embeds} class embeddings (class_embedding.weight / label_emb.weight) and "
+            f"{unet.in_channels} input channels (conv_in.weight): the class-conditioned UNet sdlite runs is the SD x4 "
+            f"upscaler's ({X4_IN_CHANNELS} input channels: 4 latent + 3 image)")
     if unet.in_channels == 9:
         return base + "-inpaint"
     if unet.in_channels != 4:
-        kind = {8: " (instruct-pix2pix-like)", 7: " (x4-upscaler-like)"}.get(unet.in_channels, "")
-        raise UnsupportedModelError(f"the UNet has {unet.in_channels} input channels{kind} (conv_in.weight); "
-                                    "supported: 4 (text-to-image) and 9 (inpainting)")
+        kind = {8: " (instruct-pix2pix-like)",
+                7: " (x4-upscaler-like, but without the noise-level class embedding the x4 upscaler has)"}
+        raise UnsupportedModelError(f"the UNet has {unet.in_channels} input channels{kind.get(unet.in_channels, '')} "
+                                    "(conv_in.weight); supported: 4 (text-to-image), 9 (inpainting) and the x4 "
+                                    "upscaler's 7")
     return base
 
 
@@ -568,7 +599,7 @@ def detect(shapes: Mapping, metadata: Mapping[str, str] | None = None) -> Detect
         return _detect_diffusers_folder({"unet": shapes})
     if layout != "original":
         raise UnsupportedModelError(f"unknown layout ({len(keys)} tensors, first keys: {_first(keys)})")
-    sdxl_marks = [k for k in keys if k.startswith((EMBEDDERS_PREFIX, UNET_PREFIX + "label_emb.", "label_emb."))]
+    sdxl_marks = [k for k in keys if k.startswith((EMBEDDERS_PREFIX, UNET_PREFIX + "label_emb.0.", "label_emb.0."))]
     try:
         return _detect_original(shapes, keys, metadata)
     except UnsupportedModelError as e:
@@ -623,6 +654,8 @@ def _detect_original(shapes: Mapping, keys: list[str], metadata: Mapping[str, st
                                     "only SDXL files are read in that layout")
     if family.startswith("sdxl"):
         unet = _time_embed_dim(unet, family, te2)
+    if family == X4_FAMILY:
+        unet = replace(unet, heads=tuple(X4_UNET_HEADS for _ in unet.block_channels))
     prediction, source = prediction_type_from_metadata(metadata, keys)
     turbo, turbo_source = turbo_from_metadata(metadata)
     ema = sum(k.startswith(EMA_PREFIX) for k in keys)
@@ -669,6 +702,8 @@ def _detect_diffusers_folder(parts: Mapping[str, Mapping]) -> Detection:
     family = _family(unet, te, notes, te2)
     if family.startswith("sdxl"):
         unet = _time_embed_dim(unet, family, te2)
+    elif family == X4_FAMILY:
+        unet = replace(unet, heads=tuple(X4_UNET_HEADS for _ in unet.block_channels))
     elif te is not None and te.width not in CONTEXT_DIMS:
         notes.append(f"text encoder width {te.width}: activation {te.activation} assumed")
     return Detection(layout="diffusers", family=family, components=tuple(n for n in _FOLDER_PARTS if n in parts),
