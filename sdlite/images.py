@@ -40,6 +40,16 @@ _OVERLAY_NAMES = {True: "on", False: "off"}
 _USER_COMMENT, _EXIF_IFD = 0x9286, 0x8769
 
 
+def sampler_label(sampler: str) -> str:
+    """A1111's name of one of our samplers ("dpmpp_2m" -> "DPM++ 2M")."""
+    return _A1111_BY_SAMPLER.get(sampler, sampler)
+
+
+def schedule_label(schedule: str) -> str:
+    """A1111's "Schedule type" of one of our schedules ("karras" -> "Karras")."""
+    return _SCHEDULE_NAMES.get(schedule, schedule)
+
+
 class OutputError(SDLiteError):
     """The output location cannot be written; the message names it."""
 

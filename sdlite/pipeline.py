@@ -114,6 +114,8 @@ class Request:
     # SDXL base + refiner: the fraction of the steps the base runs before the engine's refiner takes the latents
     # over (A1111's "refiner switch at"; diffusers' denoising_end / denoising_start). None: no hand-off.
     refiner_switch_at: float | None = None
+    # the hires fix (text to image): a :class:`sdlite.hires.Hires`, the second pass's upscale and options; None: off
+    hires: object = None
 
     @property
     def is_img2img(self) -> bool:
@@ -233,8 +235,32 @@ def validate(request: Request, native_size: int = 512) -> Request:
     if seed + r.batch_size - 1 > MAX_SEED:
         raise RequestError(f"seed {seed} + batch {r.batch_size} runs past the largest seed {MAX_SEED}")
     _validate_sdxl_options(r)
+    hires = _validate_hires(r, width, height)
     return _validate_image_options(r).replace(width=width, height=height, sampler=sampler, schedule=schedule,
-                                              seed=seed, cfg_scale=float(r.cfg_scale))
+                                              seed=seed, cfg_scale=float(r.cfg_scale), hires=hires)
+
+
+def _validate_hires(r: Request, width: int | None, height: int | None):
+    """The hires fix's options, checked (:func:`sdlite.hires.validate`) with its target size and sampler."""
+    if r.hires is None:
+        return None
+    from . import hires as hires_module
+
+    if not isinstance(r.hires, hires_module.Hires):
+        raise RequestError(f"hires {r.hires!r} is not valid: expected a sdlite.hires.Hires")
+    if r.init_image is not None:
+        raise RequestError("the hires fix runs text to image; for image to image give the source at the size "
+                           "wanted (or upscale it first: sdlite upscale)")
+    try:
+        h = hires_module.validate(r.hires, r.steps)
+        hires_module.target_size(width, height, h)
+        if h.sampler is not None:
+            resolve_sampler(h.sampler)
+    except (hires_module.HiresError, ValueError) as e:
+        raise RequestError(str(e)) from None
+    if h.schedule is not None and h.schedule not in SIGMA_KINDS:
+        raise RequestError(f"hires schedule {h.schedule!r} is not valid: expected one of {', '.join(SIGMA_KINDS)}")
+    return h
 
 
 def _validate_sdxl_options(r: Request) -> None:
@@ -328,6 +354,8 @@ class Engine:
         self.decode_piece_bytes: int | None = None
         # what each network computes in (sdlite.engine.precision; :meth:`load` sets it); recorded in the PNG
         self.precision: Precision = resolve_precision("exact" if self.device.type == "cpu" else "fp16", self.device)
+        # where the hires fix and upscales look up network upscalers by name (sdlite.upscalers.registry)
+        self.upscaler_dir: str | None = None
 
     def set_refiner(self, refiner: "Engine | None") -> None:
         """Attach (or, with None, detach) an SDXL refiner for requests with ``refiner_switch_at``: both models must
@@ -659,6 +687,11 @@ class Engine:
                 raise RequestError("the base-to-refiner hand-off runs text to image; for image to image run the "
                                    "refiner alone on the image (--model REFINER --init-image ...)")
         t0 = time.perf_counter()
+        if r.hires is not None:
+            if inpaint_model:
+                raise RequestError(f"{self.spec.family} is an inpainting model: the hires fix runs on text-to-image "
+                                   "models (load the base model for it)")
+            return self._generate_hires(r, callback, on_latents, t0)
         source = self.prepare_source(r) if r.is_img2img else None
         if source is not None:
             r = r.replace(width=source.width, height=source.height)
@@ -709,8 +742,122 @@ class Engine:
             cache[key] = EmbeddingDB.from_dir(folder, self.tokenizer, self.spec.context_text.width)
         return cache[key]
 
+    def hires_engine(self, checkpoint) -> "Engine":
+        """The engine of a hires fix's second pass on another checkpoint (``Hires.checkpoint``: a path): loaded once
+        on this engine's device, precision and memory mode, and kept for the next request that names it."""
+        key = os.path.realpath(checkpoint)
+        cache = self.__dict__.setdefault("_hires_engines", {})
+        if key not in cache:
+            cache.clear()   # one at a time: a second model resident beside this one is already a lot
+            try:
+                engine = Engine.load(checkpoint, device=self.device, precision=self.precision.requested,
+                                     memory_mode=self.models.mode)
+            except FileNotFoundError:
+                raise RequestError(f"hires checkpoint {checkpoint!r} was not found") from None
+            mine, theirs = self.spec.vae, engine.spec.vae
+            if (mine.latent_channels, mine.downscale) != (theirs.latent_channels, theirs.downscale):
+                raise RequestError(f"hires checkpoint {checkpoint!r} ({engine.spec.family}) does not work in this "
+                                   f"model's ({self.spec.family}) latent space")
+            cache[key] = engine
+        return cache[key]
+
+    def _generate_hires(self, r: Request, callback, on_latents, t0) -> Result:
+        """The hires fix (:mod:`sdlite.hires`): the first pass as asked, an upscale, then image to image at the
+        target size on this engine (or the hires checkpoint's)."""
+        from . import hires as hires_module
+        from .images import sampler_label, schedule_label
+
+        h = r.hires
+        target = hires_module.target_size(r.width, r.height, h, self.spec.vae.downscale)
+        if not h.is_latent:   # an unknown upscaler is refused before any work
+            from .upscalers.registry import UpscalerError, resolve
+
+            try:
+                resolve(h.upscaler, self.upscaler_dir)
+            except UpscalerError as e:
+                raise RequestError(f"hires upscaler: {e} (latent upscalers: "
+                                   f"{', '.join(hires_module.LATENT_MODES)})") from None
+        second_engine = self if h.checkpoint is None else self.hires_engine(h.checkpoint)
+        steps2 = h.steps or r.steps
+        r2 = validate(r.replace(width=target.width, height=target.height, steps=steps2,
+                                sampler=h.sampler or r.sampler,
+                                schedule=h.schedule or (r.schedule if h.sampler is None else None),
+                                cfg_scale=r.cfg_scale if h.cfg_scale is None else h.cfg_scale,
+                                prompt=r.prompt if h.prompt is None else h.prompt,
+                                negative_prompt=r.negative_prompt if h.negative_prompt is None else h.negative_prompt,
+                                strength=h.denoise, hires=None), second_engine.spec.default_size)
+        first_steps = r.steps
+        second_steps = steps2 - img2img_start(steps2, h.denoise)
+        grand = first_steps + second_steps
+        seeds = [r.seed + i for i in range(r.batch_size)]
+
+        def progress(offset):
+            cb = None if callback is None else (lambda step, total: callback(offset + step, grand))
+            lat = None if on_latents is None else (lambda step, total, x: on_latents(offset + step, grand, x))
+            return cb, lat
+
+        use_cfg = r.cfg_scale > 1.0
+        networks = self.prompt_networks(r)
+        same_networks = second_engine is self and (r2.prompt, r2.negative_prompt) == (r.prompt, r.negative_prompt)
+        cb1, lat1 = progress(0)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(networks.applied(self))
+            first = self._generate(r, None, seeds, use_cfg, networks, False, cb1, t0, lat1, decode=False)
+            if first.interrupted:   # stopped in the first pass: its images, and no second pass
+                first.images = latents_to_images(self.decode_scaled(first.latents))
+                first.warnings.append("the hires fix's second pass did not run (stopped in the first pass)")
+                first.request = r
+                return first
+            if not same_networks:
+                stack.close()      # the first pass's LoRAs off; the second pass's go on below
+            t_up = time.perf_counter()
+            generators = [torch.Generator().manual_seed(s) for s in seeds]
+            if h.is_latent:
+                x0 = hires_module.upscale_latents(first.latents.float(), target, h.upscaler, self.spec.vae.downscale)
+            else:
+                from .upscalers.registry import upscale_to
+
+                small = latents_to_images(self.decode_scaled(first.latents))
+                box = target.crop_box(self.spec.vae.downscale)
+                pixels = [image_to_tensor(upscale_to(im, h.upscaler, target.upscale_width, target.upscale_height,
+                                                     folder=self.upscaler_dir, device=self.device).crop(box))
+                          for im in small]
+                del small
+                # each image encoded alone, its latent sample drawn from its own generator (the reference's order)
+                x0 = torch.cat([second_engine.encode_image(px, [g]) for px, g in zip(pixels, generators)])
+                del pixels
+            upscale_time = time.perf_counter() - t_up
+            networks2 = networks
+            if not same_networks:
+                networks2 = second_engine.prompt_networks(r2)
+                stack.enter_context(networks2.applied(second_engine))
+            cb2, lat2 = progress(first_steps)
+            second = second_engine._generate(r2, None, seeds, r2.cfg_scale > 1.0, networks2, False, cb2,
+                                             time.perf_counter(), lat2, start_latents=(x0, generators))
+        warnings = list(first.warnings) + [w for w in second.warnings if w not in first.warnings]
+        info = {**first.infotext, **hires_module.infotext(h, r.cfg_scale)}
+        if r2.sampler != r.sampler:
+            info["Hires sampler"] = sampler_label(r2.sampler)
+        if r2.schedule != r.schedule:
+            info["Hires schedule type"] = schedule_label(r2.schedule)
+        if r2.prompt != r.prompt:
+            info["Hires prompt"] = r2.prompt
+        if r2.negative_prompt != r.negative_prompt:
+            info["Hires negative prompt"] = r2.negative_prompt
+        if "Lora hashes" in second.infotext and second.infotext["Lora hashes"] != info.get("Lora hashes"):
+            info["Hires Lora hashes"] = second.infotext["Lora hashes"]
+        timings = {"text": first.timings["text"] + second.timings["text"],
+                   "sampling": first.timings["sampling"] + second.timings["sampling"],
+                   "upscale": upscale_time, "decode": second.timings["decode"],
+                   "total": time.perf_counter() - t0}
+        return Result(images=second.images, seeds=seeds, request=r, latents=second.latents, warnings=warnings,
+                      infotext=info, timings=timings, interrupted=second.interrupted)
+
     def _generate(self, r: Request, source, seeds, use_cfg, networks: "PromptNetworks", inpaint_model, callback,
-                  t0, on_latents=None) -> Result:
+                  t0, on_latents=None, *, decode: bool = True, start_latents=None) -> Result:
+        """One sampling run and its decode. ``decode=False``: no images (the latents only); ``start_latents``:
+        ``(x0, generators)``, image to image from latents ``x0`` (the hires fix's second pass) at ``r.strength``,
+        the noise drawn from ``generators`` (already used by an encoder)."""
         warnings = list(networks.warnings)
         texts = r.replace(prompt=networks.prompt, negative_prompt=networks.negative)
         # who denoises which planned steps: this model, then (SDXL hand-off) the refiner with its own conditioning
@@ -730,11 +877,21 @@ class Engine:
         # (stochastic samplers) its per-step noise: the reference's order
         generators = [torch.Generator().manual_seed(s) for s in seeds]
         concat, start, noised, blend = None, 0, False, None
-        if source is None and not inpaint_model:
+        if start_latents is not None:   # image to image from latents: diffusers' img2img on 4-channel "images"
+            x0, generators = start_latents
+            start = img2img_start(r.steps, r.strength)
+            p = plan(r.sampler, self.schedule, r.steps, r.schedule, r.timestep_spacing)
+            x = (x0 + initial_noise(generators, shape).to(x0.device) * p.sigmas[start]).to(self.device)
+            noised = True
+        elif source is None and not inpaint_model:
             x = initial_noise(generators, shape).to(self.device)
         else:
             x, start, noised, concat, blend = self._image_latents(r, source, generators, shape, inpaint_model)
-        stages[0].start = start
+        # a run that starts part-way (image to image) skips the stages that end before its start (the base of an
+        # SDXL hand-off whose switch comes first)
+        for st in stages:
+            st.start = max(st.start, start)
+        stages = [st for st in stages if st.end > st.start]
 
         # a large batch runs in pieces (sdlite.engine.budget.pieces: fixed by the model, request and device)
         unet_piece, decode_piece = budget.pieces(self, r)
@@ -776,6 +933,12 @@ class Engine:
                     break
         latents = x
         decoder = stages[-1].engine   # the hand-off's images are the refiner's decode, as in diffusers' recipe
+        if not decode:
+            t2 = time.perf_counter()
+            return Result(images=[], seeds=seeds, request=r, latents=latents, warnings=warnings,
+                          infotext={**networks.infotext(), "Precision": self.precision.label},
+                          timings={"text": t1 - t0, "sampling": t2 - t1, "decode": 0.0, "total": t2 - t0},
+                          interrupted=interrupted)
         # glibc keeps the sampling loop's freed activations in its heap (they are reused step after step); hand
         # them back before the decoder allocates its own, larger ones, or both count in the peak (about 250 MB
         # less peak at 512^2 for SD 1.5)
