@@ -248,3 +248,45 @@ def test_demo_second_pass_prompt_and_cfg_apply(demo):
     unguided = demo.generate(Request(PROMPT, seed=0, hires=Hires(denoise=0.9, cfg_scale=1)))
     assert unguided.infotext["Hires CFG Scale"] == 1
     assert ((unguided.latents - same.latents).abs().max() / same.latents.abs().max()).item() > 0.1
+
+
+# --- the command line ---------------------------------------------------------------------------------------------
+
+def test_cli_hires_writes_the_target_size_and_a1111_fields(tmp_path, capsys):
+    from PIL import Image
+
+    from sdlite.cli import main
+    from sdlite.images import parse_infotext, read_parameters
+
+    assert main(["generate", PROMPT, "--seed", "2", "--steps", "8", "--hires", "2", "--hires-upscaler", "Lanczos",
+                 "--hires-steps", "6", "--hires-denoise", "0.5", "--hires-sampler", "Euler a", "--hires-cfg", "5",
+                 "--hires-prompt", "a red circle", "-o", str(tmp_path / "a.png")]) == 0
+    assert "hires Lanczos to 128x128" in capsys.readouterr().err
+    image = Image.open(tmp_path / "a.png")
+    assert image.size == (128, 128)
+    fields = parse_infotext(read_parameters(tmp_path / "a.png"))
+    assert fields["Size"] == "64x64"   # the first pass's, as A1111 writes it
+    assert {k: fields[k] for k in ("Hires upscale", "Hires steps", "Hires upscaler", "Denoising strength",
+                                   "Hires sampler", "Hires CFG Scale", "Hires prompt")} == {
+        "Hires upscale": "2", "Hires steps": "6", "Hires upscaler": "Lanczos", "Denoising strength": "0.5",
+        "Hires sampler": "Euler a", "Hires CFG Scale": "5", "Hires prompt": "a red circle"}
+    assert main(["generate", PROMPT, "--seed", "2", "--steps", "4", "--hires-size", "96x0",
+                 "-o", str(tmp_path / "b.png")]) == 0
+    assert Image.open(tmp_path / "b.png").size == (96, 96)
+    assert parse_infotext(read_parameters(tmp_path / "b.png"))["Hires resize"] == "96x0"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--hires-denoise", "0.5"], "--hires-denoise needs the hires fix: add --hires SCALE or --hires-size WxH"),
+    (["--hires", "2", "--hires-size", "128x128"], "either --hires SCALE or --hires-size WxH"),
+    (["--hires-size", "big"], "--hires-size 'big' is not valid"),
+    (["--hires", "2", "--hires-upscaler", "4x-Nothing"], "upscaler '4x-Nothing' is not known"),
+    (["--hires", "0.5"], "hires scale 0.5 is not valid"),
+    (["--hires", "2", "--hires-checkpoint", "missing.safetensors"], "--hires-checkpoint missing.safetensors"),
+])
+def test_cli_hires_errors_name_the_flag(tmp_path, capsys, args, message):
+    from sdlite.cli import main
+
+    assert main(["generate", PROMPT, "--steps", "2", "-o", str(tmp_path), *args]) != 0
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
