@@ -610,7 +610,8 @@ def cmd_serve(args) -> int:
         except ValueError as e:
             raise SDLiteError(str(e)) from None
     for option, path in (("--model", args.model), ("--models-dir", args.models_dir), ("--lora-dir", args.lora_dir),
-                         ("--embeddings", args.embeddings), ("--taesd", args.taesd)):
+                         ("--embeddings", args.embeddings), ("--taesd", args.taesd),
+                         ("--upscaler-dir", args.upscaler_dir)):
         if path is not None and not Path(path).exists():
             raise SDLiteError(f"{option} {path}: no such file or folder")
     if args.models_dir is not None and not Path(args.models_dir).is_dir():
@@ -624,7 +625,8 @@ def cmd_serve(args) -> int:
         raise SDLiteError(str(e)) from None
     precision = _check_precision_option(args, args.device)
     flags = {"listen": args.listen, "host": host, "port": args.port, "ckpt": args.model, "models_dir": args.models_dir,
-             "lora_dir": args.lora_dir, "embeddings_dir": args.embeddings, "queue_size": args.queue_size,
+             "lora_dir": args.lora_dir, "embeddings_dir": args.embeddings, "upscaler_dir": args.upscaler_dir,
+             "queue_size": args.queue_size,
              "device": args.device, "precision": precision, "nowebui": False}
     ray_options = [flag for flag, value in (("--address", args.address), ("--replicas", args.replicas),
                                             ("--autoscale", args.autoscale), ("--replica-cpus", args.replica_cpus),
@@ -640,8 +642,7 @@ def cmd_serve(args) -> int:
                          queue_size=args.queue_size, lora_dir=args.lora_dir, embeddings_dir=args.embeddings,
                          engine_options={"device": args.device, "precision": precision, "taesd": args.taesd,
                                          "compile": args.compile},
-                         flags=flags,
-                         limits=limits)
+                         flags=flags, limits=limits, upscaler_dir=args.upscaler_dir)
     except FileNotFoundError as e:
         raise SDLiteError(str(e)) from None
     jobs = app.state.server.jobs
@@ -934,6 +935,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="jobs that may wait behind the running one; more get 503 with Retry-After (default 32)")
     v.add_argument("--lora-dir", metavar="DIR", default=None, help="where <lora:NAME:...> prompt tags are found")
     v.add_argument("--embeddings", metavar="DIR", default=None, help="textual-inversion embeddings")
+    v.add_argument("--upscaler-dir", metavar="DIR", default=None,
+                   help="upscaler networks (.pth/.safetensors: ESRGAN, Real-ESRGAN, ...) for the hires fix and the "
+                        "extras, by file stem")
     v.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     add_precision_option(v)
     add_compile_option(v)

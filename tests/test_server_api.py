@@ -195,13 +195,13 @@ def test_nulls_unknown_fields_and_override_settings(client, engine):
     assert info["sampler_name"] == "Euler" and info["cfg_scale"] == 7 and info["width"] == 64
 
     r = client.post(f"{API}/txt2img", json={
-        "prompt": PROMPT, "steps": 3, "seed": 4, "enable_hr": True, "restore_faces": True, "tiling": True,
+        "prompt": PROMPT, "steps": 3, "seed": 4, "restore_faces": True, "tiling": True,
         "alwayson_scripts": {"ControlNet": {"args": []}},
         "override_settings": {"CLIP_stop_at_last_layers": 2, "sd_vae": "other.vae.pt"}})
     assert r.status_code == 200, r.text
     info = json.loads(r.json()["info"])
     warnings = " ".join(info["warnings"])
-    for word in ("enable_hr", "restore_faces", "tiling", "alwayson_scripts", "ControlNet", "sd_vae"):
+    for word in ("restore_faces", "tiling", "alwayson_scripts", "ControlNet", "sd_vae"):
         assert word in warnings, word
     assert info["clip_skip"] == 2 and "Clip skip: 2" in info["infotexts"][0]
     expected = engine.generate(Request(PROMPT, steps=3, seed=4, cfg_scale=7, sampler="euler", clip_skip=2))

@@ -330,6 +330,12 @@ def narrowed_schema(schema: dict, samplers: list[str], schedulers: list[str]) ->
         "sampler_name": {"enum": samplers}, "sampler_index": {"enum": samplers},
         "scheduler": {"enum": schedulers},
         "refiner_checkpoint": {"enum": ["None", ""]},
+        "hr_scale": {"type": "number", "minimum": 1, "maximum": 2},
+        "hr_second_pass_steps": {"type": "integer", "minimum": 0, "maximum": MAX_STEPS},
+        "hr_upscaler": {"enum": ["Latent", "Latent (nearest)", "Lanczos", "Nearest", "None"]},
+        "hr_resize_x": {"enum": [0, 64, 128]}, "hr_resize_y": {"enum": [0, 64, 128]},
+        "hr_sampler_name": {"enum": samplers}, "hr_cfg": {"type": "number", "minimum": 1, "maximum": 30},
+        "hr_checkpoint_name": {"enum": ["Use same checkpoint", ""]},
         "script_name": {"enum": [""]},
         "override_settings": {"type": "object", "properties": {
             "CLIP_stop_at_last_layers": {"enum": [1, 2]}, "eta_ancestral": {"type": "number", "minimum": 0,

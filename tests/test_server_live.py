@@ -179,8 +179,20 @@ def test_webuiapi_client_unchanged(live):
         assert value is not None, method
         report[method] = "works"
     assert "Euler a" in api.util_get_sampler_names() and "karras" in api.util_get_scheduler_names()
-    # not implemented (no upscalers, no interrogator): an A1111-style 404 that the client reports as an error
-    for method, args in (("extra_single_image", (source,)), ("interrogate", (source,))):
+    # the hires fix with a latent and an image upscaler, and the extras upscale, as the client sends them
+    for upscaler in (webuiapi.HiResUpscaler.Latent, webuiapi.HiResUpscaler.Lanczos):
+        result = api.txt2img(prompt=PROMPT, seed=6, width=64, height=64, enable_hr=True, hr_scale=2,
+                             hr_upscaler=upscaler, denoising_strength=0.5)
+        assert result.image.size == (128, 128), upscaler
+        extra = result.info["extra_generation_params"]
+        assert extra["Hires upscaler"] == upscaler.value and extra["Hires upscale"] == "2", extra
+        report[f"txt2img enable_hr ({upscaler.value})"] = "works"
+    result = api.extra_single_image(source, upscaler_1="Lanczos", upscaling_resize=2)
+    assert result.image.size == (source.width * 2, source.height * 2)
+    assert "Postprocess upscaler: Lanczos" in result.image.info["parameters"]
+    report["extra_single_image"] = "works"
+    # not implemented (no interrogator): an A1111-style 404 that the client reports as an error
+    for method, args in (("interrogate", (source,)),):
         with pytest.raises(RuntimeError) as e:
             getattr(api, method)(*args)
         assert e.value.args[0] == 404, method

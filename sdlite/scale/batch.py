@@ -181,6 +181,10 @@ def _parse_line(obj: dict, where: str, options: dict) -> tuple[str, list]:
         values.setdefault("lora_dir", options.get("lora_dir"))
         values.setdefault("embeddings_dir", options.get("embeddings_dir"))
         try:
+            if isinstance(values.get("hires"), dict):   # the hires fix: sdlite.hires.Hires's fields
+                from ..hires import Hires
+
+                values["hires"] = Hires(**values["hires"])
             request = Request(**values)
             validate(request)
         except (RequestError, TypeError) as e:
@@ -202,6 +206,9 @@ def _parse_line(obj: dict, where: str, options: dict) -> tuple[str, list]:
     if plan.checkpoint is not None:
         raise BatchError(f"{where}: override_settings sd_model_checkpoint is not supported in a batch: one model "
                          "(--model) runs every job")
+    if plan.hr_checkpoint_name is not None:
+        raise BatchError(f"{where}: hr_checkpoint_name is not supported in a batch: one model (--model) runs every "
+                         "job")
     if plan.refiner_name is not None:
         raise BatchError(f"{where}: refiner_checkpoint is not supported in a batch yet: one model (--model) runs "
                          "every job; use sdlite generate --refiner or the server for a base-to-refiner hand-off")

@@ -95,6 +95,7 @@ class Txt2ImgRequest(_Lenient):
     hr_scheduler: str | None = None
     hr_prompt: str | None = None
     hr_negative_prompt: str | None = None
+    hr_cfg: float | None = None
     force_task_id: str | None = None
     script_name: str | None = None
     script_args: list | None = None
@@ -124,6 +125,77 @@ class Img2ImgRequest(Txt2ImgRequest):
     include_init_images: bool | None = None
 
 
+class ExtrasSingleImageRequest(_Lenient):
+    """``POST /sdapi/v1/extra-single-image`` (A1111's ExtrasSingleImageRequest)."""
+
+    image: str | None = None
+    resize_mode: int | None = None             # 0: scale by upscaling_resize, 1: to upscaling_resize_w x _h
+    show_extras_results: bool | None = None
+    gfpgan_visibility: float | None = None
+    codeformer_visibility: float | None = None
+    codeformer_weight: float | None = None
+    upscaling_resize: float | None = None
+    upscaling_resize_w: int | None = None
+    upscaling_resize_h: int | None = None
+    upscaling_crop: bool | None = None
+    upscaler_1: str | None = None
+    upscaler_2: str | None = None
+    extras_upscaler_2_visibility: float | None = None
+    upscale_first: bool | None = None
+
+
+class ExtrasImage(_Lenient):
+    data: str | None = None
+    name: str | None = None
+
+
+class ExtrasBatchImagesRequest(ExtrasSingleImageRequest):
+    """``POST /sdapi/v1/extra-batch-images``: ``imageList`` of {data, name}."""
+
+    imageList: list[ExtrasImage] | None = None
+
+
+EXTRAS_DEFAULTS = {"resize_mode": 0, "show_extras_results": True, "gfpgan_visibility": 0.0,
+                   "codeformer_visibility": 0.0, "codeformer_weight": 0.0, "upscaling_resize": 2.0,
+                   "upscaling_resize_w": 512, "upscaling_resize_h": 512, "upscaling_crop": True,
+                   "upscaler_1": "None", "upscaler_2": "None", "extras_upscaler_2_visibility": 0.0,
+                   "upscale_first": False}
+
+
+def extras_plan(req: ExtrasSingleImageRequest, upscaler_dir=None, limits: Limits | None = None):
+    """``(Extras, warnings)`` of an extras request, checked (422 on a bad field, the output size within the limits
+    when the images are known: :func:`check_extras_size`)."""
+    from ..upscalers.extras import Extras, check
+    from ..upscalers.registry import UpscalerError
+
+    p = {k: (v if v is not None else EXTRAS_DEFAULTS.get(k)) for k, v in req.model_dump().items()}
+    warnings = []
+    for name in ("gfpgan_visibility", "codeformer_visibility"):
+        if p[name]:
+            warnings.append(f"{name}={p[name]!r} was ignored: sdlite has no face restoration")
+    if p["resize_mode"] not in (0, 1):
+        raise RequestError(f"resize_mode={p['resize_mode']!r} is not valid: 0 (scale by) or 1 (scale to)")
+    extras = Extras(upscaler_1=p["upscaler_1"] or "None", upscaler_2=p["upscaler_2"] or "None",
+                    visibility_2=p["extras_upscaler_2_visibility"], mode="to" if p["resize_mode"] == 1 else "by",
+                    scale=p["upscaling_resize"], width=p["upscaling_resize_w"], height=p["upscaling_resize_h"],
+                    crop=bool(p["upscaling_crop"]))
+    try:
+        return check(extras, upscaler_dir), warnings
+    except UpscalerError as e:
+        raise RequestError(str(e)) from None
+
+
+def check_extras_size(image: Image.Image, extras, limits: Limits | None, what: str) -> None:
+    """The upscaled image must be within the server's ``max_pixels``."""
+    if limits is None:
+        return
+    if extras.mode == "to":
+        width, height = extras.width, extras.height
+    else:
+        width, height = int(image.width * extras.scale), int(image.height * extras.scale)
+    check_size(width, height, limits, f"the upscaled {what}")
+
+
 class PngInfoRequest(_Lenient):
     image: str | None = None
 
@@ -143,7 +215,7 @@ DEFAULTS: dict[str, Any] = {
     "firstpass_image": None, "comments": None, "enable_hr": False, "firstphase_width": 0,
     "firstphase_height": 0, "hr_scale": 2.0, "hr_upscaler": None, "hr_second_pass_steps": 0, "hr_resize_x": 0,
     "hr_resize_y": 0, "hr_checkpoint_name": None, "hr_sampler_name": None, "hr_scheduler": None, "hr_prompt": "",
-    "hr_negative_prompt": "", "force_task_id": None, "script_name": None, "script_args": [], "send_images": True,
+    "hr_negative_prompt": "", "hr_cfg": None, "force_task_id": None, "script_name": None, "script_args": [], "send_images": True,
     "save_images": False, "alwayson_scripts": {}, "infotext": None,
     # img2img
     "init_images": None, "resize_mode": 0, "image_cfg_scale": None, "mask": None, "mask_blur_x": 4,
@@ -404,6 +476,9 @@ class Plan:
     refiner_name: str | None = None    # refiner_checkpoint as the client named it; None: no refiner
     refiner: Any = None                # the Checkpoint it names, resolved by the routes (ServerBase.find_checkpoint)
     refiner_switch_at: float | None = None
+    hr_checkpoint_name: str | None = None  # hr_checkpoint_name as the client named it; None: the same model
+    hr_checkpoint: Any = None          # the Checkpoint it names, resolved by the routes
+    upscaler_dir: Any = None           # where the hires fix finds upscaler networks by name
     limits: Limits | None = None       # the server's, for what only the model tells (its native size)
     keep_overrides: dict = field(default_factory=dict)  # override_settings to keep (restore_afterwards false)
     warnings: list[str] = field(default_factory=list)
@@ -420,8 +495,6 @@ def _ignored(p: dict, img2img: bool) -> list[str]:
         if value not in (None, *defaults):
             out.append(f"{name}={value!r} was ignored: {what}")
 
-    if p["enable_hr"]:
-        out.append("enable_hr=True was ignored: sdlite has no hires fix; the image was made at the base size")
     off("restore_faces", "sdlite has no face restoration", False)
     off("tiling", "sdlite has no seamless tiling", False)
     off("subseed_strength", "variation seeds are not supported", 0, 0.0)
@@ -451,6 +524,43 @@ def _ignored(p: dict, img2img: bool) -> list[str]:
     return out
 
 
+def hires_fields(p: dict, sampler: SamplerChoice, warnings: list[str], upscaler_dir=None):
+    """The :class:`~sdlite.hires.Hires` of ``enable_hr`` and the ``hr_*`` fields (A1111's rules: the second pass's
+    sampler and scheduler default to the first's, "Use same ..." and empty names mean the same; the legacy
+    ``firstphase_width``/``_height`` make width/height the target). None without ``enable_hr``."""
+    from ..hires import DEFAULT_UPSCALER, LATENT_MODES, SAME, Hires
+    from ..upscalers.registry import UpscalerError, resolve
+
+    if not p["enable_hr"]:
+        return None
+    upscaler = p["hr_upscaler"] or DEFAULT_UPSCALER
+    if upscaler not in LATENT_MODES:
+        try:
+            resolve(upscaler, upscaler_dir)
+        except UpscalerError as e:
+            raise RequestError(f"hr_upscaler: {e}; latent modes: {', '.join(LATENT_MODES)}") from None
+
+    def named(value):
+        return None if value is None or (isinstance(value, str) and value.strip().lower() in SAME) else value
+
+    hr_sampler, hr_scheduler = named(p["hr_sampler_name"]), named(p["hr_scheduler"])
+    choice = None
+    if hr_sampler is not None or hr_scheduler is not None:
+        choice = resolve_sampler_a1111(hr_sampler or p["sampler_name"] or p["sampler_index"] or "Euler",
+                                       hr_scheduler if hr_scheduler is not None else p["scheduler"], warnings)
+    for name in ("hr_scale", "denoising_strength"):
+        if not isinstance(p[name], (int, float)) or isinstance(p[name], bool):
+            raise RequestError(f"{name}={p[name]!r} is not valid: expected a number")
+    resize_x, resize_y = p["hr_resize_x"], p["hr_resize_y"]
+    if p["firstphase_width"] or p["firstphase_height"]:   # A1111's old hires fix: width/height are the target
+        resize_x, resize_y = p["width"] or 0, p["height"] or 0
+    return Hires(scale=float(p["hr_scale"]), resize_x=resize_x, resize_y=resize_y, upscaler=upscaler,
+                 steps=p["hr_second_pass_steps"], denoise=p["denoising_strength"],
+                 sampler=None if choice is None else choice.sampler,
+                 schedule=None if choice is None else choice.schedule, cfg_scale=p["hr_cfg"],
+                 prompt=p["hr_prompt"] or None, negative_prompt=p["hr_negative_prompt"] or None)
+
+
 def _int_field(p: dict, name: str, low: int, high: int | None = None) -> int:
     value = p[name]
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
@@ -460,7 +570,7 @@ def _int_field(p: dict, name: str, low: int, high: int | None = None) -> int:
 
 
 def build_plan(req: Txt2ImgRequest, options: dict, *, max_image_bytes: int, lora_dir=None,
-               embeddings_dir=None, limits: Limits | None = None) -> Plan:
+               embeddings_dir=None, limits: Limits | None = None, upscaler_dir=None) -> Plan:
     """Check an A1111 request and turn it into sdlite Requests (images decoded, names resolved). ``limits`` (the
     server's; None: none, as for ``sdlite batch``) are checked first, before anything costly. Raises
     :class:`RequestError` (422; :class:`~.limits.LimitExceeded` over a limit), :class:`ImageTooLarge` (413) or
@@ -500,6 +610,16 @@ def build_plan(req: Txt2ImgRequest, options: dict, *, max_image_bytes: int, lora
                   batch_size=batch, clip_skip=opts["CLIP_stop_at_last_layers"], eta=eta, lora_dir=lora_dir,
                   embeddings_dir=embeddings_dir)
     refiner, switch = _refiner_fields(p, img2img)
+    hr_checkpoint = None
+    if img2img:
+        if p["enable_hr"]:
+            warnings.append("enable_hr=True was ignored: the hires fix is a txt2img option")
+    else:
+        common["hires"] = hires_fields(p, sampler, warnings, upscaler_dir)
+        if common["hires"] is not None and (p["firstphase_width"] or p["firstphase_height"]):
+            common["width"], common["height"] = p["firstphase_width"] or None, p["firstphase_height"] or None
+        if common["hires"] is not None:
+            hr_checkpoint = named_checkpoint(p["hr_checkpoint_name"])
     if img2img:
         common.update(_image_fields(p, max_image_bytes, warnings))
         source = common["init_image"]   # no size given: the source's, rounded down to a multiple of 8
@@ -514,9 +634,16 @@ def build_plan(req: Txt2ImgRequest, options: dict, *, max_image_bytes: int, lora
         parameters["init_images"], parameters["mask"] = None, None
     return Plan(kind="img2img" if img2img else "txt2img", requests=requests, parameters=parameters,
                 sampler=sampler, checkpoint=overrides.get("sd_model_checkpoint"), refiner_name=refiner,
-                refiner_switch_at=switch, limits=limits,
+                refiner_switch_at=switch, hr_checkpoint_name=hr_checkpoint, upscaler_dir=upscaler_dir, limits=limits,
                 keep_overrides={} if p["override_settings_restore_afterwards"] else overrides,
                 warnings=warnings, send_images=bool(p["send_images"]), preview=opts["show_progress_type"])
+
+
+def named_checkpoint(name) -> str | None:
+    """``hr_checkpoint_name``: None for "Use same checkpoint", "" and None, else the name."""
+    if name is None or (isinstance(name, str) and name.strip().lower() in ("", "use same checkpoint")):
+        return None
+    return name
 
 
 def _refiner_fields(p: dict, img2img: bool) -> tuple[str | None, float | None]:

@@ -39,11 +39,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import __version__
 from ..errors import CheckpointError, SDLiteError
 from ..pipeline import RequestError
-from ..images import png_bytes
+from html import escape as html_escape
+
+from ..images import parameters_of, png_bytes
 from . import a1111
 from .checkpoints import Checkpoint, Checkpoints, Engines
 from .jobs import JobControl, Jobs, QueueFull, ShuttingDown, Unavailable  # noqa: F401 (re-exported)
-from .limits import Limits, admit, check_size
+from .limits import Limits, admit, check_hires_size, check_size
 
 log = logging.getLogger("sdlite.server")
 
@@ -66,7 +68,7 @@ class ServerBase:
 
     def __init__(self, model=None, models_dir=None, api_auth: str | None = None, *, lora_dir=None,
                  embeddings_dir=None, max_body_bytes: int = MAX_BODY_BYTES, flags: dict | None = None,
-                 limits: Limits | None = None):
+                 limits: Limits | None = None, upscaler_dir=None):
         if model is None and models_dir is None:
             from ..demo import model_path
 
@@ -76,6 +78,7 @@ class ServerBase:
         self._options_lock = threading.Lock()
         self.credentials = parse_auth(api_auth) if api_auth else None
         self.lora_dir, self.embeddings_dir = lora_dir, embeddings_dir
+        self.upscaler_dir = upscaler_dir   # upscaler networks by name (hires fix, extras)
         self.max_body_bytes = max_body_bytes
         self.flags = flags or {}
         self.limits = limits if limits is not None else Limits()
@@ -162,9 +165,9 @@ class Server(ServerBase):
     def __init__(self, model=None, models_dir=None, api_auth: str | None = None, queue_size: int = 32, *,
                  lora_dir=None, embeddings_dir=None, max_body_bytes: int = MAX_BODY_BYTES,
                  engine_options: dict | None = None, flags: dict | None = None, preload: bool = True,
-                 limits: Limits | None = None):
+                 limits: Limits | None = None, upscaler_dir=None):
         super().__init__(model, models_dir, api_auth, lora_dir=lora_dir, embeddings_dir=embeddings_dir,
-                         max_body_bytes=max_body_bytes, flags=flags, limits=limits)
+                         max_body_bytes=max_body_bytes, flags=flags, limits=limits, upscaler_dir=upscaler_dir)
         self.engines = Engines(self.checkpoints, limit=1, **(engine_options or {}))
         self.jobs = Jobs(queue_size, preview_every=self._preview_due, job_timeout=self.limits.job_timeout)
         self._preload = preload
@@ -277,14 +280,23 @@ def run_plan(engines: Engines, checkpoint: Checkpoint, plan: a1111.Plan, control
             if request.init_image is None:
                 check_size(request.width or native, request.height or native, plan.limits,
                            "width x height (the model's native size where not given)")
+            if request.hires is not None:
+                check_hires_size(request.width or native, request.height or native, plan.parameters,
+                                 plan.limits)
             admit(engine, request, plan.limits)   # 503 when it does not fit now, 422 when it never could
     results, warnings = [], []
+    requests = plan.requests
+    if plan.hr_checkpoint is not None and plan.hr_checkpoint.path != checkpoint.path:
+        from dataclasses import replace
+
+        requests = [r.replace(hires=replace(r.hires, checkpoint=str(plan.hr_checkpoint.path))) for r in requests]
+    engine.upscaler_dir = plan.upscaler_dir
     try:
         extra = _attach_refiner(engines, engine, checkpoint, plan, control)
-        for i, request in enumerate(plan.requests):
+        for i, request in enumerate(requests):
             if control.interrupted:
                 break
-            control.iteration(i, request.steps)
+            control.iteration(i, request.steps + _hires_steps(request))
 
             def on_latents(step, total, latents):
                 if control.preview_due(step, total):
@@ -305,6 +317,15 @@ def run_plan(engines: Engines, checkpoint: Checkpoint, plan: a1111.Plan, control
     return a1111.Outcome(results, checkpoint.short_name, engines.checkpoints.hash_of(checkpoint), inpainting,
                          timestamp, interrupted=control.interrupted, infotext=extra,
                          warnings=warnings + ([warning] if warning else []))
+
+
+def _hires_steps(request) -> int:
+    """The steps a request's hires fix adds to its progress (0 without one)."""
+    h = request.hires
+    if h is None:
+        return 0
+    steps = h.steps or request.steps
+    return min(int(steps * h.denoise), steps)
 
 
 NO_TAESD_WARNING = ("live previews: show_progress_type 'TAESD' needs a TAESD for this model's latents (sdlite serve "
@@ -541,16 +562,17 @@ class _StrictJSON:
 
 def create_app(model=None, models_dir=None, api_auth: str | None = None, queue_size: int = 32, *,
                lora_dir=None, embeddings_dir=None, max_body_bytes: int = MAX_BODY_BYTES, preload: bool = True,
-               engine_options: dict | None = None, flags: dict | None = None, limits: Limits | None = None) -> FastAPI:
+               engine_options: dict | None = None, flags: dict | None = None, limits: Limits | None = None,
+               upscaler_dir=None) -> FastAPI:
     """The server as a FastAPI app. ``model``: a checkpoint (default: the shipped demo model, or the first one in
     ``models_dir``); ``models_dir``: where the checkpoints a client can switch to are; ``api_auth``:
     ``USER:PASS[,...]`` for HTTP Basic on every API route; ``queue_size``: waiting jobs beyond which requests get
     503; ``preload``: load the model when the app starts (in the queue, so that the API answers meanwhile);
     ``limits``: what one request may ask for, the job time limit and the shutdown grace (:class:`.limits.Limits`;
-    default: its defaults)."""
+    default: its defaults); ``upscaler_dir``: upscaler networks for the hires fix and the extras."""
     server = Server(model, models_dir, api_auth, queue_size, lora_dir=lora_dir, embeddings_dir=embeddings_dir,
                     max_body_bytes=max_body_bytes, engine_options=engine_options, flags=flags, preload=preload,
-                    limits=limits)
+                    limits=limits, upscaler_dir=upscaler_dir)
     return build_app(server)
 
 
@@ -613,11 +635,14 @@ def _add_generation_routes(api: APIRouter, server: ServerBase) -> None:
         options = server.options_snapshot()
         plan = await run_in_threadpool(a1111.build_plan, body, options, max_image_bytes=server.max_body_bytes,
                                        lora_dir=server.lora_dir, embeddings_dir=server.embeddings_dir,
-                                       limits=server.limits)
+                                       limits=server.limits, upscaler_dir=server.upscaler_dir)
         if plan.checkpoint is not None:
             server.find_checkpoint(plan.checkpoint)   # 404 now rather than after the queue
         if plan.refiner_name is not None:   # resolved here, so that the plan carries the refiner to any worker
             plan.refiner = await run_in_threadpool(server.find_checkpoint, plan.refiner_name, "refiner_checkpoint")
+        if plan.hr_checkpoint_name is not None:
+            plan.hr_checkpoint = await run_in_threadpool(server.find_checkpoint, plan.hr_checkpoint_name,
+                                                         "hr_checkpoint_name")
         outcome = await server.generate(plan, request)
         if outcome is None:   # the client went away
             return Response(status_code=499)
@@ -679,6 +704,48 @@ def _add_control_routes(api: APIRouter, server: ServerBase) -> None:
     async def memory():
         return _memory()
 
+    extras_lock = asyncio.Lock()   # one upscale at a time: a network upscale holds its own activations
+
+    async def run_extras(req, images: list[tuple[str, Any]]) -> tuple[list[str], str]:
+        from ..upscalers.extras import fields_text, parameters_after, postprocess
+
+        extras, warnings = a1111.extras_plan(req, server.upscaler_dir, server.limits)
+        decoded = []
+        for what, data in images:
+            image = await run_in_threadpool(a1111.decode_image, data, what, server.max_body_bytes)
+            a1111.check_extras_size(image, extras, server.limits, what)
+            decoded.append(image)
+        out, info = [], {}
+        async with extras_lock:
+            for image in decoded:
+                result, info = await run_in_threadpool(postprocess, image, extras, server.upscaler_dir,
+                                                       server.flags.get("device") or "cpu")
+                text = parameters_after(parameters_of(image), info)
+                out.append(base64.b64encode(png_bytes(result, text)).decode("ascii"))
+        html = "<p>" + html_escape(fields_text(info)) + "</p>"
+        if warnings:
+            html += "".join(f"<p>{html_escape(w)}</p>" for w in warnings)
+        return out, html
+
+    @api.post("/extra-single-image")
+    async def extra_single_image(body: a1111.ExtrasSingleImageRequest):
+        if not body.image:
+            raise HTTPException(404, "Image not found")
+        images, html = await run_extras(body, [("image", body.image)])
+        return {"html_info": html, "image": images[0]}
+
+    @api.post("/extra-batch-images")
+    async def extra_batch_images(body: a1111.ExtrasBatchImagesRequest):
+        items = body.imageList or []
+        if not items:
+            raise HTTPException(404, "Image not found")
+        if server.limits is not None and len(items) > server.limits.max_images:
+            raise RequestError(f"imageList has {len(items)} images, over this server's limit of "
+                               f"{server.limits.max_images} (--max-images)")
+        images, html = await run_extras(body, [(f"imageList[{i}] ({item.name or 'unnamed'})", item.data)
+                                               for i, item in enumerate(items)])
+        return {"html_info": html, "images": images}
+
     @api.post("/png-info")
     async def png_info(body: a1111.PngInfoRequest):
         if not body.image:
@@ -701,8 +768,16 @@ def _add_listing_routes(api: APIRouter, server: ServerBase) -> None:
         return a1111.schedulers_list()
 
     @api.get("/upscalers")
-    async def upscalers():   # hires fix and extras are not supported: only A1111's "None" upscaler
-        return [{"name": "None", "model_name": None, "model_path": None, "model_url": None, "scale": 4}]
+    async def upscalers():
+        from ..upscalers.registry import listing
+
+        return await run_in_threadpool(listing, server.upscaler_dir)
+
+    @api.get("/latent-upscale-modes")
+    async def latent_upscale_modes():
+        from ..hires import LATENT_MODES
+
+        return [{"name": name} for name in LATENT_MODES]
 
     @api.get("/loras")
     async def loras():
@@ -729,7 +804,7 @@ def _add_listing_routes(api: APIRouter, server: ServerBase) -> None:
         return {"txt2img": [], "img2img": []}
 
     for path in ("/script-info", "/sd-vae", "/hypernetworks", "/face-restorers", "/prompt-styles",
-                 "/realesrgan-models", "/latent-upscale-modes", "/extensions"):
+                 "/realesrgan-models", "/extensions"):
         api.add_api_route(path, _empty_list, methods=["GET"], name=path.strip("/"))
 
 

@@ -119,6 +119,23 @@ def check_size(width, height, limits: Limits, what: str = "width x height") -> N
                             f"{limits.max_pixels} pixels an image{_side(limits.max_pixels)} (--max-pixels)")
 
 
+def check_hires_size(width, height, p: dict, limits: Limits) -> None:
+    """The hires fix's target (``hr_scale`` or ``hr_resize_x``/``_y`` of a ``width`` x ``height`` first pass) must
+    be within ``max_pixels`` too. Values that are not valid are left to the request's own checks."""
+    from ..hires import Hires, HiresError, target_size
+
+    if p.get("firstphase_width") or p.get("firstphase_height"):
+        return   # the legacy form: width x height is the target, checked as the size
+    try:
+        hires = Hires(scale=float(p.get("hr_scale") or 2.0), resize_x=int(p.get("hr_resize_x") or 0),
+                      resize_y=int(p.get("hr_resize_y") or 0))
+        target = target_size(int(width), int(height), hires)
+    except (HiresError, TypeError, ValueError, ZeroDivisionError):
+        return
+    check_size(target.upscale_width, target.upscale_height, limits,
+               "the hires fix's target (hr_scale, or hr_resize_x x hr_resize_y, of width x height)")
+
+
 def check_request(p: dict, limits: Limits) -> None:
     """The per-request limits on an A1111 request's fields (defaults filled in, as :func:`.a1111.with_defaults`
     gives them). Only the limits are checked here; the fields' own validity is checked where they are used."""
@@ -131,6 +148,13 @@ def check_request(p: dict, limits: Limits) -> None:
     if isinstance(steps, int) and not isinstance(steps, bool) and steps > limits.max_steps:
         raise LimitExceeded(f"steps={steps} is over this server's limit of {limits.max_steps} steps (--max-steps)")
     check_size(p.get("width"), p.get("height"), limits)
+    hr_steps = p.get("hr_second_pass_steps")
+    if p.get("enable_hr") and isinstance(hr_steps, int) and not isinstance(hr_steps, bool) \
+            and hr_steps > limits.max_steps:
+        raise LimitExceeded(f"hr_second_pass_steps={hr_steps} is over this server's limit of {limits.max_steps} "
+                            "steps (--max-steps)")
+    if p.get("enable_hr") and "init_images" not in p:
+        check_hires_size(p.get("width"), p.get("height"), p, limits)
     batch, n_iter = p.get("batch_size"), p.get("n_iter")
     if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (batch, n_iter)) \
             and batch * n_iter > limits.max_images:
