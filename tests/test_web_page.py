@@ -375,3 +375,37 @@ def test_narrow_window_and_keyboard(browser, server):
         assert not page.js_errors, page.js_errors
     finally:
         page.context.close()
+
+
+def test_hires_fix_and_upscale_controls(page):
+    """The hires panel sends enable_hr with the upscaler chosen from the server's lists; the upscale panel sends the
+    selected image to /extra-single-image. Both images come back at the larger size, still the demo's colours."""
+    page.click("#hires-box summary")
+    options = page.locator("#hr-upscaler option").all_text_contents()
+    assert options[:2] == ["Latent", "Latent (antialiased)"] and "Lanczos" in options
+    page.fill("#prompt", DEFAULT_PROMPT)
+    page.fill("#steps", "20")
+    page.fill("#seed", str(SEED))
+    page.check("#hires")
+    page.select_option("#hr-upscaler", "Lanczos")
+    page.fill("#hr-denoise", "0.5")
+    page.click("#generate")
+    page.locator("#results img").first.wait_for()
+    wait_idle(page)
+    image = image_of(page.locator("#results img").first)
+    assert image.size == (128, 128)
+    found = classify(image)
+    assert (found.colour, found.background) == ("red", "blue"), found.combo
+    info = page.locator("#info").text_content()
+    assert "Hires upscale: 2" in info and "Hires upscaler: Lanczos" in info
+
+    page.click("#upscale-box summary")
+    page.select_option("#extras-upscaler", "Lanczos")
+    page.fill("#extras-scale", "2")
+    page.click("#upscale-selected")
+    page.wait_for_function("document.getElementById('status').textContent.startsWith('Upscaled')",
+                           timeout=TIMEOUT_MS)
+    upscaled = image_of(page.locator("#results img").first)
+    assert upscaled.size == (256, 256)
+    assert "Postprocess upscaler: Lanczos" in page.locator("#info").text_content()
+    assert page.locator("#error").is_hidden()

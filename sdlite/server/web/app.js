@@ -140,6 +140,13 @@ function buildRequest() {
     body.refiner_checkpoint = $("refiner").value;
     body.refiner_switch_at = num("refiner-switch");
   }
+  if ($("hires").checked && !state.init) {   // A1111's hires fix: txt2img only
+    body.enable_hr = true;
+    body.hr_upscaler = $("hr-upscaler").value;
+    body.hr_scale = num("hr-scale");
+    body.hr_second_pass_steps = num("hr-steps");
+    body.denoising_strength = num("hr-denoise");
+  }
   let endpoint = "txt2img";
   if (state.init) {
     endpoint = "img2img";
@@ -167,6 +174,15 @@ function fillForm(params) {
   $("height").value = params.height ?? "";
   if (params.sampler_name && [...$("sampler").options].some((o) => o.value === params.sampler_name)) {
     $("sampler").value = params.sampler_name;
+  }
+  $("hires").checked = Boolean(params.enable_hr);
+  if (params.enable_hr) {
+    if ([...$("hr-upscaler").options].some((o) => o.value === params.hr_upscaler)) {
+      $("hr-upscaler").value = params.hr_upscaler;
+    }
+    set("hr-scale", params.hr_scale);
+    set("hr-steps", params.hr_second_pass_steps);
+    set("hr-denoise", params.denoising_strength);
   }
   const refiner = params.refiner_checkpoint ?? "";
   if ([...$("refiner").options].some((o) => o.value === refiner)) $("refiner").value = refiner;
@@ -251,6 +267,7 @@ function select(entry) {
   $("info").textContent = entry.infotext + (entry.seed !== undefined && !/Seed:/.test(entry.infotext)
     ? `\nSeed: ${entry.seed}` : "");
   $("details").hidden = false;
+  $("upscale-selected").disabled = state.busy;
   for (const b of document.querySelectorAll("#results button, #history button")) {
     b.setAttribute("aria-pressed", String(b.entry === entry));
   }
@@ -279,6 +296,29 @@ function showResults(entries) {
   if (entries.length) select(entries[0]);
 }
 
+// --- upscale (A1111's extras) ------------------------------------------------------------------------------
+
+async function upscaleSelected() {
+  const entry = state.selected;
+  if (!entry || state.busy) return;
+  clearError();
+  setBusy(true);
+  $("status").textContent = "Upscaling…";
+  try {
+    const body = { image: entry.src, upscaler_1: $("extras-upscaler").value, upscaling_resize: num("extras-scale") };
+    const data = await api("/extra-single-image", { method: "POST", body: JSON.stringify(body) });
+    const text = (data.html_info || "").replace(/<[^>]*>/g, " ").trim();
+    const result = { ...entry, src: dataUri(data.image), infotext: entry.infotext + "\n" + text };
+    showResults([result]);
+    $("status").textContent = "Upscaled: " + text;
+  } catch (err) {
+    showError(err);
+    $("status").textContent = "";
+  } finally {
+    setBusy(false);
+  }
+}
+
 // --- generate / interrupt ----------------------------------------------------------------------------------
 
 function setBusy(busy) {
@@ -290,6 +330,7 @@ function setBusy(busy) {
   from.disabled = true;
   if (refocus) to.focus();
   $("generate").textContent = busy ? "Generating…" : "Generate";
+  $("upscale-selected").disabled = busy || !state.selected;
   document.body.classList.toggle("busy", busy);
 }
 
@@ -403,6 +444,15 @@ async function loadServerInfo() {
     const models = await api("/sd-models");
     $("refiner").append(...models.map((m) => make("option", { value: m.model_name, textContent: m.title })));
   } catch { /* without the list, no refiner is offered */ }
+  try {   // the hires fix's upscalers: the latent modes, then the image upscalers
+    const modes = await api("/latent-upscale-modes");
+    const upscalers = await api("/upscalers");
+    const latent = modes.map((m) => m.name);
+    const images = upscalers.map((u) => u.name);
+    $("hr-upscaler").replaceChildren(...[...latent, ...images].map((n) => make("option", { value: n, textContent: n })));
+    $("extras-upscaler").replaceChildren(...images.filter((n) => n !== "None")
+      .map((n) => make("option", { value: n, textContent: n })));
+  } catch { /* without the lists: Latent, and Lanczos for the upscale */ }
   try {
     const options = await api("/options");
     const name = options && options.sd_model_checkpoint;
@@ -413,6 +463,7 @@ async function loadServerInfo() {
 function init() {
   $("form").addEventListener("submit", generate);
   $("interrupt").addEventListener("click", interrupt);
+  $("upscale-selected").addEventListener("click", upscaleSelected);
   $("random-seed").addEventListener("click", () => { $("seed").value = -1; });
   $("form").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) generate(e);
