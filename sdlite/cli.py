@@ -366,6 +366,9 @@ def cmd_generate(args) -> int:
     from .images import FORMATS, check_writable, infotext, model_hash, output_paths, save_image
     from .sampling.samplers import img2img_start
 
+    # the demo model with no size asked for: its 64x64 image is upscaled 4x by the shipped demo upscaler
+    demo_upscale = (args.model is None and args.width is None and args.height is None and args.init_image is None
+                    and args.hires is None and args.hires_size is None)
     args.model = resolve_model(args.model, args.prompt)
     opened = _resolve_turbo_defaults(args)   # the checkpoint's headers, when they were read to decide, for the load
     if args.refiner_switch is not None and args.refiner is None:
@@ -441,6 +444,17 @@ def cmd_generate(args) -> int:
     for w in result.warnings:
         print(f"sdlite: warning: {w}", file=sys.stderr)
     used = result.request
+    if demo_upscale and not result.interrupted:
+        from .upscalers.registry import demo_upscaler
+
+        if demo_upscaler() is not None:
+            from .upscalers.extras import Extras, postprocess
+
+            t_up = time.perf_counter()
+            upscaled = [postprocess(im, Extras(upscaler_1=demo_upscaler().stem, scale=4.0)) for im in result.images]
+            result.images = [im for im, _ in upscaled]
+            extra_info.update(upscaled[0][1])
+            result.timings["upscale"] = time.perf_counter() - t_up
     mhash = model_hash(args.model)
     name = _model_name(args.model)
     paths = output_paths(args.output, len(result.images), args.format, result.seeds)
@@ -466,7 +480,11 @@ def cmd_generate(args) -> int:
                                   if used.batch_size > 1 else "")
           + f", {used.width}x{used.height}, {used.steps} steps, {used.sampler} ({used.schedule}), "
             f"cfg {used.cfg_scale:g}{mode}; load {load_s:.1f}s, text {t['text']:.1f}s, "
-            f"sampling {t['sampling']:.1f}s, decode {t['decode']:.1f}s", file=sys.stderr)
+            f"sampling {t['sampling']:.1f}s, decode {t['decode']:.1f}s"
+          + (f", upscale {t['upscale']:.1f}s" if "upscale" in t else "")
+          + (f"; upscaled to {result.images[0].width}x{result.images[0].height} by "
+             f"{extra_info['Postprocess upscaler']}" if "Postprocess upscaler" in extra_info else ""),
+          file=sys.stderr)
     for path in written:
         print(path)
     return 0
@@ -914,7 +932,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=-1, help="-1 = random (the seed used is printed)")
     g.add_argument("--width", type=int, default=None,
                    help="default: the model's native size; with --init-image the source's (rounded down to a multiple "
-                        "of 8, plus any --outpaint borders)")
+                        "of 8, plus any --outpaint borders). The shipped demo model with no size given draws 64x64 "
+                        "and upscales it 4x with its demo upscaler (--width 64 for the plain image)")
     g.add_argument("--height", type=int, default=None, help="default: as for --width")
     g.add_argument("--batch", type=int, default=1, help="images; image i uses seed+i")
     g.add_argument("--clip-skip", type=int, default=1, help="1 = last text-encoder layer (A1111 numbering)")
