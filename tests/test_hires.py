@@ -208,6 +208,19 @@ def test_tiny_sdxl_hires_matches_diffusers(tmp_path):
     got, result = ours(engine, "euler", **kw)
     assert np.abs(got - expected).max() <= MAX_PIXEL_DIFF
 
+    # with the refiner: both passes hand over at the switch (the second pass's first planned steps are skipped
+    # by its denoise, so a switch before them leaves the whole second pass to the refiner)
+    refiner = Engine.load(tmp_path / "refiner", precision="exact")
+    engine.set_refiner(refiner)
+    request = Request(PROMPT, NEGATIVE, width=64, height=64, steps=4, seed=4, sampler="euler",
+                      refiner_switch_at=0.5, hires=Hires(denoise=0.6))
+    steps = []
+    handed = engine.generate(request, callback=lambda i, n: steps.append(n))
+    assert handed.images[0].size == (128, 128) and steps[-1] == 4 + 2
+    engine.set_refiner(None)
+    alone = engine.generate(request.replace(refiner_switch_at=None))
+    assert ((handed.latents - alone.latents).abs().max() / alone.latents.abs().max()).item() > 1e-3
+
 
 # --- the demo model ----------------------------------------------------------------------------------------------
 # (trained at 64x64 only: at 128x128 its second pass keeps the colours but often redraws the shape, so the shape is
@@ -231,6 +244,15 @@ def test_demo_hires_keeps_the_colours(demo):
             assert result.images[0].size == (128, 128)
             found = classify(result.images[0])
             assert (found.colour, found.background) == ("red", "blue"), (seed, upscaler, found.combo)
+
+
+def test_demo_hires_with_a_lora(demo):
+    """A LoRA tag applies to both passes (the second pass's prompt is the same, so its networks stay merged)."""
+    prompt = "a teal circle on a white background <lora:demo_teal:1>"
+    with_lora = demo.generate(Request(prompt, seed=1, hires=Hires(denoise=0.5)))
+    without = demo.generate(Request(prompt.replace(" <lora:demo_teal:1>", ""), seed=1, hires=Hires(denoise=0.5)))
+    assert "Lora hashes" in with_lora.infotext and with_lora.images[0].size == (128, 128)
+    assert ((with_lora.latents - without.latents).abs().max() / without.latents.abs().max()).item() > 0.1
 
 
 def test_demo_second_pass_prompt_and_cfg_apply(demo):
