@@ -140,3 +140,26 @@ def test_extras_errors(client, body, status, message):
     r = client.post("/sdapi/v1/extra-single-image", json=body)
     assert r.status_code == status, r.text
     assert message in r.text
+
+
+def test_upscaler_dir_is_listed_and_used(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from sdlite.upscalers.nets import SRVGGConfig, SRVGGNetCompact
+
+    torch.manual_seed(0)
+    net = SRVGGNetCompact(SRVGGConfig(num_feat=8, num_conv=2, scale=2))
+    save_file({k: v.contiguous() for k, v in net.state_dict().items()}, tmp_path / "tiny-2x.safetensors")
+    (tmp_path / "notes.txt").write_text("not an upscaler")
+    with TestClient(create_app(limits=Limits(max_steps=1000), upscaler_dir=str(tmp_path))) as c:
+        listed = {u["name"]: u for u in c.get("/sdapi/v1/upscalers").json()}
+        assert listed["tiny-2x"]["scale"] == 2 and listed["tiny-2x"]["model_path"].endswith("tiny-2x.safetensors")
+        r = c.post("/sdapi/v1/extra-single-image", json={"image": b64png(Image.new("RGB", (16, 16), (9, 9, 200))),
+                                                         "upscaler_1": "tiny-2x", "upscaling_resize": 2})
+        assert r.status_code == 200, r.text
+        assert decode(r.json()["image"]).size == (32, 32)
+        r, info = txt2img(c, enable_hr=True, hr_upscaler="tiny-2x", denoising_strength=0.5)
+        assert r.status_code == 200, r.text
+        assert decode(r.json()["images"][0]).size == (128, 128)
+        assert info["extra_generation_params"]["Hires upscaler"] == "tiny-2x"
