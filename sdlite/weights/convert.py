@@ -69,6 +69,9 @@ SCHEDULE_BUFFERS = frozenset({
     "logvar", "lvlb_weights",
     "denoiser.sigmas",  # SGM's discrete denoiser keeps its sigma table as a buffer
 })
+# The x4 upscaler's noise augmentation (LatentUpscaleDiffusion.low_scale_model) keeps the low-resolution image's DDPM
+# schedule as buffers; sdlite takes that schedule from the published low_res_scheduler config.
+LOW_SCALE_PREFIX = "low_scale_model."
 # Marker tensors some tools add to say how the model was trained (read by detect, dropped here).
 MARKER_KEYS = frozenset({"v_pred", "ztsnr"})
 
@@ -925,7 +928,7 @@ def taesd_from_original(keys: Iterable[str], part: str, *, prefix: str = "",
 
 
 def _is_file_buffer(key: str) -> bool:
-    return key in SCHEDULE_BUFFERS or key in MARKER_KEYS or key.startswith(EMA_PREFIX)
+    return key in SCHEDULE_BUFFERS or key in MARKER_KEYS or key.startswith((EMA_PREFIX, LOW_SCALE_PREFIX))
 
 
 def plan_from_original(keys: Iterable[str], *, unet_structure: UNetStructure | Mapping | None = None,
