@@ -151,10 +151,15 @@ def upscale_to(image: Image.Image, name: str | Path, width: int, height: int, *,
 
 def _network_pass(path: Path, device):
     if path.is_dir():
-        from .x4 import X4Upscaler   # the SD x4 upscaler, with an empty prompt and its defaults
+        from .x4 import X4Upscaler   # the SD x4 upscaler, with an empty prompt, its defaults and seed 0
 
-        model = X4Upscaler.load(path, device=device)
-        return lambda image: model.upscale(image).images[0]
+        key = f"{os.path.realpath(path)}@{device}"
+        if key not in _CACHE:
+            if len(_CACHE) >= 2:
+                _CACHE.pop(next(iter(_CACHE)))
+            _CACHE[key] = X4Upscaler.load(path, device=device)
+        model = _CACHE[key]
+        return lambda image: model.upscale(image.convert("RGB"), seed=0).images[0]
     from .tiling import upscale
 
     net = _load(path, device)
