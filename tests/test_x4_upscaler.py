@@ -40,6 +40,19 @@ TINY_TEXT = TextEncoderConfig(width=64, layers=2, heads=1, mlp_width=96, activat
 TINY_VAE = VAEConfig(block_channels=(32, 32, 64), layers_per_block=1, scaling_factor=0.08333, sample_size=64)
 
 
+@pytest.fixture(autouse=True)
+def _threads(request):
+    """The tiny models run on one torch thread, as conftest's one_torch_thread explains (a second thread's spin-waits
+    cost seconds on a busy machine); the full-size tests (marked slow) use them all."""
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _schedulers():
     from diffusers import DDIMScheduler, DDPMScheduler
 
@@ -380,6 +393,33 @@ def full_size(tmp_path_factory):
     return X4Upscaler(model), pipe
 
 
+@pytest.mark.slow
+def test_full_size_single_file_is_detected_from_its_shapes():
+    """x4-upscaler-ema.safetensors' keys and shapes (the published architecture written in the original layout, on
+    the meta device: nothing is allocated) detected as the x4 upscaler with the published configs."""
+    from sdlite.loader import build_network
+    from sdlite.weights.convert import plan_to_original
+    from sdlite.weights.detect import detect
+
+    spec = SD_X4_UPSCALER
+    with torch.device("meta"):
+        states = {name: build_network(name, spec).state_dict() for name in ("unet", "vae", "text_encoder")}
+        plan = plan_to_original({name: list(sd) for name, sd in states.items()}, text_encoder="openclip",
+                                unet_structure=spec.unet, vae_levels=3)
+        merged = plan.merge(states)
+        shapes = {k: tuple(merged[k].shape) for k in merged}
+    last = f"cond_stage_model.model.transformer.resblocks.{spec.text.layers - 1}."
+    shapes.update({k.replace(last, last.replace(str(spec.text.layers - 1), str(spec.text.layers))): v
+                   for k, v in shapes.items() if k.startswith(last)})   # the 24th block, unused
+    assert shapes["model.diffusion_model.label_emb.weight"] == (1000, 1024)
+    found = detect(shapes)
+    assert found.family == X4_FAMILY and found.layout == "original"
+    assert dataclasses.replace(spec.unet, **found.unet.config_kwargs()) == spec.unet
+    assert dataclasses.replace(spec.vae, **found.vae.config_kwargs()) == spec.vae
+    assert found.text_encoder.layers == spec.text.layers == 23 and found.text_encoder.width == 1024
+
+
+@pytest.mark.slow
 def test_full_size_shares_weights(full_size):
     up, pipe = full_size
     ours = up.engine.models.get("unet").state_dict()
@@ -390,6 +430,7 @@ def test_full_size_shares_weights(full_size):
     assert 473e6 < n < 474e6, n   # stabilityai/stable-diffusion-x4-upscaler's unet: 473.3M
 
 
+@pytest.mark.slow
 def test_full_size_matches_diffusers(full_size):
     up, pipe = full_size
     image = _input(16, 16, seed=3)
