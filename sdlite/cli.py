@@ -20,6 +20,7 @@ FAMILY_NAMES = {
     "sd2-inpaint": "Stable Diffusion 2.x inpainting",
     "sdxl": "Stable Diffusion XL",
     "sdxl-refiner": "Stable Diffusion XL refiner",
+    "sd-x4-upscaler": "Stable Diffusion x4 upscaler",
 }
 
 

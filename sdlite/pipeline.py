@@ -670,6 +670,9 @@ class Engine:
         ``on_latents(step, total, latents)`` with the current estimate of the final latents (the denoiser's
         prediction of x0, in the scaling of ``Result.latents``; :meth:`preview` turns it into images). Either may
         raise :class:`StopSampling` to end the run after that step with the images of that estimate."""
+        if getattr(self.spec, "is_x4_upscaler", False):
+            raise RequestError(f"{self.spec.family} is the SD x4 upscaler: it upscales images rather than drawing "
+                               "them (sdlite upscale IMAGE --model PATH, or sdlite.upscalers.x4.X4Upscaler)")
         r = validate(request, self.spec.default_size)
         inpaint_model = self.spec.unet.in_channels != self.spec.vae.latent_channels
         if inpaint_model and self.spec.unet.in_channels != 2 * self.spec.vae.latent_channels + 1:

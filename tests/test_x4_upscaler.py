@@ -445,3 +445,30 @@ def test_full_size_matches_diffusers(full_size):
     diff = _diff(got.images[0], expected)
     print(f"full-size x4 upscaler, 3 DDIM steps: max pixel difference {diff}/255; ours {got.timings}")
     assert diff <= 2
+
+
+# --- the command line, the hires fix's upscaler, and generate's refusal -------------------------------------------
+
+def test_cli_upscale_with_the_x4_model(tiny, tmp_path, capsys):
+    from sdlite.cli import main
+    from sdlite.images import read_parameters
+
+    folder, ref = tiny
+    source = tmp_path / "in.png"
+    _input(16, 12, seed=3).save(source)
+    assert main(["upscale", str(source), "--model", str(folder), "--prompt", "a cat", "--seed", "5", "--steps", "3",
+                 "--precision", "exact", "-o", str(tmp_path / "out.png")]) == 0
+    out = Image.open(tmp_path / "out.png")
+    assert out.size == (64, 48)
+    expected = ref(prompt="a cat", image=_input(16, 12, seed=3), num_inference_steps=3, guidance_scale=9.0,
+                   noise_level=20, generator=torch.Generator().manual_seed(5)).images[0]
+    assert _diff(out.convert("RGB"), expected) <= 1
+    text = read_parameters(tmp_path / "out.png")
+    assert "Postprocess upscaler: SD x4 (x4)" in text and "x4 Seed: 5" in text and "seed 5" in capsys.readouterr().err
+
+
+def test_generate_on_the_x4_model_points_to_upscale(tiny):
+    from sdlite.pipeline import Engine, Request, RequestError
+
+    with pytest.raises(RequestError, match="sdlite upscale IMAGE --model PATH"):
+        Engine.load(tiny[0], precision="exact").generate(Request("a cat", width=32, height=32, steps=2))
