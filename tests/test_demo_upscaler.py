@@ -83,3 +83,28 @@ def test_colours_and_shape_kept(results):
             assert error <= tolerance, (scene, error)
         assert np.linalg.norm(_centroid(shape_ours) - _centroid(shape)) <= 1.5, scene
         assert (shape & shape_ours).sum() / (shape | shape_ours).sum() >= 0.97, scene
+
+
+def test_make_run_draws_256_pixels_of_what_it_was_asked(tmp_path, capsys):
+    """``make run``'s command (the demo model, no size): the 64x64 image upscaled 4x by the demo upscaler, a
+    256x256 PNG whose colours and shape are the prompt's, with A1111's Postprocess fields; over 6 seeds, as
+    ``make run``'s seed 1 is one of them. Given a size, no upscale."""
+    from sdlite.cli import main
+    from sdlite.demo.classify import classify
+    from sdlite.images import read_parameters
+
+    hits = 0
+    for seed in range(1, 7):
+        out = tmp_path / f"{seed}.png"
+        assert main(["generate", "a red circle on a blue background", "--seed", str(seed), "--output", str(out)]) == 0
+        image = Image.open(out)
+        assert image.size == (256, 256)
+        hits += classify(image).combo == ("red", "circle", "blue")
+        if seed == 1:
+            assert classify(image).combo == ("red", "circle", "blue")
+            text = read_parameters(out)
+            assert "Size: 64x64" in text and "Postprocess upscale by: 4, Postprocess upscaler: demo-4x" in text
+    assert hits >= 5
+    assert main(["generate", "a red circle on a blue background", "--seed", "1", "--width", "64",
+                 "--output", str(tmp_path / "plain.png")]) == 0
+    assert Image.open(tmp_path / "plain.png").size == (64, 64)
