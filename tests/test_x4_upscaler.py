@@ -472,3 +472,17 @@ def test_generate_on_the_x4_model_points_to_upscale(tiny):
 
     with pytest.raises(RequestError, match="sdlite upscale IMAGE --model PATH"):
         Engine.load(tiny[0], precision="exact").generate(Request("a cat", width=32, height=32, steps=2))
+
+
+def test_x4_folder_as_a_named_upscaler(tiny, tmp_path):
+    """An x4 upscaler folder in the upscaler folder is listed by its name and upscales (seed 0, its defaults) as
+    X4Upscaler does; A1111's rule then resizes to the target."""
+    from sdlite.upscalers import registry
+
+    folder, _ = tiny
+    (tmp_path / "x4-up").symlink_to(folder, target_is_directory=True)
+    assert "x4-up" in [u["name"] for u in registry.listing(tmp_path)]
+    source = _input(16, 12, seed=4)
+    got = registry.upscale_to(source, "x4-up", 64, 48, folder=tmp_path)
+    expected = X4Upscaler.load(folder).upscale(source, seed=0).image
+    assert got.size == (64, 48) and _diff(got, expected) == 0
