@@ -423,3 +423,23 @@ def test_past_the_grace_ray_actors_are_killed_and_their_jobs_not_written(local_r
     assert (summary.stopped, summary.done, summary.interrupted, summary.remaining) == ("SIGTERM", 1, 1, 2)
     assert list(check_stopped(tmp_path / "out")) == ["short"]
     assert elapsed < 1 + EXIT_S     # not the 15 s of the long job
+
+
+def test_hires_jobs_in_both_vocabularies(tmp_path):
+    """A1111's enable_hr / hr_* fields and the Request vocabulary's ``hires`` both run the hires fix in a batch."""
+    jobs = tmp_path / "hires.jsonl"
+    jobs.write_text("\n".join(json.dumps(j) for j in (
+        {"id": "a1111", "prompt": "a red circle on a blue background", "steps": 4, "seed": 1, "enable_hr": True,
+         "hr_scale": 2, "hr_upscaler": "Lanczos", "denoising_strength": 0.5},
+        {"id": "ours", "prompt": "a red circle on a blue background", "steps": 4, "seed": 1,
+         "hires": {"scale": 1.5, "upscaler": "Latent", "denoise": 0.5}},
+        {"id": "hr-model", "prompt": "x", "steps": 4, "enable_hr": True, "hr_checkpoint_name": "other"})) + "\n")
+    with pytest.raises(BatchError, match="hr_checkpoint_name is not supported in a batch"):
+        run_batch(jobs, tmp_path / "out", threads=1, progress=False)
+    jobs.write_text("\n".join(jobs.read_text().splitlines()[:2]) + "\n")
+    summary = run_batch(jobs, tmp_path / "out", threads=1, progress=False)
+    assert summary.done == 2
+    a = Image.open(tmp_path / "out" / "a1111.png")
+    b = Image.open(tmp_path / "out" / "ours.png")
+    assert a.size == (128, 128) and b.size == (96, 96)
+    assert "Hires upscaler: Lanczos" in a.info["parameters"] and "Hires upscale: 1.5" in b.info["parameters"]

@@ -152,6 +152,19 @@ def test_memory_mode_0_gives_the_same_image(tiny):
     assert np.abs(as_uint8(low.generate(request).images) - as_uint8(tiny["engine"].generate(request).images)).max() <= 1
 
 
+def test_hires_checkpoint_runs_the_second_pass(tiny, tmp_path):
+    """``Hires.checkpoint``: the second pass on another model (here the same weights under another path: the same
+    image, from a second engine the first keeps for the next request)."""
+    other = tmp_path / "other"
+    other.symlink_to(tiny["path"], target_is_directory=True)
+    request = Request(PROMPT, width=64, height=64, steps=4, seed=9, hires=Hires(denoise=0.5))
+    plain = tiny["engine"].generate(request)
+    swapped = tiny["engine"].generate(request.replace(hires=Hires(denoise=0.5, checkpoint=str(other))))
+    assert np.abs(as_uint8(plain.images) - as_uint8(swapped.images)).max() <= 1
+    assert swapped.infotext["Hires checkpoint"] == "other"
+    assert tiny["engine"].hires_engine(str(other)) is tiny["engine"].hires_engine(str(other))
+
+
 def test_request_errors(tiny):
     engine = tiny["engine"]
     with pytest.raises(RequestError, match="hires upscaler: upscaler 'Bogus' is not known"):
