@@ -497,7 +497,7 @@ _HIRES_FLAGS = (("hires_upscaler", "--hires-upscaler"), ("hires_denoise", "--hir
                 ("hires_checkpoint", "--hires-checkpoint"))
 
 
-def parse_size(text: str, flag: str) -> tuple[int, int]:
+def parse_wxh(text: str, flag: str) -> tuple[int, int]:
     """``WxH`` (either may be 0) -> (W, H)."""
     from .pipeline import RequestError
 
@@ -526,7 +526,7 @@ def hires_option(args):
         raise RequestError("give either --hires SCALE or --hires-size WxH, not both")
     if args.hires_checkpoint is not None and not Path(args.hires_checkpoint).exists():
         raise RequestError(f"--hires-checkpoint {args.hires_checkpoint}: no such file or folder")
-    resize = parse_size(args.hires_size, "--hires-size") if args.hires_size else (0, 0)
+    resize = parse_wxh(args.hires_size, "--hires-size") if args.hires_size else (0, 0)
     return Hires(scale=args.hires if args.hires is not None else 2.0, resize_x=resize[0], resize_y=resize[1],
                  upscaler=args.hires_upscaler or DEFAULT_UPSCALER, steps=args.hires_steps or 0,
                  denoise=DEFAULT_DENOISE if args.hires_denoise is None else args.hires_denoise,

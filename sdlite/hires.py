@@ -150,6 +150,13 @@ def validate(hires: Hires, steps: int) -> Hires:
                  checkpoint=same(h.checkpoint))
 
 
+def second_pass_steps(hires: Hires, steps: int) -> int:
+    """The sampler steps the second pass runs: the last ``int(N x denoise)`` of its ``N`` planned steps (``N``:
+    ``hires.steps``, or the first pass's ``steps`` when 0), as diffusers' image to image runs them."""
+    total = hires.steps or steps
+    return min(int(total * hires.denoise), total)
+
+
 def upscale_latents(latents, target: Target, upscaler: str, scale: int = 8):
     """A latent upscaler: the first pass's latents (B, C, h, w) -> the second pass's start (B, C, H/8, W/8)
     (``scale``: the VAE's downscale, A1111's opt_f)."""

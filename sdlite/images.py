@@ -54,7 +54,7 @@ class OutputError(SDLiteError):
     """The output location cannot be written; the message names it."""
 
 
-def _quote(value) -> str:
+def quote_value(value) -> str:
     """A1111's quoting: values holding a comma, colon or quote are written as JSON strings."""
     text = str(value)
     if "," not in text and "\n" not in text and ":" not in text and '"' not in text:
@@ -94,7 +94,7 @@ def infotext(request, seed: int, model_hash: str | None = None, model_name: str 
         **(extra or {}),
         "Version": f"sdlite {__version__}",
     }
-    line = ", ".join(f"{k}: {_quote(v)}" for k, v in fields.items() if v is not None)
+    line = ", ".join(f"{k}: {quote_value(v)}" for k, v in fields.items() if v is not None)
     lines = [request.prompt]
     if request.negative_prompt:
         lines.append(f"Negative prompt: {request.negative_prompt}")

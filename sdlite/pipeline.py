@@ -790,8 +790,7 @@ class Engine:
                                 negative_prompt=r.negative_prompt if h.negative_prompt is None else h.negative_prompt,
                                 strength=h.denoise, hires=None), second_engine.spec.default_size)
         first_steps = r.steps
-        second_steps = steps2 - img2img_start(steps2, h.denoise)
-        grand = first_steps + second_steps
+        grand = first_steps + hires_module.second_pass_steps(h, r.steps)
         seeds = [r.seed + i for i in range(r.batch_size)]
 
         def progress(offset):

@@ -45,6 +45,7 @@ from ..images import parameters_of, png_bytes
 from . import a1111
 from .checkpoints import Checkpoint, Checkpoints, Engines
 from .jobs import JobControl, Jobs, QueueFull, ShuttingDown, Unavailable  # noqa: F401 (re-exported)
+from ..hires import second_pass_steps
 from .limits import Limits, admit, check_hires_size, check_size
 
 log = logging.getLogger("sdlite.server")
@@ -296,7 +297,8 @@ def run_plan(engines: Engines, checkpoint: Checkpoint, plan: a1111.Plan, control
         for i, request in enumerate(requests):
             if control.interrupted:
                 break
-            control.iteration(i, request.steps + _hires_steps(request))
+            hires = request.hires   # its second pass adds to the progress
+            control.iteration(i, request.steps + (0 if hires is None else second_pass_steps(hires, request.steps)))
 
             def on_latents(step, total, latents):
                 if control.preview_due(step, total):
@@ -317,15 +319,6 @@ def run_plan(engines: Engines, checkpoint: Checkpoint, plan: a1111.Plan, control
     return a1111.Outcome(results, checkpoint.short_name, engines.checkpoints.hash_of(checkpoint), inpainting,
                          timestamp, interrupted=control.interrupted, infotext=extra,
                          warnings=warnings + ([warning] if warning else []))
-
-
-def _hires_steps(request) -> int:
-    """The steps a request's hires fix adds to its progress (0 without one)."""
-    h = request.hires
-    if h is None:
-        return 0
-    steps = h.steps or request.steps
-    return min(int(steps * h.denoise), steps)
 
 
 NO_TAESD_WARNING = ("live previews: show_progress_type 'TAESD' needs a TAESD for this model's latents (sdlite serve "

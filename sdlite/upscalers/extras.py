@@ -10,11 +10,11 @@ parameters are kept and the fields added to them.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from PIL import Image
 
+from ..images import quote_value
 from .registry import UpscalerError, resolve, upscale_to
 
 MAX_SCALE = 8.0
@@ -93,10 +93,7 @@ def postprocess(image: Image.Image, extras: Extras, folder=None, device="cpu") -
 
 def fields_text(info: dict) -> str:
     """The fields as A1111 writes them: ``Key: value, ...`` (values with a comma or colon quoted)."""
-    def quote(v):
-        text = str(v)
-        return json.dumps(text, ensure_ascii=False) if any(c in text for c in ',:"\n') else text
-    return ", ".join(f"{k}: {quote(v)}" for k, v in info.items())
+    return ", ".join(f"{k}: {quote_value(v)}" for k, v in info.items())
 
 
 def parameters_after(existing: str | None, info: dict) -> str:

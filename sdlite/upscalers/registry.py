@@ -103,16 +103,21 @@ def resolve(name: str, folder: str | os.PathLike | None = None) -> str | Path:
 _CACHE: dict[str, object] = {}
 
 
-def _load(path: Path, device="cpu"):
-    """A network upscaler, loaded once per file and device (the last two kept)."""
-    from .files import load_upscaler
-
+def _cached(path: Path, device, load):
+    """``load(path, device=device)``, once per file or folder and device (the last two kept)."""
     key = f"{os.path.realpath(path)}@{device}"
     if key not in _CACHE:
         if len(_CACHE) >= 2:
             _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = load_upscaler(path, device=device)
+        _CACHE[key] = load(path, device=device)
     return _CACHE[key]
+
+
+def _load(path: Path, device="cpu"):
+    """A network upscaler, loaded once per file and device."""
+    from .files import load_upscaler
+
+    return _cached(path, device, load_upscaler)
 
 
 def network_scale(name: str | Path, folder=None) -> int | None:
@@ -153,12 +158,7 @@ def _network_pass(path: Path, device):
     if path.is_dir():
         from .x4 import X4Upscaler   # the SD x4 upscaler, with an empty prompt, its defaults and seed 0
 
-        key = f"{os.path.realpath(path)}@{device}"
-        if key not in _CACHE:
-            if len(_CACHE) >= 2:
-                _CACHE.pop(next(iter(_CACHE)))
-            _CACHE[key] = X4Upscaler.load(path, device=device)
-        model = _CACHE[key]
+        model = _cached(path, device, X4Upscaler.load)
         return lambda image: model.upscale(image.convert("RGB"), seed=0).images[0]
     from .tiling import upscale
 
