@@ -16,7 +16,7 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet torch==2.13.0
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(BIN)/pip install --quiet -e '.[test,server,ray]'
+	$(BIN)/pip install --quiet -e '.[test,server,ray,control]'
 	# the web page's browser test drives Debian's chromium (Playwright's own browser download cannot work offline)
 	command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium; }

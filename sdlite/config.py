@@ -495,6 +495,67 @@ class TAESDConfig:
         )
 
 
+
+@dataclass(frozen=True)
+class ControlNetConfig:
+    """A ControlNet (Zhang et al. 2023, "Adding Conditional Control to Text-to-Image Diffusion Models"): a trainable
+    copy of a UNet's encoder and middle block (``unet``: that UNet's config; its up path and output layers are not
+    built), a hint encoder from the control image to the first level's width, and a zero-initialised 1x1 convolution
+    on each skip activation and on the middle block's output, whose outputs are added to the UNet's.
+
+    Hint encoder (diffusers' ``ControlNetConditioningEmbedding``; the original's ``input_hint_block``): a convolution
+    from ``hint_channels`` to ``hint_widths[0]``, then per later width a convolution and a stride-2 convolution, each
+    followed by SiLU, then a convolution to the UNet's first width. ``global_pool``: the residuals are averaged over
+    space (the shuffle ControlNet). ``bgr``: the control image's channels are reversed before the hint encoder
+    (diffusers' ``controlnet_conditioning_channel_order``).
+    """
+
+    unet: UNetConfig = UNetConfig()
+    hint_channels: int = 3
+    hint_widths: tuple[int, ...] = (16, 32, 96, 256)
+    global_pool: bool = False
+    bgr: bool = False
+
+    def __post_init__(self):
+        if not self.hint_widths or self.hint_channels < 1:
+            raise ConfigError(f"ControlNet config: hint encoder widths {self.hint_widths} from {self.hint_channels} "
+                              "channels (both must be set)")
+
+    @property
+    def hint_downscale(self) -> int:
+        """Control-image pixels per latent pixel, each way (8 for every published ControlNet)."""
+        return 2 ** (len(self.hint_widths) - 1)
+
+    @property
+    def residuals(self) -> int:
+        """How many residuals it gives: one per skip activation of the UNet's down path, plus the middle block's."""
+        levels = len(self.unet.block_channels)
+        return 1 + levels * self.unet.layers_per_block + (levels - 1) + 1
+
+    @classmethod
+    def from_diffusers(cls, cfg: dict) -> "ControlNetConfig":
+        """From a diffusers ``ControlNetModel`` config dict (``config.json``): the UNet fields it shares, plus the
+        hint encoder's."""
+        order = cfg.get("controlnet_conditioning_channel_order", "rgb")
+        if order not in ("rgb", "bgr"):
+            raise ConfigError(f"ControlNet config: controlnet_conditioning_channel_order {order!r} (expected 'rgb' "
+                              "or 'bgr')")
+        down = list(cfg.get("down_block_types", ()))
+        up = ["CrossAttnUpBlock2D" if t == "CrossAttnDownBlock2D" else "UpBlock2D" for t in reversed(down)]
+        unet = UNetConfig.from_diffusers({**cfg, "up_block_types": up, "out_channels": cfg.get("in_channels", 4)})
+        return cls(unet=unet, hint_channels=int(cfg.get("conditioning_channels", 3)),
+                   hint_widths=_tuple(cfg.get("conditioning_embedding_out_channels", (16, 32, 96, 256))),
+                   global_pool=bool(cfg.get("global_pool_conditions", False)), bgr=order == "bgr")
+
+    def to_diffusers(self) -> dict:
+        unet = self.unet.to_diffusers()
+        for key in ("up_block_types", "out_channels", "_class_name"):
+            unet.pop(key, None)
+        return {"_class_name": "ControlNetModel", **unet, "conditioning_channels": self.hint_channels,
+                "conditioning_embedding_out_channels": list(self.hint_widths),
+                "global_pool_conditions": self.global_pool,
+                "controlnet_conditioning_channel_order": "bgr" if self.bgr else "rgb"}
+
 # --- scheduler configs ----------------------------------------------------------------------------------
 
 # The latent diffusion training schedule, as every SD 1.x/2.x reference repository publishes it in

@@ -116,6 +116,8 @@ class Request:
     refiner_switch_at: float | None = None
     # the hires fix (text to image): a :class:`sdlite.hires.Hires`, the second pass's upscale and options; None: off
     hires: object = None
+    # ControlNet units (:class:`sdlite.control.ControlUnit`), applied in order, their residuals summed
+    controls: tuple = ()
 
     @property
     def is_img2img(self) -> bool:
@@ -237,7 +239,23 @@ def validate(request: Request, native_size: int = 512) -> Request:
     _validate_sdxl_options(r)
     hires = _validate_hires(r, width, height)
     return _validate_image_options(r).replace(width=width, height=height, sampler=sampler, schedule=schedule,
-                                              seed=seed, cfg_scale=float(r.cfg_scale), hires=hires)
+                                              seed=seed, cfg_scale=float(r.cfg_scale), hires=hires,
+                                              controls=_validate_controls(r))
+
+
+def _validate_controls(r: Request) -> tuple:
+    """The ControlNet units with their values checked and their names made ours."""
+    from .control import ControlError, ControlUnit
+
+    units = []
+    for i, unit in enumerate(r.controls or ()):
+        if not isinstance(unit, ControlUnit):
+            raise RequestError(f"ControlNet unit {i}: expected a ControlUnit, got {type(unit).__name__}")
+        try:
+            units.append(unit.checked(i))
+        except ControlError as e:
+            raise RequestError(str(e)) from None
+    return tuple(units)
 
 
 def _validate_hires(r: Request, width: int | None, height: int | None):
@@ -698,14 +716,106 @@ class Engine:
         source = self.prepare_source(r) if r.is_img2img else None
         if source is not None:
             r = r.replace(width=source.width, height=source.height)
+        if r.controls and source is not None and source.paste_box is not None:
+            raise RequestError("ControlNet with inpaint area 'masked' (only the masked region) is not supported yet: "
+                               "use inpaint area 'whole'")
+        controls = self.prepare_controls(r, r.width, r.height)
         seeds = [r.seed + i for i in range(r.batch_size)]
         use_cfg = r.cfg_scale > 1.0
         networks = self.prompt_networks(r)
         with networks.applied(self):
-            result = self._generate(r, source, seeds, use_cfg, networks, inpaint_model, callback, t0, on_latents)
+            result = self._generate(r, source, seeds, use_cfg, networks, inpaint_model, callback, t0, on_latents,
+                                    controls=controls)
+        result.infotext.update(self.controls_infotext(r))
         if self.vae_decoder is not None:
             result.infotext["VAE decoder"] = self.vae_decoder.name
         return result
+
+    # -- ControlNet ------------------------------------------------------------------------------------------------
+
+    def controlnet(self, path) -> tuple[torch.nn.Module, str]:
+        """The ControlNet at ``path`` (a file or a diffusers folder) for this model, and its A1111 label ("name
+        [hash]"): loaded in the UNet's compute precision (channels-last where the UNet is), or in memory mode 0 a
+        network that streams its weights from the file block by block as the UNet does. Kept for the next request;
+        the ones a request does not use are dropped (:meth:`prepare_controls`)."""
+        from .control.apply import legacy_hash
+        from .engine.memory import streamed_model
+        from .weights.controlnet import ControlNetError, check_compatible, open_controlnet
+
+        key = os.path.realpath(path)
+        cache = self.__dict__.setdefault("_controlnets", {})
+        if key not in cache:
+            try:
+                cfile = open_controlnet(path, self.spec.unet)
+                try:
+                    check_compatible(cfile.config, self.spec.unet, cfile.name, self.spec.family)
+                    dtype = self.models.dtype_of("unet")
+                    if self.models.mode == 0:
+                        net = streamed_model(cfile, "controlnet", dtype, self.device)
+                    else:
+                        net = cfile.load(dtype, self.device)
+                        if self.models.channels_last:
+                            net = net.to(memory_format=torch.channels_last)
+                        cfile.close()
+                except BaseException:
+                    cfile.close()
+                    raise
+            except ControlNetError as e:
+                raise RequestError(f"ControlNet: {e}") from None
+            cache[key] = (net, f"{cfile.name} [{legacy_hash(path)}]", cfile)
+        net, label, _ = cache[key]
+        return net, label
+
+    def _drop_controlnets(self, keep_paths) -> None:
+        cache = self.__dict__.get("_controlnets", {})
+        wanted = {os.path.realpath(p) for p in keep_paths}
+        for key in [k for k in cache if k not in wanted]:
+            cache.pop(key)[2].close()
+
+    def prepare_controls(self, r: Request, width: int, height: int, hires_pass: int | None = None) -> list:
+        """The request's ControlNet units that apply to this pass (``hires_pass``: 1 or 2 in a hires fix), ready for
+        a ``width`` x ``height`` run: each unit's image (the init image where it has none) run through its
+        preprocessor and fitted by its resize mode, and its network."""
+        from . import sources
+        from .control import ControlError, preprocess
+        from .control.apply import ActiveControl, fit_control, hint_tensor
+
+        self._drop_controlnets([u.model for u in r.controls])
+        out = []
+        for i, u in enumerate(r.controls):
+            if not u.applies_to(hires_pass):
+                continue
+            image = u.image if u.image is not None else r.init_image
+            if image is None:
+                raise RequestError(f"ControlNet unit {i}: no control image (give one, or an init image for the unit "
+                                   "to use)")
+            mask = None
+            try:
+                image = sources.load_image(image, f"ControlNet unit {i}'s image")
+                p = preprocess.find(u.preprocessor)
+                if p.name == "inpaint":
+                    where = u.mask if u.mask is not None else r.mask
+                    if where is None:
+                        raise RequestError(f"ControlNet unit {i}: the inpaint preprocessor needs a mask (the unit's "
+                                           "or the request's)")
+                    mask = fit_control(sources.load_mask(where, f"ControlNet unit {i}'s mask"), width, height,
+                                       u.resize_mode)
+                elif p.name != "none":
+                    res = (preprocess.pixel_perfect_resolution(image.size, width, height, u.resize_mode)
+                           if u.pixel_perfect else u.processor_res)
+                    image = preprocess.run(p.name, image, res, u.threshold_a, u.threshold_b)
+            except (ControlError, sources.ImageInputError) as e:
+                raise RequestError(str(e)) from None
+            net, label = self.controlnet(u.model)
+            out.append(ActiveControl(u, net, hint_tensor(fit_control(image, width, height, u.resize_mode), mask),
+                                     label))
+        return out
+
+    def controls_infotext(self, r: Request) -> dict:
+        """A1111's ``ControlNet N`` parameters of the request's units."""
+        from .control.units import infotext
+
+        return {f"ControlNet {i}": infotext(u, self.controlnet(u.model)[1]) for i, u in enumerate(r.controls)}
 
     def prompt_networks(self, r: Request) -> "PromptNetworks":
         """The request's add-ons: ``<lora:name:w>`` tags (removed from the text, as A1111 does) and
@@ -804,7 +914,8 @@ class Engine:
         cb1, lat1 = progress(0)
         with contextlib.ExitStack() as stack:
             stack.enter_context(networks.applied(self))
-            first = self._generate(r, None, seeds, use_cfg, networks, False, cb1, t0, lat1, decode=False)
+            first = self._generate(r, None, seeds, use_cfg, networks, False, cb1, t0, lat1, decode=False,
+                                   controls=self.prepare_controls(r, r.width, r.height, hires_pass=1))
             if first.interrupted:   # stopped in the first pass: its images, and no second pass
                 first.images = latents_to_images(self.decode_scaled(first.latents))
                 first.warnings.append("the hires fix's second pass did not run (stopped in the first pass)")
@@ -834,10 +945,12 @@ class Engine:
                 networks2 = second_engine.prompt_networks(r2)
                 stack.enter_context(networks2.applied(second_engine))
             cb2, lat2 = progress(first_steps)
+            controls2 = second_engine.prepare_controls(r2, r2.width, r2.height, hires_pass=2)
             second = second_engine._generate(r2, None, seeds, r2.cfg_scale > 1.0, networks2, False, cb2,
-                                             time.perf_counter(), lat2, start_latents=(x0, generators))
+                                             time.perf_counter(), lat2, start_latents=(x0, generators),
+                                             controls=controls2)
         warnings = list(first.warnings) + [w for w in second.warnings if w not in first.warnings]
-        info = {**first.infotext, **hires_module.infotext(h, r.cfg_scale)}
+        info = {**first.infotext, **hires_module.infotext(h, r.cfg_scale), **self.controls_infotext(r)}
         if r2.sampler != r.sampler:
             info["Hires sampler"] = sampler_label(r2.sampler)
         if r2.schedule != r.schedule:
@@ -856,10 +969,11 @@ class Engine:
                       infotext=info, timings=timings, interrupted=second.interrupted)
 
     def _generate(self, r: Request, source, seeds, use_cfg, networks: "PromptNetworks", inpaint_model, callback,
-                  t0, on_latents=None, *, decode: bool = True, start_latents=None) -> Result:
+                  t0, on_latents=None, *, decode: bool = True, start_latents=None, controls=None) -> Result:
         """One sampling run and its decode. ``decode=False``: no images (the latents only); ``start_latents``:
         ``(x0, generators)``, image to image from latents ``x0`` (the hires fix's second pass) at ``r.strength``,
-        the noise drawn from ``generators`` (already used by an encoder)."""
+        the noise drawn from ``generators`` (already used by an encoder). ``controls``: ControlNet units ready for
+        this run (:meth:`prepare_controls`), applied where this model denoises (not an SDXL refiner's steps)."""
         warnings = list(networks.warnings)
         texts = r.replace(prompt=networks.prompt, negative_prompt=networks.negative)
         # who denoises which planned steps: this model, then (SDXL hand-off) the refiner with its own conditioning
@@ -905,8 +1019,12 @@ class Engine:
             if concat is not None:
                 extra["concat"] = concat
 
+            controlled = None
+
             def on_step(i, total, x, st=st, extra=extra):
                 done[0] += 1
+                if controlled is not None:
+                    controlled.step = st.start + i + 1 - start
                 if blend is not None:
                     x = blend(i, total, x)
                 if st.cond.changes and st.start + i + 1 < r.steps:
@@ -919,7 +1037,12 @@ class Engine:
 
             engine = st.engine
             with torch.no_grad(), engine.models.use("unet") as unet:
-                guided = CFGDenoiser(Denoiser(engine.models.runner("unet", unet), engine.schedule,
+                model = engine.models.runner("unet", unet)
+                if controls and engine is self:
+                    from .control.apply import ControlledUNet
+
+                    model = controlled = ControlledUNet(unet, controls, use_cfg, r.steps - start, st.start - start)
+                guided = CFGDenoiser(Denoiser(model, engine.schedule,
                                               engine.spec.prediction_type, dtype=unet.dtype),
                                      r.cfg_scale if use_cfg else 1.0)
                 denoised = _Recorded(_Pieces(guided, unet_piece, r.batch_size) if unet_piece < r.batch_size

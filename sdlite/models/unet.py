@@ -162,72 +162,36 @@ class MidBlock(nn.Module):
         return self.resnets[1](x, temb)
 
 
-class UNet(nn.Module):
-    """eps (or v) prediction: (B, Cin, h, w) latent, (B,) timesteps, (B, 77, Cctx) context -> (B, Cout, h, w).
+class TimeConditioned(nn.Module):
+    """What the UNet and a ControlNet share before their first convolution: the time embedding of the timestep,
+    plus a class-conditioned network's class embedding, plus SDXL's added conditioning. ``self.config`` is the
+    :class:`UNetConfig` they are built from; ``time_embedding`` (and ``class_embedding``, ``add_embedding``) are
+    their own modules."""
 
-    SDXL (``addition_embed="text_time"``) also takes ``text_embeds`` (B, pooled width), the pooled text
-    embedding, and ``time_ids`` (B, 6 or 5), the size/crop ids (original size, crop top-left, target size; the
-    refiner has an aesthetic score instead of the target size): each id is embedded sinusoidally, the pooled text
-    is appended, and an MLP (``add_embedding``) maps them to a vector added to the time embedding.
+    config: UNetConfig
 
-    A class-conditioned UNet (``num_class_embeds``: the x4 upscaler, whose class is the noise level of its
-    low-resolution input) takes ``class_labels`` (B,) integers: the row of ``class_embedding`` each selects is added
-    to the time embedding.
-    """
-
-    def __init__(self, cfg: UNetConfig):
-        super().__init__()
-        self.config = cfg
-        chans, temb_dim = cfg.block_channels, cfg.time_embed_dim
-        self.conv_in = nn.Conv2d(cfg.in_channels, chans[0], 3, padding=1)
-        self.time_embedding = TimestepEmbedding(chans[0], temb_dim)
+    def _build_embeddings(self, cfg: UNetConfig) -> None:
+        temb_dim = cfg.time_embed_dim
+        self.time_embedding = TimestepEmbedding(cfg.block_channels[0], temb_dim)
         if cfg.addition_embed == "text_time":
             self.add_embedding = TimestepEmbedding(cfg.add_embed_in, temb_dim)
         if cfg.num_class_embeds:
             self.class_embedding = nn.Embedding(cfg.num_class_embeds, temb_dim)
-        self.down_blocks = nn.ModuleList(
-            DownBlock(cfg, i, chans[max(i - 1, 0)], chans[i], temb_dim) for i in range(len(chans)))
-        self.mid_block = MidBlock(cfg, temb_dim)
-        ups, prev = [], chans[-1]
-        for level in reversed(range(len(chans))):
-            ups.append(UpBlock(cfg, level, prev, temb_dim))
-            prev = chans[level]
-        self.up_blocks = nn.ModuleList(ups)
-        self.conv_norm_out = nn.GroupNorm(cfg.norm_groups, chans[0], eps=cfg.norm_eps)
-        self.conv_out = nn.Conv2d(chans[0], cfg.out_channels, 3, padding=1)
 
-    @property
-    def dtype(self) -> torch.dtype:
-        layer = self.conv_in  # prepacked layers (engine.packing) say so themselves
-        return getattr(layer, "compute_dtype", None) or layer.weight.dtype
-
-    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
-                text_embeds: torch.Tensor | None = None, time_ids: torch.Tensor | None = None,
-                class_labels: torch.Tensor | None = None) -> torch.Tensor:
+    def embed(self, x: torch.Tensor, t: torch.Tensor, text_embeds=None, time_ids=None,
+              class_labels=None) -> torch.Tensor:
+        """(B, 4*C0): the vector every ResBlock adds (through its own projection) for timesteps ``t``."""
         cfg = self.config
         t = t.reshape(-1).to(x.device)
         if t.numel() == 1:
             t = t.expand(x.shape[0])
-        context = context.to(x.dtype)  # the text encoders may compute in another precision (fp32 under bf16)
         temb = timestep_embedding(t, cfg.block_channels[0], cfg.flip_sin_to_cos, cfg.freq_shift)
         temb = self.time_embedding(temb.to(x.dtype))                       # (B, 4*C0)
         if cfg.num_class_embeds or class_labels is not None:
             temb = temb + self._class_embedding(class_labels, x)
         if cfg.addition_embed == "text_time":
             temb = temb + self._added_embedding(text_embeds, time_ids, x.shape[0], x.dtype)
-
-        x = self.conv_in(x)                                                # (B, C0, h, w)
-        skips = [x]
-        sizes = []
-        for block in self.down_blocks:
-            sizes.append(x.shape[-2:])
-            x = block(x, temb, context, skips)
-        x = self.mid_block(x, temb, context)
-        for i, block in enumerate(self.up_blocks):
-            # upsample to the size the matching down level had, so odd latent sizes round-trip
-            size = sizes[-2 - i] if i < len(self.up_blocks) - 1 else None
-            x = block(x, temb, context, skips, size)
-        return self.conv_out(norm_silu(self.conv_norm_out, x))
+        return temb
 
     def _class_embedding(self, labels, x: torch.Tensor) -> torch.Tensor:
         n = self.config.num_class_embeds
@@ -261,3 +225,66 @@ class UNet(nn.Module):
         if added.shape[0] == 1 and batch > 1:
             added = added.expand(batch, -1)
         return self.add_embedding(added)
+
+
+class UNet(TimeConditioned):
+    """eps (or v) prediction: (B, Cin, h, w) latent, (B,) timesteps, (B, 77, Cctx) context -> (B, Cout, h, w).
+
+    SDXL (``addition_embed="text_time"``) also takes ``text_embeds`` (B, pooled width), the pooled text
+    embedding, and ``time_ids`` (B, 6 or 5), the size/crop ids (original size, crop top-left, target size; the
+    refiner has an aesthetic score instead of the target size): each id is embedded sinusoidally, the pooled text
+    is appended, and an MLP (``add_embedding``) maps them to a vector added to the time embedding.
+
+    A class-conditioned UNet (``num_class_embeds``: the x4 upscaler, whose class is the noise level of its
+    low-resolution input) takes ``class_labels`` (B,) integers: the row of ``class_embedding`` each selects is added
+    to the time embedding.
+    """
+
+    def __init__(self, cfg: UNetConfig):
+        super().__init__()
+        self.config = cfg
+        chans, temb_dim = cfg.block_channels, cfg.time_embed_dim
+        self.conv_in = nn.Conv2d(cfg.in_channels, chans[0], 3, padding=1)
+        self._build_embeddings(cfg)
+        self.down_blocks = nn.ModuleList(
+            DownBlock(cfg, i, chans[max(i - 1, 0)], chans[i], temb_dim) for i in range(len(chans)))
+        self.mid_block = MidBlock(cfg, temb_dim)
+        ups, prev = [], chans[-1]
+        for level in reversed(range(len(chans))):
+            ups.append(UpBlock(cfg, level, prev, temb_dim))
+            prev = chans[level]
+        self.up_blocks = nn.ModuleList(ups)
+        self.conv_norm_out = nn.GroupNorm(cfg.norm_groups, chans[0], eps=cfg.norm_eps)
+        self.conv_out = nn.Conv2d(chans[0], cfg.out_channels, 3, padding=1)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        layer = self.conv_in  # prepacked layers (engine.packing) say so themselves
+        return getattr(layer, "compute_dtype", None) or layer.weight.dtype
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
+                text_embeds: torch.Tensor | None = None, time_ids: torch.Tensor | None = None,
+                class_labels: torch.Tensor | None = None, control: tuple | None = None) -> torch.Tensor:
+        """``control``: ``(down, mid)``, residuals to add (a ControlNet's, :mod:`sdlite.models.controlnet`): ``down[i]``
+        to the i-th skip activation of the down path (the stem's first), ``mid`` to the middle block's output."""
+        context = context.to(x.dtype)  # the text encoders may compute in another precision (fp32 under bf16)
+        temb = self.embed(x, t, text_embeds, time_ids, class_labels)      # (B, 4*C0)
+
+        x = self.conv_in(x)                                                # (B, C0, h, w)
+        skips = [x]
+        sizes = []
+        for block in self.down_blocks:
+            sizes.append(x.shape[-2:])
+            x = block(x, temb, context, skips)
+        x = self.mid_block(x, temb, context)
+        if control is not None:
+            down, mid = control
+            if len(down) != len(skips):
+                raise ValueError(f"control: {len(down)} down-path residuals for a UNet with {len(skips)} skips")
+            skips = [s + r.to(s.dtype) for s, r in zip(skips, down)]
+            x = x + mid.to(x.dtype)
+        for i, block in enumerate(self.up_blocks):
+            # upsample to the size the matching down level had, so odd latent sizes round-trip
+            size = sizes[-2 - i] if i < len(self.up_blocks) - 1 else None
+            x = block(x, temb, context, skips, size)
+        return self.conv_out(norm_silu(self.conv_norm_out, x))

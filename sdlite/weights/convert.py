@@ -603,6 +603,40 @@ def unet_to_original(keys: Iterable[str], structure: UNetStructure | Mapping | N
     return _build("unet", keys, structure.rules(), to_canon=False, src_prefix="", dst_prefix=prefix)
 
 
+# --- ControlNet ---------------------------------------------------------------------------------------------
+
+CONTROLNET_PREFIX = "control_model."   # lllyasviel's files (the SD 2.1 ControlNets have no prefix)
+
+
+def controlnet_rules(structure: UNetStructure, hint_convs: int) -> _RuleSet:
+    """The UNet's encoder-side names (:meth:`UNetStructure.rules`) plus the ControlNet's own: the hint encoder's
+    ``hint_convs`` convolutions (``input_hint_block.0, .2, ...``, SiLUs between them; the first is ``conv_in``, the
+    last ``conv_out``), the zero convolutions ``zero_convs.N.0`` and ``middle_block_out.0``."""
+    rules = list(structure.rules().fwd.values())
+    for j in range(hint_convs):
+        canon = ("controlnet_cond_embedding.conv_in" if j == 0 else "controlnet_cond_embedding.conv_out"
+                 if j == hint_convs - 1 else f"controlnet_cond_embedding.blocks.{j - 1}")
+        rules.append(_Rule(f"input_hint_block.{2 * j}", canon))
+    skips = 1 + structure.num_levels * structure.layers_per_block + structure.num_levels - 1
+    rules += [_Rule(f"zero_convs.{n}.0", f"controlnet_down_blocks.{n}") for n in range(skips)]
+    rules.append(_Rule("middle_block_out.0", "controlnet_mid_block"))
+    return _RuleSet(rules)
+
+
+def controlnet_from_original(keys: Iterable[str], structure: UNetStructure, hint_convs: int, *,
+                             prefix: str = CONTROLNET_PREFIX, expected: Iterable[str] | None = None) -> ComponentPlan:
+    """Plan ``{canonical ControlNet key: PlanEntry}`` for original-layout ControlNet keys under ``prefix``."""
+    return _build("controlnet", list(keys), controlnet_rules(structure, hint_convs), to_canon=True,
+                  src_prefix=prefix, dst_prefix="", expected=expected)
+
+
+def controlnet_to_original(keys: Iterable[str], structure: UNetStructure, hint_convs: int, *,
+                           prefix: str = CONTROLNET_PREFIX) -> ComponentPlan:
+    """Plan ``{original key (with prefix): PlanEntry}`` from canonical ControlNet keys (lllyasviel's layout)."""
+    return _build("controlnet", list(keys), controlnet_rules(structure, hint_convs), to_canon=False, src_prefix="",
+                  dst_prefix=prefix)
+
+
 # --- VAE ---------------------------------------------------------------------------------------------------
 
 _VAE_RESNET = (("norm1", "norm1"), ("conv1", "conv1"), ("norm2", "norm2"), ("conv2", "conv2"),

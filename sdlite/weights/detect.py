@@ -19,6 +19,7 @@ Everything sdlite concludes about a weights file is concluded here:
 """
 from __future__ import annotations
 
+
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -227,11 +228,12 @@ _UP = re.compile(r"up_blocks\.(\d+)\.(resnets|attentions|upsamplers)\.(\d+)\.")
 
 
 def unet_structure_from_keys(keys: Iterable[str], layout: str = "original",
-                             prefix: str = UNET_PREFIX) -> UNetStructure:
+                             prefix: str = UNET_PREFIX, encoder_only: bool = False) -> UNetStructure:
     """The block structure (levels, resnets per level, attention levels) shown by UNet key names.
 
     ``layout="original"``: keys under ``prefix`` numbered ``input_blocks.N``/``output_blocks.N``;
-    ``layout="diffusers"``: canonical keys (``prefix`` is stripped first when given).
+    ``layout="diffusers"``: canonical keys (``prefix`` is stripped first when given). ``encoder_only``: the keys
+    have no up path (a ControlNet's); the structure's up path is then taken as the mirror of the down path.
     """
     names = [k[len(prefix):] for k in keys if k.startswith(prefix)]
     if layout == "diffusers":
@@ -257,6 +259,8 @@ def unet_structure_from_keys(keys: Iterable[str], layout: str = "original",
             f"UNet input_blocks 0..{last} with downsamplers at {sorted(ops)} do not form a regular "
             "levels x layers_per_block layout")
     down = tuple(1 in inputs.get(1 + i * (lpb + 1), set()) for i in range(levels))
+    if encoder_only:
+        return UNetStructure(levels, lpb, down, down[::-1], any(name.startswith("middle_block.2.") for name in names))
     up_attention = []
     out_last = -1
     for u in range(levels):
@@ -302,12 +306,15 @@ def _need(shapes: Mapping[str, tuple[int, ...]], key: str, what: str) -> tuple[i
     return shapes[key]
 
 
-def infer_unet(shapes: Shapes) -> UNetInfo:
-    """UNet config from canonical (diffusers) UNet key shapes."""
+def infer_unet(shapes: Shapes, encoder_only: bool = False) -> UNetInfo:
+    """UNet config from canonical (diffusers) UNet key shapes. ``encoder_only``: the keys have no up path and no
+    output layers (a ControlNet's): the output width is taken as the input's, the up path as the down path's mirror."""
     shapes = {k: _shape(v) for k, v in shapes.items()}
     st = _structure_diffusers(list(shapes))
     conv_in = _need(shapes, "conv_in.weight", "UNet")
-    conv_out = _need(shapes, "conv_out.weight", "UNet")
+    conv_out = conv_in[1:] if encoder_only else _need(shapes, "conv_out.weight", "UNet")
+    if encoder_only:
+        st = replace(st, up_attention=st.down_attention[::-1])
     channels = tuple(_need(shapes, f"down_blocks.{i}.resnets.0.conv1.weight", "UNet")[0]
                      for i in range(st.num_levels))
     context = None

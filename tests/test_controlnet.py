@@ -1,0 +1,331 @@
+"""ControlNet against diffusers on tiny models (random weights, every tensor non-zero so the control matters): the
+network against ControlNetModel, lllyasviel's layout against diffusers' own converter, generation against
+StableDiffusionControlNetPipeline (samplers, weights, guidance windows), two ControlNets against MultiControlNetModel,
+image to image against StableDiffusionControlNetImg2ImgPipeline, and A1111's soft-injection modes against a direct
+computation of the extension's formulas."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+
+from sdlite.config import ControlNetConfig
+from sdlite.control import ControlUnit
+from sdlite.control.units import keep, residual_scales
+from sdlite.models.controlnet import ControlNet
+from sdlite.pipeline import Engine, Request, RequestError
+from sdlite.weights.controlnet import ControlNetError, load_controlnet, open_controlnet
+from sdlite.weights.convert import controlnet_to_original
+from sdlite.weights.detect import unet_structure_from_keys
+from tests.reference import diffusers_pipeline, saved_pipeline, seed_all, use_scheduler, with_contrast
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPT = "a red circle on a blue background"
+NEGATIVE = "blurry, green"
+MAX_PIXEL_DIFF = 2
+SIZE = 64
+
+
+def as_uint8(images) -> np.ndarray:
+    if isinstance(images, np.ndarray):
+        return (images * 255).round().astype(np.int16)
+    return np.stack([np.asarray(im.convert("RGB"), dtype=np.int16) for im in images])
+
+
+def control_image(seed: int, size: int = SIZE) -> Image.Image:
+    """A control map with structure: a bright disc on black with some noise."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[:size, :size]
+    cx, cy = rng.integers(size // 4, 3 * size // 4, 2)
+    disc = ((xx - cx) ** 2 + (yy - cy) ** 2 < (size // 5) ** 2) * 255
+    img = np.stack([disc, np.roll(disc, 5, axis=1), disc // 2], axis=2) + rng.integers(0, 40, (size, size, 3))
+    return Image.fromarray(img.clip(0, 255).astype(np.uint8))
+
+
+def diffusers_controlnet(unet, seed: int):
+    from diffusers import ControlNetModel
+
+    # the tiny VAE halves the size once: a hint encoder of two widths does the same
+    cn = seed_all(ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(16, 32)), seed, scale=0.05)
+    with torch.no_grad():   # output convolutions strong enough that the control shows in the tiny model's image
+        for conv in [*cn.controlnet_down_blocks, cn.controlnet_mid_block]:
+            conv.weight.mul_(40)
+    return cn.eval()
+
+
+def original_state(cn) -> dict:
+    """lllyasviel's layout of a diffusers ControlNet, by our table (checked against diffusers' converter below)."""
+    keys = list(cn.state_dict())
+    structure = unet_structure_from_keys(keys, "diffusers", prefix="")
+    hint = 2 + 2 * (len(cn.config.conditioning_embedding_out_channels) - 1)
+    plan = controlnet_to_original(keys, structure, hint, prefix="")
+    state = cn.state_dict()
+    return {k: state[e.sources[0]].contiguous() for k, e in plan.entries.items()}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from diffusers import (MultiControlNetModel, StableDiffusionControlNetImg2ImgPipeline,
+                           StableDiffusionControlNetPipeline)
+
+    tmp = tmp_path_factory.mktemp("tiny_controlnet")
+    pipe = with_contrast(diffusers_pipeline("sd1", tmp))
+    with torch.no_grad():   # a UNet whose prediction matters to the image, so that the control's share shows
+        pipe.unet.conv_out.weight.mul_(8)
+    pipe = saved_pipeline(pipe, tmp / "model")
+    nets = [diffusers_controlnet(pipe.unet, 40 + i) for i in range(2)]
+    folders = []
+    for i, cn in enumerate(nets):
+        cn.save_pretrained(tmp / f"cn{i}")
+        folders.append(tmp / f"cn{i}")
+    save_file(original_state(nets[0]), tmp / "control_tiny.safetensors")
+    common = dict(vae=pipe.vae, text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer, unet=pipe.unet,
+                  scheduler=pipe.scheduler, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    one = StableDiffusionControlNetPipeline(controlnet=nets[0], **common)
+    two = StableDiffusionControlNetPipeline(controlnet=MultiControlNetModel(nets), **common)
+    img = StableDiffusionControlNetImg2ImgPipeline(controlnet=nets[0], **common)
+    for p in (one, two, img):
+        p.set_progress_bar_config(disable=True)
+    return {"one": one, "two": two, "img": img, "nets": nets, "folders": folders, "tmp": tmp,
+            "engine": Engine.load(tmp / "model", precision="exact"), "file": tmp / "control_tiny.safetensors"}
+
+
+# --- the network and its files -------------------------------------------------------------------------------------
+
+def test_network_matches_controlnetmodel(tiny):
+    cn = tiny["nets"][0]
+    ours = ControlNet(ControlNetConfig.from_diffusers(dict(cn.config))).eval()
+    ours.load_state_dict(cn.state_dict(), strict=True)
+    g = torch.Generator().manual_seed(0)
+    x, ctx, hint = torch.randn(2, 4, 16, 16, generator=g), torch.randn(2, 77, 32, generator=g), \
+        torch.rand(2, 3, 32, 32, generator=g)
+    t = torch.tensor([801.0, 15.0])
+    with torch.no_grad():
+        ref_down, ref_mid = cn(x, t, ctx, hint, conditioning_scale=0.7, return_dict=False)
+        down, mid = ours(x, t, ctx, hint, 0.7)
+    assert len(down) == len(ref_down) == ours.control_config.residuals - 1
+    for a, b in zip(down, ref_down):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(mid, ref_mid, rtol=0, atol=0)
+    assert all(float(d.abs().mean()) > 1e-3 for d in down)   # the control is not zero
+
+
+def test_original_layout_is_the_one_diffusers_reads(tiny):
+    from diffusers import ControlNetModel
+    from diffusers.loaders.single_file_utils import convert_controlnet_checkpoint
+
+    # diffusers' converter knows the published hint encoder (four widths, 8x) only
+    cn = seed_all(ControlNetModel.from_unet(tiny["one"].unet), 5, scale=0.05)
+    original = original_state(cn)
+    assert "input_hint_block.0.weight" in original and "zero_convs.0.0.weight" in original
+    back = convert_controlnet_checkpoint({"control_model." + k: v for k, v in original.items()}, dict(cn.config))
+    state = cn.state_dict()
+    assert set(back) == set(state)
+    assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize("layout", ["folder", "original", "bare", "diffusers-file", "fp16"])
+def test_every_layout_loads_the_same_network(tiny, layout, tmp_path):
+    cn = tiny["nets"][0]
+    state = cn.state_dict()
+    if layout == "folder":
+        path = tiny["folders"][0]
+    elif layout == "original":
+        path = tmp_path / "control_v11p_tiny.safetensors"
+        save_file({"control_model." + k: v for k, v in original_state(cn).items()}, path)
+    elif layout == "bare":   # the SD 2.1 ControlNets' form, and a .pth read without unpickling code
+        path = tmp_path / "controlnet_tiny.pth"
+        torch.save(original_state(cn), path)
+    elif layout == "diffusers-file":
+        path = tmp_path / "diffusers_tiny.safetensors"
+        save_file({k: v.contiguous() for k, v in state.items()}, path)
+    else:
+        path = tmp_path / "control_fp16.safetensors"
+        save_file({"control_model." + k: v.half() for k, v in original_state(cn).items()}, path)
+    base = tiny["engine"].spec.unet
+    net = load_controlnet(path, base)
+    got = net.state_dict()
+    assert set(got) == set(state)
+    for k, v in state.items():
+        want = v.half().float() if layout == "fp16" else v
+        assert torch.equal(got[k], want), k
+
+
+@pytest.mark.parametrize("keys,word", [
+    ({"lora_controlnet": torch.zeros(1), "input_blocks.0.0.down": torch.zeros(2, 2)}, "control-LoRA"),
+    ({"adapter.body.0.resnets.0.block1.weight": torch.zeros(2, 2)}, "T2I-Adapter"),
+    ({"control_add_embedding.linear_1.weight": torch.zeros(2, 2), "task_embedding": torch.zeros(2)}, "union"),
+    ({"lllite_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q.down.0.weight": torch.zeros(2, 2)},
+     "ControlLLLite"),
+    ({"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(2, 2)}, "not a ControlNet"),
+])
+def test_other_kinds_are_refused_by_name(tmp_path, keys, word):
+    path = tmp_path / "thing.safetensors"
+    save_file(keys, path)
+    with pytest.raises(ControlNetError, match=word) as err:
+        open_controlnet(path)
+    assert "thing.safetensors" in str(err.value)
+
+
+def test_a_controlnet_of_another_family_is_refused_naming_both(tiny, tmp_path):
+    from diffusers import ControlNetModel
+
+    cfg = dict(tiny["nets"][0].config)
+    cfg.update(cross_attention_dim=48)
+    other = ControlNetModel(**{k: v for k, v in cfg.items() if not k.startswith("_")})
+    other.save_pretrained(tmp_path / "cn-other")
+    with pytest.raises(RequestError, match=r"ControlNet for .*context width 48.*the model is sd1"):
+        tiny["engine"].generate(Request(PROMPT, width=SIZE, height=SIZE, steps=2, seed=1, controls=(
+            ControlUnit(tmp_path / "cn-other", control_image(0)),)))
+
+
+def test_a_missing_tensor_names_the_key(tiny, tmp_path):
+    state = {"control_model." + k: v for k, v in original_state(tiny["nets"][0]).items()}
+    state.pop("control_model.zero_convs.3.0.weight")
+    save_file(state, tmp_path / "broken.safetensors")
+    with pytest.raises(ControlNetError, match=r"controlnet_down_blocks\.3\.weight|zero_convs\.3"):
+        load_controlnet(tmp_path / "broken.safetensors", tiny["engine"].spec.unet)
+
+
+# --- generation against diffusers' pipelines -----------------------------------------------------------------------
+
+def reference(pipe, sampler, images, *, seed, steps, batch=1, scale=1.0, start=0.0, end=1.0, cfg=7.5, **kw):
+    use_scheduler(pipe, sampler)
+    generators = [torch.Generator().manual_seed(seed + i) for i in range(batch)]
+    out = pipe(prompt=[PROMPT] * batch, negative_prompt=[NEGATIVE] * batch, height=SIZE, width=SIZE,
+               num_inference_steps=steps, guidance_scale=cfg, generator=generators, output_type="np",
+               controlnet_conditioning_scale=scale, control_guidance_start=start, control_guidance_end=end,
+               **kw).images
+    return as_uint8(out)
+
+
+def generate(engine, sampler, units, *, seed, steps, batch=1, cfg=7.5, **kw):
+    result = engine.generate(Request(PROMPT, NEGATIVE, width=SIZE, height=SIZE, steps=steps, sampler=sampler,
+                                     seed=seed, batch_size=batch, cfg_scale=cfg, controls=tuple(units), **kw))
+    return as_uint8(result.images), result
+
+
+@pytest.mark.parametrize("sampler,weight,start,end,batch", [
+    ("euler", 1.0, 0.0, 1.0, 2),
+    ("dpmpp_2m_karras", 0.6, 0.0, 1.0, 1),
+    ("euler_a", 1.3, 0.2, 0.8, 1),
+    ("ddim", 0.9, 0.0, 0.5, 1),
+    ("pndm", 1.0, 0.5, 1.0, 1),
+])
+def test_generation_matches_diffusers(tiny, sampler, weight, start, end, batch):
+    image = control_image(1)
+    steps = 6
+    expected = reference(tiny["one"], sampler, image, seed=7, steps=steps, batch=batch, scale=weight, start=start,
+                         end=end, image=image)
+    unit = ControlUnit(tiny["folders"][0], image, weight=weight, guidance_start=start, guidance_end=end,
+                       resize_mode="just-resize")
+    got, result = generate(tiny["engine"], sampler, [unit], seed=7, steps=steps, batch=batch)
+    assert np.abs(got - expected).max() <= MAX_PIXEL_DIFF
+    plain, plain_result = generate(tiny["engine"], sampler, [], seed=7, steps=steps, batch=batch)
+    change = (result.latents - plain_result.latents).abs().mean() / plain_result.latents.abs().mean()
+    assert change > 0.02 and np.abs(plain - got).max() > 4 * MAX_PIXEL_DIFF   # the control changed the image
+    info = result.infotext["ControlNet 0"]
+    assert info.startswith("Module: none, Model: cn0 [") and f"Weight: {weight:g}" in info
+
+
+def test_two_controlnets_match_multicontrolnet(tiny):
+    images = [control_image(2), control_image(3)]
+    expected = reference(tiny["two"], "euler", images, seed=3, steps=5, scale=[0.8, 1.2], start=[0.0, 0.2],
+                         end=[1.0, 0.8], image=images)
+    units = [ControlUnit(tiny["folders"][0], images[0], weight=0.8, resize_mode="just-resize"),
+             ControlUnit(tiny["folders"][1], images[1], weight=1.2, guidance_start=0.2, guidance_end=0.8,
+                         resize_mode="just-resize")]
+    got, result = generate(tiny["engine"], "euler", units, seed=3, steps=5)
+    assert np.abs(got - expected).max() <= MAX_PIXEL_DIFF
+    assert set(result.infotext) >= {"ControlNet 0", "ControlNet 1"}
+
+
+def test_original_file_gives_the_folders_image(tiny):
+    image = control_image(4)
+    a, _ = generate(tiny["engine"], "euler", [ControlUnit(tiny["folders"][0], image, resize_mode="just-resize")],
+                    seed=2, steps=4)
+    b, _ = generate(tiny["engine"], "euler", [ControlUnit(tiny["file"], image, resize_mode="just-resize")],
+                    seed=2, steps=4)
+    assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("sampler", ["euler", "dpmpp_2m_karras"])
+def test_img2img_matches_diffusers(tiny, sampler):
+    control = control_image(5)
+    init = Image.fromarray(np.asarray(control_image(6))[::-1].copy())
+    expected = reference(tiny["img"], sampler, control, seed=9, steps=8, scale=0.9, start=0.1, end=0.9,
+                         image=init, control_image=control, strength=0.6)
+    unit = ControlUnit(tiny["folders"][0], control, weight=0.9, guidance_start=0.1, guidance_end=0.9,
+                       resize_mode="just-resize")
+    got, _ = generate(tiny["engine"], sampler, [unit], seed=9, steps=8, init_image=init, strength=0.6)
+    assert np.abs(got - expected).max() <= MAX_PIXEL_DIFF
+
+
+# --- A1111's control modes ----------------------------------------------------------------------------------------
+
+def test_soft_injection_scales_are_a1111s():
+    unit = ControlUnit("m", mode="prompt", weight=0.8).checked()
+    scales = residual_scales(unit, 13)
+    assert scales == [0.8 * 0.825 ** float(12 - i) for i in range(13)]
+    assert residual_scales(unit, 10) == scales[:10]          # SDXL's 10 residuals take the first 10 factors
+    assert residual_scales(ControlUnit("m", weight=0.8).checked(), 13) == [0.8] * 13
+
+
+def test_keep_rule_is_diffusers():
+    # diffusers: keeps = 1.0 - float(i / len(timesteps) < s or (i + 1) / len(timesteps) > e)
+    for steps in (1, 4, 7, 20):
+        for s, e in ((0.0, 1.0), (0.2, 0.8), (0.5, 0.5), (0.0, 0.3), (0.9, 1.0)):
+            want = [1.0 - float(i / steps < s or (i + 1) / steps > e) for i in range(steps)]
+            assert [float(keep(i, steps, s, e)) for i in range(steps)] == want
+
+
+@pytest.mark.parametrize("mode", ["prompt", "control"])
+def test_soft_modes_match_a_direct_computation(tiny, mode):
+    """One denoiser call with the unit against the UNet given the residuals the extension's formulas say: every
+    residual i times weight * 0.825^(12 - i); "control" zeroes the unconditional half."""
+    from sdlite.control.apply import ActiveControl, ControlledUNet, hint_tensor
+
+    engine = tiny["engine"]
+    net, label = engine.controlnet(tiny["folders"][0])
+    unit = ControlUnit(tiny["folders"][0], mode=mode, weight=0.7).checked()
+    hint = hint_tensor(control_image(7))
+    g = torch.Generator().manual_seed(1)
+    x, ctx = torch.randn(4, 4, 32, 32, generator=g), torch.randn(4, 77, 32, generator=g)
+    t = torch.tensor([500.0])
+    with torch.no_grad(), engine.models.use("unet") as unet:
+        got = ControlledUNet(unet, [ActiveControl(unit, net, hint, label)], cfg=True, steps=1)(x, t, context=ctx)
+        down, mid = net(x, t, ctx, hint.expand(4, -1, -1, -1), 1.0)
+        factors = [0.7 * 0.825 ** float(12 - i) for i in range(13)][:len(down) + 1]
+        down = [d * f for d, f in zip(down, factors)]
+        mid = mid * factors[len(down)]
+        if mode == "control":
+            down = [torch.cat([torch.zeros_like(d[:2]), d[2:]]) for d in down]
+            mid = torch.cat([torch.zeros_like(mid[:2]), mid[2:]])
+        want = unet(x, t, ctx, control=(down, mid))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_unit_values_are_checked_by_name(tiny):
+    for unit, word in ((ControlUnit("m", weight=-1), "weight -1"),
+                       (ControlUnit("m", guidance_start=0.8, guidance_end=0.2), "guidance start 0.8"),
+                       (ControlUnit("m", mode="louder"), "control mode 'louder'"),
+                       (ControlUnit("m", resize_mode=7), "resize mode 7"),
+                       (ControlUnit("m", processor_res=3), "processor_res 3"),
+                       (ControlUnit(None), "no model")):
+        with pytest.raises(RequestError, match=word):
+            tiny["engine"].generate(Request(PROMPT, width=SIZE, height=SIZE, steps=1, controls=(unit,)))
+    with pytest.raises(RequestError, match="no control image"):
+        tiny["engine"].generate(Request(PROMPT, width=SIZE, height=SIZE, steps=1,
+                                        controls=(ControlUnit(tiny["folders"][0]),)))
+    with pytest.raises(RequestError, match="depth_midas.*annotator"):
+        tiny["engine"].generate(Request(PROMPT, width=SIZE, height=SIZE, steps=1, controls=(
+            ControlUnit(tiny["folders"][0], control_image(0), preprocessor="depth_midas"),)))
+
+
+def test_a1111_names_and_integers_are_taken():
+    u = ControlUnit("m", mode="ControlNet is more important", resize_mode=2, hr_option="Low res only").checked()
+    assert (u.mode, u.resize_mode, u.hr_option) == ("control", "resize-and-fill", "low-res-only")
+    assert ControlUnit("m", mode=1, resize_mode="Just Resize").checked().mode == "prompt"
