@@ -329,3 +329,168 @@ def test_a1111_names_and_integers_are_taken():
     u = ControlUnit("m", mode="ControlNet is more important", resize_mode=2, hr_option="Low res only").checked()
     assert (u.mode, u.resize_mode, u.hr_option) == ("control", "resize-and-fill", "low-res-only")
     assert ControlUnit("m", mode=1, resize_mode="Just Resize").checked().mode == "prompt"
+
+
+# --- a tiny SDXL ---------------------------------------------------------------------------------------------------
+
+def test_tiny_sdxl_matches_diffusers(tmp_path):
+    from diffusers import ControlNetModel, StableDiffusionXLControlNetPipeline
+
+    from tests.test_sdxl_pipeline import saved_pipelines
+
+    base, _ = saved_pipelines(tmp_path)
+    cn = seed_all(ControlNetModel.from_unet(base.unet), 12, scale=0.05)
+    with torch.no_grad():
+        for conv in [*cn.controlnet_down_blocks, cn.controlnet_mid_block]:
+            conv.weight.mul_(40)
+    cn.save_pretrained(tmp_path / "cn-xl")
+    components = {k: v for k, v in base.components.items() if k not in ("image_encoder", "feature_extractor")}
+    pipe = StableDiffusionXLControlNetPipeline(**components, controlnet=cn.eval(), force_zeros_for_empty_prompt=True)
+    pipe.set_progress_bar_config(disable=True)
+    engine = Engine.load(tmp_path / "base", precision="exact")
+    image = control_image(8)
+    for sampler, weight, start, end in (("euler", 1.0, 0.0, 1.0), ("dpmpp_2m_karras", 0.7, 0.2, 0.9)):
+        expected = reference(pipe, sampler, image, seed=5, steps=5, scale=weight, start=start, end=end, image=image)
+        unit = ControlUnit(tmp_path / "cn-xl", image, weight=weight, guidance_start=start, guidance_end=end,
+                           resize_mode="just-resize")
+        got, result = generate(engine, sampler, [unit], seed=5, steps=5)
+        assert np.abs(got - expected).max() <= MAX_PIXEL_DIFF
+        plain, plain_result = generate(engine, sampler, [], seed=5, steps=5)
+        assert (result.latents - plain_result.latents).abs().max() / plain_result.latents.abs().max() > 0.02
+    from sdlite.weights.controlnet import check_compatible
+    from tests.reference import TINY_UNET_SD1
+
+    cfile = open_controlnet(tmp_path / "cn-xl")
+    cfile.close()
+    assert cfile.config.unet.addition_embed == "text_time"
+    with pytest.raises(ControlNetError, match=r"ControlNet for SDXL-like .*the model is sd1"):
+        check_compatible(cfile.config, TINY_UNET_SD1, "cn-xl", "sd1")
+
+
+# --- with everything else -----------------------------------------------------------------------------------------
+
+def test_hires_fix_matches_diffusers_composition(tiny):
+    """hr_option "Both": the first pass is diffusers' ControlNet pipeline with the control map fitted to the first
+    pass's size, the second its ControlNet img2img pipeline on the upscaled latents with the map at the target size;
+    "Low res only" / "High res only" leave the other pass uncontrolled."""
+    from sdlite.control.apply import fit_control
+    from sdlite.hires import Hires
+
+    big = control_image(10, size=2 * SIZE)
+    small = fit_control(big, SIZE, SIZE, "just-resize")
+    one, img = tiny["one"], tiny["img"]
+    for option, first_on, second_on in (("both", True, True), ("low-res-only", True, False),
+                                        ("high-res-only", False, True)):
+        use_scheduler(one, "euler")
+        common = dict(prompt=PROMPT, negative_prompt=NEGATIVE, guidance_scale=7.5)
+        latents = one(**common, image=small, height=SIZE, width=SIZE, num_inference_steps=4,
+                      controlnet_conditioning_scale=1.0 if first_on else 0.0,
+                      generator=torch.Generator().manual_seed(6), output_type="latent").images
+        up = torch.nn.functional.interpolate(latents, size=(2 * SIZE // 2, 2 * SIZE // 2), mode="bilinear",
+                                             antialias=False)
+        use_scheduler(img, "euler")
+        expected = as_uint8(img(**common, image=up, control_image=big, strength=0.5, num_inference_steps=4,
+                                controlnet_conditioning_scale=1.0 if second_on else 0.0, height=2 * SIZE,
+                                width=2 * SIZE, generator=torch.Generator().manual_seed(6),
+                                output_type="np").images)
+        unit = ControlUnit(tiny["folders"][0], big, resize_mode="just-resize", hr_option=option)
+        got, result = generate(tiny["engine"], "euler", [unit], seed=6, steps=4,
+                               hires=Hires(scale=2, upscaler="Latent", denoise=0.5))
+        assert np.abs(got - expected).max() <= MAX_PIXEL_DIFF, option
+        assert "ControlNet 0" in result.infotext
+
+
+def test_inpainting_matches_diffusers(tiny):
+    """A 4-channel model's inpainting with a ControlNet, against StableDiffusionControlNetInpaintPipeline (the
+    unmasked region re-imposed after each step), and the inpaint preprocessor's control image (masked pixels -1)."""
+    from diffusers import StableDiffusionControlNetInpaintPipeline
+
+    from sdlite.control.apply import hint_tensor
+
+    one = tiny["one"]
+    pipe = StableDiffusionControlNetInpaintPipeline(**one.components)
+    pipe.set_progress_bar_config(disable=True)
+    use_scheduler(pipe, "euler")
+    init = Image.fromarray(np.asarray(control_image(11))[:, ::-1].copy())
+    mask = np.zeros((SIZE, SIZE), np.uint8)
+    mask[16:48, 8:40] = 255
+    mask = Image.fromarray(mask)
+    control = control_image(12)
+    expected = as_uint8(pipe(PROMPT, negative_prompt=NEGATIVE, image=init, mask_image=mask, control_image=control,
+                             strength=0.8, height=SIZE, width=SIZE, num_inference_steps=6, controlnet_conditioning_scale=1.0,
+                             generator=torch.Generator().manual_seed(13), output_type="np").images)
+    unit = ControlUnit(tiny["folders"][0], control, resize_mode="just-resize")
+    got, _ = generate(tiny["engine"], "euler", [unit], seed=13, steps=6, init_image=init, mask=mask, strength=0.8,
+                      mask_blur=0, overlay=False)
+    assert np.abs(got - expected).max() <= MAX_PIXEL_DIFF
+
+    hint = hint_tensor(init, mask)
+    inside = torch.from_numpy(np.asarray(mask) > 127)
+    assert bool((hint[0][:, inside] == -1).all()) and bool((hint[0][:, ~inside] >= 0).all())
+    # the inpaint preprocessor takes the request's mask and gives the network that map
+    unit = ControlUnit(tiny["folders"][0], None, preprocessor="inpaint_global_harmonious", resize_mode="just-resize")
+    r = Request(PROMPT, width=SIZE, height=SIZE, init_image=init, mask=mask, controls=(unit,))
+    from sdlite.pipeline import validate
+
+    (active,) = tiny["engine"].prepare_controls(validate(r), SIZE, SIZE)
+    assert torch.equal(active.hint, hint)
+
+
+def test_with_a_lora_matches_diffusers(tiny, tmp_path):
+    """A LoRA changes the UNet and not the ControlNet, in diffusers (load_lora_weights + fuse_lora) as here."""
+    from sdlite.loader import build_network
+    from tests.test_lora import ATTENTION, CONVS, layer_shapes, random_factors, targets, write_kohya
+
+    with torch.device("meta"):
+        unet = build_network("unet", tiny["engine"].spec)
+    factors = random_factors(targets(layer_shapes(unet), ATTENTION + CONVS), 4, 3, strength=4.0)
+    lora = write_kohya(tmp_path / "tiny_lora.safetensors", unet=factors)
+    control = control_image(14)
+    pipe = tiny["one"]
+    pipe.load_lora_weights(str(lora), adapter_name="l0")
+    try:
+        pipe.fuse_lora(lora_scale=0.8, adapter_names=["l0"])
+        expected = reference(pipe, "euler", control, seed=15, steps=4, image=control)
+    finally:
+        pipe.unfuse_lora()
+        pipe.unload_lora_weights()
+    unit = ControlUnit(tiny["folders"][0], control, resize_mode="just-resize")
+    got, result = generate(tiny["engine"], "euler", [unit], seed=15, steps=4, loras=((lora, 0.8),))
+    assert np.abs(got - expected).max() <= MAX_PIXEL_DIFF
+    without, _ = generate(tiny["engine"], "euler", [unit], seed=15, steps=4)
+    assert np.abs(without - got).max() > 4 * MAX_PIXEL_DIFF   # the LoRA matters
+    assert "ControlNet 0" in result.infotext
+
+
+def test_memory_mode_0_streams_it_and_gives_the_same_image(tiny):
+    from sdlite.engine.memory import WeightStreamer
+
+    unit = ControlUnit(tiny["folders"][1], control_image(16), resize_mode="just-resize")
+    resident, _ = generate(tiny["engine"], "dpmpp_2m_karras", [unit], seed=17, steps=4)
+    low = Engine.load(tiny["tmp"] / "model", precision="exact", memory_mode=0)
+    streamed, _ = generate(low, "dpmpp_2m_karras", [unit], seed=17, steps=4)
+    assert np.array_equal(streamed, resident)
+    net, _ = low.controlnet(tiny["folders"][1])
+    assert isinstance(getattr(net, "_streamer", None), WeightStreamer)
+    assert all(p.device.type == "meta" for p in net.parameters())   # no weight resident between blocks
+
+
+def test_bf16_precision_stays_close_to_exact(tiny):
+    import warnings
+
+    from sdlite.engine.cpu import bf16_support
+    from sdlite.engine.precision import PrecisionError
+
+    if bf16_support() == "none":   # an AVX2-only CPU: bf16 is refused, ControlNet or not
+        with pytest.raises(PrecisionError, match="bf16 needs bf16 kernels"):
+            Engine.load(tiny["tmp"] / "model", precision="bf16")
+        return
+    warnings.filterwarnings("ignore", message=".*no native bf16")
+    unit = ControlUnit(tiny["folders"][0], control_image(18), resize_mode="just-resize")
+    exact, _ = generate(tiny["engine"], "euler", [unit], seed=19, steps=6)
+    engine = Engine.load(tiny["tmp"] / "model", precision="bf16")
+    got, result = generate(engine, "euler", [unit], seed=19, steps=6)
+    net, _ = engine.controlnet(tiny["folders"][0])
+    assert net.dtype == torch.bfloat16 and result.infotext["Precision"].startswith("bf16")
+    mse = np.mean((got.astype(np.float64) - exact) ** 2)
+    assert 10 * np.log10(255 ** 2 / mse) >= 30
