@@ -735,7 +735,8 @@ class Engine:
 
     def controlnet(self, path) -> tuple[torch.nn.Module, str]:
         """The ControlNet at ``path`` (a file or a diffusers folder) for this model, and its A1111 label ("name
-        [hash]"): loaded in the UNet's compute precision (channels-last where the UNet is), or in memory mode 0 a
+        [hash]"): loaded in the UNet's compute precision and layout (Winograd, prepacked or channels-last where the
+        UNet is: :meth:`~sdlite.engine.memory.ModelManager.adapt_like_unet`), or in memory mode 0 a
         network that streams its weights from the file block by block as the UNet does. Kept for the next request;
         the ones a request does not use are dropped (:meth:`prepare_controls`)."""
         from .control.apply import legacy_hash
@@ -753,9 +754,7 @@ class Engine:
                     if self.models.mode == 0:
                         net = streamed_model(cfile, "controlnet", dtype, self.device)
                     else:
-                        net = cfile.load(dtype, self.device)
-                        if self.models.channels_last:
-                            net = net.to(memory_format=torch.channels_last)
+                        net = self.models.adapt_like_unet(cfile.load(dtype, self.device))
                         cfile.close()
                 except BaseException:
                     cfile.close()

@@ -301,6 +301,18 @@ class ModelManager:
             module = module.to(memory_format=torch.channels_last)
         return module
 
+    def adapt_like_unet(self, module: nn.Module) -> nn.Module:
+        """A network that runs beside the UNet at its shapes (a ControlNet), loaded whole in the UNet's compute dtype,
+        given the UNet's kernels: Winograd's 3x3 convolutions and prepacked weights where the UNet has them (fp32),
+        channels-last where the UNet is."""
+        if self.winograd and self.quantize == "none" and self.dtype_of("unet") == torch.float32:
+            module = winograd_model(module, wide=True)
+        if self._prepacks("unet"):
+            module = prepack_model(module)
+        if self.channels_last:
+            module = module.to(memory_format=torch.channels_last)
+        return module
+
     def _prepacks(self, name: str) -> bool:
         """Whether network ``name``'s weights are prepacked: where the rule says so, except a UNet that is compiled
         (Inductor takes oneDNN-prepacked weights only as constants of a frozen graph; engine.compile)."""

@@ -69,7 +69,8 @@ class ControlNet(TimeConditioned):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.conv_in.weight.dtype
+        layer = self.conv_in  # prepacked layers (engine.packing) say so themselves
+        return getattr(layer, "compute_dtype", None) or layer.weight.dtype
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, hint: torch.Tensor,
                 scales: float | list[float] = 1.0, text_embeds: torch.Tensor | None = None,
