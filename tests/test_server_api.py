@@ -116,7 +116,7 @@ def test_listing_endpoints(client):
     assert client.get(f"{API}/upscalers").json()[0]["name"] == "None"
     assert isinstance(client.get(f"{API}/loras").json(), list)
     assert client.get(f"{API}/embeddings").json() == {"loaded": {}, "skipped": {}}
-    assert client.get(f"{API}/scripts").json() == {"txt2img": [], "img2img": []}
+    assert client.get(f"{API}/scripts").json() == {"txt2img": ["controlnet"], "img2img": ["controlnet"]}
     for path in ("script-info", "sd-vae", "hypernetworks", "face-restorers", "prompt-styles", "realesrgan-models"):
         r = client.get(f"{API}/{path}")
         assert r.status_code == 200 and r.json() == [], path
@@ -196,13 +196,15 @@ def test_nulls_unknown_fields_and_override_settings(client, engine):
 
     r = client.post(f"{API}/txt2img", json={
         "prompt": PROMPT, "steps": 3, "seed": 4, "restore_faces": True, "tiling": True,
-        "alwayson_scripts": {"ControlNet": {"args": []}},
+        "alwayson_scripts": {"ControlNet": {"args": []}, "ADetailer": {"args": []}},
         "override_settings": {"CLIP_stop_at_last_layers": 2, "sd_vae": "other.vae.pt"}})
     assert r.status_code == 200, r.text
     info = json.loads(r.json()["info"])
     warnings = " ".join(info["warnings"])
-    for word in ("restore_faces", "tiling", "alwayson_scripts", "ControlNet", "sd_vae"):
+    for word in ("restore_faces", "tiling", "alwayson_scripts", "ADetailer", "sd_vae"):
         assert word in warnings, word
+    assert "alwayson_scripts ADetailer was ignored" in warnings
+    assert "ControlNet was ignored" not in warnings and "ControlNet, " not in warnings   # its empty args: no unit
     assert info["clip_skip"] == 2 and "Clip skip: 2" in info["infotexts"][0]
     expected = engine.generate(Request(PROMPT, steps=3, seed=4, cfg_scale=7, sampler="euler", clip_skip=2))
     assert np.array_equal(pixels(decode(r.json()["images"][0])), pixels(expected.images[0]))

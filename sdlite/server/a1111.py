@@ -35,6 +35,7 @@ from ..images import infotext, parameters_of, parse_infotext, png_bytes
 from ..pipeline import MAX_BATCH, MAX_SEED, Request, RequestError, Result, validate
 from ..sampling.samplers import SAMPLERS, resolve_sampler
 from ..sources import MAX_PIXELS
+from .controlnet import control_maps, is_controlnet, units_from_scripts
 from .limits import Limits, check_request, check_size
 
 # --- requests ----------------------------------------------------------------------------------------------------
@@ -361,7 +362,8 @@ def default_options() -> dict:
     return {"sd_model_checkpoint": None, "sd_checkpoint_hash": None, "CLIP_stop_at_last_layers": 1,
             "eta_ddim": 0.0, "eta_ancestral": 1.0, "show_progress_every_n_steps": 10,
             "show_progress_type": "Auto", "live_previews_enable": True, "sd_checkpoints_limit": 1,
-            "samples_format": "png", "sd_vae": "Automatic", "face_restoration": False, "randn_source": "CPU"}
+            "samples_format": "png", "sd_vae": "Automatic", "face_restoration": False, "randn_source": "CPU",
+            "control_net_no_detectmap": False}
 
 
 def _int_at_least(low: int):
@@ -405,7 +407,7 @@ OPTION_CHECKS = {
     "CLIP_stop_at_last_layers": _int_at_least(1), "eta_ddim": _unit_float, "eta_ancestral": _unit_float,
     "show_progress_every_n_steps": _steps_period, "show_progress_type": _one_of(*PREVIEW_TYPES),
     "live_previews_enable": _bool, "sd_checkpoints_limit": _int_at_least(1), "samples_format": _one_of("png"),
-    "sd_vae": _one_of("Automatic", "None"), "face_restoration": _one_of(False),
+    "sd_vae": _one_of("Automatic", "None"), "face_restoration": _one_of(False), "control_net_no_detectmap": _bool,
 }
 REQUEST_OPTIONS = ("sd_model_checkpoint", "CLIP_stop_at_last_layers", "eta_ddim", "eta_ancestral")
 
@@ -484,6 +486,7 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     send_images: bool = True
     preview: str = "Auto"
+    control_maps: tuple = ()           # per ControlNet unit: its control map goes back after the images
 
 
 def _ignored(p: dict, img2img: bool) -> list[str]:
@@ -510,8 +513,10 @@ def _ignored(p: dict, img2img: bool) -> list[str]:
     off("disable_extra_networks", "<lora:...> tags are always applied", False)
     off("infotext", "filling fields from an infotext is not supported")
     off("save_images", "the server does not save images; they are returned in the response", False)
-    if p["alwayson_scripts"]:
-        out.append(f"alwayson_scripts were ignored: sdlite runs no scripts ({', '.join(p['alwayson_scripts'])})")
+    others = [name for name in (p["alwayson_scripts"] or {}) if not is_controlnet(name)]
+    if others:   # ControlNet's units are read by build_plan (.controlnet)
+        out.append(f"alwayson_scripts {', '.join(others)} {'was' if len(others) == 1 else 'were'} ignored: sdlite "
+                   "runs no scripts; of the extensions' arguments it takes ControlNet units only")
     if img2img:
         off("initial_noise_multiplier", "the noise multiplier is not supported", 1, 1.0)
         off("latent_mask", "separate latent masks are not supported")
@@ -570,11 +575,12 @@ def _int_field(p: dict, name: str, low: int, high: int | None = None) -> int:
 
 
 def build_plan(req: Txt2ImgRequest, options: dict, *, max_image_bytes: int, lora_dir=None,
-               embeddings_dir=None, limits: Limits | None = None, upscaler_dir=None) -> Plan:
+               embeddings_dir=None, limits: Limits | None = None, upscaler_dir=None, controlnets=None) -> Plan:
     """Check an A1111 request and turn it into sdlite Requests (images decoded, names resolved). ``limits`` (the
-    server's; None: none, as for ``sdlite batch``) are checked first, before anything costly. Raises
-    :class:`RequestError` (422; :class:`~.limits.LimitExceeded` over a limit), :class:`ImageTooLarge` (413) or
-    HTTPException (404: no init image, 422: unknown script)."""
+    server's; None: none, as for ``sdlite batch``) are checked first, before anything costly. ``controlnets``: the
+    :class:`~.controlnet.ControlNets` that ``alwayson_scripts`` ControlNet units name (None: none). Raises
+    :class:`RequestError` (422; :class:`~.limits.LimitExceeded` over a limit, :class:`~.controlnet.ControlNetNotFound`
+    404), :class:`ImageTooLarge` (413) or HTTPException (404: no init image, 422: unknown script)."""
     img2img = isinstance(req, Img2ImgRequest)
     p = with_defaults(req)
     if limits is not None:
@@ -626,6 +632,12 @@ def build_plan(req: Txt2ImgRequest, options: dict, *, max_image_bytes: int, lora
         if limits is not None:
             check_size(p["width"] or max(8, source.width // 8 * 8), p["height"] or max(8, source.height // 8 * 8),
                        limits, "width x height (of init_images[0] where not given)")
+    saves: list[bool] = []
+    common["controls"] = units_from_scripts(p["alwayson_scripts"], controlnets=controlnets, img2img=img2img,
+                                            img2img_resize_mode=p.get("resize_mode", 0),
+                                            max_image_bytes=max_image_bytes, warnings=warnings, saves=saves)
+    if opts.get("control_net_no_detectmap"):
+        saves = [False] * len(saves)
     requests = [Request(seed=seed + i * batch, refiner_switch_at=switch, **common) for i in range(n_iter)]
     validate(requests[0])   # everything that can be checked without the model, before the job is queued
 
@@ -636,7 +648,8 @@ def build_plan(req: Txt2ImgRequest, options: dict, *, max_image_bytes: int, lora
                 sampler=sampler, checkpoint=overrides.get("sd_model_checkpoint"), refiner_name=refiner,
                 refiner_switch_at=switch, hr_checkpoint_name=hr_checkpoint, upscaler_dir=upscaler_dir, limits=limits,
                 keep_overrides={} if p["override_settings_restore_afterwards"] else overrides,
-                warnings=warnings, send_images=bool(p["send_images"]), preview=opts["show_progress_type"])
+                warnings=warnings, send_images=bool(p["send_images"]), preview=opts["show_progress_type"],
+                control_maps=tuple(saves))
 
 
 def named_checkpoint(name) -> str | None:
@@ -726,6 +739,9 @@ def response(plan: Plan, outcome: Outcome) -> dict:
                 images.append(base64.b64encode(png_bytes(image, text)).decode("ascii"))
         warnings += [w for w in result.warnings if w not in warnings]
     warnings += [w for w in outcome.warnings if w not in warnings]
+    if plan.send_images and outcome.results and any(plan.control_maps):   # after the images, as the extension
+        for image in control_maps(outcome.results[0], plan.control_maps):
+            images.append(base64.b64encode(png_bytes(image)).decode("ascii"))
     if outcome.interrupted and len(outcome.results) < len(plan.requests):
         warnings.append(f"interrupted: {len(outcome.results)} of {len(plan.requests)} iterations were run")
     used = outcome.results[0].request if outcome.results else plan.requests[0]

@@ -43,7 +43,9 @@ from html import escape as html_escape
 
 from ..images import parameters_of, png_bytes
 from . import a1111
+from . import controlnet
 from .checkpoints import Checkpoint, Checkpoints, Engines
+from .controlnet import ControlNetNotFound, ControlNets
 from .jobs import JobControl, Jobs, QueueFull, ShuttingDown, Unavailable  # noqa: F401 (re-exported)
 from ..hires import second_pass_steps
 from .limits import Limits, admit, check_hires_size, check_size
@@ -69,7 +71,7 @@ class ServerBase:
 
     def __init__(self, model=None, models_dir=None, api_auth: str | None = None, *, lora_dir=None,
                  embeddings_dir=None, max_body_bytes: int = MAX_BODY_BYTES, flags: dict | None = None,
-                 limits: Limits | None = None, upscaler_dir=None):
+                 limits: Limits | None = None, upscaler_dir=None, controlnet_dir=None):
         if model is None and models_dir is None:
             from ..demo import model_path
 
@@ -80,6 +82,7 @@ class ServerBase:
         self.credentials = parse_auth(api_auth) if api_auth else None
         self.lora_dir, self.embeddings_dir = lora_dir, embeddings_dir
         self.upscaler_dir = upscaler_dir   # upscaler networks by name (hires fix, extras)
+        self.controlnets = ControlNets(controlnet_dir)   # ControlNet models by name (alwayson_scripts units)
         self.max_body_bytes = max_body_bytes
         self.flags = flags or {}
         self.limits = limits if limits is not None else Limits()
@@ -166,9 +169,10 @@ class Server(ServerBase):
     def __init__(self, model=None, models_dir=None, api_auth: str | None = None, queue_size: int = 32, *,
                  lora_dir=None, embeddings_dir=None, max_body_bytes: int = MAX_BODY_BYTES,
                  engine_options: dict | None = None, flags: dict | None = None, preload: bool = True,
-                 limits: Limits | None = None, upscaler_dir=None):
+                 limits: Limits | None = None, upscaler_dir=None, controlnet_dir=None):
         super().__init__(model, models_dir, api_auth, lora_dir=lora_dir, embeddings_dir=embeddings_dir,
-                         max_body_bytes=max_body_bytes, flags=flags, limits=limits, upscaler_dir=upscaler_dir)
+                         max_body_bytes=max_body_bytes, flags=flags, limits=limits, upscaler_dir=upscaler_dir,
+                         controlnet_dir=controlnet_dir)
         self.engines = Engines(self.checkpoints, limit=1, **(engine_options or {}))
         self.jobs = Jobs(queue_size, preview_every=self._preview_due, job_timeout=self.limits.job_timeout)
         self._preload = preload
@@ -370,6 +374,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def http_error(request, e: StarletteHTTPException):
         return _error(e.status_code, "HTTPException", e.detail, f"{e.status_code}: {e.detail}", e.headers)
 
+    @app.exception_handler(ControlNetNotFound)
+    async def controlnet_not_found(request, e):
+        return _error(404, type(e).__name__, str(e))
+
     @app.exception_handler(a1111.ImageTooLarge)
     async def too_large(request, e):
         return _error(413, type(e).__name__, str(e))
@@ -556,16 +564,17 @@ class _StrictJSON:
 def create_app(model=None, models_dir=None, api_auth: str | None = None, queue_size: int = 32, *,
                lora_dir=None, embeddings_dir=None, max_body_bytes: int = MAX_BODY_BYTES, preload: bool = True,
                engine_options: dict | None = None, flags: dict | None = None, limits: Limits | None = None,
-               upscaler_dir=None) -> FastAPI:
+               upscaler_dir=None, controlnet_dir=None) -> FastAPI:
     """The server as a FastAPI app. ``model``: a checkpoint (default: the shipped demo model, or the first one in
     ``models_dir``); ``models_dir``: where the checkpoints a client can switch to are; ``api_auth``:
     ``USER:PASS[,...]`` for HTTP Basic on every API route; ``queue_size``: waiting jobs beyond which requests get
     503; ``preload``: load the model when the app starts (in the queue, so that the API answers meanwhile);
     ``limits``: what one request may ask for, the job time limit and the shutdown grace (:class:`.limits.Limits`;
-    default: its defaults); ``upscaler_dir``: upscaler networks for the hires fix and the extras."""
+    default: its defaults); ``upscaler_dir``: upscaler networks for the hires fix and the extras;
+    ``controlnet_dir``: ControlNet models for the units of ``alwayson_scripts`` (:mod:`.controlnet`)."""
     server = Server(model, models_dir, api_auth, queue_size, lora_dir=lora_dir, embeddings_dir=embeddings_dir,
                     max_body_bytes=max_body_bytes, engine_options=engine_options, flags=flags, preload=preload,
-                    limits=limits, upscaler_dir=upscaler_dir)
+                    limits=limits, upscaler_dir=upscaler_dir, controlnet_dir=controlnet_dir)
     return build_app(server)
 
 
@@ -593,6 +602,9 @@ def build_app(server: ServerBase) -> FastAPI:
     _add_control_routes(api, server)
     _add_listing_routes(api, server)
     app.include_router(api)
+    controlnet_routes = APIRouter(prefix="/controlnet", dependencies=dependencies)   # the extension's, at the root
+    _add_controlnet_routes(controlnet_routes, server)
+    app.include_router(controlnet_routes)
 
     @app.get("/", include_in_schema=False)
     async def index():
@@ -628,7 +640,8 @@ def _add_generation_routes(api: APIRouter, server: ServerBase) -> None:
         options = server.options_snapshot()
         plan = await run_in_threadpool(a1111.build_plan, body, options, max_image_bytes=server.max_body_bytes,
                                        lora_dir=server.lora_dir, embeddings_dir=server.embeddings_dir,
-                                       limits=server.limits, upscaler_dir=server.upscaler_dir)
+                                       limits=server.limits, upscaler_dir=server.upscaler_dir,
+                                       controlnets=server.controlnets)
         if plan.checkpoint is not None:
             server.find_checkpoint(plan.checkpoint)   # 404 now rather than after the queue
         if plan.refiner_name is not None:   # resolved here, so that the plan carries the refiner to any worker
@@ -793,12 +806,54 @@ def _add_listing_routes(api: APIRouter, server: ServerBase) -> None:
         return {}
 
     @api.get("/scripts")
-    async def scripts():
-        return {"txt2img": [], "img2img": []}
+    async def scripts():   # ControlNet's units are taken in alwayson_scripts
+        return {"txt2img": [controlnet.SCRIPT], "img2img": [controlnet.SCRIPT]}
 
     for path in ("/script-info", "/sd-vae", "/hypernetworks", "/face-restorers", "/prompt-styles",
                  "/realesrgan-models", "/extensions"):
         api.add_api_route(path, _empty_list, methods=["GET"], name=path.strip("/"))
+
+
+def _add_controlnet_routes(router: APIRouter, server: ServerBase) -> None:
+    """A1111's ControlNet extension's routes (``/controlnet/...``): its version, the models of --controlnet-dir,
+    the preprocessors, the control types, its settings and ``detect`` (a preprocessor run on images)."""
+    @router.get("/version")
+    async def version():
+        return {"version": controlnet.API_VERSION}
+
+    @router.get("/model_list")
+    async def model_list(update: bool = Query(True)):
+        if update:
+            await run_in_threadpool(server.controlnets.refresh)
+        return {"model_list": server.controlnets.titles()}
+
+    @router.get("/module_list")
+    async def module_list(alias_names: bool = Query(False)):
+        return controlnet.module_list(alias_names)
+
+    @router.get("/control_types")
+    async def control_types():
+        return controlnet.control_types(server.controlnets)
+
+    @router.get("/settings")
+    async def settings():
+        return {"control_net_unit_count": controlnet.UNIT_COUNT}
+
+    detect_lock = asyncio.Lock()   # one detection at a time, as the extras run one upscale at a time
+
+    @router.post("/detect")
+    async def detect(body: controlnet.DetectRequest):
+        images = body.controlnet_input_images or body.controlnet_images or []
+        if not images:
+            raise HTTPException(422, "No image selected: send controlnet_input_images (base64 images)")
+        if server.limits is not None and len(images) > server.limits.max_images:
+            raise RequestError(f"controlnet_input_images has {len(images)} images, over this server's limit of "
+                               f"{server.limits.max_images} (--max-images)")
+        async with detect_lock:
+            maps = await run_in_threadpool(controlnet.detect, body.controlnet_module, images,
+                                           body.controlnet_processor_res, body.controlnet_threshold_a,
+                                           body.controlnet_threshold_b, server.max_body_bytes)
+        return {"images": [base64.b64encode(png_bytes(m)).decode("ascii") for m in maps], "info": "Success"}
 
 
 async def _empty_list():
