@@ -89,6 +89,7 @@ class ClusterConfig:
     lora_dir: str | None = None
     embeddings_dir: str | None = None
     upscaler_dir: str | None = None
+    controlnet_dir: str | None = None   # ControlNet models by name, at the same path on every node
     engine_options: dict = field(default_factory=dict)   # Engine.load's: device, dtype, memory_mode, ...
     threads: int | None = None        # torch threads in each replica (1 is fastest for the demo model)
     replicas: int = 1
@@ -513,7 +514,7 @@ class ClusterServer(ServerBase):
     def __init__(self, config: ClusterConfig, generator):
         super().__init__(config.model, config.models_dir, config.api_auth, lora_dir=config.lora_dir,
                          embeddings_dir=config.embeddings_dir, flags=config.flags, limits=config.limits,
-                         upscaler_dir=config.upscaler_dir)
+                         upscaler_dir=config.upscaler_dir, controlnet_dir=config.controlnet_dir)
         self.config = config
         self.generator = generator
         self.jobs = _jobs_actor(config)
@@ -849,7 +850,9 @@ def serve_cli(args, host: str, flags: dict, limits: Limits | None = None) -> int
                           "compile": bool(getattr(args, "compile", False))}
         config = ClusterConfig(model=args.model, models_dir=args.models_dir, api_auth=args.api_auth,
                                queue_size=args.queue_size, lora_dir=args.lora_dir, embeddings_dir=args.embeddings,
-                               upscaler_dir=getattr(args, "upscaler_dir", None), engine_options=engine_options, threads=args.threads,
+                               upscaler_dir=getattr(args, "upscaler_dir", None),
+                               controlnet_dir=getattr(args, "controlnet_dir", None), engine_options=engine_options,
+                               threads=args.threads,
                                replicas=args.replicas if args.replicas is not None else 1, autoscale=autoscale,
                                replica_cpus=args.replica_cpus if args.replica_cpus is not None else 1.0,
                                replica_gpus=gpus, flags={**flags, "ray": True, "address": args.address},
