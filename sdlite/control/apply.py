@@ -11,7 +11,7 @@ gives the unconditional half nothing.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -109,6 +109,15 @@ class ActiveControl:
     net: torch.nn.Module          # a ControlNet (or one streaming its weights, memory mode 0)
     hint: torch.Tensor            # (1, 3, H, W)
     label: str                    # "name [hash]"
+    _encoded: dict = field(default_factory=dict, repr=False)   # (device, dtype) -> the hint encoder's output
+
+    def encoded(self, x: torch.Tensor) -> torch.Tensor:
+        """The hint encoder's output (1, C0, h, w) for inputs like ``x``: it depends on the image alone, so it is
+        computed once per run rather than at every step."""
+        key = (x.device, x.dtype)
+        if key not in self._encoded:
+            self._encoded[key] = self.net.encode_hint(self.hint.to(x.device), x.dtype)
+        return self._encoded[key]
 
     @property
     def scales(self) -> list[float]:
@@ -138,8 +147,8 @@ class ControlledUNet:
             tt = tt[rows] if tt.numel() == batch else tt
             extra = {k: (v[rows] if isinstance(v, torch.Tensor) and v.shape[0] == batch else v)
                      for k, v in added.items()}
-            hint = c.hint.to(x.device).expand(n, -1, -1, -1)
-            d, m = c.net(xin, tt, context[rows], hint, c.scales, **extra)
+            hint = c.encoded(xin).expand(n, -1, -1, -1)
+            d, m = c.net(xin, tt, context[rows], hint, c.scales, encoded=True, **extra)
             if n != batch:   # the unconditional half gets nothing
                 d = [torch.cat([torch.zeros_like(r), r]) for r in d]
                 m = torch.cat([torch.zeros_like(m), m])

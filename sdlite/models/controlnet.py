@@ -72,24 +72,33 @@ class ControlNet(TimeConditioned):
         layer = self.conv_in  # prepacked layers (engine.packing) say so themselves
         return getattr(layer, "compute_dtype", None) or layer.weight.dtype
 
+    def encode_hint(self, hint: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """(B, hint_channels, H, W) control image -> (B, C0, H/8, W/8): what the hint encoder adds to the first
+        features. It depends on the image alone, so a sampling run computes it once (``forward``'s ``hint``)."""
+        hint = hint.to(dtype=dtype or self.dtype)
+        if self.control_config.bgr:
+            hint = hint.flip(1)
+        return self.controlnet_cond_embedding(hint)
+
     def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, hint: torch.Tensor,
                 scales: float | list[float] = 1.0, text_embeds: torch.Tensor | None = None,
-                time_ids: torch.Tensor | None = None, class_labels: torch.Tensor | None = None
-                ) -> tuple[list[torch.Tensor], torch.Tensor]:
+                time_ids: torch.Tensor | None = None, class_labels: torch.Tensor | None = None,
+                encoded: bool = False) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """``encoded``: ``hint`` is already :meth:`encode_hint`'s output (B, C0, h, w)."""
         cfg = self.control_config
         n = cfg.residuals
         scales = [float(scales)] * n if isinstance(scales, (int, float)) else [float(s) for s in scales]
         if len(scales) != n:
             raise ValueError(f"ControlNet scales: {len(scales)} given, this ControlNet gives {n} residuals")
         context = context.to(x.dtype)
-        hint = hint.to(x.device, x.dtype)
-        if cfg.bgr:
-            hint = hint.flip(1)
-        if hint.shape[-2:] != tuple(s * cfg.hint_downscale for s in x.shape[-2:]):
+        factor = 1 if encoded else cfg.hint_downscale
+        if hint.shape[-2:] != tuple(s * factor for s in x.shape[-2:]):
             raise ValueError(f"control image {tuple(hint.shape[-2:])} px for a {tuple(x.shape[-2:])} latent: "
                              f"expected {cfg.hint_downscale}x the latent's size")
+        if not encoded:
+            hint = self.encode_hint(hint.to(x.device), x.dtype)
         temb = self.embed(x, t, text_embeds, time_ids, class_labels)         # (B, 4*C0)
-        h = self.conv_in(x) + self.controlnet_cond_embedding(hint)           # (B, C0, h, w)
+        h = self.conv_in(x) + hint.to(x.dtype)                               # (B, C0, h, w)
         skips = [h]
         for block in self.down_blocks:
             h = block(h, temb, context, skips)
