@@ -10,6 +10,10 @@ Each line of ``JOBS.jsonl`` is one job, a JSON object with either vocabulary:
 plus an optional ``"id"`` (letters, digits, ``.``, ``_``, ``-``; default: the line number, ``00007``). A line with
 only the fields both share (``prompt``, ``seed``, ``steps``, ``cfg_scale``, ``width`` ...) is read as txt2img; a
 line that mixes the two vocabularies is refused, naming the fields. Every line is checked before anything runs.
+ControlNet units come in either vocabulary: A1111's ``alwayson_scripts`` ``{"controlnet": {"args": [unit, ...]}}``
+(the extension's fields, base64 images; :mod:`sdlite.server.controlnet`) or the Request's ``controls``, a list of
+:class:`~sdlite.control.ControlUnit` field objects (image and mask paths). A unit's model is a path or a name of
+``controlnet_dir`` (:func:`run_batch`).
 
 Images are written to ``DIR/<id>.png`` (``<id>-<k>.png`` when a job makes several), each with its ``parameters``
 chunk, and ``DIR/manifest.jsonl`` gets one line per finished job (``id``, ``seed``, ``file``, ``sha256``,
@@ -181,6 +185,8 @@ def _parse_line(obj: dict, where: str, options: dict) -> tuple[str, list]:
         values.setdefault("lora_dir", options.get("lora_dir"))
         values.setdefault("embeddings_dir", options.get("embeddings_dir"))
         try:
+            if "controls" in values:   # ControlNet units: sdlite.control.ControlUnit's fields
+                values["controls"] = _control_units(values["controls"], where, options)
             if isinstance(values.get("hires"), dict):   # the hires fix: sdlite.hires.Hires's fields
                 from ..hires import Hires
 
@@ -195,7 +201,8 @@ def _parse_line(obj: dict, where: str, options: dict) -> tuple[str, list]:
     try:
         req = a1111.Txt2ImgRequest.model_validate(obj)
         plan = a1111.build_plan(req, a1111.default_options(), max_image_bytes=64 << 20,
-                                lora_dir=options.get("lora_dir"), embeddings_dir=options.get("embeddings_dir"))
+                                lora_dir=options.get("lora_dir"), embeddings_dir=options.get("embeddings_dir"),
+                                controlnets=_controlnets(options))
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
         raise BatchError(f"{where}: {problems}") from None
@@ -215,13 +222,50 @@ def _parse_line(obj: dict, where: str, options: dict) -> tuple[str, list]:
     return "txt2img", plan.requests
 
 
-def read_jobs(path: str | os.PathLike, *, lora_dir=None, embeddings_dir=None) -> list[Job]:
-    """Every job of ``path``, checked (a :class:`BatchError` names the first bad line)."""
+def _controlnets(options: dict):
+    """The ControlNet models jobs name (``controlnet_dir``; a path names one too: the job file is the user's own),
+    read once for the file."""
+    from ..server.controlnet import ControlNets
+
+    if options.get("controlnets") is None:
+        options["controlnets"] = ControlNets(options.get("controlnet_dir"), allow_paths=True)
+    return options["controlnets"]
+
+
+def _control_units(items, where: str, options: dict) -> tuple:
+    """The Request vocabulary's ``controls``: a list of :class:`~sdlite.control.ControlUnit` field objects. ``model``
+    is a path or a name of ``controlnet_dir``; ``image`` and ``mask`` are paths (checked now, so that a missing file
+    stops the run before it starts)."""
+    from ..control import ControlUnit
+    from ..pipeline import RequestError
+
+    if not isinstance(items, list):
+        raise RequestError(f"controls: expected a list of ControlNet units, got {type(items).__name__}")
+    units = []
+    for i, item in enumerate(items):
+        what = f"controls[{i}]"
+        if not isinstance(item, dict):
+            raise RequestError(f"{what}: expected an object of ControlUnit's fields, got {type(item).__name__}")
+        try:
+            unit = ControlUnit(**item)
+        except TypeError as e:
+            raise RequestError(f"{what}: {e}") from None
+        for name in ("image", "mask"):
+            value = getattr(unit, name)
+            if value is not None and not (isinstance(value, str) and Path(value).is_file()):
+                raise RequestError(f"{what}: {name} {value!r}: no such file (a unit's image and mask are paths)")
+        units.append(unit.replace(model=_controlnets(options).resolve(unit.model, what)))
+    return tuple(units)
+
+
+def read_jobs(path: str | os.PathLike, *, lora_dir=None, embeddings_dir=None, controlnet_dir=None) -> list[Job]:
+    """Every job of ``path``, checked (a :class:`BatchError` names the first bad line). ``controlnet_dir``: where
+    ControlNet units' models are found by name."""
     path = Path(path)
     if not path.is_file():
         raise BatchError(f"jobs file {path}: " + ("is a folder" if path.is_dir() else "no such file"))
     jobs, seen = [], {}
-    options = {"lora_dir": lora_dir, "embeddings_dir": embeddings_dir}
+    options = {"lora_dir": lora_dir, "embeddings_dir": embeddings_dir, "controlnet_dir": controlnet_dir}
     with open(path, encoding="utf-8") as f:
         for number, text in enumerate(f, 1):
             text = text.strip()
@@ -458,12 +502,13 @@ class Summary:
 def run_batch(jobs_file, output, *, model=None, use_ray: bool = False, address: str | None = None,
               workers: int | None = None, threads: int | None = None, engine_options: dict | None = None,
               worker_cpus: float = 1.0, worker_gpus: float = 0.0, lora_dir=None, embeddings_dir=None,
+              controlnet_dir=None,
               run_id: str | None = None, progress: bool = True, max_batch: int = 4,
               on_result: Callable[[dict], None] | None = None, shutdown_grace: float = 30.0) -> Summary:
     """Run the jobs of ``jobs_file`` not yet in ``output``'s manifest; see the module docstring. In the main thread,
     SIGTERM and SIGINT stop the run as :class:`Shutdown` says (``summary.stopped`` names the signal); the previous
     handlers are back when it returns."""
-    jobs = read_jobs(jobs_file, lora_dir=lora_dir, embeddings_dir=embeddings_dir)
+    jobs = read_jobs(jobs_file, lora_dir=lora_dir, embeddings_dir=embeddings_dir, controlnet_dir=controlnet_dir)
     if not shutdown_grace >= 0:   # NaN too
         raise BatchError(f"--shutdown-grace {shutdown_grace:g} is not valid: it must be 0 or more seconds "
                          "(0: interrupt the running job at once)")
