@@ -443,3 +443,71 @@ def test_hires_jobs_in_both_vocabularies(tmp_path):
     b = Image.open(tmp_path / "out" / "ours.png")
     assert a.size == (128, 128) and b.size == (96, 96)
     assert "Hires upscaler: Lanczos" in a.info["parameters"] and "Hires upscale: 1.5" in b.info["parameters"]
+
+
+def test_controlnet_units_in_both_vocabularies(tmp_path, local_ray):
+    """A1111's alwayson_scripts units (a model by --controlnet-dir name, a base64 image) and the Request vocabulary's
+    controls (a model path, an image path) give the engine's image for the same ControlUnit, locally and over Ray;
+    bad units are refused naming the line and the unit."""
+    import base64
+    import io
+
+    from sdlite.control import ControlUnit
+    from sdlite.demo import model_path
+    from sdlite.pipeline import Engine, Request
+    from tests import demo_controlnet as D
+
+    models = D.write(tmp_path / "controlnets")
+    image = D.shape_image()
+    image.save(tmp_path / "control.png")
+    data = io.BytesIO()
+    image.save(data, format="PNG")
+    unit = {"enabled": True, "module": "canny", "model": "demo-control", "weight": 0.9,
+            "image": base64.b64encode(data.getvalue()).decode("ascii"), "control_mode": 1}
+    prompt = "a red circle on a blue background"
+    jobs = tmp_path / "control.jsonl"
+    jobs.write_text("\n".join(json.dumps(j) for j in (
+        {"id": "a1111", "prompt": prompt, "steps": 4, "seed": 5, "cfg_scale": 7,
+         "alwayson_scripts": {"ControlNet": {"args": [unit]}}},
+        {"id": "ours", "prompt": prompt, "steps": 4, "seed": 5, "sampler": "euler", "cfg_scale": 7,
+         "controls": [{"model": str(models["demo-control"]), "image": str(tmp_path / "control.png"),
+                       "preprocessor": "canny", "weight": 0.9, "mode": "prompt"}]},
+        {"id": "named", "prompt": prompt, "steps": 4, "seed": 5, "sampler": "euler",
+         "controls": [{"model": "control_demo_edges", "image": str(tmp_path / "control.png")}]})) + "\n")
+    folder = str(tmp_path / "controlnets")
+    summary = run_batch(jobs, tmp_path / "out", threads=1, progress=False, controlnet_dir=folder)
+    assert summary.done == 3, summary.failed
+    expected = Engine.load(model_path()).generate(Request(prompt, steps=4, seed=5, cfg_scale=7, sampler="euler",
+                                                          controls=(ControlUnit(model=str(models["demo-control"]),
+                                                                                image=image, preprocessor="canny",
+                                                                                weight=0.9, mode="prompt"),)))
+    want = np.asarray(expected.images[0].convert("RGB"))
+    for name in ("a1111", "ours"):
+        got = Image.open(tmp_path / "out" / f"{name}.png")
+        assert np.array_equal(np.asarray(got.convert("RGB")), want), name
+        assert 'ControlNet 0: "Module: canny, Model: demo-control [' in got.info["parameters"]
+    assert "Model: control_demo_edges [" in Image.open(tmp_path / "out" / "named.png").info["parameters"]
+    # over Ray: the same files, byte for byte
+    summary = run_batch(jobs, tmp_path / "ray", use_ray=True, workers=1, threads=1, progress=False,
+                        controlnet_dir=folder, run_id="controltest")
+    assert summary.done == 3, summary.failed
+    for name in ("a1111", "ours", "named"):
+        assert (tmp_path / "ray" / f"{name}.png").read_bytes() == (tmp_path / "out" / f"{name}.png").read_bytes()
+
+    for job, words in (
+            ({"prompt": "x", "alwayson_scripts": {"controlnet": {"args": [{**unit, "model": "depth"}]}}},
+             ["line 1", "alwayson_scripts.controlnet.args[0]", "'depth' not found", "demo-control ["]),
+            ({"prompt": "x", "alwayson_scripts": {"controlnet": {"args": [{**unit, "weight": 5}]}}},
+             ["line 1", "args[0]", "weight=5"]),
+            ({"prompt": "x", "sampler": "euler", "controls": [{"model": "demo-control", "image": "missing.png"}]},
+             ["line 1", "controls[0]", "'missing.png': no such file"]),
+            ({"prompt": "x", "sampler": "euler", "controls": [{"model": "demo-control", "imag": "x.png"}]},
+             ["line 1", "controls[0]", "imag"]),
+            ({"prompt": "x", "sampler": "euler", "controls": [{"model": "nope", "image": str(tmp_path / "control.png")}]},
+             ["line 1", "controls[0]", "'nope' not found"])):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(json.dumps(job) + "\n")
+        with pytest.raises(BatchError) as e:
+            read_jobs(bad, controlnet_dir=folder)
+        for word in words:
+            assert word in str(e.value), str(e.value)
