@@ -394,3 +394,36 @@ def test_job_timeout_interrupts_the_job_in_its_replica(cluster):
     body = cluster.progress()
     assert body["state"]["job_count"] == 0 and body["state"]["interrupted"] is True, body
     print(f"job timeout 1 s under Ray: answered after {took:.2f} s")
+
+
+def test_controlnet_unit_runs_on_a_replica(cluster, engine, tmp_path):
+    """A ClusterConfig with a ControlNet folder (ClusterConfig.controlnet_dir, what serve --ray --controlnet-dir
+    sets): the ingress lists its models and resolves a unit's model by name; the unit travels with the job to a
+    replica, whose image is the engine's for the same ControlUnit. The ingress is a ClusterServer in this process,
+    over the module's Generator replicas."""
+    from fastapi.testclient import TestClient
+
+    from sdlite.control import ControlUnit
+    from sdlite.scale.ray_serve import ClusterServer
+    from sdlite.server.app import build_app
+    from tests import demo_controlnet as D
+
+    models = D.write(tmp_path / "controlnets")
+    config = dataclasses.replace(cluster.config, controlnet_dir=str(tmp_path / "controlnets"))
+    server = ClusterServer(config, serve.get_deployment_handle("Generator", app_name=config.app_name))
+    data = io.BytesIO()
+    D.shape_image().save(data, format="PNG")
+    unit = {"enabled": True, "module": "canny", "model": "demo-control", "weight": 0.7,
+            "image": base64.b64encode(data.getvalue()).decode("ascii"), "control_mode": "ControlNet is more important"}
+    with TestClient(build_app(server)) as client:
+        names = client.get("/controlnet/model_list").json()["model_list"]
+        assert [n.split(" [")[0] for n in names] == ["control_demo_edges", "demo-control"]
+        r = client.post("/sdapi/v1/txt2img", json={"prompt": PROMPT, "steps": 4, "seed": 9, "cfg_scale": 7,
+                                                   "alwayson_scripts": {"ControlNet": {"args": [unit]}}})
+        assert r.status_code == 200, r.text[:500]
+    expected = engine.generate(Request(PROMPT, steps=4, seed=9, cfg_scale=7, sampler="euler", controls=(
+        ControlUnit(model=str(models["demo-control"]), image=D.shape_image(), preprocessor="canny", weight=0.7,
+                    mode="control"),)))
+    assert np.array_equal(pixels(r.json()["images"][0]), pixels(expected.images[0]))
+    assert "Control Mode: ControlNet is more important" in json.loads(r.json()["info"])["infotexts"][0]
+    assert len(r.json()["images"]) == 2   # and the control map, made at the ingress
