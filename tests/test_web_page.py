@@ -24,6 +24,7 @@ from PIL import Image, ImageDraw
 from sdlite.demo import DEFAULT_PROMPT
 from sdlite.demo import data as D
 from sdlite.demo.classify import classify
+from tests import demo_controlnet
 from tests.loopback import free_port
 
 from playwright import sync_api  # noqa: E402  (the test extra; the browser is Debian's chromium, see below)
@@ -46,13 +47,16 @@ def server(tmp_path_factory):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    controlnets = tmp_path_factory.mktemp("controlnets")
+    demo_controlnet.write(controlnets)   # two tiny ControlNets for the demo model, for the ControlNet panel
     # one thread: the demo model is tiny, and two threads stall on a busy machine (as in tests/test_demo.py)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
            "OMP_NUM_THREADS": "1"}
     with open(log_path, "wb") as log:
         # --max-steps: the interrupt test runs 1000 steps, over the server's default limit of 150
         proc = subprocess.Popen([sys.executable, "-m", "sdlite", "serve", "--host", "127.0.0.1", "--port", str(port),
-                                 "--max-steps", "1000"], stdout=log, stderr=subprocess.STDOUT, env=env)
+                                 "--max-steps", "1000", "--controlnet-dir", str(controlnets)], stdout=log,
+                                stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -409,3 +413,65 @@ def test_hires_fix_and_upscale_controls(page):
     assert upscaled.size == (256, 256)
     assert "Postprocess upscaler: Lanczos" in page.locator("#info").text_content()
     assert page.locator("#error").is_hidden()
+
+
+def test_controlnet_panel_sends_a_unit(page, server, tmp_path):
+    """The ControlNet panel lists the server's models (/controlnet/model_list) and its preprocessors that need no
+    annotator (/controlnet/module_list); an uploaded control image goes out as one unit of A1111's extension with
+    the model, preprocessor, weight, start and end chosen; the image that comes back is the one the same request
+    gives through the API, shown with its parameters and the control map after it."""
+    import json as _json
+
+    control = png_file(tmp_path / "control.png", demo_controlnet.shape_image())
+    page.click("#controlnet-box summary")
+    models = page.locator("#cn-model option").all_text_contents()
+    demo = next(m for m in models if m.startswith("demo-control ["))
+    assert models[0] == "None" and len(models) == 3
+    modules = page.locator("#cn-module option").all_text_contents()
+    assert modules[:2] == ["none", "canny"] and "depth_midas" not in modules
+    assert not page.locator("#cn-enabled").is_checked()
+    page.set_input_files("#cn-image", str(control))
+    page.locator("#cn-preview").wait_for()
+    assert page.locator("#cn-enabled").is_checked()        # choosing an image turns the panel on
+    page.select_option("#cn-model", demo)
+    page.select_option("#cn-module", "canny")
+    page.fill("#cn-weight", "0.8")
+    page.fill("#cn-start", "0.1")
+    page.fill("#cn-end", "0.75")
+    page.fill("#prompt", DEFAULT_PROMPT)
+    page.fill("#steps", "10")
+    page.fill("#seed", str(SEED))
+    with page.expect_request("**/sdapi/v1/txt2img") as request:
+        page.click("#generate")
+    sent = request.value.post_data_json
+    unit = sent["alwayson_scripts"]["controlnet"]["args"][0]
+    assert unit["enabled"] is True and unit["model"] == demo and unit["module"] == "canny"
+    assert (unit["weight"], unit["guidance_start"], unit["guidance_end"]) == (0.8, 0.1, 0.75)
+    assert unit["image"].startswith("data:image/png;base64,")
+    wait_idle(page)
+    assert page.locator("#error").is_hidden(), page.locator("#error").text_content()
+    result = image_of(page.locator("#results figure:not(.control-map) img").first)
+    edges = np.asarray(image_of(page.locator("#results figure.control-map img")))
+    assert edges.shape == (64, 64, 3) and set(np.unique(edges)) == {0, 255}   # canny's map of the control image
+    info = page.locator("#info").text_content()
+    assert 'ControlNet 0: "Module: canny, Model: demo-control [' in info
+    assert "Weight: 0.8" in info and "Guidance Start: 0.1" in info and "Guidance End: 0.75" in info
+    assert page.locator("#history img").count() == 1                       # the map is not a result
+    # the same JSON through the API gives the same pixels
+    req = urllib.request.Request(server + "/sdapi/v1/txt2img", data=_json.dumps(sent).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=TIMEOUT_MS / 1000) as r:
+        body = _json.loads(r.read())
+    direct = Image.open(io.BytesIO(base64.b64decode(body["images"][0]))).convert("RGB")
+    assert np.array_equal(np.asarray(direct), np.asarray(result))
+    # "Reuse all parameters" puts the unit back; turning the panel off sends no unit
+    page.fill("#cn-weight", "1.5")
+    page.click("#reuse-all")
+    assert page.locator("#cn-weight").input_value() == "0.8"
+    page.uncheck("#cn-enabled")
+    with page.expect_request("**/sdapi/v1/txt2img") as request:
+        page.click("#generate")
+    assert "alwayson_scripts" not in request.value.post_data_json
+    wait_idle(page)
+    assert page.locator("#results figure.control-map").count() == 0
+

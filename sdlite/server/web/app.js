@@ -11,6 +11,7 @@ const state = {
   started: 0,
   init: null,        // source image as a data URI
   mask: null,        // mask as a data URI
+  control: null,     // ControlNet control image as a data URI
   history: [],       // {src, infotext, seed, params, endpoint}
   selected: null,
 };
@@ -60,10 +61,10 @@ function describe(status, statusText, body, text) {
   return new ApiError(status, title, lines);
 }
 
-async function api(path, options = {}) {
+async function api(path, options = {}, base = API) {
   let res;
   try {
-    res = await fetch(API + path, {
+    res = await fetch(base + path, {
       ...options,
       headers: options.body ? { "Content-Type": "application/json" } : {},
     });
@@ -147,6 +148,8 @@ function buildRequest() {
     body.hr_second_pass_steps = num("hr-steps");
     body.denoising_strength = num("hr-denoise");
   }
+  const unit = controlUnit();
+  if (unit) body.alwayson_scripts = { controlnet: { args: [unit] } };
   let endpoint = "txt2img";
   if (state.init) {
     endpoint = "img2img";
@@ -160,6 +163,34 @@ function buildRequest() {
     }
   }
   return { endpoint, body };
+}
+
+function controlUnit() {
+  // A1111's ControlNet extension's unit (alwayson_scripts.controlnet.args[0]); none unless enabled with a model
+  if (!$("cn-enabled").checked || !$("cn-model").value) return null;
+  return {
+    enabled: true,
+    module: $("cn-module").value,
+    model: $("cn-model").value,
+    weight: num("cn-weight"),
+    image: state.control || "",      // "": the source image (image to image)
+    resize_mode: "Crop and Resize",
+    guidance_start: num("cn-start"),
+    guidance_end: num("cn-end"),
+    control_mode: "Balanced",
+    pixel_perfect: false,
+  };
+}
+
+function fillControl(params) {
+  const unit = params.alwayson_scripts?.controlnet?.args?.[0];
+  $("cn-enabled").checked = Boolean(unit);
+  if (!unit) return;
+  if ([...$("cn-model").options].some((o) => o.value === unit.model)) $("cn-model").value = unit.model;
+  if ([...$("cn-module").options].some((o) => o.value === unit.module)) $("cn-module").value = unit.module;
+  $("cn-weight").value = unit.weight;
+  $("cn-start").value = unit.guidance_start;
+  $("cn-end").value = unit.guidance_end;
 }
 
 function fillForm(params) {
@@ -187,6 +218,7 @@ function fillForm(params) {
   const refiner = params.refiner_checkpoint ?? "";
   if ([...$("refiner").options].some((o) => o.value === refiner)) $("refiner").value = refiner;
   set("refiner-switch", params.refiner_switch_at);
+  fillControl(params);
 }
 
 // --- progress ----------------------------------------------------------------------------------------------
@@ -247,7 +279,9 @@ function entriesFrom(data, endpoint, request) {
   const texts = info.infotexts || [];
   const seeds = info.all_seeds || [];
   const entries = [];
-  for (let i = first; i < images.length; i++) {
+  // after the generated images the server may send ControlNet's control maps (one infotext per generated image)
+  const generated = texts.length && first + texts.length < images.length ? first + texts.length : images.length;
+  for (let i = first; i < generated; i++) {
     const k = i - first;
     const seed = seeds[k] ?? (typeof info.seed === "number" ? info.seed + k : undefined);
     const infotext = texts.length === images.length ? texts[i] : (texts[k] ?? "");
@@ -260,6 +294,16 @@ function entriesFrom(data, endpoint, request) {
     });
   }
   return entries;
+}
+
+function mapsFrom(data) {
+  // the control maps after the generated images, as data URIs
+  const images = data.images || [];
+  const info = parseInfo(data.info);
+  const first = Number.isInteger(info.index_of_first_image) ? info.index_of_first_image : 0;
+  const texts = info.infotexts || [];
+  return texts.length && first + texts.length < images.length
+    ? images.slice(first + texts.length).map(dataUri) : [];
 }
 
 function select(entry) {
@@ -281,12 +325,16 @@ function imageButton(entry, label) {
   return button;
 }
 
-function showResults(entries) {
+function showResults(entries, maps = []) {
   const figures = entries.map((e) => make("figure", {}, [
     imageButton(e, `Result, seed ${e.seed ?? "?"}`),
     make("figcaption", { textContent: e.seed !== undefined ? `seed ${e.seed}` : "" }),
   ]));
-  $("results").replaceChildren(...figures);
+  const mapFigures = maps.map((src, i) => make("figure", { className: "control-map" }, [
+    make("img", { src, alt: `ControlNet control map ${i + 1}` }),
+    make("figcaption", { textContent: "control map" }),
+  ]));
+  $("results").replaceChildren(...figures, ...mapFigures);
   for (const e of entries) {
     state.history.unshift(e);
     const n = state.history.length;
@@ -362,7 +410,7 @@ async function generate(event) {
       status(`Done in ${took}.`);
     }
     $("eta").textContent = "";
-    showResults(entries);
+    showResults(entries, mapsFrom(data || {}));
     showWarnings(parseInfo(data?.info).warnings);
   } catch (err) {
     setProgress(0);
@@ -397,6 +445,12 @@ function readFile(file) {
   });
 }
 
+function showControl() {
+  $("cn-preview").hidden = !state.control;
+  if (state.control) $("cn-preview").src = state.control;
+  $("cn-clear").hidden = !state.control;
+}
+
 function showSources() {
   for (const [key, id] of [["init", "init-preview"], ["mask", "mask-preview"]]) {
     $(id).hidden = !state[key];
@@ -406,9 +460,9 @@ function showSources() {
   $("generate").title = state.init ? "Image to image" + (state.mask ? " (inpainting)" : "") : "Text to image";
 }
 
-async function onFile(event, key) {
+async function onFile(event, key, show = showSources) {
   const file = event.target.files[0];
-  if (!file) { state[key] = null; showSources(); return; }
+  if (!file) { state[key] = null; show(); return; }
   try {
     state[key] = await readFile(file);
     clearError();
@@ -416,7 +470,7 @@ async function onFile(event, key) {
     state[key] = null;
     showError({ title: "Cannot read the file", lines: [String(err)] });
   }
-  showSources();
+  show();
 }
 
 // --- start -------------------------------------------------------------------------------------------------
@@ -453,6 +507,16 @@ async function loadServerInfo() {
     $("extras-upscaler").replaceChildren(...images.filter((n) => n !== "None")
       .map((n) => make("option", { value: n, textContent: n })));
   } catch { /* without the lists: Latent, and Lanczos for the upscale */ }
+  try {   // ControlNet (A1111's extension's routes, at the server's root): its models and preprocessors
+    const models = (await api("/model_list", {}, "/controlnet")).model_list || [];
+    const none = models.length ? "None" : "None (the server has no ControlNet models: --controlnet-dir)";
+    $("cn-model").replaceChildren(make("option", { value: "", textContent: none }),
+      ...models.map((m) => make("option", { value: m, textContent: m })));
+    if (models.length) $("cn-model").value = models[0];
+    const modules = await api("/module_list", {}, "/controlnet");
+    const usable = modules.module_list.filter((m) => modules.module_detail?.[m]?.model_free !== false);
+    $("cn-module").replaceChildren(...usable.map((m) => make("option", { value: m, textContent: m })));
+  } catch { /* without the lists the panel offers no model */ }
   try {
     const options = await api("/options");
     const name = options && options.sd_model_checkpoint;
@@ -472,6 +536,15 @@ function init() {
   $("denoising").addEventListener("input", () => { $("denoising-value").value = num("denoising").toFixed(2); });
   $("init-image").addEventListener("change", (e) => onFile(e, "init"));
   $("mask").addEventListener("change", (e) => onFile(e, "mask"));
+  $("cn-image").addEventListener("change", (e) => {
+    $("cn-enabled").checked = true;
+    onFile(e, "control", showControl);
+  });
+  $("cn-clear").addEventListener("click", () => {
+    state.control = null;
+    $("cn-image").value = "";
+    showControl();
+  });
   $("clear-sources").addEventListener("click", () => {
     state.init = state.mask = null;
     $("init-image").value = "";
