@@ -27,6 +27,7 @@ from PIL import Image, ImageDraw
 import webuiapi
 
 from sdlite.demo import model_path
+from tests import demo_controlnet
 from tests.loopback import free_port
 
 PROMPT = "a red circle on a blue background"
@@ -77,11 +78,14 @@ def live(tmp_path_factory):
     models = tmp_path_factory.mktemp("models")
     (models / "demo-a").symlink_to(model_path(), target_is_directory=True)
     (models / "demo-b").symlink_to(model_path(), target_is_directory=True)
+    controlnets = tmp_path_factory.mktemp("controlnets")
+    demo_controlnet.write(controlnets)
     port = free_port()
     log = tmp_path_factory.mktemp("log") / "server.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "sdlite", "serve", "--port", str(port), "--models-dir",
-                                 str(models), "--max-steps", "1000"], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+                                 str(models), "--max-steps", "1000", "--controlnet-dir", str(controlnets)],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
     server = Live(proc, port, log)
     try:
         wait_for(lambda: server.get("options").json()["sd_checkpoint_hash"], timeout=180, every=0.2)
@@ -198,6 +202,41 @@ def test_webuiapi_client_unchanged(live):
         assert e.value.args[0] == 404, method
         report[method] = "not supported (404)"
     print("\nwebuiapi", webuiapi.__version__ if hasattr(webuiapi, "__version__") else "", json.dumps(report, indent=1))
+
+
+def test_webuiapi_controlnet_unit(live):
+    """webuiapi's ControlNet calls, unchanged: the version, model and module lists, a ControlNetUnit in txt2img (the
+    same image as the extension's JSON sent directly; the control map after it), detect (its older field name
+    controlnet_images), and the empty args it sends with every request once it believes ControlNet is there."""
+    from sdlite.control import preprocess
+
+    api = webuiapi.WebUIApi(host="127.0.0.1", port=live.port, sampler="Euler", steps=5)
+    assert api.controlnet_version() == 3
+    models = api.controlnet_model_list()
+    demo = next(m for m in models if m.startswith("demo-control ["))
+    assert [m.split(" [")[0] for m in models] == ["control_demo_edges", "demo-control"]
+    assert api.controlnet_module_list()[:2] == ["none", "canny"]
+    control = demo_controlnet.shape_image()
+    unit = webuiapi.ControlNetUnit(image=control, module="canny", model=demo, weight=0.8, control_mode=1,
+                                   threshold_a=100, threshold_b=200, guidance_end=0.8)
+    result = api.txt2img(prompt=PROMPT, seed=5, width=64, height=64, cfg_scale=7, controlnet_units=[unit])
+    assert len(result.images) == 2 and result.image.size == (64, 64)     # the image, then the control map
+    text = result.info["infotexts"][0]
+    assert 'ControlNet 0: "Module: canny, Model: demo-control [' in text
+    assert "Control Mode: My prompt is more important" in text and "Resize Mode: Resize and Fill" in text
+    assert result.info["warnings"] == []
+    direct = live.txt2img(seed=5, width=64, height=64, cfg_scale=7, sampler_name="Euler", alwayson_scripts={
+        "controlnet": {"args": [{"enabled": True, "image": b64png(control), "module": "canny", "model": demo,
+                                 "weight": 0.8, "resize_mode": "Resize and Fill", "processor_res": 512,
+                                 "control_mode": "My prompt is more important", "guidance_end": 0.8}]}})
+    assert np.array_equal(as_array(result.image), as_array(decode(direct.json()["images"][0])))
+    detected = api.controlnet_detect([control], module="canny", processor_res=64, threshold_a=100, threshold_b=200)
+    assert detected.info == "Success" and len(detected.images) == 1
+    assert np.array_equal(as_array(detected.image), as_array(preprocess.run("canny", control, 64, 100, 200)))
+    api.has_controlnet = True          # as if /scripts had shown "controlnet m2m": {"ControlNet": {"args": []}}
+    plain = api.txt2img(prompt=PROMPT, seed=5, width=64, height=64, cfg_scale=7)
+    assert len(plain.images) == 1 and plain.info["warnings"] == []
+    assert not np.array_equal(as_array(plain.image), as_array(result.image))
 
 
 def test_client_killed_mid_request(live):
