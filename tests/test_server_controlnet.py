@@ -6,8 +6,6 @@ refused naming the field and the value; ``/controlnet/detect`` with canny is Ope
 extension's shapes."""
 from __future__ import annotations
 
-import base64
-import io
 import json
 import math
 
@@ -23,6 +21,7 @@ from sdlite.pipeline import Engine, Request
 from sdlite.server.app import create_app
 from sdlite.server.limits import Limits
 from tests import demo_controlnet as D
+from tests.test_server_api import assert_error, b64png, decode, pixels
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -48,22 +47,6 @@ def engine():
     return Engine.load(model_path())
 
 
-def b64png(image: Image.Image) -> str:
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return base64.b64encode(out.getvalue()).decode("ascii")
-
-
-def decode(b64: str) -> Image.Image:
-    image = Image.open(io.BytesIO(base64.b64decode(b64)))
-    image.load()
-    return image
-
-
-def pixels(image) -> np.ndarray:
-    return np.asarray(image.convert("RGB"), dtype=np.int16)
-
-
 def generate(client, unit=None, scripts=None, route="txt2img", **fields):
     body = {"prompt": PROMPT, "steps": STEPS, "seed": 3, **fields}
     if scripts is not None:
@@ -78,14 +61,6 @@ def generate(client, unit=None, scripts=None, route="txt2img", **fields):
 def first_image(r) -> np.ndarray:
     assert r.status_code == 200, r.text
     return pixels(decode(r.json()["images"][0]))
-
-
-def assert_error(r, status: int, *words):
-    assert r.status_code == status, r.text
-    body = r.json()
-    assert set(body) == {"error", "detail", "body", "errors"}, body
-    for word in words:
-        assert word in str(body["detail"]), body["detail"]
 
 
 def unit(picture=None, **fields):

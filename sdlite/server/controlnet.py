@@ -192,8 +192,9 @@ class ControlNets:
         if titles:
             return "available: " + ", ".join(titles)
         if self.folder is None:
-            return "this server has no ControlNet models: start it with --controlnet-dir DIR"
-        return f"the ControlNet folder (--controlnet-dir) has none: expected weights files or diffusers folders"
+            return "no ControlNet models are offered: give a folder of them with --controlnet-dir DIR"
+        return (f"the ControlNet folder {self.folder.name!r} (--controlnet-dir) has none: expected weights files "
+                "or diffusers ControlNetModel folders")
 
 
 # --- units -----------------------------------------------------------------------------------------------------
