@@ -417,7 +417,7 @@ def test_controlnet_unit_runs_on_a_replica(cluster, engine, tmp_path):
             "image": base64.b64encode(data.getvalue()).decode("ascii"), "control_mode": "ControlNet is more important"}
     with TestClient(build_app(server)) as client:
         names = client.get("/controlnet/model_list").json()["model_list"]
-        assert [n.split(" [")[0] for n in names] == ["control_demo_edges", "demo-control"]
+        assert [n.split(" [")[0] for n in names][:2] == ["control_demo_edges", "demo-control"]
         r = client.post("/sdapi/v1/txt2img", json={"prompt": PROMPT, "steps": 4, "seed": 9, "cfg_scale": 7,
                                                    "alwayson_scripts": {"ControlNet": {"args": [unit]}}})
         assert r.status_code == 200, r.text[:500]

@@ -19,6 +19,7 @@ from sdlite.control.apply import legacy_hash
 from sdlite.demo import model_path
 from sdlite.pipeline import Engine, Request
 from sdlite.server.app import create_app
+from sdlite.server.controlnet import ControlNets
 from sdlite.server.limits import Limits
 from tests import demo_controlnet as D
 from tests.test_server_api import assert_error, b64png, decode, pixels
@@ -26,6 +27,7 @@ from tests.test_server_api import assert_error, b64png, decode, pixels
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPT = "a red circle on a blue background"
+SHIPPED = ControlNets().titles()   # the package's demo ControlNets, listed after a folder's
 API = "/sdapi/v1"
 STEPS = 4
 
@@ -221,7 +223,7 @@ def test_model_names(client, models):
     listed = client.get("/controlnet/model_list").json()
     titles = [f"control_demo_edges [{legacy_hash(models['control_demo_edges'])}]",
               f"demo-control [{legacy_hash(models['demo-control'])}]"]
-    assert listed == {"model_list": titles}
+    assert listed == {"model_list": titles + SHIPPED}   # the folder's, then the package's demo ControlNets
     assert client.get("/controlnet/model_list", params={"update": "false"}).json() == listed
     reference = first_image(generate(client, unit(model=titles[1]))[0])
     for name in ("demo-control", "DEMO-CONTROL", "demo-control [00000000]", "control"):   # "control": shortest match
@@ -380,7 +382,7 @@ def test_listings_have_the_extensions_shapes(client):
     assert list(types)[0] == "All" and {"Canny", "Depth", "Inpaint", "Tile/Blur"} <= set(types)
     assert set(types["Canny"]) == {"module_list", "model_list", "default_option", "default_model"}
     assert types["Canny"]["module_list"][0] == "none" and types["Canny"]["default_option"] == "canny"
-    assert types["All"]["model_list"][0] == "None" and len(types["All"]["model_list"]) == 3
+    assert types["All"]["model_list"][0] == "None" and len(types["All"]["model_list"]) == 3 + len(SHIPPED)
     assert types["Canny"]["model_list"] == ["None"] and types["Canny"]["default_model"] == "None"
     assert client.get(f"{API}/scripts").json() == {"txt2img": ["controlnet"], "img2img": ["controlnet"]}
 
@@ -389,8 +391,19 @@ def test_no_controlnet_dir_and_auth(tmp_path):
     with TestClient(create_app(api_auth="me:secret", preload=False)) as c:
         assert c.get("/controlnet/model_list").status_code == 401
         auth = ("me", "secret")
-        assert c.get("/controlnet/model_list", auth=auth).json() == {"model_list": []}
+        assert c.get("/controlnet/model_list", auth=auth).json() == {"model_list": SHIPPED}
         r = c.post(f"{API}/txt2img", auth=auth, json={"prompt": PROMPT, "steps": 2, "alwayson_scripts": {
             "ControlNet": {"args": [unit()]}}})
         assert_error(r, 404, "'demo-control' not found", "--controlnet-dir")
         assert c.post("/controlnet/detect", json={}).status_code == 401
+
+
+@pytest.mark.skipif(not SHIPPED, reason="the package's demo ControlNet is not installed")
+def test_the_shipped_demo_controlnet_is_offered(client):
+    """Without a folder of its own the server offers the package's demo ControlNet for the demo model, by name."""
+    name = SHIPPED[0].split(" [")[0]
+    position = Image.new("RGB", (64, 64), (0, 0, 0))
+    ImageDraw.Draw(position).ellipse((8, 8, 28, 28), fill=(255, 255, 255))
+    r, info = generate(client, {"model": name, "module": "none", "image": b64png(position)})
+    assert r.status_code == 200, r.text
+    assert f"Model: {SHIPPED[0]}" in info["infotexts"][0]

@@ -113,10 +113,25 @@ def scan(folder: Path) -> list[tuple[Path, str]]:
     return sorted(found, key=lambda item: (item[1], str(item[0])))
 
 
+def _weights_file(path: Path) -> Path:
+    """The file whose hash names ``path``: itself, or a diffusers folder's weights file."""
+    from ..weights.controlnet import DIFFUSERS_WEIGHTS
+
+    if path.is_dir():
+        return next((path / n for n in DIFFUSERS_WEIGHTS if (path / n).is_file()), path / "config.json")
+    return path
+
+
+def shipped_folder() -> Path:
+    """Where the package's demo ControlNets are (``demo-position``, for the demo model)."""
+    return Path(__file__).resolve().parent.parent / "data" / "controlnets"
+
+
 class ControlNets:
-    """The ControlNet models a server offers (``--controlnet-dir``), named as the extension names them. The list is
-    read again on :meth:`refresh` (``/controlnet/model_list?update=true``, and a name not found); hashes are kept
-    per file while its size and time are unchanged. ``allow_paths`` (``sdlite batch``, whose job file is the
+    """The ControlNet models a server offers, named as the extension names them: those of ``--controlnet-dir``,
+    then the demo ControlNets the package ships (as the upscalers list the shipped demo upscaler), one per name. The
+    list is read again on :meth:`refresh` (``/controlnet/model_list?update=true``, and a name not found); hashes are
+    kept per file while its size and time are unchanged. ``allow_paths`` (``sdlite batch``, whose job file is the
     user's own): a model may also be named by its path."""
 
     def __init__(self, folder=None, allow_paths: bool = False):
@@ -130,17 +145,21 @@ class ControlNets:
     def refresh(self) -> None:
         from ..control.apply import legacy_hash
 
-        items = []
-        if self.folder is not None and self.folder.is_dir():
-            for path, name in scan(self.folder):
+        items, names = [], set()
+        roots = [self.folder] if self.folder is not None else []
+        for root in [r for r in (*roots, shipped_folder()) if r.is_dir()]:
+            for path, name in scan(root):
+                if name in names:
+                    continue   # the folder's own comes first
                 try:
-                    st = (path / "config.json").stat() if path.is_dir() else path.stat()
+                    st = _weights_file(path).stat()
                     key = (str(path), st.st_size, st.st_mtime_ns)
                     if key not in self._hashes:
                         self._hashes[key] = legacy_hash(path)
                 except OSError:
                     continue   # gone since it was listed, or unreadable: not offered
                 items.append(ControlNetModel(path, name, self._hashes[key]))
+                names.add(name)
         with self._lock:
             self._items = items
 
@@ -190,7 +209,8 @@ class ControlNets:
     def _offer(self) -> str:
         titles = self.titles()
         if titles:
-            return "available: " + ", ".join(titles)
+            return "available: " + ", ".join(titles) + ("" if self.folder is not None else
+                                                        "; more with --controlnet-dir DIR")
         if self.folder is None:
             return "no ControlNet models are offered: give a folder of them with --controlnet-dir DIR"
         return (f"the ControlNet folder {self.folder.name!r} (--controlnet-dir) has none: expected weights files "
