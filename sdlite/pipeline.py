@@ -716,10 +716,7 @@ class Engine:
         source = self.prepare_source(r) if r.is_img2img else None
         if source is not None:
             r = r.replace(width=source.width, height=source.height)
-        if r.controls and source is not None and source.paste_box is not None:
-            raise RequestError("ControlNet with inpaint area 'masked' (only the masked region) is not supported yet: "
-                               "use inpaint area 'whole'")
-        controls = self.prepare_controls(r, r.width, r.height)
+        controls = self.prepare_controls(r, r.width, r.height, source=source)
         seeds = [r.seed + i for i in range(r.batch_size)]
         use_cfg = r.cfg_scale > 1.0
         networks = self.prompt_networks(r)
@@ -771,10 +768,13 @@ class Engine:
         for key in [k for k in cache if k not in wanted]:
             cache.pop(key)[2].close()
 
-    def prepare_controls(self, r: Request, width: int, height: int, hires_pass: int | None = None) -> list:
+    def prepare_controls(self, r: Request, width: int, height: int, hires_pass: int | None = None,
+                         source: "Source | None" = None) -> list:
         """The request's ControlNet units that apply to this pass (``hires_pass``: 1 or 2 in a hires fix), ready for
         a ``width`` x ``height`` run: each unit's image (the init image where it has none) run through its
-        preprocessor and fitted by its resize mode, and its network."""
+        preprocessor and fitted by its resize mode, and its network. Inpainting only the masked area (``source``
+        with a paste box), the extension's rule: the image fitted to the source canvas by the unit's resize mode,
+        cropped to the same region as the source, then fitted to the run's size as "resize and fill"."""
         from . import sources
         from .control import ControlError, preprocess
         from .control.apply import ActiveControl, fit_control, hint_tensor
@@ -789,24 +789,31 @@ class Engine:
                 raise RequestError(f"ControlNet unit {i}: no control image (give one, or an init image for the unit "
                                    "to use)")
             mask = None
+            box = source.paste_box if source is not None else None
+            resize_mode = "resize-and-fill" if box is not None else u.resize_mode
+
+            def crop(im):   # inpainting the masked area only: the source's region of the canvas
+                if box is None:
+                    return im
+                return fit_control(im, *source.overlay_source.size, u.resize_mode).crop(box)
             try:
-                image = sources.load_image(image, f"ControlNet unit {i}'s image")
+                image = crop(sources.load_image(image, f"ControlNet unit {i}'s image"))
                 p = preprocess.find(u.preprocessor)
                 if p.name == "inpaint":
                     where = u.mask if u.mask is not None else r.mask
                     if where is None:
                         raise RequestError(f"ControlNet unit {i}: the inpaint preprocessor needs a mask (the unit's "
                                            "or the request's)")
-                    mask = fit_control(sources.load_mask(where, f"ControlNet unit {i}'s mask"), width, height,
-                                       u.resize_mode)
+                    mask = fit_control(crop(sources.load_mask(where, f"ControlNet unit {i}'s mask")), width, height,
+                                       resize_mode)
                 elif p.name != "none":
-                    res = (preprocess.pixel_perfect_resolution(image.size, width, height, u.resize_mode)
+                    res = (preprocess.pixel_perfect_resolution(image.size, width, height, resize_mode)
                            if u.pixel_perfect else u.processor_res)
                     image = preprocess.run(p.name, image, res, u.threshold_a, u.threshold_b)
             except (ControlError, sources.ImageInputError) as e:
                 raise RequestError(str(e)) from None
             net, label = self.controlnet(u.model)
-            out.append(ActiveControl(u, net, hint_tensor(fit_control(image, width, height, u.resize_mode), mask),
+            out.append(ActiveControl(u, net, hint_tensor(fit_control(image, width, height, resize_mode), mask),
                                      label))
         return out
 

@@ -357,6 +357,17 @@ def test_tiny_sdxl_matches_diffusers(tmp_path):
         assert np.abs(got - expected).max() <= MAX_PIXEL_DIFF
         plain, plain_result = generate(engine, sampler, [], seed=5, steps=5)
         assert (result.latents - plain_result.latents).abs().max() / plain_result.latents.abs().max() > 0.02
+    # with the refiner (diffusers' two-pipeline hand-off): the control acts on the base's steps only, so a window
+    # that opens after the switch leaves the image uncontrolled
+    engine.set_refiner(Engine.load(tmp_path / "refiner", precision="exact"))
+    unit = ControlUnit(tmp_path / "cn-xl", image, resize_mode="just-resize")
+    controlled, with_result = generate(engine, "euler", [unit], seed=5, steps=6, refiner_switch_at=0.5)
+    plain, plain_result = generate(engine, "euler", [], seed=5, steps=6, refiner_switch_at=0.5)
+    late, _ = generate(engine, "euler", [unit.replace(guidance_start=0.6)], seed=5, steps=6, refiner_switch_at=0.5)
+    change = (with_result.latents - plain_result.latents).abs().max() / plain_result.latents.abs().max()
+    assert change > 0.02 and np.abs(controlled - plain).max() > MAX_PIXEL_DIFF
+    assert np.array_equal(late, plain)
+
     from sdlite.weights.controlnet import check_compatible
     from tests.reference import TINY_UNET_SD1
 
@@ -494,3 +505,31 @@ def test_bf16_precision_stays_close_to_exact(tiny):
     assert net.dtype == torch.bfloat16 and result.infotext["Precision"].startswith("bf16")
     mse = np.mean((got.astype(np.float64) - exact) ** 2)
     assert 10 * np.log10(255 ** 2 / mse) >= 30
+
+
+def test_inpainting_the_masked_area_crops_the_control_as_the_source(tiny):
+    """Inpaint area "masked" (A1111's inpaint_full_res, its API default): the control map is the source's crop of
+    it (fitted to the canvas, cropped to the same box, fitted to the run's size as "resize and fill")."""
+    from sdlite.control.apply import fit_control, hint_tensor
+    from sdlite.pipeline import validate
+
+    init = control_image(20, size=96)
+    mask = np.zeros((96, 96), np.uint8)
+    mask[60:80, 10:40] = 255
+    mask = Image.fromarray(mask)
+    control = control_image(21, size=96)
+    unit = ControlUnit(tiny["folders"][0], control, resize_mode="just-resize")
+    r = validate(Request(PROMPT, width=SIZE, height=SIZE, steps=4, seed=3, init_image=init, mask=mask,
+                         inpaint_area="masked", controls=(unit,)))
+    source = tiny["engine"].prepare_source(r)
+    assert source.paste_box is not None
+    (active,) = tiny["engine"].prepare_controls(r, SIZE, SIZE, source=source)
+    want = fit_control(fit_control(control, 96, 96, "just-resize").crop(source.paste_box), SIZE, SIZE,
+                       "resize-and-fill")
+    assert torch.equal(active.hint, hint_tensor(want))
+    result = tiny["engine"].generate(r)
+    assert result.images[0].size == (96, 96) and "ControlNet 0" in result.infotext
+    # away from the mask (beyond its 4 px blur) the source is pasted back: the control changes only the inpainting
+    outside = np.ones((96, 96), bool)
+    outside[48:92, 0:52] = False
+    assert np.abs(np.asarray(result.images[0], np.int16) - np.asarray(init, np.int16))[outside].max() <= 2

@@ -371,8 +371,8 @@ def test_listings_have_the_extensions_shapes(client):
     detail = modules["module_detail"]
     assert set(detail) == set(modules["module_list"])
     assert detail["none"] == {"model_free": True, "sliders": []}
-    assert [s["name"] for s in detail["canny"]["sliders"]] == ["Resolution", "Canny Low Threshold",
-                                                              "Canny High Threshold"]
+    assert [s["name"] for s in detail["canny"]["sliders"]] == ["Resolution", "Low Threshold",
+                                                              "High Threshold"]
     assert detail["canny"]["sliders"][0] == {"name": "Resolution", "value": 512, "min": 64, "max": 2048, "step": 8}
     assert detail["canny"]["sliders"][1]["value"] == 100 and detail["canny"]["sliders"][2]["value"] == 200
     assert detail["depth_midas"]["model_free"] is False

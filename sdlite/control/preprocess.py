@@ -134,8 +134,8 @@ _NEEDS_MODEL = "needs an annotator network that sdlite does not ship; run it els
                "control image with preprocessor none"
 PREPROCESSORS: dict[str, Preprocessor] = {p.name: p for p in [
     Preprocessor("none", _identity, ("None",), uses_resolution=False, control_types=("All",)),
-    Preprocessor("canny", _canny, (), (Slider("Canny Low Threshold", 100, 1, 255),
-                                       Slider("Canny High Threshold", 200, 1, 255)), control_types=("Canny",)),
+    Preprocessor("canny", _canny, (), (Slider("Low Threshold", 100, 1, 255),
+                                       Slider("High Threshold", 200, 1, 255)), control_types=("Canny",)),
     Preprocessor("invert", _invert, ("invert (from white bg & black line)",), uses_resolution=False,
                  control_types=("Canny", "Lineart", "Scribble/Sketch", "MLSD")),
     Preprocessor("threshold", _threshold, ("binary",), (Slider("Binary threshold", 127, 0, 255),),
