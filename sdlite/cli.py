@@ -963,7 +963,8 @@ def cmd_batch(args) -> int:
                         workers=args.workers, threads=args.threads, engine_options=engine_options,
                         worker_cpus=args.worker_cpus if args.worker_cpus is not None else 1.0,
                         worker_gpus=args.worker_gpus or 0.0, lora_dir=args.lora_dir, embeddings_dir=args.embeddings,
-                        max_batch=args.max_batch, shutdown_grace=args.shutdown_grace)
+                        controlnet_dir=args.controlnet_dir, max_batch=args.max_batch,
+                        shutdown_grace=args.shutdown_grace)
     for job_id, message in summary.failed.items():
         print(f"sdlite: job {job_id} failed: {message}", file=sys.stderr)
     where = f"{summary.workers} Ray worker{'s' if summary.workers != 1 else ''}" if args.ray else "locally"
@@ -1303,6 +1304,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_compile_option(b)
     b.add_argument("--lora-dir", metavar="DIR", default=None, help="where <lora:NAME:...> prompt tags are found")
     b.add_argument("--embeddings", metavar="DIR", default=None, help="textual-inversion embeddings")
+    b.add_argument("--controlnet-dir", metavar="DIR", default=None,
+                   help="where ControlNet models named in the jobs' units are found (else they name paths)")
     b.set_defaults(func=cmd_batch)
 
     t = sub.add_parser("tokens", help="how a prompt is read, as JSON: parsed (text, weight) pieces, 75-token "

@@ -493,6 +493,13 @@ def test_controlnet_units_in_both_vocabularies(tmp_path, local_ray):
     assert summary.done == 3, summary.failed
     for name in ("a1111", "ours", "named"):
         assert (tmp_path / "ray" / f"{name}.png").read_bytes() == (tmp_path / "out" / f"{name}.png").read_bytes()
+    # the command line's --controlnet-dir: the same files
+    from sdlite import cli
+
+    assert cli.main(["batch", str(jobs), "--output", str(tmp_path / "cli"), "--threads", "1",
+                     "--controlnet-dir", folder]) == 0
+    for name in ("a1111", "ours", "named"):
+        assert (tmp_path / "cli" / f"{name}.png").read_bytes() == (tmp_path / "out" / f"{name}.png").read_bytes()
 
     for job, words in (
             ({"prompt": "x", "alwayson_scripts": {"controlnet": {"args": [{**unit, "model": "depth"}]}}},
