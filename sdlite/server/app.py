@@ -215,6 +215,8 @@ class Server(ServerBase):
                     return None
         except asyncio.CancelledError:
             self.jobs.cancel(job)
+            if self.jobs.closed:   # the server stops at once (SIGINT): its client gets a 503, not a bare 500
+                raise ShuttingDown(running=True) from None
             raise
 
     # --- ServerBase ----------------------------------------------------------------------------------------

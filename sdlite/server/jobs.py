@@ -215,6 +215,11 @@ class Jobs:
 
     # --- lifetime --------------------------------------------------------------------------------------------
 
+    @property
+    def closed(self) -> bool:
+        """Whether the queue takes no new jobs (the server is stopping)."""
+        return self._closed
+
     def close(self) -> None:
         """Take no new jobs (:class:`ShuttingDown`) and answer the queued ones the same; the running job finishes."""
         with self._cv:
