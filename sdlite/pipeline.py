@@ -142,6 +142,9 @@ class Result:
     timings: dict = field(default_factory=dict)
     infotext: dict = field(default_factory=dict)   # extra A1111 parameters ("Lora hashes", "TI hashes")
     interrupted: bool = False         # a step callback raised StopSampling: the images are the estimate at that step
+    # the ControlNet units' control maps as the networks got them: (unit index, map, mask or None) per unit and pass
+    # (a hires fix: the second pass's, then the first's)
+    control_maps: list = field(default_factory=list)
 
 
 def _validate_image_options(r: Request) -> Request:
@@ -724,6 +727,7 @@ class Engine:
             result = self._generate(r, source, seeds, use_cfg, networks, inpaint_model, callback, t0, on_latents,
                                     controls=controls)
         result.infotext.update(self.controls_infotext(r))
+        result.control_maps = [c.map for c in controls]
         if self.vae_decoder is not None:
             result.infotext["VAE decoder"] = self.vae_decoder.name
         return result
@@ -813,8 +817,8 @@ class Engine:
             except (ControlError, sources.ImageInputError) as e:
                 raise RequestError(str(e)) from None
             net, label = self.controlnet(u.model)
-            out.append(ActiveControl(u, net, hint_tensor(fit_control(image, width, height, resize_mode), mask),
-                                     label))
+            fitted = fit_control(image, width, height, resize_mode)
+            out.append(ActiveControl(u, net, hint_tensor(fitted, mask), label, map=(i, fitted, mask)))
         return out
 
     def controls_infotext(self, r: Request) -> dict:
@@ -920,12 +924,14 @@ class Engine:
         cb1, lat1 = progress(0)
         with contextlib.ExitStack() as stack:
             stack.enter_context(networks.applied(self))
+            controls1 = self.prepare_controls(r, r.width, r.height, hires_pass=1)
             first = self._generate(r, None, seeds, use_cfg, networks, False, cb1, t0, lat1, decode=False,
-                                   controls=self.prepare_controls(r, r.width, r.height, hires_pass=1))
+                                   controls=controls1)
             if first.interrupted:   # stopped in the first pass: its images, and no second pass
                 first.images = latents_to_images(self.decode_scaled(first.latents))
                 first.warnings.append("the hires fix's second pass did not run (stopped in the first pass)")
                 first.request = r
+                first.control_maps = [c.map for c in controls1]
                 return first
             if not same_networks:
                 stack.close()      # the first pass's LoRAs off; the second pass's go on below
@@ -972,7 +978,8 @@ class Engine:
                    "upscale": upscale_time, "decode": second.timings["decode"],
                    "total": time.perf_counter() - t0}
         return Result(images=second.images, seeds=seeds, request=r, latents=second.latents, warnings=warnings,
-                      infotext=info, timings=timings, interrupted=second.interrupted)
+                      infotext=info, timings=timings, interrupted=second.interrupted,
+                      control_maps=[c.map for c in controls2 + controls1])
 
     def _generate(self, r: Request, source, seeds, use_cfg, networks: "PromptNetworks", inpaint_model, callback,
                   t0, on_latents=None, *, decode: bool = True, start_latents=None, controls=None) -> Result:

@@ -409,6 +409,9 @@ def test_hires_fix_matches_diffusers_composition(tiny):
                                hires=Hires(scale=2, upscaler="Latent", denoise=0.5))
         assert np.abs(got - expected).max() <= MAX_PIXEL_DIFF, option
         assert "ControlNet 0" in result.infotext
+        # the maps the networks got, for callers to show: the second pass's, then the first's
+        sizes = [im.size for _, im, _ in result.control_maps]
+        assert sizes == [(2 * SIZE,) * 2] * second_on + [(SIZE, SIZE)] * first_on
 
 
 def test_inpainting_matches_diffusers(tiny):

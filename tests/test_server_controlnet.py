@@ -297,7 +297,7 @@ def test_hires_fix_with_a_unit(client, engine, models):
     assert np.array_equal(first_image(r), pixels(expected.images[0]))
     assert "Hr Option: High res only" in info["infotexts"][0]
     sizes = [decode(b).size for b in r.json()["images"]]
-    assert sizes == [(128, 128), (128, 128), (64, 64)]    # the image, then the map at the target and first sizes
+    assert sizes == [(128, 128), (128, 128)]    # the image, then the map the second pass used (the only one)
 
 
 # --- /controlnet/detect ---------------------------------------------------------------------------------------------

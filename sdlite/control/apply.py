@@ -109,6 +109,7 @@ class ActiveControl:
     net: torch.nn.Module          # a ControlNet (or one streaming its weights, memory mode 0)
     hint: torch.Tensor            # (1, 3, H, W)
     label: str                    # "name [hash]"
+    map: tuple = ()               # (unit index, the control map image, its mask or None), for callers to show
     _encoded: dict = field(default_factory=dict, repr=False)   # (device, dtype) -> the hint encoder's output
 
     def encoded(self, x: torch.Tensor) -> torch.Tensor:

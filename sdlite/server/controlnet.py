@@ -547,45 +547,17 @@ def detect(module: str, images: list, res, threshold_a, threshold_b, max_image_b
 
 def control_maps(result, saves) -> list:
     """The control maps the extension sends back after the images (its "detected maps"): for each unit whose
-    ``save_detected_map`` is true, its control image as the unit gave it to the network, at the output size (with
-    the hires fix: at the target size, then at the first pass's). An inpaint unit's map shows its mask as
-    transparency, as the extension's does."""
-    r = result.request
-    if not r.controls or not result.images:
-        return []
-    sizes = [result.images[0].size]
-    if r.hires is not None and r.width and r.height and (r.width, r.height) != sizes[0]:
-        sizes.append((r.width, r.height))
-    out = []
-    for unit, save in zip(r.controls, saves):
-        if save:
-            for width, height in sizes:
-                out.append(control_map(unit, r, width, height))
-    return out
-
-
-def control_map(unit: ControlUnit, r, width: int, height: int):
-    """One unit's control image at ``width`` x ``height``, made as :meth:`sdlite.pipeline.Engine.prepare_controls`
-    makes it: its image (or the request's init image) through its preprocessor, fitted by its resize mode."""
+    ``save_detected_map`` is true, its control image as the network got it (``Result.control_maps``: with the hires
+    fix, at the target size, then at the first pass's). An inpaint unit's map shows its mask as transparency, as the
+    extension's does."""
     import numpy as np
     from PIL import Image
 
-    from .. import sources
-    from ..control.apply import fit_control
-
-    image = sources.load_image(unit.image if unit.image is not None else r.init_image, "control image")
-    p = preprocess.find(unit.preprocessor)
-    if p.name == "inpaint":
-        fitted = fit_control(image, width, height, unit.resize_mode)
-        where = unit.mask if unit.mask is not None else r.mask
-        if where is None:
-            return fitted
-        mask = np.asarray(fit_control(sources.load_mask(where, "control mask"), width, height,
-                                      unit.resize_mode).convert("L"))
-        alpha = (255 - (mask >= 128).astype(np.uint8) * 127).astype(np.uint8)
-        return Image.fromarray(np.dstack([np.asarray(fitted), alpha]), "RGBA")
-    if p.name != "none":
-        res = (preprocess.pixel_perfect_resolution(image.size, width, height, unit.resize_mode)
-               if unit.pixel_perfect else unit.processor_res)
-        image = preprocess.run(p.name, image, res, unit.threshold_a, unit.threshold_b)
-    return fit_control(image, width, height, unit.resize_mode)
+    out = []
+    for index, image, mask in getattr(result, "control_maps", ()):
+        if index < len(saves) and saves[index]:
+            if mask is not None:
+                alpha = 255 - (np.asarray(mask.convert("L")) >= 128).astype(np.uint8) * 127
+                image = Image.fromarray(np.dstack([np.asarray(image.convert("RGB")), alpha.astype(np.uint8)]), "RGBA")
+            out.append(image)
+    return out
