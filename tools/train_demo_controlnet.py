@@ -34,6 +34,7 @@ the shape is and its colours; the map says where it goes and how big it is. This
 Seeded: the same hyper-parameters and thread count give the same weights (the metadata records the time taken).
 The shipped folder (737,904 parameters, 1.4 MiB) took 13.0 minutes on 2 threads of a shared 2-core CPU (load
 average 2.1-5.4): 42 s of data, then 3000 steps of batch 64 at 0.245 s each, the eps-MSE going from 0.026 to 0.019.
+A second run of the defaults gave the same tensors in 10.7 minutes (load average 1.4-3.9).
 Its closing report (16 off-centre cases, seeds 4242 + i): the shape's centroid within 6 px of the map's in 16
 cases (mean 0.49 px, farthest 0.82), against 1 of 16 without the ControlNet (mean 15.6 px); the classifier found
 the prompt's colour, shape and background in 12 of the 16 with it, 16 without. tests/test_demo_controlnet.py
