@@ -321,7 +321,6 @@ def check_addons(request) -> None:
             raise RequestError(f"{what} {folder}: not a folder")
 
 
-DEMO_CONTROLNETS = ("demo-position",)   # --controlnet names of the shipped demo ControlNets (when no such path exists)
 
 # the per-unit flags: (args attribute, flag, the ControlUnit field it sets)
 _CONTROL_FLAGS = (("control_image", "--control-image", "image"), ("control_weight", "--control-weight", "weight"),
@@ -338,10 +337,10 @@ _CONTROL_FLAGS = (("control_image", "--control-image", "image"), ("control_weigh
 def resolve_controlnet(path: str) -> str:
     """``--controlnet`` as given, where ``demo-position`` names the shipped demo ControlNet (unless a file or folder
     of that name exists)."""
-    if path in DEMO_CONTROLNETS and not Path(path).exists():
-        from importlib import resources
+    from .control import DEMO_CONTROLNETS, SHIPPED
 
-        folder = resources.files("sdlite") / "data" / "controlnets" / path
+    if path in DEMO_CONTROLNETS and not Path(path).exists():
+        folder = SHIPPED / path
         if not folder.joinpath("config.json").is_file():
             raise SDLiteError(f"--controlnet {path}: the demo ControlNet is not installed")
         return str(folder)

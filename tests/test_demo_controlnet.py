@@ -138,3 +138,25 @@ def test_the_readme_command(tmp_path, capsys, monkeypatch):
     assert math.dist((x / 4, y / 4), target) <= WITHIN, ((x / 4, y / 4), target)
     info = parse_infotext(read_parameters("star.png"))
     assert info["ControlNet 0"].startswith("Module: none, Model: demo-position [")
+
+
+def test_the_demo_controlnet_as_one_file_gives_the_folders_image(tmp_path):
+    """A single file of diffusers keys has no config: what the shapes cannot tell (the demo's 8 norm groups, its
+    heads) comes from the model it is used with, so the file draws what the folder draws."""
+    import json
+
+    import numpy as np
+    from safetensors.torch import load_file, save_file
+
+    from sdlite.control import SHIPPED
+
+    folder = SHIPPED / "demo-position"
+    weights = next(folder.glob("*.safetensors"))
+    save_file(load_file(weights), tmp_path / "demo-position.safetensors")
+    assert json.loads((folder / "config.json").read_text())["norm_num_groups"] != 32
+    engine = Engine.load(model_path())
+    image = position_map(44, 20, 30)
+    a, b = (engine.generate(Request("a red star on a blue background", width=64, height=64, steps=8, seed=3,
+                                    controls=(ControlUnit(p, image),))).images[0]
+            for p in (folder, tmp_path / "demo-position.safetensors"))
+    assert np.array_equal(np.asarray(a), np.asarray(b))

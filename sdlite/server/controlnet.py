@@ -44,7 +44,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from ..control import RESIZE_MODES, ControlError, ControlUnit
+from ..control import RESIZE_MODES, SHIPPED, ControlError, ControlUnit
 from ..control import preprocess
 from ..pipeline import RequestError
 
@@ -122,11 +122,6 @@ def _weights_file(path: Path) -> Path:
     return path
 
 
-def shipped_folder() -> Path:
-    """Where the package's demo ControlNets are (``demo-position``, for the demo model)."""
-    return Path(__file__).resolve().parent.parent / "data" / "controlnets"
-
-
 class ControlNets:
     """The ControlNet models a server offers, named as the extension names them: those of ``--controlnet-dir``,
     then the demo ControlNets the package ships (as the upscalers list the shipped demo upscaler), one per name. The
@@ -147,7 +142,7 @@ class ControlNets:
 
         items, names = [], set()
         roots = [self.folder] if self.folder is not None else []
-        for root in [r for r in (*roots, shipped_folder()) if r.is_dir()]:
+        for root in [r for r in (*roots, SHIPPED) if r.is_dir()]:
             for path, name in scan(root):
                 if name in names:
                     continue   # the folder's own comes first

@@ -166,6 +166,9 @@ def check_compatible(cfg: ControlNetConfig, unet: UNetConfig, name: str, model_f
     same = (c.block_channels == unet.block_channels and c.layers_per_block == unet.layers_per_block
             and c.context_dim == unet.context_dim and c.attention == unet.attention
             and (c.addition_embed, c.add_embed_in) == (unet.addition_embed, unet.add_embed_in))
+    if same and c.norm_groups != unet.norm_groups:
+        raise ControlNetError(f"normalises in {c.norm_groups} groups; the model's UNet in {unet.norm_groups} (a "
+                              "config.json that says otherwise, or one for another model)", name)
     if not same:
         raise ControlNetError(f"is a ControlNet for {family_name(c)}; the model is {model_family} "
                               f"({family_name(unet)}): a ControlNet works with the family it was trained for", name)
@@ -293,7 +296,8 @@ def _config_from_shapes(path: Path, shapes: dict, base_unet: UNetConfig | None,
         raise ControlNetError(str(e), path) from None
     kwargs = info.config_kwargs()     # heads by the family's convention, where the widths allow one
     if base_unet is not None and base_unet.block_channels == info.block_channels:
-        kwargs["heads"] = base_unet.heads
+        # what the shapes cannot tell is the base model's: head counts, norm groups and epsilon, SDXL's id width
+        kwargs.update(heads=base_unet.heads, norm_groups=base_unet.norm_groups, norm_eps=base_unet.norm_eps)
         if info.add_embed_in:
             kwargs["addition_time_embed_dim"] = base_unet.addition_time_embed_dim
     if "heads" not in kwargs:
