@@ -69,6 +69,9 @@ bench: setup setup-openvino
 	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(BIN)/python bench/winograd.py --isa-label avx2 >> bench/winograd.md
 	# serve --ray and batch --ray against the single-process server; writes bench/scale.md
 	$(BIN)/python bench/scale.py
+	# the hires fix and upscalers, then one ControlNet's cost per step beside diffusers and memory mode 0 with one
+	$(BIN)/python bench/hires.py all
+	$(BIN)/python bench/controlnet.py all
 
 clean:
 	rm -rf $(VENV) $(OV_VENV) build *.egg-info

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,7 +35,9 @@ BEGIN, END = "<!-- controlnet:begin -->", "<!-- controlnet:end -->"
 
 
 def _peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    from hires import _peak_mb as peak
+
+    return peak()
 
 
 def build_controlnet(model: Path, out: Path) -> Path:
@@ -133,14 +133,9 @@ def child_lowmem(cfg: dict) -> dict:
 
 
 def run_child(cfg: dict) -> dict:
-    t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, __file__, "child", json.dumps(cfg)], capture_output=True, text=True,
-                         cwd=ROOT)
-    if out.returncode != 0:
-        raise SystemExit(f"child {cfg} failed:\n{out.stderr[-4000:]}")
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    result["process_s"] = time.perf_counter() - t0
-    return result
+    from hires import run_child as run   # the same child protocol
+
+    return run(cfg, __file__)
 
 
 def bench_step(args) -> dict:
@@ -164,9 +159,13 @@ def bench_step(args) -> dict:
 
 def write_section(results: dict, out: Path) -> None:
     step, low = results.get("step"), results.get("lowmem")
+    from sdlite.engine.cpu import this_cpu
+
+    cpu = this_cpu()
+    flags = ", ".join(f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16") if cpu.has(f))
     lines = [BEGIN, "", "### ControlNet", "",
              "One full-size SD 1.5 ControlNet (361M parameters, random weights, fp16 file) on the cached SD 1.5; "
-             "`python bench/controlnet.py all`.", ""]
+             f"`python bench/controlnet.py all`; {cpu.model}, {cpu.cores} threads ({flags}).", ""]
     if step:
         c = step["config"]
         lines += [f"A denoising step's network calls at {c['size']}x{c['size']}, batch 2 (cfg), medians of "

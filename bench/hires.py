@@ -91,9 +91,11 @@ def child(cfg: dict) -> dict:
     return {"load_s": load, "seconds": seconds, "peak_rss_mb": _peak_mb(), "size": list(pixels.shape[:2])}
 
 
-def run_child(cfg: dict) -> dict:
+def run_child(cfg: dict, script: str = __file__) -> dict:
+    """``script child CFG`` in a fresh process (the benches' children print one JSON line last): that line, plus the
+    process's wall time."""
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, __file__, "child", json.dumps(cfg)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, script, "child", json.dumps(cfg)], capture_output=True, text=True,
                          cwd=ROOT)
     if out.returncode != 0:
         raise SystemExit(f"child {cfg} failed:\n{out.stderr[-4000:]}")

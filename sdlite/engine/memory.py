@@ -305,9 +305,11 @@ class ModelManager:
         """A network that runs beside the UNet at its shapes (a ControlNet), loaded whole in the UNet's compute dtype,
         given the UNet's kernels: Winograd's 3x3 convolutions and prepacked weights where the UNet has them (fp32),
         channels-last where the UNet is."""
+        prepacks = self._prepacks("unet")
         if self.winograd and self.quantize == "none" and self.dtype_of("unet") == torch.float32:
-            module = winograd_model(module, wide=True)
-        if self._prepacks("unet"):
+            # the UNet's rule: beside prepacked layers the narrow one, else the wide one (as _load_whole)
+            module = winograd_model(module, wide=not prepacks)
+        if prepacks:
             module = prepack_model(module)
         if self.channels_last:
             module = module.to(memory_format=torch.channels_last)
