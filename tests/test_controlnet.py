@@ -536,3 +536,26 @@ def test_inpainting_the_masked_area_crops_the_control_as_the_source(tiny):
     outside = np.ones((96, 96), bool)
     outside[48:92, 0:52] = False
     assert np.abs(np.asarray(result.images[0], np.int16) - np.asarray(init, np.int16))[outside].max() <= 2
+
+
+def test_tiny_sd2_bare_file_matches_diffusers(tmp_path):
+    """SD 2.x (Linear projections, 64-wide heads, v-prediction): a bare original-layout file, as the SD 2.1
+    ControlNets are published, against StableDiffusionControlNetPipeline."""
+    from diffusers import StableDiffusionControlNetPipeline
+
+    pipe = diffusers_pipeline("sd2", tmp_path, prediction_type="v_prediction")
+    with torch.no_grad():
+        pipe.unet.conv_out.weight.mul_(8)
+    pipe = saved_pipeline(with_contrast(pipe), tmp_path / "model")
+    cn = diffusers_controlnet(pipe.unet, 30)
+    save_file(original_state(cn), tmp_path / "controlnet_sd21_tiny.safetensors")
+    ref = StableDiffusionControlNetPipeline(**pipe.components, controlnet=cn)
+    ref.set_progress_bar_config(disable=True)
+    engine = Engine.load(tmp_path / "model", precision="exact")
+    image = control_image(22)
+    expected = reference(ref, "dpmpp_2m_karras", image, seed=4, steps=5, scale=0.8, image=image)
+    unit = ControlUnit(tmp_path / "controlnet_sd21_tiny.safetensors", image, weight=0.8, resize_mode="just-resize")
+    got, result = generate(engine, "dpmpp_2m_karras", [unit], seed=4, steps=5)
+    assert np.abs(got - expected).max() <= MAX_PIXEL_DIFF
+    plain, plain_result = generate(engine, "dpmpp_2m_karras", [], seed=4, steps=5)
+    assert (result.latents - plain_result.latents).abs().max() / plain_result.latents.abs().max() > 0.02
