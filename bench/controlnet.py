@@ -163,7 +163,7 @@ def write_section(results: dict, out: Path) -> None:
 
     cpu = this_cpu()
     flags = ", ".join(f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16") if cpu.has(f))
-    lines = [BEGIN, "", "### ControlNet", "",
+    lines = [BEGIN, "", "## ControlNet (`python bench/controlnet.py`)", "",
              "One full-size SD 1.5 ControlNet (361M parameters, random weights, fp16 file) on the cached SD 1.5; "
              f"`python bench/controlnet.py all`; {cpu.model}, {cpu.cores} threads ({flags}).", ""]
     if step:
@@ -173,10 +173,19 @@ def write_section(results: dict, out: Path) -> None:
                   "| engine | UNet alone, s | ControlNet + UNet, s | ratio |", "|---|---|---|---|"]
         for name, r in step["cases"].items():
             lines.append(f"| {name} | {r['plain_s']:.2f} | {r['controlnet_s']:.2f} | {r['ratio']:.2f}x |")
+        ref = step["cases"]["diffusers fp32"]["ratio"]
+        lines.append("")
+        for name in ("sdlite default", "sdlite exact"):
+            ratio = step["cases"][name]["ratio"]
+            met = "met" if ratio <= 1.4 and ratio <= ref else "not met"
+            lines.append(f"- target, {name}: one ControlNet <= 1.4x the plain step and <= diffusers' ratio "
+                         f"({ref:.2f}x): {ratio:.2f}x, {met}.")
         lines.append("")
     if low:
+        met = "met" if low["peak_rss_mb"] <= 2048 else "not met"
         lines += [f"Memory mode 0, a whole {low['size'][0]}x{low['size'][1]} generation with the ControlNet "
-                  f"({low['precision']}): peak RSS {low['peak_rss_mb']:.0f} MB ({low['seconds']:.0f} s).", ""]
+                  f"({low['precision']}): peak RSS {low['peak_rss_mb']:.0f} MB ({low['seconds']:.0f} s); target "
+                  f"<= 2 GB: {met}.", ""]
     lines.append(END)
     text = out.read_text() if out.is_file() else ""
     section = "\n".join(lines)
