@@ -143,6 +143,19 @@ def lr_at(step: int, total: int, warmup: int, final_fraction: float) -> float:
     return final_fraction + (1 - final_fraction) * 0.5 * (1 + math.cos(math.pi * p))
 
 
+
+def eps_objective(scheduler: dict, min_snr_gamma: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per training timestep of the scaled-linear schedule ``scheduler`` describes: the min-SNR-gamma loss weight for
+    eps-prediction (Hang et al. 2023), sqrt(alpha_bar) and sqrt(1 - alpha_bar), float32. What every demo trainer
+    (the model, the LoRA, the ControlNet) noises and weighs by."""
+    s = scheduler
+    betas = torch.linspace(s["beta_start"] ** 0.5, s["beta_end"] ** 0.5, s["num_train_timesteps"],
+                           dtype=torch.float64) ** 2
+    alphas_cumprod = torch.cumprod(1 - betas, 0)
+    snr = alphas_cumprod / (1 - alphas_cumprod)
+    loss_weight = (snr.clamp(max=min_snr_gamma) / snr).float()
+    return loss_weight, alphas_cumprod.sqrt().float(), (1 - alphas_cumprod).sqrt().float()
+
 # --- the VAE ---------------------------------------------------------------------------------------------------
 
 
@@ -231,12 +244,7 @@ def train_diffusion(hp: HParams, z_mean, z_logvar, combo_index, scale: float, g:
     ema_params = list(ema_te.parameters()) + list(ema_unet.parameters())
 
     s = DEMO.scheduler
-    betas = torch.linspace(s["beta_start"] ** 0.5, s["beta_end"] ** 0.5, s["num_train_timesteps"],
-                           dtype=torch.float64) ** 2
-    alphas_cumprod = torch.cumprod(1 - betas, 0)
-    snr = alphas_cumprod / (1 - alphas_cumprod)
-    loss_weight = (snr.clamp(max=hp.min_snr_gamma) / snr).float()       # min-SNR-gamma for eps-prediction
-    sqrt_ab, sqrt_1mab = alphas_cumprod.sqrt().float(), (1 - alphas_cumprod).sqrt().float()
+    loss_weight, sqrt_ab, sqrt_1mab = eps_objective(s, hp.min_snr_gamma)
     n = len(z_mean)
     history = []
     t0 = time.perf_counter()

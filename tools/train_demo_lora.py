@@ -344,12 +344,7 @@ def train(hp: HParams, out: Path, log) -> dict:
     opt = torch.optim.AdamW(params, lr=hp.lr, betas=(0.9, 0.99), weight_decay=hp.weight_decay)
 
     s = ckpt.scheduler_config
-    betas = torch.linspace(s["beta_start"] ** 0.5, s["beta_end"] ** 0.5, s["num_train_timesteps"],
-                           dtype=torch.float64) ** 2
-    alphas_cumprod = torch.cumprod(1 - betas, 0)
-    snr = alphas_cumprod / (1 - alphas_cumprod)
-    loss_weight = (snr.clamp(max=hp.min_snr_gamma) / snr).float()       # min-SNR-gamma for eps-prediction
-    sqrt_ab, sqrt_1mab = alphas_cumprod.sqrt().float(), (1 - alphas_cumprod).sqrt().float()
+    loss_weight, sqrt_ab, sqrt_1mab = T.eps_objective(s, hp.min_snr_gamma)
     history, pixel_history = [], []
     teal_pixels = T.to_tensor(teal_images)
     t0 = time.perf_counter()
