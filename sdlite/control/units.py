@@ -162,4 +162,4 @@ def infotext(unit: ControlUnit, model_label: str) -> str:
 
 
 def _num(value: float) -> str:
-    return f"{value:g}" if float(value) != int(value) else str(int(value)) if abs(value) < 1e15 else str(value)
+    return f"{float(value):g}"   # 1.0 -> "1", 0.25 -> "0.25", as A1111 writes them

@@ -91,12 +91,7 @@ class ControlNetFile:
     layout: str                # "diffusers" | "original" | "original (no prefix)"
     config: ControlNetConfig
     sources: dict              # {"controlnet": ComponentSource}
-    storage_dtype: torch.dtype
     stores: list = field(default_factory=list, repr=False)
-
-    @property
-    def family(self) -> str:
-        return family_name(self.config.unet)
 
     def build_empty(self, component: str = COMPONENT) -> nn.Module:
         with torch.device("meta"):
@@ -321,8 +316,5 @@ def _finish(path: Path, name: str, layout: str, config: ControlNetConfig, plan: 
     from ..loader import ComponentSource
 
     source = ComponentSource.from_plan(plan, store, (str(weights),))
-    dtypes = {store.dtype(k) for k in list(store.keys())[:64]}
-    storage = torch.float16 if torch.float16 in dtypes else torch.bfloat16 if torch.bfloat16 in dtypes \
-        else torch.float32
     return ControlNetFile(path=path, name=name, layout=layout, config=config, sources={COMPONENT: source},
-                          storage_dtype=storage, stores=[store])
+                          stores=[store])
