@@ -6,7 +6,8 @@
    layers with oneDNN-prepacked weights (sdlite.engine.packing), in GFLOP/s (median of 5). The best figure is
    taken as this machine's attainable fp32 peak.
 2. One UNet step (batch 2, cfg on) on the full-size checkpoint of bench/checkpoint.py, profiled with plain and
-   with prepacked weights: time, FLOPs and GFLOP/s per kind of work (convolution, linear, attention, the rest).
+   with prepacked weights, and (on CPUs with native bf16) in bf16 with PyTorch's and with sdlite's attention kernel:
+   time, FLOPs and GFLOP/s per kind of work (convolution, linear, attention, the rest).
 Prints markdown.
 """
 from __future__ import annotations
@@ -28,12 +29,13 @@ sys.path.insert(0, str(HERE))
 
 from sdlite.engine.cpu import this_cpu  # noqa: E402
 from sdlite.engine.packing import PackedConv2d, PackedLinear, prepack_model  # noqa: E402
+from sdlite.kernels import attention as attention_kernel  # noqa: E402
 
 KINDS = {
     "convolution": ("aten::mkldnn_convolution", "mkldnn::_convolution_pointwise", "aten::convolution_overrideable"),
     "linear": ("aten::addmm", "aten::mm", "mkldnn::_linear_pointwise"),
     "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::bmm", "aten::baddbmm",
-                  "aten::_softmax"),
+                  "aten::_softmax", "sdlite::attention_bf16"),
 }
 CONVS = [(320, 320, 64), (640, 640, 32), (1280, 1280, 16), (1280, 1280, 8)]  # (in, out, side), batch 2, 3x3
 LINEARS = [(8192, 320, 320), (8192, 320, 2560), (8192, 1280, 320), (2048, 640, 640), (512, 1280, 1280)]
@@ -78,7 +80,8 @@ def layer_table() -> tuple[list[str], float]:
 def _attention_flops(prof) -> float:
     total = 0.0
     for evt in prof.events():
-        if evt.name == "aten::_scaled_dot_product_flash_attention_for_cpu" and evt.input_shapes:
+        if evt.name in ("aten::_scaled_dot_product_flash_attention_for_cpu", "sdlite::attention_bf16") \
+                and evt.input_shapes:
             q, k = evt.input_shapes[0], evt.input_shapes[1]
             b, h, lq, d = q
             total += 4 * b * h * lq * k[2] * d  # QK^T and PV, a multiply-add each
@@ -113,14 +116,17 @@ def unet_profile(size: int, peak: float) -> list[str]:
                    ("prepacked fp32 weights (sdlite exact)", "prepack", peak)]
         bf16 = bf16_peak() if this_cpu().native_bf16 else None
         if bf16:
-            configs.append((f"bf16 channels-last (sdlite auto here; as a share of the bf16 peak, {bf16:.0f} "
-                            "GFLOP/s: the best 2048^2 bf16 matmul)", "bf16", bf16))
+            configs.append((f"bf16 channels-last, attention in PyTorch's flash kernel (as a share of the bf16 peak, "
+                            f"{bf16:.0f} GFLOP/s: the best 2048^2 bf16 matmul)", "bf16-sdpa", bf16))
+            if attention_kernel.available():
+                configs.append(("bf16 channels-last, attention in sdlite's kernel (sdlite auto here)", "bf16", bf16))
         for label, change, peak in configs:
             if change == "prepack":
                 unet = prepack_model(unet)
-            elif change == "bf16":
+            elif change == "bf16-sdpa":
                 unet = ckpt.load("unet", torch.bfloat16, "cpu").to(memory_format=torch.channels_last)
                 x, ctx = x.to(torch.bfloat16), ctx.to(torch.bfloat16)
+            attention_kernel.enabled = change != "bf16-sdpa"
             unet(x, t, ctx)  # warm-up
             with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
                 start = time.perf_counter()

@@ -7,6 +7,20 @@ command line prints its message and exits with status 2 instead of showing a tra
 from __future__ import annotations
 
 import os
+import sys
+import threading
+
+_notice_lock = threading.Lock()
+_noticed: set[str] = set()
+
+
+def notice_once(line: str) -> None:
+    """Print ``line`` on stderr, once per process (a fallback's reason, not an error)."""
+    with _notice_lock:
+        if line in _noticed:
+            return
+        _noticed.add(line)
+    print(line, file=sys.stderr, flush=True)
 
 
 class SDLiteError(Exception):

@@ -141,7 +141,9 @@ REQUEST = Request(prompt="a red circle", width=64, height=64, steps=2, seed=3, s
 
 @pytest.fixture
 def fresh_notices(monkeypatch):
-    monkeypatch.setattr(compile_module, "_said", set())
+    import sdlite.errors
+
+    monkeypatch.setattr(sdlite.errors, "_noticed", set())
 
 
 def notices(captured: str) -> list[str]:

@@ -67,12 +67,12 @@ from __future__ import annotations
 import functools
 import os
 import sys
-import threading
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from ..errors import notice_once
 from .cpu import cache_dir
 from .packing import PackedConv2d, PackedLinear
 
@@ -83,17 +83,11 @@ RECOMPILE_LIMIT = 64
 FREEZING = False
 PREFIX = "sdlite: --compile:"
 
-_lock = threading.Lock()
-_said: set[str] = set()
 
 
 def notice(message: str) -> None:
     """One line on stderr, once per process for each message."""
-    with _lock:
-        if message in _said:
-            return
-        _said.add(message)
-    print(f"{PREFIX} {message}", file=sys.stderr, flush=True)
+    notice_once(f"{PREFIX} {message}")
 
 
 def _inductor_default() -> str | None:
@@ -222,6 +216,9 @@ def compiled(module: nn.Module, name: str = "unet", method: str = "forward"):
         notice(f"{problem}; running eager")
         return getattr(module, method)
     configure()
+    if any(p.dtype == torch.bfloat16 for p in module.parameters()):
+        from ..kernels import attention
+        attention.prepare()   # built and loaded before tracing, so the graphs call it (a custom operator)
     return Compiled(module, name, method)
 
 

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.attention import attend
+
 
 def norm_silu(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``silu(norm(x))``; when no gradient is being recorded the SiLU runs in place on the norm's output, so the
@@ -81,8 +83,10 @@ class Attention(nn.Module):
         v = self.to_v(context).view(b, -1, h, c // h).transpose(1, 2)   # (B, h, M, D)
         s = self.slice_tokens
         if s is None or (n <= s and b * h == 1):
-            out = F.scaled_dot_product_attention(q, k, v)              # (B, h, N, D)
-            out = out.transpose(1, 2).reshape(b, n, c)                  # (B, N, C)
+            out = attend(q, k, v)                                       # bf16 on AVX512-BF16: (B, N, C), else None
+            if out is None:
+                out = F.scaled_dot_product_attention(q, k, v)          # (B, h, N, D)
+                out = out.transpose(1, 2).reshape(b, n, c)              # (B, N, C)
         else:
             out = q.new_empty(b, n, h, c // h)                          # (B, N, h, D), written slice by slice
             for i in range(b):

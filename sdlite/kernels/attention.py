@@ -1,0 +1,132 @@
+"""Fused bf16 attention on AVX512-BF16 CPUs (``attention_bf16.cpp``), with PyTorch's SDPA as the fallback.
+
+:func:`attend` is what :class:`sdlite.models.layers.Attention` calls for bf16 tensors on a CPU; it returns None
+(the caller runs ``F.scaled_dot_product_attention``) wherever the kernel does not apply: another dtype or device,
+a head dim over 512, problems too small to gain (under :data:`MIN_WORK`), strides it does not take, kernels turned off, a CPU without
+AVX512-BF16 (or ``ONEDNN_MAX_CPU_ISA`` capping below it), or no compiler to build it. Outputs agree with PyTorch's
+flash kernel to bf16 rounding (both sum bf16 products in fp32 and round the probabilities to bf16):
+``tests/test_kernels.py``.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+
+import torch
+
+from . import build
+
+NAME = "attention_bf16"
+ISA_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma")
+MAX_HEAD_DIM = 512
+REQUIRED = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+# below this much work (batch x heads x queries x keys x head dim) PyTorch's kernel is as fast or faster (the call and
+# the threads cost ~0.1 ms): measured on a 2-core Zen 4, (2, 8, 64, 77, 40) = 3.2M breaks even, (2, 4, 128, 128, 16) =
+# 2.1M runs 0.17 ms here against SDPA's 0.11 ms, (2, 8, 128, 128, 40) = 10.5M 0.26 against 0.36 ms
+MIN_WORK = 1 << 22
+# set False to run PyTorch's SDPA instead in this process (bench/profile_unet.py measures both this way)
+enabled = True
+
+
+def cpu_problem(cpu=None) -> str | None:
+    """Why this CPU cannot run the kernel (None: it can)."""
+    from ..engine.cpu import this_cpu
+
+    cpu = this_cpu() if cpu is None else cpu
+    if not cpu.is_x86 or cpu.flags is None:
+        return f"needs an x86 CPU with AVX512-BF16 (this one: {cpu.arch})"
+    missing = [f for f in REQUIRED if not cpu.has(f)]
+    if missing:
+        capped = f" under ONEDNN_MAX_CPU_ISA={cpu.onednn_cap}" if cpu.onednn_cap and all(
+            f in cpu.flags for f in REQUIRED) else ""
+        return f"this CPU has no {', '.join(missing)}{capped}"
+    return None
+
+
+@functools.cache
+def _function():
+    """The kernel's entry point, or the reason there is none (a string), once per process."""
+    if build.disabled():
+        return "turned off by SDLITE_KERNELS"
+    problem = cpu_problem()
+    if problem:
+        return problem
+    try:
+        lib = build.load(NAME, ISA_FLAGS)
+    except build.KernelUnavailable as e:
+        build.notice(f"bf16 attention runs on PyTorch's kernel: {e}")
+        return str(e)
+    fn = lib.sdl_attention_bf16
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5 + [ctypes.POINTER(ctypes.c_int64)] * 4 + \
+        [ctypes.c_float, ctypes.c_int]
+    return fn
+
+
+def status() -> str:
+    """One line for ``sdlite info --system``: whether bf16 attention runs on this kernel here, and if not why."""
+    got = _function()
+    return "sdlite's fused kernel (AVX512-BF16)" if not isinstance(got, str) else f"PyTorch's SDPA ({got})"
+
+
+_READY = False
+
+
+def available() -> bool:
+    global _READY
+    _READY = not isinstance(_function(), str)
+    return _READY
+
+
+def _strides(t: torch.Tensor):
+    return (ctypes.c_int64 * 3)(t.stride(0), t.stride(1), t.stride(2))
+
+
+@torch.library.custom_op("sdlite::attention_bf16", mutates_args=(), device_types="cpu")
+def attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The kernel as a PyTorch operator (so that torch.compile keeps it whole): q (B, h, N, D), k and v
+    (B, h, M, D), bf16, contiguous along D -> (B, N, h*D)."""
+    fn = _function()
+    if isinstance(fn, str):
+        raise RuntimeError(f"sdlite's bf16 attention kernel is not available: {fn}")
+    b, h, n, d = q.shape
+    out = torch.empty(b, n, h, d, dtype=q.dtype)                       # (B, N, h, D): the caller's layout
+    view = out.transpose(1, 2)                                          # (B, h, N, D)
+    code = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), b, h, n, k.shape[2], d, _strides(q),
+              _strides(k), _strides(v), _strides(view), 1.0 / math.sqrt(d), torch.get_num_threads())
+    if code != 0:
+        raise RuntimeError(f"sdlite's bf16 attention kernel failed (code {code}) on q {tuple(q.shape)}, "
+                           f"k {tuple(k.shape)}" + (": out of memory" if code == 2 else ""))
+    return out.view(b, n, h * d)
+
+
+@attention_bf16.register_fake
+def _(q, k, v):
+    b, h, n, d = q.shape
+    return q.new_empty(b, n, h * d)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """softmax(q k^T / sqrt(D)) v for q (B, h, N, D), k and v (B, h, M, D), returned as (B, N, h*D); None where
+    the kernel does not apply (see the module's text). Under torch.compile the kernel is used when an eager call
+    or :func:`prepare` has already found it available."""
+    if not enabled or q.dtype is not torch.bfloat16 or q.device.type != "cpu" or (q.requires_grad and torch.is_grad_enabled()):
+        return None
+    b, h, n, d = q.shape
+    m = k.shape[2]
+    if d > MAX_HEAD_DIM or b * h * n * m * d < MIN_WORK or min(b, h, n, m) < 1 or k.dtype is not q.dtype or v.dtype is not q.dtype \
+            or k.shape != (b, h, m, d) or v.shape != k.shape \
+            or q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
+        return None
+    if torch.compiler.is_compiling():
+        if not _READY:
+            return None
+    elif not available():
+        return None
+    return torch.ops.sdlite.attention_bf16(q, k, v)
+
+
+def prepare() -> bool:
+    """Build and load the kernel now, if it applies here (before torch.compile traces a model that uses it)."""
+    return available()

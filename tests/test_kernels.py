@@ -1,0 +1,196 @@
+"""sdlite's hand-written CPU kernels (sdlite/kernels): the fused bf16 attention against fp32 attention and against
+PyTorch's own bf16 kernel, where it is used and where not, its build cache, and the fallback without a compiler."""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sdlite.engine.cpu import this_cpu
+from sdlite.kernels import attention as kattn
+from sdlite.kernels import build
+from sdlite.models.layers import Attention
+
+RUNS_HERE = kattn.cpu_problem() is None and build.compiler() is not None and not build.disabled()
+# (batch, heads, queries, keys, head dim): SD 1.x's three levels (head dims 40, 80, 160), self and cross
+# (77 keys), SD 2.x/SDXL's 64, the VAE's single 512-wide head, and odd sizes (tails of every block)
+SHAPES = [(2, 8, 1024, 1024, 40), (2, 8, 1024, 77, 40), (2, 8, 256, 256, 80), (2, 8, 256, 77, 160),
+          (2, 10, 256, 256, 64), (1, 1, 256, 256, 512), (2, 9, 277, 277, 13), (1, 5, 1000, 333, 40),
+          (2, 2, 503, 1029, 33)]
+
+
+def _qkv(b, h, n, m, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # (B, tokens, h, D) transposed, as Attention lays them out
+    q = (torch.randn(b, n, h, d, generator=g) * 2).bfloat16().transpose(1, 2)
+    k = (torch.randn(b, m, h, d, generator=g) * 2).bfloat16().transpose(1, 2)
+    v = torch.randn(b, m, h, d, generator=g).bfloat16().transpose(1, 2)
+    return q, k, v
+
+
+def _snr(x, ref):
+    return 10 * math.log10(ref.pow(2).mean() / (x.float() - ref).pow(2).mean())
+
+
+def test_cpu_problem_names_what_is_missing():
+    flags = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"})
+    cpu = this_cpu().__class__(model="x", arch="x86_64", cores=2, flags=flags)
+    assert "avx512_bf16" in kattn.cpu_problem(cpu)
+    capped = this_cpu().__class__(model="x", arch="x86_64", cores=2, flags=flags | {"avx512_bf16"},
+                                  onednn_cap="AVX2")
+    assert "ONEDNN_MAX_CPU_ISA=AVX2" in kattn.cpu_problem(capped)
+    full = this_cpu().__class__(model="x", arch="x86_64", cores=2, flags=flags | {"avx512_bf16"})
+    assert kattn.cpu_problem(full) is None
+    arm = this_cpu().__class__(model="x", arch="aarch64", cores=2, flags=frozenset({"asimd"}))
+    assert "x86" in kattn.cpu_problem(arm)
+
+
+def test_used_exactly_where_it_applies():
+    """bf16 on a CPU with AVX512-BF16 (not capped): the kernel; fp32 (the exact path), problems too small to gain
+    (the demo's at its default size), or a CPU without it: None."""
+    q, k, v = _qkv(2, 8, 256, 77, 40)
+    assert kattn.attend(q.float(), k.float(), v.float()) is None          # exact stays on PyTorch's kernel
+    assert kattn.attend(*_qkv(2, 4, 64, 77, 16)) is None                  # the demo's attention at 64x64 px
+    out = kattn.attend(q, k, v)
+    assert (out is not None) == RUNS_HERE, kattn.status()
+    assert ("sdlite's fused kernel" in kattn.status()) == RUNS_HERE
+    if not RUNS_HERE:  # under ONEDNN_MAX_CPU_ISA=AVX2 (make test's second pass) the reason names the cap
+        assert this_cpu().onednn_cap is None or "ONEDNN_MAX_CPU_ISA" in kattn.status() or \
+            "avx512" in kattn.status()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_attention_matches_fp32_as_closely_as_pytorchs_bf16_kernel(shape):
+    b, h, n, m, d = shape
+    q, k, v = _qkv(*shape)
+    if not RUNS_HERE:  # e.g. under ONEDNN_MAX_CPU_ISA=AVX2: PyTorch's kernel, never a half-supported one
+        assert kattn.attend(q, k, v) is None
+        return
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float()).transpose(1, 2).reshape(b, n, h * d)
+    torch_bf16 = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, h * d)
+    ours = kattn.attend(q, k, v)
+    assert ours.dtype == torch.bfloat16 and ours.shape == (b, n, h * d)
+    # the same roundings as PyTorch's flash kernel (bf16 inputs, fp32 sums, bf16 probabilities and output):
+    # ~55 dB against fp32 on these inputs, and within 0.5 dB of PyTorch's
+    assert _snr(ours, ref) >= min(50.0, _snr(torch_bf16, ref) - 0.5), (_snr(ours, ref), _snr(torch_bf16, ref))
+    assert (ours.float() - ref).abs().max() <= 2 * (torch_bf16.float() - ref).abs().max() + 1e-3
+
+
+def test_attention_threads_do_not_change_the_result():
+    q, k, v = _qkv(2, 3, 300, 200, 40)
+    if not RUNS_HERE:
+        assert kattn.attend(q, k, v) is None
+        return
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kattn.attend(q, k, v)
+        torch.set_num_threads(max(2, before))
+        more = kattn.attend(q, k, v)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, more)  # each query row is computed by one thread, the same way
+
+
+def test_attention_layer_in_bf16_uses_it_and_stays_close_to_fp32(monkeypatch):
+    from sdlite.models import layers
+
+    used = []
+
+    def counting(q, k, v):
+        out = kattn.attend(q, k, v)
+        used.append(out is not None)
+        return out
+
+    monkeypatch.setattr(layers, "attend", counting)
+    torch.manual_seed(0)
+    self_attn, cross = Attention(320, 8).eval(), Attention(320, 8, context_dim=768).eval()
+    x, ctx = torch.randn(2, 256, 320), torch.randn(2, 77, 768)
+    with torch.no_grad():
+        ref = self_attn(x), cross(x, ctx)
+        self_attn, cross, x, ctx = self_attn.bfloat16(), cross.bfloat16(), x.bfloat16(), ctx.bfloat16()
+        got = self_attn(x), cross(x, ctx)
+        kattn.enabled = False
+        try:
+            torch_path = self_attn(x), cross(x, ctx)
+        finally:
+            kattn.enabled = True
+    assert used[:4] == [False, False, RUNS_HERE, RUNS_HERE]        # fp32: never; bf16: where the CPU runs it
+    for g, t, r in zip(got, torch_path, ref):
+        assert _snr(g, r) >= _snr(t, r) - 1.0 and _snr(g, r) > 35
+    if not RUNS_HERE:
+        assert all(torch.equal(g, t) for g, t in zip(got, torch_path))
+
+
+def test_under_torch_compile_the_kernel_is_one_operator():
+    """torch.compile keeps the kernel whole (a custom operator, no graph break)."""
+    q, k, v = _qkv(1, 2, 256, 256, 40)
+    assert kattn.prepare() == RUNS_HERE
+    if not RUNS_HERE:
+        return
+    explained = torch._dynamo.explain(lambda a, b, c: kattn.attend(a, b, c) * 2)(q, k, v)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    assert "attention_bf16" in str(explained.graphs[0].graph)
+
+
+def _run(code: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=600)
+
+
+PROBE = """
+    import torch, torch.nn.functional as F
+    from sdlite.kernels import attention as kattn, build
+    q = torch.randn(1, 2, 256, 40).bfloat16()
+    out = kattn.attend(q, q, q)
+    print("USED" if out is not None else "FALLBACK", kattn.status())
+    print("COMPILED", build.COMPILES)
+"""
+
+
+def test_build_is_cached_across_processes(tmp_path):
+    env = {"SDLITE_CACHE_DIR": str(tmp_path)}
+    first, second = _run(PROBE, env), _run(PROBE, env)
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    if not RUNS_HERE:  # nothing is built for a CPU that cannot run it
+        assert "FALLBACK" in first.stdout and "COMPILED 0" in first.stdout
+        assert not (tmp_path / build.KERNEL_DIR).exists()
+        return
+    assert "USED" in first.stdout and "COMPILED 1" in first.stdout, first.stdout
+    assert "USED" in second.stdout and "COMPILED 0" in second.stdout, second.stdout   # loaded from the cache
+    libraries = list((tmp_path / build.KERNEL_DIR).glob("attention_bf16-*.so"))
+    assert len(libraries) == 1 and not list((tmp_path / build.KERNEL_DIR).glob(".*"))   # no temporaries left
+
+
+def test_without_a_compiler_pytorchs_kernel_runs_and_one_line_says_why(tmp_path):
+    env = {"SDLITE_CACHE_DIR": str(tmp_path), "CXX": str(tmp_path / "no-such-compiler"), "PATH": str(tmp_path)}
+    got = _run(PROBE, env)
+    assert got.returncode == 0, got.stderr
+    assert "FALLBACK" in got.stdout
+    if kattn.cpu_problem() is None:
+        lines = [line for line in got.stderr.splitlines() if line.startswith(build.PREFIX)]
+        assert len(lines) == 1 and "no C++ compiler" in lines[0], got.stderr
+
+
+def test_turned_off_by_the_environment(tmp_path):
+    got = _run(PROBE, {"SDLITE_CACHE_DIR": str(tmp_path), "SDLITE_KERNELS": "off"})
+    assert got.returncode == 0 and "FALLBACK" in got.stdout and "SDLITE_KERNELS" in got.stdout, got.stdout
+    assert not (tmp_path / build.KERNEL_DIR).exists()
+
+
+def test_a_broken_build_names_the_compiler_error(tmp_path, monkeypatch):
+    bad = tmp_path / "cxx"
+    bad.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo fake 1.0; exit 0; fi\n"
+                   "echo 'attention_bf16.cpp:1: error: something went wrong' >&2; exit 1\n")
+    bad.chmod(0o755)
+    monkeypatch.setenv("CXX", str(bad))
+    monkeypatch.setenv("SDLITE_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(build.KernelUnavailable, match="something went wrong"):
+        build.build("attention_bf16", kattn.ISA_FLAGS)
+    assert not list((tmp_path / "cache" / build.KERNEL_DIR).iterdir())   # nothing half-written left behind
