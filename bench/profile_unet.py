@@ -29,7 +29,7 @@ sys.path.insert(0, str(HERE))
 
 from sdlite.engine.cpu import this_cpu  # noqa: E402
 from sdlite.engine.packing import PackedConv2d, PackedLinear, prepack_model  # noqa: E402
-from sdlite.kernels import attention as attention_kernel  # noqa: E402
+from sdlite.kernels import bf16 as attention_kernel  # noqa: E402
 
 KINDS = {
     "convolution": ("aten::mkldnn_convolution", "mkldnn::_convolution_pointwise", "aten::convolution_overrideable"),

@@ -35,7 +35,7 @@ try:
     from PIL import Image
 
     from .engine import budget
-    from .engine.memory import ModelManager, check_memory_mode, trim_heap
+    from .engine.memory import ModelManager, check_memory_mode, trim_heap, tune_heap
     from .engine.precision import Precision, choose_precision
     from .engine.precision import resolve as resolve_precision
     from .conditioning import chunk_prompt, encode_chunks, pad_to_same_length, single_row
@@ -445,6 +445,8 @@ class Engine:
         check_memory_mode(memory_mode)
         device = check_device(device)
         choose_precision(precision, dtype, quantize, device)   # bad names and options refused before the open
+        if device.type == "cpu":
+            tune_heap()   # activations stay in the heap from step to step (engine.memory.tune_heap)
         # a Checkpoint already opened (headers read) by the caller is used as it is
         ckpt = path if isinstance(path, Checkpoint) else open_model(path, prediction_type=prediction_type)
         plan = choose_precision(precision, dtype, quantize, device, spec=ckpt.spec)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from sdlite.engine.cpu import this_cpu
-from sdlite.kernels import attention as kattn
+from sdlite.kernels import bf16 as kattn
 from sdlite.kernels import build
 from sdlite.models.layers import Attention
 
@@ -59,7 +59,7 @@ def test_used_exactly_where_it_applies():
     assert kattn.attend(*_qkv(2, 4, 64, 77, 16)) is None                  # the demo's attention at 64x64 px
     out = kattn.attend(q, k, v)
     assert (out is not None) == RUNS_HERE, kattn.status()
-    assert ("sdlite's fused kernel" in kattn.status()) == RUNS_HERE
+    assert ("sdlite's kernels" in kattn.status()) == RUNS_HERE
     if not RUNS_HERE:  # under ONEDNN_MAX_CPU_ISA=AVX2 (make test's second pass) the reason names the cap
         assert this_cpu().onednn_cap is None or "ONEDNN_MAX_CPU_ISA" in kattn.status() or \
             "avx512" in kattn.status()
@@ -137,6 +137,9 @@ def test_under_torch_compile_the_kernel_is_one_operator():
     explained = torch._dynamo.explain(lambda a, b, c: kattn.attend(a, b, c) * 2)(q, k, v)
     assert explained.graph_break_count == 0 and explained.graph_count == 1
     assert "attention_bf16" in str(explained.graphs[0].graph)
+    x, w = torch.randn(2048, 64).bfloat16(), torch.randn(512, 64).bfloat16()
+    explained = torch._dynamo.explain(lambda a, b: kattn.geglu(a, b, None) + 1)(x, w)
+    assert explained.graph_break_count == 0 and "geglu_bf16" in str(explained.graphs[0].graph)
 
 
 def _run(code: str, env: dict) -> subprocess.CompletedProcess:
@@ -146,7 +149,7 @@ def _run(code: str, env: dict) -> subprocess.CompletedProcess:
 
 PROBE = """
     import torch, torch.nn.functional as F
-    from sdlite.kernels import attention as kattn, build
+    from sdlite.kernels import bf16 as kattn, build
     q = torch.randn(1, 2, 256, 40).bfloat16()
     out = kattn.attend(q, q, q)
     print("USED" if out is not None else "FALLBACK", kattn.status())
@@ -164,7 +167,7 @@ def test_build_is_cached_across_processes(tmp_path):
         return
     assert "USED" in first.stdout and "COMPILED 1" in first.stdout, first.stdout
     assert "USED" in second.stdout and "COMPILED 0" in second.stdout, second.stdout   # loaded from the cache
-    libraries = list((tmp_path / build.KERNEL_DIR).glob("attention_bf16-*.so"))
+    libraries = list((tmp_path / build.KERNEL_DIR).glob("avx512_bf16-*.so"))
     assert len(libraries) == 1 and not list((tmp_path / build.KERNEL_DIR).glob(".*"))   # no temporaries left
 
 
@@ -192,5 +195,58 @@ def test_a_broken_build_names_the_compiler_error(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", str(bad))
     monkeypatch.setenv("SDLITE_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(build.KernelUnavailable, match="something went wrong"):
-        build.build("attention_bf16", kattn.ISA_FLAGS)
+        build.build(kattn.NAME, kattn.ISA_FLAGS)
     assert not list((tmp_path / "cache" / build.KERNEL_DIR).iterdir())   # nothing half-written left behind
+
+
+# --- GEGLU --------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tokens,dim,bias", [(4096, 320, True), (1024, 640, True), (1500, 72, False),
+                                             (1024, 40, True)], ids=str)
+def test_geglu_matches_fp32_at_least_as_closely_as_pytorchs_bf16(tokens, dim, bias):
+    from sdlite.models.unet import GEGLU
+
+    torch.manual_seed(0)
+    layer = GEGLU(dim, 4 * dim).eval()
+    if not bias:
+        layer.proj.bias = None
+    x = torch.randn(2, tokens // 2, dim)
+    with torch.no_grad():
+        ref = layer(x)
+        assert kattn.geglu(x, layer.proj.weight, layer.proj.bias) is None       # fp32 (exact): PyTorch's
+        layer, xb = layer.bfloat16(), x.bfloat16()
+        ours = kattn.geglu(xb, layer.proj.weight, layer.proj.bias)
+        kattn.enabled = False
+        try:
+            torch_path = layer(xb)
+        finally:
+            kattn.enabled = True
+    if not RUNS_HERE:
+        assert ours is None
+        return
+    assert ours.shape == ref.shape and ours.dtype == torch.bfloat16
+    # one rounding instead of PyTorch's two (gelu's output, then the product): never worse than PyTorch's bf16
+    assert _snr(ours, ref) >= _snr(torch_path, ref) - 0.1 and _snr(ours, ref) > 40, (_snr(ours, ref),
+                                                                                     _snr(torch_path, ref))
+    with torch.no_grad():
+        assert torch.equal(layer(xb), ours)   # the layer takes this path
+
+
+def test_geglu_gelu_is_the_exact_erf_form():
+    """The epilogue's GELU against float64's erf GELU over the whole bf16 range that matters (|x| <= 12)."""
+    if not RUNS_HERE:
+        assert kattn.geglu(torch.randn(4096, 2).bfloat16(), torch.eye(2).bfloat16(), None) is None
+        return
+    gate = torch.linspace(-12, 12, 1024 * 16).bfloat16()
+    x = torch.stack([torch.ones_like(gate), gate], dim=1)                            # (tokens, 2): [1, gate]
+    weight = torch.tensor([[1.0, 0.0], [0.0, 1.0]]).bfloat16()
+    got = torch.ops.sdlite.geglu_bf16(x, weight, None).float().squeeze(1)
+    want = F.gelu(gate.double()).float()
+    # rounded once to bf16: within half a bf16 step (2^-9 relative) plus the erf approximation's 1.5e-7
+    assert ((got - want).abs() <= want.abs() * 2 ** -8 + 1e-6).all()
+
+
+def test_geglu_small_problems_stay_on_pytorch():
+    w = torch.randn(2560, 320).bfloat16()
+    assert kattn.geglu(torch.randn(2, 256, 320).bfloat16(), w, None) is None          # 512 tokens
+    assert kattn.geglu(torch.randn(2, 64, 320).bfloat16(), w, None) is None

@@ -217,8 +217,8 @@ def compiled(module: nn.Module, name: str = "unet", method: str = "forward"):
         return getattr(module, method)
     configure()
     if any(p.dtype == torch.bfloat16 for p in module.parameters()):
-        from ..kernels import attention
-        attention.prepare()   # built and loaded before tracing, so the graphs call it (a custom operator)
+        from ..kernels import bf16 as kernels
+        kernels.prepare()   # built and loaded before tracing, so the graphs call them (custom operators)
     return Compiled(module, name, method)
 
 

@@ -7,7 +7,7 @@ OpenVINO's PERFORMANCE / ACCURACY execution modes:
 * ``exact`` -- fp32 everywhere: the path that matches diffusers (every parity test names it). Prepacked weights
   and Winograd convolutions apply where this CPU gains from them; they reorder sums, they round nothing.
 * ``bf16`` -- the UNet and the VAE in bf16, channels-last, end to end (norms, attention -- sdlite's fused kernel
-  on AVX512-BF16 CPUs (:mod:`sdlite.kernels.attention`, ~3x PyTorch's flash kernel there), else PyTorch's -- and
+  on AVX512-BF16 CPUs (:mod:`sdlite.kernels.bf16`, ~3x PyTorch's flash kernel there), else PyTorch's -- and
   activations too, no fp32 round trips between layers); the text encoders stay fp32 (one pass per generation,
   0.5 s, and their output conditions every step). Needs native bf16 dot products to pay: ``avx512_bf16``,
   ``amx_bf16`` or ``avx_ne_convert``; with AVX-512 but none of them oneDNN emulates bf16 (2.5-3x slower than fp32,
@@ -194,8 +194,8 @@ def precision_report(cpu: CPUInfo | None = None) -> list[str]:
     if chosen == "bf16":
         lines.append("             (exact for small models such as the demo: bf16 does not pay there)")
     if bf16_support(cpu) == "native":
-        from ..kernels import attention
-        lines.append(f"  bf16 attention: {attention.status()}")
+        from ..kernels import bf16 as kernels
+        lines.append(f"  bf16 attention and GEGLU: {kernels.status()}")
     for name, what in PRECISIONS.items():
         if name == "auto":
             continue

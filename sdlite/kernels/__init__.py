@@ -7,6 +7,7 @@ CPU without the instructions a kernel needs, PyTorch's own kernel runs instead a
 
 ``SDLITE_KERNELS=off`` turns them all off (PyTorch's kernels everywhere), e.g. to measure what they gain.
 
-* :mod:`sdlite.kernels.attention`: fused bf16 attention for AVX512-BF16 CPUs, used by every attention layer that
-  computes in bf16 (the ``bf16`` precision; ``auto`` on such CPUs). Never on the ``exact`` (fp32) path.
+* :mod:`sdlite.kernels.bf16` (``avx512_bf16.cpp``): fused attention and the GEGLU epilogue for AVX512-BF16 CPUs,
+  used by every attention layer and GEGLU that computes in bf16 (the ``bf16`` precision; ``auto`` on such CPUs).
+  Never on the ``exact`` (fp32) path.
 """

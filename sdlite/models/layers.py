@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.attention import attend
+from ..kernels.bf16 import attend
 
 
 def norm_silu(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
