@@ -91,6 +91,12 @@ def available() -> bool:
     return _READY
 
 
+def _usable() -> bool:
+    """Whether the kernels run: found available (under torch.compile: already found so, by an eager call or
+    :func:`prepare`; tracing does not build them)."""
+    return _READY if torch.compiler.is_compiling() else available()
+
+
 def _strides(t: torch.Tensor):
     return (ctypes.c_int64 * 3)(t.stride(0), t.stride(1), t.stride(2))
 
@@ -131,10 +137,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | 
             or k.shape != (b, h, m, d) or v.shape != k.shape \
             or q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
         return None
-    if torch.compiler.is_compiling():
-        if not _READY:
-            return None
-    elif not available():
+    if not _usable():
         return None
     return torch.ops.sdlite.attention_bf16(q, k, v)
 
@@ -176,10 +179,7 @@ def geglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)) \
             or x.numel() < MIN_GEGLU_TOKENS * x.shape[-1] or not weight.is_contiguous():
         return None
-    if torch.compiler.is_compiling():
-        if not _READY:
-            return None
-    elif not available():
+    if not _usable():
         return None
     lead = x.shape[:-1]
     out = torch.ops.sdlite.geglu_bf16(x.reshape(-1, x.shape[-1]), weight, bias)
