@@ -5,7 +5,8 @@
     python bench/precision.py step --model bench/cache/sdxl-fp16 --size 1024 --precisions exact,bf16 --calls 1 \
         --json bench/results-precision-sdxl.json                  (SDXL, as reported in BENCHMARKS.md)
     python bench/precision.py all [--out BENCHMARKS.md]          (what `make bench` runs: both, on the cached
-                                                                   full-size SD 1.5 and on the demo)
+                                                                   full-size SD 1.5, on the demo, and quality on
+                                                                   the full-size SDXL when bench/sdxl.py cached it)
 
 `step`: one process per precision; the model loaded as ``Engine.load(folder, precision=P)`` loads it, then one
 UNet call at batch 2 (cfg on) on fixed random latents and context: a warm-up, then the median of 3. The output is
@@ -30,6 +31,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PROMPT, NEGATIVE = "a red circle on a blue background, highly detailed", "blurry, low quality"
 BEGIN, END = "<!-- precision:begin -->", "<!-- precision:end -->"
+SDXL = HERE / "cache" / "sdxl-fp16"
 
 
 def child_step(cfg: dict) -> dict:
@@ -198,6 +200,8 @@ def main() -> int:
             result["step_size"] = args.size or 512
         if args.what in ("quality", "all"):
             runs = [(args.model, "auto")] + ([("demo", "auto"), ("demo", "bf16")] if args.what == "all" else [])
+            if args.what == "all" and SDXL.is_dir():   # bench/sdxl.py's full-size random SDXL base, when cached
+                runs.append((str(SDXL), "auto"))
             result["quality"] = [measure_quality(m, (args.size or 256) if m != "demo" else 64, args.steps,
                                                  args.seeds, tmp, fast) for m, fast in runs]
     for q in result.get("quality", []):   # the model as the repository names it, not this machine's path
