@@ -21,15 +21,16 @@ OpenVINO's PERFORMANCE / ACCURACY execution modes:
   the demo's 32), where bf16 is slower than fp32 (a 20-step demo image: 0.21 s against 0.16 s).
 
 Why ``auto`` never picks int8 (``python bench/precision.py step``: SD 1.5 UNet, 512x512, batch 2, each precision
-in its own process, 2-core Zen 4 with AVX512-VNNI and AVX512-BF16): one step takes 5.50 s in exact (prepacked fp32,
-Winograd), 3.34 s in bf16 and 3.13 s in int8 (3.6 s against bf16's 3.5 s in an earlier run; int8 with bf16 between
-its layers 3.3 s); the step's output is at 40.2 dB (bf16), 30.8 dB (int8) and 25.7 dB (int8 + bf16) against exact.
-int8 is no more than a few per cent faster than bf16 where both are native, loses 10 dB, and leaves the decoder in
-fp32 (7.2 s against bf16's 3.5 s at 512x512). Without VNNI its activations use 7 bits (twice as coarse, about 6 dB
-lower again): such a CPU gets ``exact``, which is never slower than before this policy existed.
+in its own process, 2-core Zen 4 with AVX512-VNNI and AVX512-BF16): one step takes 5.66 s in exact (prepacked fp32,
+Winograd), 2.43 s in bf16 (with sdlite's bf16 kernels; 3.34 s on PyTorch's alone) and 2.97 s in int8 (int8 with
+bf16 between its layers 3.3 s, measured before the bf16 kernels); the step's output is at 40.3 dB (bf16), 30.8 dB
+(int8) and 25.7 dB (int8 + bf16) against exact. int8 is slower than bf16 where both are native, loses 10 dB, and
+leaves the decoder in fp32 (7.2 s against bf16's 3.3 s at 512x512). Without VNNI its activations use 7 bits (twice
+as coarse, about 6 dB lower again): such a CPU gets ``exact``, which is never slower than before this policy existed.
 
-Whole generations (``bench/openvino.py``, 512x512, 20 steps, medians of 3): exact 119.4 s, bf16 73.7 s; the bf16
-image is at 51.0 dB against exact's (``bench/precision.py``: 50.9 dB, the lowest of 8 seeds at 256x256).
+Whole generations (``bench/openvino.py``, 512x512, 20 steps, medians of 3): exact 119.8 s, bf16 51.4 s with
+sdlite's bf16 kernels (:mod:`sdlite.kernels`; 73.7 s on PyTorch's kernels alone); the bf16 image is at 51.0 dB
+against exact's (``bench/precision.py``: the lowest of 8 seeds at 256x256 is in BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -106,8 +107,9 @@ def auto_choice(device: str | torch.device = "cpu", cpu: CPUInfo | None = None, 
                          "0.21 s a 20-step image in bf16, 0.16 s in fp32)")
     if cpu.native_bf16:
         flags = ", ".join(f for f in BF16_FLAGS if cpu.has(f))
-        return "bf16", (f"native bf16 dot products ({flags}): the UNet and VAE in bf16 run about 1.6x faster than "
-                        "fp32 (a 512x512 SD 1.5 image: 73.7 s against 119.4 s) at >= 40 dB against it")
+        return "bf16", (f"native bf16 dot products ({flags}): the UNet and VAE in bf16 run about 2.3x faster than "
+                        "fp32 (a 512x512 SD 1.5 image: 51.4 s against 119.8 s; 1.6x without sdlite's bf16 kernels) "
+                        "at >= 40 dB against it")
     if cpu.avx512:
         return "exact", ("AVX-512 without native bf16: bf16 would be emulated (2.5-3x slower than fp32) and int8 "
                          "falls below the quality bound; fp32")
