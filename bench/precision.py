@@ -1,6 +1,6 @@
 """The precision policy measured: UNet step time per precision, and the default's image quality against exact.
 
-    python bench/precision.py step [--model FOLDER] [--size 512] [--precisions exact,bf16,int8]
+    python bench/precision.py step [--model FOLDER] [--size 512] [--precisions exact,bf16,bf16-int8,int8]
     python bench/precision.py quality [--model FOLDER|demo] [--size 256] [--steps 20] [--seeds 8]
     python bench/precision.py step --model bench/cache/sdxl-fp16 --size 1024 --precisions exact,bf16 --calls 1 \
         --json bench/results-precision-sdxl.json                  (SDXL, as reported in BENCHMARKS.md)
@@ -182,7 +182,7 @@ def main() -> int:
     ap.add_argument("--size", type=int, default=None)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seeds", type=int, default=8)
-    ap.add_argument("--precisions", default="exact,bf16,int8")
+    ap.add_argument("--precisions", default="exact,bf16,bf16-int8,int8")
     ap.add_argument("--calls", type=int, default=4, help="UNet calls per process: a warm-up, then the median of the "
                                                           "rest (1: the one call)")
     ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
@@ -199,7 +199,8 @@ def main() -> int:
             result["steps"] = measure_steps(args.model, args.size or 512, args.precisions.split(","), tmp, args.calls)
             result["step_size"] = args.size or 512
         if args.what in ("quality", "all"):
-            runs = [(args.model, "auto")] + ([("demo", "auto"), ("demo", "bf16")] if args.what == "all" else [])
+            runs = [(args.model, "auto")] + ([("demo", "auto"), ("demo", "bf16"), ("demo", "bf16-int8")]
+                                             if args.what == "all" else [])
             if args.what == "all" and SDXL.is_dir():   # bench/sdxl.py's full-size random SDXL base, when cached
                 runs.append((str(SDXL), "auto"))
             result["quality"] = [measure_quality(m, (args.size or 256) if m != "demo" else 64, args.steps,

@@ -36,7 +36,7 @@ try:
 
     from .engine import budget
     from .engine.memory import ModelManager, check_memory_mode, trim_heap, tune_heap
-    from .engine.precision import Precision, choose_precision
+    from .engine.precision import Precision, choose_precision, whole_unet
     from .engine.precision import resolve as resolve_precision
     from .conditioning import chunk_prompt, encode_chunks, pad_to_same_length, single_row
     from .config import is_bert
@@ -449,7 +449,8 @@ class Engine:
             tune_heap()   # activations stay in the heap from step to step (engine.memory.tune_heap)
         # a Checkpoint already opened (headers read) by the caller is used as it is
         ckpt = path if isinstance(path, Checkpoint) else open_model(path, prediction_type=prediction_type)
-        plan = choose_precision(precision, dtype, quantize, device, spec=ckpt.spec)
+        plan = whole_unet(choose_precision(precision, dtype, quantize, device, spec=ckpt.spec),
+                          streams=memory_mode == 0 or weight_dtype is not None)
         dtype, quantize = plan.dtype, plan.quantize
         if (weight_dtype is None and ckpt.spec.is_sdxl and device.type == "cpu" and dtype == torch.float32
                 and memory_mode != 0 and quantize == "none" and not prepack

@@ -250,3 +250,77 @@ def test_geglu_small_problems_stay_on_pytorch():
     w = torch.randn(2560, 320).bfloat16()
     assert kattn.geglu(torch.randn(2, 256, 320).bfloat16(), w, None) is None          # 512 tokens
     assert kattn.geglu(torch.randn(2, 64, 320).bfloat16(), w, None) is None
+
+
+# --- int8 activations (the bf16-int8 precision) -------------------------------------------------------------------
+
+
+def _reference_codes(x, bits):
+    """sdlite.engine.quant.quantize_activation on PyTorch's operations alone (the kernels turned off)."""
+    from sdlite.engine import quant
+
+    kattn.enabled = False
+    try:
+        return quant.quantize_activation(x, bits)
+    finally:
+        kattn.enabled = True
+
+
+@pytest.mark.parametrize("shape,channels_last", [((2, 320, 64, 64), True), ((2, 4096, 320), False), ((3, 17), False),
+                                                  ((1, 5, 7, 9), True), ((1000003,), False), ((1, 1), False)],
+                         ids=str)
+@pytest.mark.parametrize("bits", [8, 7])
+def test_activation_quantization_equals_pytorchs_arithmetic(shape, channels_last, bits):
+    """The range and codes kernels give the same scale, zero point and codes (every one) as PyTorch's six passes in
+    fp32, keep the input's memory format, and are used where they apply."""
+    from sdlite.engine import quant
+
+    g = torch.Generator().manual_seed(bits)
+    x = (torch.randn(shape, generator=g) * 3 + 0.5).bfloat16()
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    quant._LAST[:] = [None, -1, 0, None]
+    q, scale, zero_point = quant.quantize_activation(x, bits)
+    ref_q, ref_scale, ref_zero_point = _reference_codes(x, bits)
+    assert (scale, zero_point) == (ref_scale, ref_zero_point)
+    assert torch.equal(q, ref_q) and q.stride() == x.stride() and q.dtype == torch.uint8
+    assert (kattn.activation_range(x) is not None) == RUNS_HERE
+    if RUNS_HERE:
+        assert kattn.activation_range(x) == (x.min().item(), x.max().item())
+    assert kattn.activation_range(x.float()) is None                          # fp32 (the int8 precision): PyTorch's
+
+
+def test_activation_quantization_refuses_non_finite_input():
+    from sdlite.engine import quant
+
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        x = torch.randn(2, 64, 8, 8).bfloat16().contiguous(memory_format=torch.channels_last)
+        x[1, 63, 7, 7] = bad
+        with pytest.raises(FloatingPointError, match="non-finite"):
+            quant.quantize_activation(x)
+
+
+def test_an_input_read_twice_is_quantized_once_and_a_changed_one_again():
+    """to_q, to_k and to_v of a self-attention read one tensor: the second call returns the first's codes; after an
+    in-place change (or for another tensor) the codes are computed again."""
+    from sdlite.engine import quant
+
+    x = torch.randn(2, 256, 64).bfloat16()
+    with torch.no_grad():
+        first = quant.quantize_activation(x)
+        assert quant.quantize_activation(x)[0] is first[0]
+        x.mul_(2)
+        again = quant.quantize_activation(x)
+        assert again[0] is not first[0] and again[1] == pytest.approx(2 * first[1], rel=1e-6)
+        assert quant.quantize_activation(x.clone())[0] is not again[0]
+
+
+def test_geglu_epilogue_for_int8_halves_matches_pytorch():
+    """GEGLU's epilogue on two separate products (the int8 projection's halves) against (value + b) * gelu(gate +
+    b) in fp32."""
+    torch.manual_seed(0)
+    value, gate = torch.randn(2048, 320).bfloat16(), torch.randn(2048, 320).bfloat16()
+    bias = torch.randn(640)
+    want = (value.float() + bias[:320].bfloat16().float()) * F.gelu(gate.float() + bias[320:].bfloat16().float())
+    got = kattn.geglu_epilogue(value.clone(), gate, bias)
+    assert got.dtype == torch.bfloat16 and _snr(got, want) > 40

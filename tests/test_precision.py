@@ -23,6 +23,7 @@ AVX2 = frozenset({"sse4_1", "avx", "avx2", "fma"})
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
 ZEN4 = AVX512 | {"avx512_bf16"}
 DEMO_BOUND_DB = 35.0   # the issue's bound for the default against exact on the demo model (lowest of 8 seeds)
+FORCED_INT8_DEMO_DB = 30.0   # bf16-int8 forced on the demo, which auto keeps exact (see its test)
 
 
 def cpu(flags, cap=None) -> CPUInfo:
@@ -35,13 +36,16 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("flags,cap,expected", [
-    (ZEN4, None, "bf16"),
-    (AVX512 | {"amx_tile", "amx_int8", "amx_bf16"}, None, "bf16"),
+    (ZEN4, None, "bf16-int8"),                                         # native bf16, VNNI, sdlite's kernels
+    (ZEN4 - {"avx512_vnni"}, None, "bf16"),                            # 7-bit int8 activations: bf16 alone
+    (AVX512 | {"avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"}, None, "bf16-int8"),
+    (AVX512 | {"amx_tile", "amx_int8", "amx_bf16"}, None, "bf16"),     # no avx512_bf16: sdlite's kernels do not run
     (AVX2 | {"avx_vnni", "avx_vnni_int8", "avx_ne_convert"}, None, "bf16"),
     (AVX512, None, "exact"),            # bf16 would be emulated
     (AVX2, None, "exact"),
     (ZEN4, "AVX2", "exact"),            # the cap leaves no bf16
     (ZEN4, "AVX512_CORE_VNNI", "exact"),
+    (ZEN4, "AVX512_CORE_BF16", "bf16-int8"),
 ])
 def test_auto_per_cpu(flags, cap, expected):
     name, why = auto_choice("cpu", cpu(flags, cap))
@@ -57,6 +61,9 @@ def test_what_each_precision_computes_in():
     exact = resolve("exact", "cpu", cpu(ZEN4))
     assert (exact.dtype, exact.vae_dtype, exact.text_dtype, exact.quantize) == (torch.float32,) * 3 + ("none",)
     assert resolve("int8", "cpu", cpu(AVX2)).quantize == "int8"
+    mixed = resolve("bf16-int8", "cpu", cpu(ZEN4))
+    assert (mixed.dtype, mixed.vae_dtype, mixed.text_dtype, mixed.channels_last, mixed.quantize) == \
+        (torch.bfloat16, torch.bfloat16, torch.float32, True, "bf16-int8")
     assert resolve("auto", "cuda").name == "fp16" and resolve("auto", "mps").dtype == torch.float16
 
 
@@ -72,11 +79,18 @@ def test_names_aliases_and_errors():
         resolve("int8", "cuda")
     with pytest.warns(BF16Warning, match="no native bf16"):
         resolve("bf16", "cpu", cpu(AVX512))
+    with pytest.raises(PrecisionError, match=r"'bf16-int8' needs native bf16.*ONEDNN_MAX_CPU_ISA=AVX2"):
+        resolve("bf16-int8", "cpu", cpu(ZEN4, "AVX2"))
+    with pytest.raises(PrecisionError, match=r"'bf16-int8' needs exact 8-bit int8 products"):
+        resolve("bf16-int8", "cpu", cpu(ZEN4 - {"avx512_vnni"}))
+    with pytest.raises(PrecisionError, match="on cuda use fp16 or exact"):
+        resolve("bf16-int8", "cuda")
 
 
 def test_older_options_name_a_precision():
     z4 = cpu(ZEN4)
-    assert choose_precision(None, None, "none", "cpu", z4).name == "bf16"            # nothing given: auto
+    assert choose_precision(None, None, "none", "cpu", z4).name == "bf16-int8"       # nothing given: auto
+    assert choose_precision(None, None, "bf16-int8", "cpu", z4).name == "bf16-int8"
     assert choose_precision(None, torch.float32, "none", "cpu", z4).name == "exact"
     assert choose_precision(None, torch.bfloat16, "none", "cpu", z4).name == "bf16"
     assert choose_precision(None, None, "int8", "cpu", z4).name == "int8"
@@ -114,7 +128,8 @@ def demo_engines():
 def test_auto_keeps_small_models_exact():
     """bf16 does not pay on the demo's small UNet (32 channels): auto keeps it (and any UNet under 128) in fp32."""
     assert auto_choice("cpu", cpu(ZEN4), DEMO)[0] == "exact"
-    assert auto_choice("cpu", cpu(ZEN4), SD15)[0] == "bf16" and auto_choice("cpu", cpu(ZEN4), SDXL)[0] == "bf16"
+    assert auto_choice("cpu", cpu(ZEN4), SD15)[0] == "bf16-int8"
+    assert auto_choice("cpu", cpu(ZEN4), SDXL)[0] == "bf16-int8"
     assert Engine.load(model_path()).precision.label == "exact (auto)"
 
 
@@ -133,6 +148,57 @@ def test_bf16_stays_inside_the_quality_bound_on_the_demo(demo_engines):
         worst = min(worst, psnr(a, b))
     print(f"demo, bf16 against exact: lowest PSNR of 8 seeds {worst:.1f} dB")
     assert DEMO_BOUND_DB <= worst < float("inf")
+
+
+def test_bf16_int8_stays_inside_the_quality_bound_on_the_demo(demo_engines):
+    """bf16-int8 (what auto gives full-size models on CPUs with native bf16, VNNI and sdlite's kernels), forced on
+    the demo: the lowest PSNR of 8 seeds against exact; its int8 layers are really there. A CPU without native bf16
+    and 8-bit int8 products refuses it.
+
+    Not the demo's default (auto keeps it exact: identical images, the issue's 35 dB bound holds there), so the bound
+    here is :data:`FORCED_INT8_DEMO_DB`: the 32-channel demo has int8's largest relative error (measured: 34.3 dB
+    the lowest of these seeds, 40.2 dB of seeds 1-8; a broken quantization gives under 20 dB)."""
+    from sdlite.engine.quant import Int8Conv2d, Int8Linear
+
+    exact = demo_engines[0]
+    try:
+        mixed = Engine.load(model_path(), precision="bf16-int8")
+    except PrecisionError as e:
+        assert "bf16-int8" in str(e) and (this_cpu().onednn_cap or not this_cpu().native_bf16
+                                          or not this_cpu().vnni)
+        return
+    unet = mixed.models.get("unet")
+    assert sum(isinstance(m, (Int8Conv2d, Int8Linear)) for m in unet.modules()) > 20 and unet.dtype == torch.bfloat16
+    worst = float("inf")
+    for seed in range(8):
+        r = Request(DEFAULT_PROMPT, seed=100 + seed, steps=DEFAULT_STEPS, cfg_scale=DEFAULT_CFG)
+        a, b = (np.asarray(e.generate(r).images[0]) for e in (exact, mixed))
+        worst = min(worst, psnr(a, b))
+    print(f"demo, bf16-int8 against exact: lowest PSNR of 8 seeds {worst:.1f} dB")
+    assert FORCED_INT8_DEMO_DB <= worst < float("inf")
+
+
+def test_memory_mode_0_turns_an_auto_bf16_int8_into_bf16():
+    """int8 layers need the UNet whole; mode 0 streams it, so auto takes bf16 there; asked for by name, the engine
+    refuses it saying why."""
+    from sdlite.engine.memory import MemoryModeError
+    from sdlite.engine.precision import whole_unet
+
+    plan = resolve("auto", "cpu", cpu(ZEN4))
+    assert plan.name == "bf16-int8"
+    streamed = whole_unet(plan, streams=True)
+    assert (streamed.name, streamed.label, streamed.quantize, streamed.dtype) == ("bf16", "bf16 (auto)", "none",
+                                                                                   torch.bfloat16)
+    assert "memory mode 0" in streamed.reason
+    assert whole_unet(plan, streams=False) is plan
+    asked = resolve("bf16-int8", "cpu", cpu(ZEN4))
+    assert whole_unet(asked, streams=True) is asked
+    try:
+        resolve("bf16-int8", "cpu")
+    except PrecisionError:
+        return   # this CPU cannot run it at all
+    with pytest.raises(MemoryModeError, match="needs the UNet loaded whole"):
+        Engine.load(model_path(), precision="bf16-int8", memory_mode=0)
 
 
 def test_bf16_engine_computes_in_bf16_channels_last(demo_engines):

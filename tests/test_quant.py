@@ -429,3 +429,71 @@ def test_bf16_policy_on_this_cpu():
             check_quantize_supported("bf16")
     else:
         assert check_quantize_supported("bf16") == expected
+
+
+# --- bf16-int8 ----------------------------------------------------------------------------------------------------
+
+BF16_INT8_RUNS = bf16_support() == "native" and BITS == 8
+
+
+def expected_bf16_int8_layers(unet):
+    """Independently of quant.bf16_int8_targets: the ResNet blocks' conv1/conv2 and the transformer blocks' Linear
+    layers but the cross-attention's key and value."""
+    from sdlite.models.layers import ResnetBlock
+    from sdlite.models.unet import TransformerBlock
+
+    names = set()
+    for owner, module in unet.named_modules():
+        if isinstance(module, ResnetBlock):
+            names |= {f"{owner}.conv1", f"{owner}.conv2"}
+        elif isinstance(module, TransformerBlock):
+            names |= {f"{owner}.{n}" for n, m in module.named_modules()
+                      if isinstance(m, nn.Linear) and n not in ("attn2.to_k", "attn2.to_v")}
+    return names
+
+
+@pytest.mark.parametrize("cfg", [TINY_UNET_SD1, TINY_UNET_SD2], ids=["sd1", "sd2"])
+def test_bf16_int8_unet_against_bf16_and_fp32(cfg):
+    """bf16-int8 makes int8 exactly the layers it names (the GEGLU projection split in its two halves), leaves the
+    rest of the bf16 model in bf16, keeps channels-last activations, and stays close to the bf16 and fp32 models.
+    A CPU without native bf16 and 8-bit int8 products refuses it."""
+    unet = tiny_unet(cfg)
+    x, t, ctx = unet_inputs(cfg)
+    if not BF16_INT8_RUNS:
+        with pytest.raises(QuantizeError, match="bf16-int8 needs"):
+            quantize_model(copy.deepcopy(unet).bfloat16(), "bf16-int8")
+        return
+    with torch.no_grad():
+        ref = unet(x, t, ctx)
+        bf16 = copy.deepcopy(unet).bfloat16().to(memory_format=torch.channels_last)
+        out_bf16 = bf16(x.bfloat16(), t, ctx.bfloat16())
+        q = quantize_model(copy.deepcopy(unet).bfloat16(), "bf16-int8").to(memory_format=torch.channels_last)
+        out = q(x.bfloat16(), t, ctx.bfloat16())
+    int8 = {name: m for name, m in q.named_modules() if isinstance(m, (Int8Linear, Int8Conv2d))}
+    assert set(int8) == expected_bf16_int8_layers(unet) and len(int8) > 20
+    assert {name for name, m in int8.items() if getattr(m, "split", False)} == \
+        {name for name in int8 if name.endswith("ff.net.0.proj")}
+    assert all(p.dtype == torch.bfloat16 for p in q.parameters())               # nothing else went back to fp32
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    assert cosine(out.float(), ref) > 0.999 and cosine(out.float(), out_bf16.float()) > 0.999
+    assert not torch.equal(out, out_bf16)                                       # the int8 layers really ran
+    with torch.no_grad():
+        conv = next(m for m in int8.values() if isinstance(m, Int8Conv2d))
+        h = torch.randn(2, conv.in_channels, 8, 8).bfloat16().contiguous(memory_format=torch.channels_last)
+        assert conv(h).is_contiguous(memory_format=torch.channels_last)          # no NCHW round trip
+        assert conv(h.contiguous()).is_contiguous()
+
+
+def test_int8_linear_halves_are_its_two_products():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96)
+    whole, split = Int8Linear(linear, 8), Int8Linear(linear, 8, split=True)
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        value, gate = split.halves(x)
+        assert torch.allclose(torch.cat([value, gate], -1) + split.bias, whole(x), atol=1e-5)
+        assert torch.allclose(split(x), whole(x), atol=1e-5)
+    with pytest.raises(QuantizeError, match="no halves"):
+        whole.halves(x)
+    with pytest.raises(QuantizeError, match="95 output features has no halves"):
+        Int8Linear(nn.Linear(64, 95), 8, split=True)

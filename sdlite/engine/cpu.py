@@ -325,7 +325,10 @@ def quantize_notes(cpu: CPUInfo | None = None, saturates: bool | None = None) ->
             "emulated": "no native bf16: emulated with AVX-512, slower than fp32 (a warning says so)",
             "none": "REFUSED: no bf16 kernels for this ISA (6-120x slower than fp32); use int8 or none",
             "unknown": "bf16 (speed unknown on this CPU)"}[bf16_support(cpu)]
-    return {"none": "fp32", "int8": int8, "int8-bf16": f"{int8}; convolutions: {bf16}", "bf16": bf16}
+    both = bf16_support(cpu) == "native" and bits == 8
+    return {"none": "fp32", "int8": int8, "int8-bf16": f"{int8}; convolutions: {bf16}", "bf16": bf16,
+            "bf16-int8": ("native bf16 and 8-bit int8 products" if both else
+                          "REFUSED: needs native bf16 and VNNI/AMX (8-bit int8 products)")}
 
 
 # --- prepacking -------------------------------------------------------------------------------------------
@@ -502,7 +505,8 @@ def system_report(cpu: CPUInfo | None = None) -> list[str]:
                  f"as here, {here[1]}")
     saturates = int8_saturates() if cpu is this_cpu() else None
     lines.append(f"int8:        {int8_bits_reason(cpu, saturates)}")
-    usable = [m for m in QUANTIZE_MODES if "bf16" not in m or bf16_support(cpu) != "none"]
+    usable = [m for m in QUANTIZE_MODES if ("bf16" not in m or bf16_support(cpu) != "none")
+              and not (m == "bf16-int8" and "REFUSED" in quantize_notes(cpu, saturates)[m])]
     lines.append("quantize:    " + ", ".join(usable) + " available")
     for mode, note in quantize_notes(cpu, saturates).items():
         lines.append(f"  {mode:<11}{note}")

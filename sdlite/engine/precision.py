@@ -12,13 +12,22 @@ OpenVINO's PERFORMANCE / ACCURACY execution modes:
   0.5 s, and their output conditions every step). Needs native bf16 dot products to pay: ``avx512_bf16``,
   ``amx_bf16`` or ``avx_ne_convert``; with AVX-512 but none of them oneDNN emulates bf16 (2.5-3x slower than fp32,
   allowed with a warning); below AVX-512 it is refused.
+* ``bf16-int8`` -- ``bf16``, with the UNet's ResNet 3x3 convolutions and its transformers' Linear layers (but the
+  cross-attention's key and value, on 77 text tokens) in int8: weights per output channel, activations 8-bit per
+  tensor, scaled per call by sdlite's range and code kernels (:mod:`sdlite.kernels.bf16`), bf16 in and out, so the
+  activations stay bf16 and channels-last between layers. oneDNN's u8 x s8 convolutions run at ~2000 GOP/s on the
+  UNet's 320-640 channel shapes here, against ~1050 GFLOP/s for bf16, which already runs at this CPU's peak. Needs
+  native bf16 and VNNI or AMX (exact 8-bit products).
 * ``int8`` / ``int8-bf16`` -- the UNet's Linear and Conv2d layers in int8 (:mod:`sdlite.engine.quant`), the rest
   as in ``exact``.
 * ``fp16`` -- half precision compute on a GPU (CUDA, MPS), as diffusers runs there; the SDXL VAE in fp32.
 * ``auto`` (the default) -- the fastest of these that meets the quality bound (PSNR >= 40 dB against ``exact`` on
-  the full-size SD 1.5, >= 35 dB on the demo model; BENCHMARKS.md) on this device: ``fp16`` on a GPU; ``bf16`` on a
-  CPU with native bf16; ``exact`` on any other CPU, and for small UNets (under 128 channels at the first level,
-  the demo's 32), where bf16 is slower than fp32 (a 20-step demo image: 0.21 s against 0.16 s).
+  the full-size SD 1.5, >= 35 dB on the demo model; BENCHMARKS.md) on this device: ``fp16`` on a GPU;
+  ``bf16-int8`` on a CPU with native bf16, VNNI (or AMX) and sdlite's AVX512-BF16 kernels (``bf16`` for the SD x4
+  upscaler, whose int8 quality is not measured, and where memory mode 0 streams the UNet, which int8 layers cannot
+  be); ``bf16`` on other CPUs with native bf16; ``exact`` on any other CPU, and for small UNets (under 128 channels
+  at the first level, the demo's 32), where bf16 is slower than fp32 (a 20-step demo image: 0.21 s against
+  0.16 s).
 
 Why ``auto`` never picks int8 (``python bench/precision.py step``: SD 1.5 UNet, 512x512, batch 2, each precision
 in its own process, 2-core Zen 4 with AVX512-VNNI and AVX512-BF16): one step takes 5.66 s in exact (prepacked fp32,
@@ -40,7 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SDLiteError
-from .cpu import BF16_FLAGS, CPUInfo, bf16_support, this_cpu
+from .cpu import BF16_FLAGS, CPUInfo, bf16_support, int8_activation_bits, this_cpu
 from .quant import BF16Warning, check_quantize_mode
 
 PRECISIONS = {
@@ -49,9 +58,15 @@ PRECISIONS = {
     "bf16": "UNet and VAE in bf16, channels-last end to end; text encoders fp32 (needs native bf16 on a CPU)",
     "int8": "UNet Linear/Conv2d in int8 (weights per channel, activations dynamic), the rest fp32",
     "int8-bf16": "UNet Linear in int8, its convolutions in bf16, the rest fp32",
+    "bf16-int8": "bf16 (as bf16) with the UNet's ResNet 3x3 convolutions and transformer Linear layers in int8 "
+                 "(needs native bf16 and VNNI/AMX on a CPU)",
     "fp16": "fp16 compute on a GPU (the SDXL VAE in fp32)",
 }
 PRECISION_CHOICES = tuple(PRECISIONS)
+# why auto takes bf16-int8 (bench/precision.py, bench/openvino.py; BENCHMARKS.md)
+BF16_INT8_WHY = ("native bf16 dot products and VNNI (8-bit int8 products), and sdlite's AVX512-BF16 kernels: bf16 "
+                 "with the UNet's ResNet 3x3 convolutions and transformer Linear layers in int8 (SD 1.5 512x512 UNet "
+                 "step 1.96 s against bf16's 2.36 s and exact's 5.50 s) at >= 40 dB against exact")
 # auto keeps a UNet narrower than this at its first level (the demo's: 32) in fp32, where bf16 does not pay;
 # every Stable Diffusion family has 320
 MIN_BF16_CHANNELS = 128
@@ -99,12 +114,16 @@ def auto_choice(device: str | torch.device = "cpu", cpu: CPUInfo | None = None, 
     device = torch.device(device)
     if device.type != "cpu":
         return "fp16", f"a {device.type} device: fp16 compute, as diffusers runs there"
+    here = cpu is None or cpu is this_cpu()
     cpu = cpu or this_cpu()
     small = spec is not None and spec.unet.block_channels[0] < MIN_BF16_CHANNELS
     if cpu.native_bf16 and small:
         return "exact", (f"a small UNet ({spec.unet.block_channels[0]} channels at its first level, under "
                          f"{MIN_BF16_CHANNELS}): bf16's conversions cost more than its kernels save (the demo: "
                          "0.21 s a 20-step image in bf16, 0.16 s in fp32)")
+    if cpu.native_bf16 and int8_activation_bits(None if here else cpu) == 8 and not (spec is not None and spec.is_x4_upscaler) \
+            and _kernels_run(cpu, here):
+        return "bf16-int8", (BF16_INT8_WHY)
     if cpu.native_bf16:
         flags = ", ".join(f for f in BF16_FLAGS if cpu.has(f))
         return "bf16", (f"native bf16 dot products ({flags}): the UNet and VAE in bf16 run about 2.3x faster than "
@@ -115,6 +134,27 @@ def auto_choice(device: str | torch.device = "cpu", cpu: CPUInfo | None = None, 
                          "falls below the quality bound; fp32")
     return "exact", ("no native bf16 (oneDNN ISA " + cpu.isa_level + "): bf16 has no fast kernels here and "
                      "int8 (7-bit activations without VNNI) falls below the quality bound; fp32")
+
+
+def whole_unet(plan: Precision, streams: bool) -> Precision:
+    """``plan`` for an engine whose UNet is streamed block by block (memory mode 0, or weights kept in another
+    dtype) when ``streams``: int8 layers need the UNet loaded whole, so an ``auto`` that chose ``bf16-int8`` takes
+    ``bf16`` there (an int8 precision asked for by name is refused by the engine, saying why)."""
+    if not streams or plan.requested != "auto" or plan.name != "bf16-int8":
+        return plan
+    return Precision("bf16", "auto", plan.dtype, plan.vae_dtype, plan.text_dtype, channels_last=plan.channels_last,
+                     reason="the UNet is streamed block by block (memory mode 0), which int8 layers cannot be: bf16; "
+                            + plan.reason)
+
+
+def _kernels_run(cpu: CPUInfo, here: bool) -> bool:
+    """Whether sdlite's AVX512-BF16 kernels run on ``cpu`` (on this machine: also built and loaded; bf16-int8
+    quantizes its activations with them, PyTorch's six passes would cost more than int8 saves)."""
+    from ..kernels import bf16 as kernels
+
+    if kernels.cpu_problem(cpu) is not None:
+        return False
+    return kernels.available() if here else True
 
 
 def resolve(name: str = "auto", device: str | torch.device = "cpu", cpu: CPUInfo | None = None,
@@ -139,9 +179,25 @@ def resolve(name: str = "auto", device: str | torch.device = "cpu", cpu: CPUInfo
     # int8 modes: the CPU's oneDNN kernels
     if device.type != "cpu":
         raise PrecisionError(f"precision {chosen!r} runs on oneDNN's CPU kernels; on {device.type} use fp16 or exact")
+    if chosen == "bf16-int8":
+        _check_bf16_int8(cpu)
+        return Precision("bf16-int8", requested, bf16, bf16, fp32, quantize="bf16-int8", channels_last=True,
+                         reason=reason)
     if chosen == "int8-bf16":
         _check_bf16(cpu)
     return Precision(chosen, requested, fp32, fp32, fp32, quantize=chosen, reason=reason)
+
+
+def _check_bf16_int8(cpu: CPUInfo | None) -> None:
+    bits = int8_activation_bits(None if cpu is None or cpu is this_cpu() else cpu)   # this machine: probed too
+    cpu = cpu or this_cpu()
+    capped = f" under ONEDNN_MAX_CPU_ISA={cpu.onednn_cap}" if cpu.onednn_cap else ""
+    if bf16_support(cpu) != "native":
+        raise PrecisionError(f"precision 'bf16-int8' needs native bf16 dot products (avx512_bf16, amx_bf16), and this "
+                             f"CPU{capped} has none: use int8 or exact (or auto)")
+    if bits != 8:
+        raise PrecisionError(f"precision 'bf16-int8' needs exact 8-bit int8 products (VNNI or AMX), and this "
+                             f"CPU{capped} has neither: use bf16 or exact (or auto)")
 
 
 def _check_bf16(cpu: CPUInfo | None) -> None:
@@ -193,8 +249,8 @@ def precision_report(cpu: CPUInfo | None = None) -> list[str]:
     cpu = cpu or this_cpu()
     chosen, why = auto_choice("cpu", cpu)
     lines = [f"precision:   auto -> {chosen} on this CPU: {why}"]
-    if chosen == "bf16":
-        lines.append("             (exact for small models such as the demo: bf16 does not pay there)")
+    if chosen in ("bf16", "bf16-int8"):
+        lines.append(f"             (exact for small models such as the demo: {chosen} does not pay there)")
     if bf16_support(cpu) == "native":
         from ..kernels import bf16 as kernels
         lines.append(f"  bf16 attention and GEGLU: {kernels.status()}")

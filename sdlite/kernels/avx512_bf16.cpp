@@ -2,6 +2,7 @@
 //
 // sdl_attention_bf16: fused (flash) attention.
 // sdl_geglu_bf16: the GEGLU feed-forward's epilogue, (value + bias) * gelu(gate + bias) in one pass.
+// sdl_minmax_bf16, sdl_quantize_u8_bf16: an int8 layer's bf16 input, its range and its uint8 codes (bf16-int8).
 //
 // Attention: out = softmax(q k^T * scale) v for each (batch, head), without a mask, computed block by block with the running
 // ("online") softmax of FlashAttention (Dao et al., 2022), so the N x M scores never exist at once. Products are bf16
@@ -319,5 +320,103 @@ extern "C" int sdl_geglu_bf16(uint16_t* v, const uint16_t* g, const uint16_t* bv
     for (int t = 0; t < threads; ++t)
         pool.emplace_back(geglu_rows, v, g, bv, bg, rows * t / threads, rows * (t + 1) / threads, cols, ldv, ldg);
     for (auto& th : pool) th.join();
+    return 0;
+}
+
+// --- int8 activations -------------------------------------------------------------------------------------------------
+//
+// The bf16-int8 precision quantizes the bf16 input of each int8 layer per call (asymmetric uint8 over the tensor's
+// range, as sdlite.engine.quant.quantize_activation does in fp32). PyTorch needs a conversion to fp32, a min/max, a
+// multiply, an add, a clamp and a cast: six passes over the layer's input. Here: one pass for the range, one for
+// the codes.
+
+namespace {
+
+inline bool nonfinite_any(__m256i raw) {  // a bf16 with all exponent bits set: inf or NaN
+    const __m256i e = _mm256_and_si256(raw, _mm256_set1_epi16(0x7F80));
+    return _mm256_movemask_epi8(_mm256_cmpeq_epi16(e, _mm256_set1_epi16(0x7F80))) != 0;
+}
+
+inline __m512 widen(__m256i raw) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)); }
+
+void minmax_range(const uint16_t* x, int64_t i0, int64_t i1, float* lo, float* hi, int* bad) {
+    __m512 mn = _mm512_set1_ps(INFINITY), mx = _mm512_set1_ps(-INFINITY);
+    int nonfinite = 0;
+    int64_t i = i0;
+    for (; i + 16 <= i1; i += 16) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)(x + i));
+        nonfinite |= nonfinite_any(raw);
+        const __m512 v = widen(raw);
+        mn = _mm512_min_ps(mn, v);
+        mx = _mm512_max_ps(mx, v);
+    }
+    if (i < i1) {
+        const __mmask16 m = (__mmask16)((1u << (i1 - i)) - 1);
+        const __m256i raw = _mm256_maskz_loadu_epi16(m, x + i);
+        nonfinite |= nonfinite_any(raw);
+        const __m512 v = widen(raw);
+        mn = _mm512_mask_min_ps(mn, m, mn, v);
+        mx = _mm512_mask_max_ps(mx, m, mx, v);
+    }
+    *lo = _mm512_reduce_min_ps(mn);
+    *hi = _mm512_reduce_max_ps(mx);
+    *bad = nonfinite;
+}
+
+void quantize_range(const uint16_t* x, uint8_t* q, int64_t i0, int64_t i1, float inv, float add, float top) {
+    const __m512 vi = _mm512_set1_ps(inv), va = _mm512_set1_ps(add), vt = _mm512_set1_ps(top), z = _mm512_setzero_ps();
+    int64_t i = i0;
+    for (; i + 16 <= i1; i += 16) {
+        // (x * inv) + add, two roundings as PyTorch's separate multiply and add make, then clamp and truncate
+        __m512 v = _mm512_add_ps(_mm512_mul_ps(widen(_mm256_loadu_si256((const __m256i*)(x + i))), vi), va);
+        v = _mm512_min_ps(_mm512_max_ps(v, z), vt);
+        _mm_storeu_si128((__m128i*)(q + i), _mm512_cvtusepi32_epi8(_mm512_cvttps_epu32(v)));
+    }
+    if (i < i1) {
+        const __mmask16 m = (__mmask16)((1u << (i1 - i)) - 1);
+        __m512 v = _mm512_add_ps(_mm512_mul_ps(widen(_mm256_maskz_loadu_epi16(m, x + i)), vi), va);
+        v = _mm512_min_ps(_mm512_max_ps(v, z), vt);
+        _mm_mask_storeu_epi8(q + i, m, _mm512_cvtusepi32_epi8(_mm512_cvttps_epu32(v)));
+    }
+}
+
+// splits [0, n) into `threads` 64-aligned ranges and runs fn(t, begin, end) on each
+template <class F>
+void split(int64_t n, int threads, F fn) {
+    threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, n / 32768 + 1));
+    if (threads == 1) {
+        fn(0, 0, n);
+        return;
+    }
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) {
+        const int64_t b = t == 0 ? 0 : (n * t / threads) & ~63, e = t == threads - 1 ? n : (n * (t + 1) / threads) & ~63;
+        pool.emplace_back(fn, t, b, e);
+    }
+    for (auto& th : pool) th.join();
+}
+
+}  // namespace
+
+// The smallest and largest of n contiguous bf16 values into range[0], range[1]. Returns 0, 1 for n < 1, 3 when a
+// value is infinite or NaN (range then undefined).
+extern "C" int sdl_minmax_bf16(const uint16_t* x, int64_t n, float* range, int threads) {
+    if (n < 1) return 1;
+    std::vector<float> lo(std::max(threads, 1), INFINITY), hi(std::max(threads, 1), -INFINITY);
+    std::vector<int> bad(std::max(threads, 1), 0);
+    split(n, threads, [&](int t, int64_t b, int64_t e) { minmax_range(x, b, e, &lo[t], &hi[t], &bad[t]); });
+    range[0] = *std::min_element(lo.begin(), lo.end());
+    range[1] = *std::max_element(hi.begin(), hi.end());
+    for (int b : bad)
+        if (b) return 3;
+    return 0;
+}
+
+// q[i] = uint8(clamp(x[i] * inv + add, 0, top)) (truncated, so add carries the zero point + 0.5 of round half up)
+// for n contiguous bf16 values. Returns 0, or 1 for n < 1 or top outside 1..255.
+extern "C" int sdl_quantize_u8_bf16(const uint16_t* x, uint8_t* q, int64_t n, float inv, float add, float top,
+                                    int threads) {
+    if (n < 1 || !(top >= 1.f && top <= 255.f)) return 1;
+    split(n, threads, [&](int, int64_t b, int64_t e) { quantize_range(x, q, b, e, inv, add, top); });
     return 0;
 }

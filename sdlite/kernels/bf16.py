@@ -10,6 +10,11 @@ flash kernel to bf16 rounding (both sum bf16 products in fp32 and round the prob
 
 :func:`geglu` is what :class:`sdlite.models.unet.GEGLU` calls for bf16 on a CPU: the two halves of the projection as
 two plain products (no bias), then one pass for ``(value + b) * gelu(gate + b)``; None where it does not apply.
+:func:`geglu_epilogue` is that pass alone, for the int8 projection's two halves (the ``bf16-int8`` precision).
+
+:func:`activation_range` and :func:`activation_codes` quantize a bf16 activation for an int8 layer
+(:func:`sdlite.engine.quant.quantize_activation`): one pass for min/max, one for the uint8 codes, with the same
+arithmetic (and so the same codes) as PyTorch's fp32 operations; None where they do not apply.
 """
 from __future__ import annotations
 
@@ -72,6 +77,14 @@ def _function():
     epilogue.restype = ctypes.c_int
     epilogue.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int]
     _GEGLU[0] = epilogue
+    minmax = lib.sdl_minmax_bf16
+    minmax.restype = ctypes.c_int
+    minmax.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    codes = lib.sdl_quantize_u8_bf16
+    codes.restype = ctypes.c_int
+    codes.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_float, ctypes.c_float,
+                      ctypes.c_int]
+    _QUANT[:] = [minmax, codes]
     return fn
 
 
@@ -83,6 +96,7 @@ def status() -> str:
 
 _READY = False
 _GEGLU: list = [None]
+_QUANT: list = [None, None]
 
 
 def available() -> bool:
@@ -171,6 +185,26 @@ def _(x, weight, bias):
     return x.new_empty(x.shape[0], weight.shape[0] // 2)
 
 
+def geglu_epilogue(value: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``(value + bias[:F]) * gelu(gate + bias[F:])`` of two contiguous (..., F) products, written into ``value``
+    (bf16 on a CPU with the kernel), else computed by PyTorch; returns the result."""
+    half = value.shape[-1]
+    if enabled and value.dtype is torch.bfloat16 and gate.dtype is torch.bfloat16 and value.device.type == "cpu" \
+            and value.is_contiguous() and gate.is_contiguous() and gate.shape == value.shape and value.numel() \
+            and not torch.compiler.is_compiling() and available():
+        bv, bg = (None, None) if bias is None else (b.to(torch.bfloat16).contiguous()
+                                                    for b in (bias[:half], bias[half:]))
+        code = _GEGLU[0](value.data_ptr(), gate.data_ptr(), None if bv is None else bv.data_ptr(),
+                         None if bg is None else bg.data_ptr(), value.numel() // half, half, half, half,
+                         torch.get_num_threads())
+        if code != 0:
+            raise RuntimeError(f"sdlite's bf16 GEGLU kernel failed (code {code}) on {tuple(value.shape)}")
+        return value
+    if bias is not None:
+        value, gate = value + bias[:half].to(value.dtype), gate + bias[half:].to(gate.dtype)
+    return value * torch.nn.functional.gelu(gate)
+
+
 def geglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """``value * gelu(gate)`` of a GEGLU projection (``weight`` (2F, C), ``bias`` (2F) or None) of ``x`` (..., C),
     as (..., F); None where the kernel does not apply (not bf16 on a CPU that runs it, gradients, small problems)."""
@@ -184,3 +218,38 @@ def geglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
     lead = x.shape[:-1]
     out = torch.ops.sdlite.geglu_bf16(x.reshape(-1, x.shape[-1]), weight, bias)
     return out.view(*lead, weight.shape[0] // 2)
+
+
+# --- int8 activations -------------------------------------------------------------------------------------------
+
+
+def _dense(x: torch.Tensor) -> bool:
+    return x.is_contiguous() or (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))
+
+
+def activation_range(x: torch.Tensor) -> tuple[float, float] | None:
+    """(min, max) of a dense bf16 CPU tensor in one pass; None where the kernel does not apply. A non-finite value
+    is a FloatingPointError, as in :func:`sdlite.engine.quant.quantize_activation`."""
+    if not enabled or x.dtype is not torch.bfloat16 or x.device.type != "cpu" or x.numel() == 0 or not _dense(x) \
+            or torch.compiler.is_compiling() or not available():
+        return None
+    out = (ctypes.c_float * 2)()
+    code = _QUANT[0](x.data_ptr(), x.numel(), out, torch.get_num_threads())
+    if code == 3:
+        raise FloatingPointError(f"an int8 layer's input {tuple(x.shape)} holds non-finite values")
+    if code != 0:
+        raise RuntimeError(f"sdlite's bf16 min/max kernel failed (code {code}) on {tuple(x.shape)}")
+    return float(out[0]), float(out[1])
+
+
+def activation_codes(x: torch.Tensor, inv_scale: float, add: float, top: float) -> torch.Tensor | None:
+    """``uint8(clamp(x * inv_scale + add, 0, top))`` (truncated) of a dense bf16 CPU tensor, in ``x``'s memory format;
+    None where the kernel does not apply."""
+    if not enabled or x.dtype is not torch.bfloat16 or x.device.type != "cpu" or x.numel() == 0 or not _dense(x) \
+            or torch.compiler.is_compiling() or not available():
+        return None
+    q = torch.empty_like(x, dtype=torch.uint8)
+    code = _QUANT[1](x.data_ptr(), q.data_ptr(), x.numel(), inv_scale, add, top, torch.get_num_threads())
+    if code != 0:
+        raise RuntimeError(f"sdlite's bf16 quantize kernel failed (code {code}) on {tuple(x.shape)}")
+    return q

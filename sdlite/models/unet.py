@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import UNetConfig
-from ..kernels.bf16 import geglu
+from ..kernels.bf16 import geglu, geglu_epilogue
 from .layers import (Attention, Downsample, ResnetBlock, TimestepEmbedding, Upsample, norm_silu, residual,
                      timestep_embedding)
 
@@ -29,6 +29,8 @@ class GEGLU(nn.Module):
             fused = geglu(x, self.proj.weight, self.proj.bias)   # bf16 on AVX512-BF16 CPUs: one pass; else None
             if fused is not None:
                 return fused
+        elif getattr(self.proj, "split", False):   # int8 (bf16-int8): the halves' products, then one epilogue
+            return geglu_epilogue(*self.proj.halves(x), self.proj.bias)
         value, gate = self.proj(x).chunk(2, dim=-1)
         return value * F.gelu(gate)
 
