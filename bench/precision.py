@@ -185,6 +185,7 @@ def main() -> int:
     ap.add_argument("--precisions", default="exact,bf16,bf16-int8,int8")
     ap.add_argument("--calls", type=int, default=4, help="UNet calls per process: a warm-up, then the median of the "
                                                           "rest (1: the one call)")
+    ap.add_argument("--no-sdxl", action="store_true", help="all: leave out SDXL's quality row (about 20 minutes)")
     ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     ap.add_argument("--json", default=str(HERE / "results-precision.json"))
     args = ap.parse_args()
@@ -201,7 +202,7 @@ def main() -> int:
         if args.what in ("quality", "all"):
             runs = [(args.model, "auto")] + ([("demo", "auto"), ("demo", "bf16"), ("demo", "bf16-int8")]
                                              if args.what == "all" else [])
-            if args.what == "all" and SDXL.is_dir():   # bench/sdxl.py's full-size random SDXL base, when cached
+            if args.what == "all" and SDXL.is_dir() and not args.no_sdxl:   # bench/sdxl.py's SDXL base, if cached
                 runs.append((str(SDXL), "auto"))
             result["quality"] = [measure_quality(m, (args.size or 256) if m != "demo" else 64, args.steps,
                                                  args.seeds, tmp, fast) for m, fast in runs]

@@ -324,3 +324,31 @@ def test_geglu_epilogue_for_int8_halves_matches_pytorch():
     want = (value.float() + bias[:320].bfloat16().float()) * F.gelu(gate.float() + bias[320:].bfloat16().float())
     got = kattn.geglu_epilogue(value.clone(), gate, bias)
     assert got.dtype == torch.bfloat16 and _snr(got, want) > 40
+
+
+def test_geglu_epilogue_hands_its_range_to_the_next_int8_layer():
+    """The epilogue finds the range of what it writes (the stored bf16 values): the int8 layer that reads the result
+    skips its min/max pass and gets the same scale and codes; a non-finite output is still refused; once the tensor
+    changes, or another one comes, the range is found again."""
+    from sdlite.engine import quant
+
+    torch.manual_seed(1)
+    value, gate = torch.randn(2048, 320).bfloat16(), torch.randn(2048, 320).bfloat16()
+    out = kattn.geglu_epilogue(value, gate, torch.randn(640))
+    if not RUNS_HERE:
+        assert kattn._KNOWN[0] is None and kattn.activation_range(out) is None
+        return
+    assert kattn._KNOWN[0] is out and kattn._KNOWN[2:4] == [out.min().item(), out.max().item()]
+    quant._LAST[:] = [None, -1, 0, None]
+    codes = quant.quantize_activation(out)
+    assert kattn._KNOWN[0] is None                                              # used once
+    ref = _reference_codes(out, 8)
+    assert codes[1:] == ref[1:] and torch.equal(codes[0], ref[0])
+    value[0, 0], gate[0, 0] = float("inf"), 1.0
+    bad = kattn.geglu_epilogue(value, gate, None)
+    quant._LAST[:] = [None, -1, 0, None]
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        quant.quantize_activation(bad)
+    fine = kattn.geglu_epilogue(torch.randn(2048, 320).bfloat16(), gate, None)
+    fine.mul_(3)                                                                # changed after the epilogue
+    assert kattn.activation_range(fine) == (fine.min().item(), fine.max().item())

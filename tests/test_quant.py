@@ -437,15 +437,17 @@ BF16_INT8_RUNS = bf16_support() == "native" and BITS == 8
 
 
 def expected_bf16_int8_layers(unet):
-    """Independently of quant.bf16_int8_targets: the ResNet blocks' conv1/conv2 and the transformer blocks' Linear
-    layers but the cross-attention's key and value."""
-    from sdlite.models.layers import ResnetBlock
+    """Independently of quant.bf16_int8_targets: the ResNet blocks' conv1/conv2, the down- and upsamplers'
+    convolutions, and the transformer blocks' Linear layers but the cross-attention's key and value."""
+    from sdlite.models.layers import Downsample, ResnetBlock, Upsample
     from sdlite.models.unet import TransformerBlock
 
     names = set()
     for owner, module in unet.named_modules():
         if isinstance(module, ResnetBlock):
             names |= {f"{owner}.conv1", f"{owner}.conv2"}
+        elif isinstance(module, (Downsample, Upsample)):
+            names.add(f"{owner}.conv")
         elif isinstance(module, TransformerBlock):
             names |= {f"{owner}.{n}" for n, m in module.named_modules()
                       if isinstance(m, nn.Linear) and n not in ("attn2.to_k", "attn2.to_v")}
@@ -471,6 +473,8 @@ def test_bf16_int8_unet_against_bf16_and_fp32(cfg):
         out = q(x.bfloat16(), t, ctx.bfloat16())
     int8 = {name: m for name, m in q.named_modules() if isinstance(m, (Int8Linear, Int8Conv2d))}
     assert set(int8) == expected_bf16_int8_layers(unet) and len(int8) > 20
+    assert any(name.endswith("downsamplers.0.conv") for name in int8) and \
+        any(name.endswith("upsamplers.0.conv") for name in int8)
     assert {name for name, m in int8.items() if getattr(m, "split", False)} == \
         {name for name in int8 if name.endswith("ff.net.0.proj")}
     assert all(p.dtype == torch.bfloat16 for p in q.parameters())               # nothing else went back to fp32

@@ -425,16 +425,17 @@ def bf16_int8_targets(module: nn.Module) -> list[tuple[str, nn.Module, bool]]:
     the transformer blocks but the cross-attention's ``to_k``/``to_v`` (77 tokens: too small to gain); the GEGLU's
     projection split in two (its value and gate halves, for the fused epilogue). Left bf16: the 1x1 convolutions
     (shortcuts, ``proj_in``/``proj_out``: int8 measured no faster there), resampling, stem and head, embeddings."""
-    from ..models.layers import ResnetBlock
+    from ..models.layers import Downsample, ResnetBlock, Upsample
     from ..models.unet import GEGLU, TransformerBlock
 
     found = []
     for owner_name, owner in module.named_modules():
         prefix = owner_name + "." if owner_name else ""
-        if isinstance(owner, ResnetBlock):
-            for leaf in ("conv1", "conv2"):
-                conv = getattr(owner, leaf)
+        if isinstance(owner, (ResnetBlock, Downsample, Upsample)):
+            for leaf in ("conv1", "conv2", "conv"):
+                conv = getattr(owner, leaf, None)
                 if type(conv) is nn.Conv2d and tuple(conv.kernel_size) == (3, 3) and conv.groups == 1 \
+                        and conv.padding_mode == "zeros" and not isinstance(conv.padding, str) \
                         and min(conv.in_channels, conv.out_channels) >= MIN_CHANNELS:
                     found.append((prefix + leaf, conv, False))
         elif isinstance(owner, TransformerBlock):

@@ -282,10 +282,23 @@ inline __m512 geglu_ps(__m512 v, __m512 g) {
     return _mm512_mul_ps(v, _mm512_mul_ps(half_g, cdf));
 }
 
+// the range of what was written, when asked: the stored bf16 values, so that it equals a min/max pass over them
+struct Range {
+    __m512 lo = _mm512_set1_ps(INFINITY), hi = _mm512_set1_ps(-INFINITY);
+    __mmask16 nonfinite = 0;
+    inline void add(__m256i stored, __mmask16 m) {
+        const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(stored), 16));
+        lo = _mm512_mask_min_ps(lo, m, lo, w);
+        hi = _mm512_mask_max_ps(hi, m, hi, w);
+        nonfinite |= _mm512_mask_fpclass_ps_mask(m, w, 0x99);  // QNaN, SNaN, +inf, -inf
+    }
+};
+
 void geglu_rows(uint16_t* v, const uint16_t* g, const uint16_t* bv, const uint16_t* bg, int64_t r0, int64_t r1,
-                int64_t cols, int64_t ldv, int64_t ldg) {
+                int64_t cols, int64_t ldv, int64_t ldg, float* range) {
     const int64_t full = cols & ~15;
     const __mmask16 tail = (__mmask16)((1u << (cols - full)) - 1);
+    Range seen;
     for (int64_t r = r0; r < r1; ++r) {
         uint16_t* vr = v + r * ldv;
         const uint16_t* gr = g + r * ldg;
@@ -293,33 +306,54 @@ void geglu_rows(uint16_t* v, const uint16_t* g, const uint16_t* bv, const uint16
             __m512 a = load_bf16(vr + c), z = load_bf16(gr + c);
             if (bv) a = _mm512_add_ps(a, load_bf16(bv + c));
             if (bg) z = _mm512_add_ps(z, load_bf16(bg + c));
-            _mm256_storeu_si256((__m256i*)(vr + c), (__m256i)_mm512_cvtneps_pbh(geglu_ps(a, z)));
+            const __m256i out = (__m256i)_mm512_cvtneps_pbh(geglu_ps(a, z));
+            _mm256_storeu_si256((__m256i*)(vr + c), out);
+            if (range) seen.add(out, 0xFFFF);
         }
         if (tail) {
             __m512 a = load_bf16_masked(vr + full, tail), z = load_bf16_masked(gr + full, tail);
             if (bv) a = _mm512_add_ps(a, load_bf16_masked(bv + full, tail));
             if (bg) z = _mm512_add_ps(z, load_bf16_masked(bg + full, tail));
-            _mm256_mask_storeu_epi16(vr + full, tail, (__m256i)_mm512_cvtneps_pbh(geglu_ps(a, z)));
+            const __m256i out = (__m256i)_mm512_cvtneps_pbh(geglu_ps(a, z));
+            _mm256_mask_storeu_epi16(vr + full, tail, out);
+            if (range) seen.add(out, tail);
         }
+    }
+    if (range) {
+        range[0] = _mm512_reduce_min_ps(seen.lo);
+        range[1] = _mm512_reduce_max_ps(seen.hi);
+        range[2] = seen.nonfinite ? 1.f : 0.f;
     }
 }
 
 }  // namespace
 
 // v (rows, cols; row stride ldv) <- (v + bv) * gelu(g + bg), g (rows, cols; row stride ldg); bv, bg: (cols) or null.
-// All bf16 as uint16. Returns 0, or 1 for an empty or malformed problem.
+// All bf16 as uint16. range (or null): the smallest and largest value written, and 1 if one is not finite, else 0
+// (the int8 layer that reads the result then skips its own min/max pass). Returns 0, or 1 for an empty or malformed
+// problem.
 extern "C" int sdl_geglu_bf16(uint16_t* v, const uint16_t* g, const uint16_t* bv, const uint16_t* bg, int64_t rows,
-                              int64_t cols, int64_t ldv, int64_t ldg, int threads) {
+                              int64_t cols, int64_t ldv, int64_t ldg, float* range, int threads) {
     if (rows < 1 || cols < 1 || ldv < cols || ldg < cols) return 1;
     threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, rows * cols / 65536 + 1));
     if (threads == 1) {
-        geglu_rows(v, g, bv, bg, 0, rows, cols, ldv, ldg);
+        geglu_rows(v, g, bv, bg, 0, rows, cols, ldv, ldg, range);
         return 0;
     }
+    std::vector<float> parts(3 * threads);
     std::vector<std::thread> pool;
     for (int t = 0; t < threads; ++t)
-        pool.emplace_back(geglu_rows, v, g, bv, bg, rows * t / threads, rows * (t + 1) / threads, cols, ldv, ldg);
+        pool.emplace_back(geglu_rows, v, g, bv, bg, rows * t / threads, rows * (t + 1) / threads, cols, ldv, ldg,
+                          range ? parts.data() + 3 * t : nullptr);
     for (auto& th : pool) th.join();
+    if (range) {
+        range[0] = INFINITY, range[1] = -INFINITY, range[2] = 0.f;
+        for (int t = 0; t < threads; ++t) {
+            range[0] = std::min(range[0], parts[3 * t]);
+            range[1] = std::max(range[1], parts[3 * t + 1]);
+            range[2] = std::max(range[2], parts[3 * t + 2]);
+        }
+    }
     return 0;
 }
 

@@ -75,7 +75,7 @@ def _function():
         [ctypes.c_float, ctypes.c_int]
     epilogue = lib.sdl_geglu_bf16
     epilogue.restype = ctypes.c_int
-    epilogue.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    epilogue.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int]
     _GEGLU[0] = epilogue
     minmax = lib.sdl_minmax_bf16
     minmax.restype = ctypes.c_int
@@ -97,6 +97,8 @@ def status() -> str:
 _READY = False
 _GEGLU: list = [None]
 _QUANT: list = [None, None]
+# the range of the last tensor a kernel wrote, found while writing it: [tensor, its version, min, max, non-finite]
+_KNOWN: list = [None, -1, 0.0, 0.0, False]
 
 
 def available() -> bool:
@@ -173,7 +175,7 @@ def geglu_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     bv, bg = (None, None) if bias is None else (bias[:half].contiguous(), bias[half:].contiguous())
     code = _GEGLU[0](value.data_ptr(), gate.data_ptr(), None if bv is None else bv.data_ptr(),
                      None if bg is None else bg.data_ptr(), value.shape[0], half, value.stride(0), gate.stride(0),
-                     torch.get_num_threads())
+                     None, torch.get_num_threads())
     if code != 0:
         raise RuntimeError(f"sdlite's bf16 GEGLU kernel failed (code {code}) on x {tuple(x.shape)}, "
                            f"weight {tuple(weight.shape)}")
@@ -194,11 +196,14 @@ def geglu_epilogue(value: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor |
             and not torch.compiler.is_compiling() and available():
         bv, bg = (None, None) if bias is None else (b.to(torch.bfloat16).contiguous()
                                                     for b in (bias[:half], bias[half:]))
+        seen = (ctypes.c_float * 3)()
         code = _GEGLU[0](value.data_ptr(), gate.data_ptr(), None if bv is None else bv.data_ptr(),
-                         None if bg is None else bg.data_ptr(), value.numel() // half, half, half, half,
+                         None if bg is None else bg.data_ptr(), value.numel() // half, half, half, half, seen,
                          torch.get_num_threads())
         if code != 0:
             raise RuntimeError(f"sdlite's bf16 GEGLU kernel failed (code {code}) on {tuple(value.shape)}")
+        # the int8 layer that reads it next (the feed-forward's output projection) skips its min/max pass
+        _KNOWN[:] = [value, value._version, float(seen[0]), float(seen[1]), bool(seen[2])]
         return value
     if bias is not None:
         value, gate = value + bias[:half].to(value.dtype), gate + bias[half:].to(gate.dtype)
@@ -233,8 +238,12 @@ def activation_range(x: torch.Tensor) -> tuple[float, float] | None:
     if not enabled or x.dtype is not torch.bfloat16 or x.device.type != "cpu" or x.numel() == 0 or not _dense(x) \
             or torch.compiler.is_compiling() or not available():
         return None
-    out = (ctypes.c_float * 2)()
-    code = _QUANT[0](x.data_ptr(), x.numel(), out, torch.get_num_threads())
+    if _KNOWN[0] is x and _KNOWN[1] == x._version:
+        code, out = (3 if _KNOWN[4] else 0), _KNOWN[2:4]
+        _KNOWN[0] = None
+    else:
+        out = (ctypes.c_float * 2)()
+        code = _QUANT[0](x.data_ptr(), x.numel(), out, torch.get_num_threads())
     if code == 3:
         raise FloatingPointError(f"an int8 layer's input {tuple(x.shape)} holds non-finite values")
     if code != 0:
