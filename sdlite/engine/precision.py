@@ -12,9 +12,9 @@ OpenVINO's PERFORMANCE / ACCURACY execution modes:
   0.5 s, and their output conditions every step). Needs native bf16 dot products to pay: ``avx512_bf16``,
   ``amx_bf16`` or ``avx_ne_convert``; with AVX-512 but none of them oneDNN emulates bf16 (2.5-3x slower than fp32,
   allowed with a warning); below AVX-512 it is refused.
-* ``bf16-int8`` -- ``bf16``, with the UNet's ResNet 3x3 convolutions and its transformers' Linear layers (but the
-  cross-attention's key and value, on 77 text tokens) in int8: weights per output channel, activations 8-bit per
-  tensor, scaled per call by sdlite's range and code kernels (:mod:`sdlite.kernels.bf16`), bf16 in and out, so the
+* ``bf16-int8`` -- ``bf16``, with the UNet's 3x3 convolutions (ResNet blocks, down/upsamplers) and its transformers'
+  Linear layers (but the cross-attention's key and value, on 77 text tokens) in int8: weights per output channel,
+  activations 8-bit per tensor, scaled per call by sdlite's range and code kernels (:mod:`sdlite.kernels.bf16`), bf16 in and out, so the
   activations stay bf16 and channels-last between layers. oneDNN's u8 x s8 convolutions run at ~2000 GOP/s on the
   UNet's 320-640 channel shapes here, against ~1050 GFLOP/s for bf16, which already runs at this CPU's peak. Needs
   native bf16 and VNNI or AMX (exact 8-bit products).
@@ -29,17 +29,18 @@ OpenVINO's PERFORMANCE / ACCURACY execution modes:
   at the first level, the demo's 32), where bf16 is slower than fp32 (a 20-step demo image: 0.21 s against
   0.16 s).
 
-Why ``auto`` never picks int8 (``python bench/precision.py step``: SD 1.5 UNet, 512x512, batch 2, each precision
-in its own process, 2-core Zen 4 with AVX512-VNNI and AVX512-BF16): one step takes 5.66 s in exact (prepacked fp32,
-Winograd), 2.43 s in bf16 (with sdlite's bf16 kernels; 3.34 s on PyTorch's alone) and 2.97 s in int8 (int8 with
-bf16 between its layers 3.3 s, measured before the bf16 kernels); the step's output is at 40.3 dB (bf16), 30.8 dB
-(int8) and 25.7 dB (int8 + bf16) against exact. int8 is slower than bf16 where both are native, loses 10 dB, and
-leaves the decoder in fp32 (7.2 s against bf16's 3.3 s at 512x512). Without VNNI its activations use 7 bits (twice
-as coarse, about 6 dB lower again): such a CPU gets ``exact``, which is never slower than before this policy existed.
+Why ``auto`` takes bf16-int8 and never int8 (``python bench/precision.py all``: SD 1.5 UNet, 512x512, batch 2, each
+precision in its own process, 2-core Zen 4 with AVX512-VNNI and AVX512-BF16): one step takes 5.58 s in exact
+(prepacked fp32, Winograd), 2.33 s in bf16 (with sdlite's bf16 kernels), 1.86 s in bf16-int8 and 3.03 s in int8; the
+step's output is at 40.3 dB (bf16), 33.0 dB (bf16-int8) and 30.8 dB (int8) against exact. The images are what the
+bound is about: bf16-int8's lowest PSNR of 8 seeds against exact is 48.0 dB (SD 1.5, 256x256) and 48.3 dB (SDXL).
+int8 keeps fp32 between its layers and in the decoder, so it is slower than both. Without VNNI int8 activations
+use 7 bits (twice as coarse, about 6 dB lower again): such a CPU gets ``exact``, which is never slower than before
+this policy existed.
 
-Whole generations (``bench/openvino.py``, 512x512, 20 steps, medians of 3): exact 119.8 s, bf16 51.4 s with
-sdlite's bf16 kernels (:mod:`sdlite.kernels`; 73.7 s on PyTorch's kernels alone); the bf16 image is at 51.0 dB
-against exact's (``bench/precision.py``: the lowest of 8 seeds at 256x256 is in BENCHMARKS.md).
+Whole generations (``bench/openvino.py``, 512x512, 20 steps, medians of 3): exact 120.8 s, bf16-int8 41.3 s (bf16
+51.4 s before it; 73.7 s on PyTorch's kernels alone), against OpenVINO's default 45.2 s on the same machine; the
+bf16-int8 image is at 48.0 dB against exact's.
 """
 from __future__ import annotations
 
@@ -58,15 +59,15 @@ PRECISIONS = {
     "bf16": "UNet and VAE in bf16, channels-last end to end; text encoders fp32 (needs native bf16 on a CPU)",
     "int8": "UNet Linear/Conv2d in int8 (weights per channel, activations dynamic), the rest fp32",
     "int8-bf16": "UNet Linear in int8, its convolutions in bf16, the rest fp32",
-    "bf16-int8": "bf16 (as bf16) with the UNet's ResNet 3x3 convolutions and transformer Linear layers in int8 "
+    "bf16-int8": "bf16 (as bf16) with the UNet's 3x3 convolutions and transformer Linear layers in int8 "
                  "(needs native bf16 and VNNI/AMX on a CPU)",
     "fp16": "fp16 compute on a GPU (the SDXL VAE in fp32)",
 }
 PRECISION_CHOICES = tuple(PRECISIONS)
 # why auto takes bf16-int8 (bench/precision.py, bench/openvino.py; BENCHMARKS.md)
 BF16_INT8_WHY = ("native bf16 dot products and VNNI (8-bit int8 products), and sdlite's AVX512-BF16 kernels: bf16 "
-                 "with the UNet's ResNet 3x3 convolutions and transformer Linear layers in int8 (SD 1.5 512x512 UNet "
-                 "step 1.96 s against bf16's 2.36 s and exact's 5.50 s) at >= 40 dB against exact")
+                 "with the UNet's heaviest layers in int8 (a 512x512 SD 1.5 image: 41.3 s against bf16's 51.4 s and "
+                 "exact's 120.8 s) at >= 40 dB against exact (48.0 dB)")
 # auto keeps a UNet narrower than this at its first level (the demo's: 32) in fp32, where bf16 does not pay;
 # every Stable Diffusion family has 320
 MIN_BF16_CHANNELS = 128

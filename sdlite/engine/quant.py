@@ -107,9 +107,9 @@ QUANTIZE_MODES = {
                  "(closer to fp32, a little slower)",
     "bf16": "bf16 weights and bf16 compute for the Linear and Conv2d layers; norms and attention in fp32 (slower "
             "than fp32 on CPUs without native bf16)",
-    "bf16-int8": "a bf16 model (activations bf16 end to end) whose ResNet 3x3 convolutions and transformer Linear "
-                 "layers (but the cross-attention's key and value, on the 77 text tokens) are int8: per-channel "
-                 "weights, 8-bit activations scaled per call (needs native bf16 and VNNI or AMX)",
+    "bf16-int8": "a bf16 model (activations bf16 end to end) whose 3x3 convolutions (ResNet blocks, down/upsamplers) "
+                 "and transformer Linear layers (but the cross-attention's key and value, on the 77 text tokens) are "
+                 "int8: per-channel weights, 8-bit activations scaled per call (needs native bf16 and VNNI or AMX)",
 }
 QUANTIZE_CHOICES = tuple(QUANTIZE_MODES)
 # what each mode makes of a Linear and of a Conv2d
@@ -421,10 +421,11 @@ def quantize_model(module: nn.Module, mode: str, keep: tuple[str, ...] = KEEP_FP
 
 def bf16_int8_targets(module: nn.Module) -> list[tuple[str, nn.Module, bool]]:
     """The layers ``bf16-int8`` makes int8, as (name, layer, split): the 3x3 convolutions of the ResNet blocks
-    (``conv1``, ``conv2``: half the UNet's work, int8 1.7-1.9x bf16 at 320-640 channels) and the Linear layers of
-    the transformer blocks but the cross-attention's ``to_k``/``to_v`` (77 tokens: too small to gain); the GEGLU's
-    projection split in two (its value and gate halves, for the fused epilogue). Left bf16: the 1x1 convolutions
-    (shortcuts, ``proj_in``/``proj_out``: int8 measured no faster there), resampling, stem and head, embeddings."""
+    (``conv1``, ``conv2``: half the UNet's work, int8 1.7-1.9x bf16 at 320-640 channels) and of the down- and
+    upsamplers, and the Linear layers of the transformer blocks but the cross-attention's ``to_k``/``to_v`` (77
+    tokens: too small to gain); the GEGLU's projection split in two (its value and gate halves, for the fused
+    epilogue). Left bf16: the 1x1 convolutions (shortcuts, ``proj_in``/``proj_out``: int8 measured no faster there),
+    stem and head, embeddings."""
     from ..models.layers import Downsample, ResnetBlock, Upsample
     from ..models.unet import GEGLU, TransformerBlock
 
