@@ -92,10 +92,15 @@ def test_decisions_from_flags(flags, cap, level, vnni, bf16, bits, prepack, tmp_
     assert choice.use == prepack and choice.source == "flags"
     assert not (tmp_path / "cpu.json").exists()
     notes = quantize_notes(cpu)
-    assert set(notes) == {"none", "int8", "int8-bf16", "bf16"} and f"{bits}-bit" in notes["int8"]
+    assert set(notes) == {"none", "int8", "int8-bf16", "bf16", "bf16-int8"} and f"{bits}-bit" in notes["int8"]
     assert ("REFUSED" in notes["bf16"]) == (bf16 == "none") and ("emulated" in notes["bf16"]) == (bf16 == "emulated")
-    report = "\n".join(system_report(cpu))
-    assert f"{bits}-bit" in report and ("bf16 available" in report) == (bf16 != "none")
+    mixed = bf16 == "native" and bits == 8                                # bf16-int8: native bf16 and 8-bit int8
+    assert ("REFUSED" in notes["bf16-int8"]) == (not mixed)
+    report = system_report(cpu)
+    assert f"{bits}-bit" in "\n".join(report)
+    listed = next(line for line in report if line.startswith("quantize:")).removeprefix("quantize:").strip()
+    usable = listed.removesuffix(" available").split(", ")
+    assert ("bf16" in usable) == (bf16 != "none") and ("bf16-int8" in usable) == mixed
 
 
 def test_unknown_flags_and_other_architectures():
