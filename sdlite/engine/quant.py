@@ -87,6 +87,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -195,10 +196,10 @@ def check_activation_bits(bits) -> int:
     return bits
 
 
-# the last activation quantized, with its codes: an attention's to_q, to_k and to_v read the same input, which is
-# then quantized once. The tensor itself is held (so its memory cannot be reused by another) and its version counter
-# compared (so an in-place change is seen).
-_LAST: list = [None, -1, 0, None]
+# the last activation quantized in this thread, with its codes, as .entry = (tensor, version, bits, result): an
+# attention's to_q, to_k and to_v read the same input, which is then quantized once. The tensor itself is held (so its
+# memory cannot be reused by another) and its version counter compared (so an in-place change is seen).
+_LAST = threading.local()
 
 
 def quantize_activation(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, float, int]:
@@ -208,8 +209,9 @@ def quantize_activation(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, f
     docstring). The range always holds 0, so zero padding stays exact. Returns (uint8 q, scale, zero_point).
     """
     top = float((1 << check_activation_bits(bits)) - 1)
-    if _LAST[0] is x and _LAST[1] == x._version and _LAST[2] == bits and not torch.is_grad_enabled():
-        return _LAST[3]
+    last = getattr(_LAST, "entry", None)
+    if last is not None and last[0] is x and last[1] == x._version and last[2] == bits and not torch.is_grad_enabled():
+        return last[3]
     source = x
     found = kernels.activation_range(x)                                     # bf16: sdlite's kernel, else None
     if found is None:
@@ -228,7 +230,7 @@ def quantize_activation(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, f
     if q is None:
         q = (x * (1.0 / scale)).add_(zero_point + 0.5).clamp_(0.0, top).to(torch.uint8)
     if not torch.is_grad_enabled():
-        _LAST[:] = [source, source._version, bits, (q, scale, zero_point)]
+        _LAST.entry = (source, source._version, bits, (q, scale, zero_point))
     return q, scale, zero_point
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import threading
 
 import torch
 
@@ -97,8 +98,9 @@ def status() -> str:
 _READY = False
 _GEGLU: list = [None]
 _QUANT: list = [None, None]
-# the range of the last tensor a kernel wrote, found while writing it: [tensor, its version, min, max, non-finite]
-_KNOWN: list = [None, -1, 0.0, 0.0, False]
+# the range of the last tensor a kernel wrote in this thread, found while writing it, as .entry = (tensor, its
+# version, min, max, non-finite)
+_KNOWN = threading.local()
 
 
 def available() -> bool:
@@ -203,7 +205,7 @@ def geglu_epilogue(value: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor |
         if code != 0:
             raise RuntimeError(f"sdlite's bf16 GEGLU kernel failed (code {code}) on {tuple(value.shape)}")
         # the int8 layer that reads it next (the feed-forward's output projection) skips its min/max pass
-        _KNOWN[:] = [value, value._version, float(seen[0]), float(seen[1]), bool(seen[2])]
+        _KNOWN.entry = (value, value._version, float(seen[0]), float(seen[1]), bool(seen[2]))
         return value
     if bias is not None:
         value, gate = value + bias[:half].to(value.dtype), gate + bias[half:].to(gate.dtype)
@@ -238,9 +240,10 @@ def activation_range(x: torch.Tensor) -> tuple[float, float] | None:
     if not enabled or x.dtype is not torch.bfloat16 or x.device.type != "cpu" or x.numel() == 0 or not _dense(x) \
             or torch.compiler.is_compiling() or not available():
         return None
-    if _KNOWN[0] is x and _KNOWN[1] == x._version:
-        code, out = (3 if _KNOWN[4] else 0), _KNOWN[2:4]
-        _KNOWN[0] = None
+    known = getattr(_KNOWN, "entry", None)
+    if known is not None and known[0] is x and known[1] == x._version:
+        code, out = (3 if known[4] else 0), known[2:4]
+        _KNOWN.entry = None
     else:
         out = (ctypes.c_float * 2)()
         code = _QUANT[0](x.data_ptr(), x.numel(), out, torch.get_num_threads())
