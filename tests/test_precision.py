@@ -133,6 +133,16 @@ def test_auto_keeps_small_models_exact():
     assert Engine.load(model_path()).precision.label == "exact (auto)"
 
 
+def lowest_demo_psnr(exact: Engine, other: Engine) -> float:
+    """The lowest PSNR of 8 seeds (100-107), ``other`` against ``exact``, at the demo's defaults."""
+    worst = float("inf")
+    for seed in range(8):
+        r = Request(DEFAULT_PROMPT, seed=100 + seed, steps=DEFAULT_STEPS, cfg_scale=DEFAULT_CFG)
+        a, b = (np.asarray(e.generate(r).images[0]) for e in (exact, other))
+        worst = min(worst, psnr(a, b))
+    return worst
+
+
 def test_bf16_stays_inside_the_quality_bound_on_the_demo(demo_engines):
     """The lowest PSNR of 8 seeds, bf16 (what auto gives full-size models on this CPU) against exact, at the demo's
     defaults. A CPU that cannot run bf16 refuses it."""
@@ -141,11 +151,7 @@ def test_bf16_stays_inside_the_quality_bound_on_the_demo(demo_engines):
         with pytest.raises(PrecisionError):
             Engine.load(model_path(), precision="bf16")
         return
-    worst = float("inf")
-    for seed in range(8):
-        r = Request(DEFAULT_PROMPT, seed=100 + seed, steps=DEFAULT_STEPS, cfg_scale=DEFAULT_CFG)
-        a, b = (np.asarray(e.generate(r).images[0]) for e in (exact, bf16))
-        worst = min(worst, psnr(a, b))
+    worst = lowest_demo_psnr(exact, bf16)
     print(f"demo, bf16 against exact: lowest PSNR of 8 seeds {worst:.1f} dB")
     assert DEMO_BOUND_DB <= worst < float("inf")
 
@@ -169,11 +175,7 @@ def test_bf16_int8_stays_inside_the_quality_bound_on_the_demo(demo_engines):
         return
     unet = mixed.models.get("unet")
     assert sum(isinstance(m, (Int8Conv2d, Int8Linear)) for m in unet.modules()) > 20 and unet.dtype == torch.bfloat16
-    worst = float("inf")
-    for seed in range(8):
-        r = Request(DEFAULT_PROMPT, seed=100 + seed, steps=DEFAULT_STEPS, cfg_scale=DEFAULT_CFG)
-        a, b = (np.asarray(e.generate(r).images[0]) for e in (exact, mixed))
-        worst = min(worst, psnr(a, b))
+    worst = lowest_demo_psnr(exact, mixed)
     print(f"demo, bf16-int8 against exact: lowest PSNR of 8 seeds {worst:.1f} dB")
     assert FORCED_INT8_DEMO_DB <= worst < float("inf")
 

@@ -315,6 +315,20 @@ def bf16_support(cpu: CPUInfo | None = None) -> str:
     return "emulated" if cpu.avx512 else "none"
 
 
+def bf16_int8_problem(cpu: CPUInfo | None = None) -> str | None:
+    """Why the bf16-int8 precision cannot run on ``cpu`` (None: this machine, its int8 kernels probed too), ending
+    with what to use instead; None where it can: it needs native bf16 and exact 8-bit int8 products (VNNI or AMX)."""
+    bits = int8_activation_bits(None if cpu is None or cpu is this_cpu() else cpu)
+    cpu = this_cpu() if cpu is None else cpu
+    capped = f" under ONEDNN_MAX_CPU_ISA={cpu.onednn_cap}" if cpu.onednn_cap else ""
+    if bf16_support(cpu) != "native":
+        return (f"needs native bf16 dot products (avx512_bf16, amx_bf16), and this CPU{capped} has none: use int8 or "
+                "exact")
+    if bits != 8:
+        return f"needs exact 8-bit int8 products (VNNI or AMX), and this CPU{capped} has neither: use bf16 or exact"
+    return None
+
+
 def quantize_notes(cpu: CPUInfo | None = None, saturates: bool | None = None) -> dict[str, str]:
     """mode -> how it runs on this CPU (for ``sdlite info --system``)."""
     if cpu is None:
@@ -505,9 +519,10 @@ def system_report(cpu: CPUInfo | None = None) -> list[str]:
                  f"as here, {here[1]}")
     saturates = int8_saturates() if cpu is this_cpu() else None
     lines.append(f"int8:        {int8_bits_reason(cpu, saturates)}")
+    notes = quantize_notes(cpu, saturates)
     usable = [m for m in QUANTIZE_MODES if ("bf16" not in m or bf16_support(cpu) != "none")
-              and not (m == "bf16-int8" and "REFUSED" in quantize_notes(cpu, saturates)[m])]
+              and not (m == "bf16-int8" and "REFUSED" in notes[m])]
     lines.append("quantize:    " + ", ".join(usable) + " available")
-    for mode, note in quantize_notes(cpu, saturates).items():
+    for mode, note in notes.items():
         lines.append(f"  {mode:<11}{note}")
     return lines

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SDLiteError
-from .cpu import BF16_FLAGS, CPUInfo, bf16_support, int8_activation_bits, this_cpu
+from .cpu import BF16_FLAGS, CPUInfo, bf16_int8_problem, bf16_support, this_cpu
 from .quant import BF16Warning, check_quantize_mode
 
 PRECISIONS = {
@@ -122,7 +122,7 @@ def auto_choice(device: str | torch.device = "cpu", cpu: CPUInfo | None = None, 
         return "exact", (f"a small UNet ({spec.unet.block_channels[0]} channels at its first level, under "
                          f"{MIN_BF16_CHANNELS}): bf16's conversions cost more than its kernels save (the demo: "
                          "0.21 s a 20-step image in bf16, 0.16 s in fp32)")
-    if cpu.native_bf16 and int8_activation_bits(None if here else cpu) == 8 and not (spec is not None and spec.is_x4_upscaler) \
+    if bf16_int8_problem(None if here else cpu) is None and not (spec is not None and spec.is_x4_upscaler) \
             and _kernels_run(cpu, here):
         return "bf16-int8", (BF16_INT8_WHY)
     if cpu.native_bf16:
@@ -190,15 +190,9 @@ def resolve(name: str = "auto", device: str | torch.device = "cpu", cpu: CPUInfo
 
 
 def _check_bf16_int8(cpu: CPUInfo | None) -> None:
-    bits = int8_activation_bits(None if cpu is None or cpu is this_cpu() else cpu)   # this machine: probed too
-    cpu = cpu or this_cpu()
-    capped = f" under ONEDNN_MAX_CPU_ISA={cpu.onednn_cap}" if cpu.onednn_cap else ""
-    if bf16_support(cpu) != "native":
-        raise PrecisionError(f"precision 'bf16-int8' needs native bf16 dot products (avx512_bf16, amx_bf16), and this "
-                             f"CPU{capped} has none: use int8 or exact (or auto)")
-    if bits != 8:
-        raise PrecisionError(f"precision 'bf16-int8' needs exact 8-bit int8 products (VNNI or AMX), and this "
-                             f"CPU{capped} has neither: use bf16 or exact (or auto)")
+    problem = bf16_int8_problem(cpu)
+    if problem:
+        raise PrecisionError(f"precision 'bf16-int8' {problem} (or auto)")
 
 
 def _check_bf16(cpu: CPUInfo | None) -> None:

@@ -97,7 +97,7 @@ from torch import nn
 
 from ..errors import SDLiteError
 from ..kernels import bf16 as kernels
-from .cpu import bf16_support, int8_activation_bits, this_cpu
+from .cpu import bf16_int8_problem, bf16_support, int8_activation_bits, this_cpu
 
 QUANTIZE_MODES = {
     "none": "fp32 weights and compute (no change)",
@@ -167,14 +167,9 @@ def check_quantize_supported(mode) -> str:
 
 
 def _check_bf16_int8() -> str:
-    cpu = this_cpu()
-    capped = f" under ONEDNN_MAX_CPU_ISA={cpu.onednn_cap}" if cpu.onednn_cap else ""
-    if bf16_support() != "native":
-        raise QuantizeError(f"bf16-int8 needs native bf16 dot products (avx512_bf16, amx_bf16), and this CPU{capped} "
-                            "has none: use int8 or exact")
-    if int8_activation_bits() != 8:
-        raise QuantizeError(f"bf16-int8 needs exact 8-bit int8 products (VNNI or AMX), and this CPU{capped} has "
-                            "neither: use bf16 or int8")
+    problem = bf16_int8_problem()
+    if problem:
+        raise QuantizeError(f"bf16-int8 {problem}")
     return "native"
 
 

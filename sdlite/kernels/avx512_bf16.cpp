@@ -252,13 +252,12 @@ extern "C" int sdl_attention_bf16(const uint16_t* q, const uint16_t* k, const ui
 
 namespace {
 
-inline __m512 load_bf16(const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
+// 16 bf16 values (as loaded) to fp32
+inline __m512 widen(__m256i raw) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)); }
 
-inline __m512 load_bf16_masked(const uint16_t* p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
+inline __m512 load_bf16(const uint16_t* p) { return widen(_mm256_loadu_si256((const __m256i*)p)); }
+
+inline __m512 load_bf16_masked(const uint16_t* p, __mmask16 m) { return widen(_mm256_maskz_loadu_epi16(m, p)); }
 
 // erf by Abramowitz & Stegun 7.1.26 (absolute error below 1.5e-7)
 inline __m512 erf_ps(__m512 x) {
@@ -282,17 +281,33 @@ inline __m512 geglu_ps(__m512 v, __m512 g) {
     return _mm512_mul_ps(v, _mm512_mul_ps(half_g, cdf));
 }
 
-// the range of what was written, when asked: the stored bf16 values, so that it equals a min/max pass over them
+// The range of bf16 values seen (the GEGLU epilogue's output as stored, an int8 layer's input), written as
+// {min, max, 1 if one was infinite or NaN else 0}.
 struct Range {
     __m512 lo = _mm512_set1_ps(INFINITY), hi = _mm512_set1_ps(-INFINITY);
     __mmask16 nonfinite = 0;
-    inline void add(__m256i stored, __mmask16 m) {
-        const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(stored), 16));
+    inline void add(__m256i raw, __mmask16 m) {
+        const __m512 w = widen(raw);
         lo = _mm512_mask_min_ps(lo, m, lo, w);
         hi = _mm512_mask_max_ps(hi, m, hi, w);
         nonfinite |= _mm512_mask_fpclass_ps_mask(m, w, 0x99);  // QNaN, SNaN, +inf, -inf
     }
+    inline void store(float* out) const {
+        out[0] = _mm512_reduce_min_ps(lo);
+        out[1] = _mm512_reduce_max_ps(hi);
+        out[2] = nonfinite ? 1.f : 0.f;
+    }
 };
+
+// one range of `n` per-thread ones (each as Range::store writes it)
+inline void merge_ranges(const float* parts, int n, float* out) {
+    out[0] = INFINITY, out[1] = -INFINITY, out[2] = 0.f;
+    for (int t = 0; t < n; ++t) {
+        out[0] = std::min(out[0], parts[3 * t]);
+        out[1] = std::max(out[1], parts[3 * t + 1]);
+        out[2] = std::max(out[2], parts[3 * t + 2]);
+    }
+}
 
 void geglu_rows(uint16_t* v, const uint16_t* g, const uint16_t* bv, const uint16_t* bg, int64_t r0, int64_t r1,
                 int64_t cols, int64_t ldv, int64_t ldg, float* range) {
@@ -319,11 +334,7 @@ void geglu_rows(uint16_t* v, const uint16_t* g, const uint16_t* bv, const uint16
             if (range) seen.add(out, tail);
         }
     }
-    if (range) {
-        range[0] = _mm512_reduce_min_ps(seen.lo);
-        range[1] = _mm512_reduce_max_ps(seen.hi);
-        range[2] = seen.nonfinite ? 1.f : 0.f;
-    }
+    if (range) seen.store(range);
 }
 
 }  // namespace
@@ -346,14 +357,7 @@ extern "C" int sdl_geglu_bf16(uint16_t* v, const uint16_t* g, const uint16_t* bv
         pool.emplace_back(geglu_rows, v, g, bv, bg, rows * t / threads, rows * (t + 1) / threads, cols, ldv, ldg,
                           range ? parts.data() + 3 * t : nullptr);
     for (auto& th : pool) th.join();
-    if (range) {
-        range[0] = INFINITY, range[1] = -INFINITY, range[2] = 0.f;
-        for (int t = 0; t < threads; ++t) {
-            range[0] = std::min(range[0], parts[3 * t]);
-            range[1] = std::max(range[1], parts[3 * t + 1]);
-            range[2] = std::max(range[2], parts[3 * t + 2]);
-        }
-    }
+    if (range) merge_ranges(parts.data(), threads, range);
     return 0;
 }
 
@@ -366,35 +370,15 @@ extern "C" int sdl_geglu_bf16(uint16_t* v, const uint16_t* g, const uint16_t* bv
 
 namespace {
 
-inline bool nonfinite_any(__m256i raw) {  // a bf16 with all exponent bits set: inf or NaN
-    const __m256i e = _mm256_and_si256(raw, _mm256_set1_epi16(0x7F80));
-    return _mm256_movemask_epi8(_mm256_cmpeq_epi16(e, _mm256_set1_epi16(0x7F80))) != 0;
-}
-
-inline __m512 widen(__m256i raw) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)); }
-
-void minmax_range(const uint16_t* x, int64_t i0, int64_t i1, float* lo, float* hi, int* bad) {
-    __m512 mn = _mm512_set1_ps(INFINITY), mx = _mm512_set1_ps(-INFINITY);
-    int nonfinite = 0;
+void minmax_range(const uint16_t* x, int64_t i0, int64_t i1, float* out) {
+    Range seen;
     int64_t i = i0;
-    for (; i + 16 <= i1; i += 16) {
-        const __m256i raw = _mm256_loadu_si256((const __m256i*)(x + i));
-        nonfinite |= nonfinite_any(raw);
-        const __m512 v = widen(raw);
-        mn = _mm512_min_ps(mn, v);
-        mx = _mm512_max_ps(mx, v);
-    }
+    for (; i + 16 <= i1; i += 16) seen.add(_mm256_loadu_si256((const __m256i*)(x + i)), 0xFFFF);
     if (i < i1) {
         const __mmask16 m = (__mmask16)((1u << (i1 - i)) - 1);
-        const __m256i raw = _mm256_maskz_loadu_epi16(m, x + i);
-        nonfinite |= nonfinite_any(raw);
-        const __m512 v = widen(raw);
-        mn = _mm512_mask_min_ps(mn, m, mn, v);
-        mx = _mm512_mask_max_ps(mx, m, mx, v);
+        seen.add(_mm256_maskz_loadu_epi16(m, x + i), m);
     }
-    *lo = _mm512_reduce_min_ps(mn);
-    *hi = _mm512_reduce_max_ps(mx);
-    *bad = nonfinite;
+    seen.store(out);
 }
 
 void quantize_range(const uint16_t* x, uint8_t* q, int64_t i0, int64_t i1, float inv, float add, float top) {
@@ -414,10 +398,15 @@ void quantize_range(const uint16_t* x, uint8_t* q, int64_t i0, int64_t i1, float
     }
 }
 
-// splits [0, n) into `threads` 64-aligned ranges and runs fn(t, begin, end) on each
+// how many of `threads` split() uses for n values (at least 32768 each)
+inline int split_threads(int64_t n, int threads) {
+    return (int)std::max<int64_t>(1, std::min<int64_t>(threads, n / 32768 + 1));
+}
+
+// splits [0, n) into split_threads(n, threads) 64-aligned ranges and runs fn(t, begin, end) on each
 template <class F>
 void split(int64_t n, int threads, F fn) {
-    threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, n / 32768 + 1));
+    threads = split_threads(n, threads);
     if (threads == 1) {
         fn(0, 0, n);
         return;
@@ -436,14 +425,13 @@ void split(int64_t n, int threads, F fn) {
 // value is infinite or NaN (range then undefined).
 extern "C" int sdl_minmax_bf16(const uint16_t* x, int64_t n, float* range, int threads) {
     if (n < 1) return 1;
-    std::vector<float> lo(std::max(threads, 1), INFINITY), hi(std::max(threads, 1), -INFINITY);
-    std::vector<int> bad(std::max(threads, 1), 0);
-    split(n, threads, [&](int t, int64_t b, int64_t e) { minmax_range(x, b, e, &lo[t], &hi[t], &bad[t]); });
-    range[0] = *std::min_element(lo.begin(), lo.end());
-    range[1] = *std::max_element(hi.begin(), hi.end());
-    for (int b : bad)
-        if (b) return 3;
-    return 0;
+    const int used = split_threads(n, threads);
+    std::vector<float> parts(3 * used);
+    split(n, used, [&](int t, int64_t b, int64_t e) { minmax_range(x, b, e, parts.data() + 3 * t); });
+    float merged[3];
+    merge_ranges(parts.data(), used, merged);
+    range[0] = merged[0], range[1] = merged[1];
+    return merged[2] != 0.f ? 3 : 0;
 }
 
 // q[i] = uint8(clamp(x[i] * inv + add, 0, top)) (truncated, so add carries the zero point + 0.5 of round half up)

@@ -230,15 +230,18 @@ def geglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
 # --- int8 activations -------------------------------------------------------------------------------------------
 
 
-def _dense(x: torch.Tensor) -> bool:
-    return x.is_contiguous() or (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))
+def _quantizes(x: torch.Tensor) -> bool:
+    """Whether the range and code kernels take ``x``: a non-empty dense (contiguous or channels-last) bf16 CPU tensor,
+    eager, on a CPU that runs them."""
+    return enabled and x.dtype is torch.bfloat16 and x.device.type == "cpu" and x.numel() > 0 \
+        and (x.is_contiguous() or (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))) \
+        and not torch.compiler.is_compiling() and available()
 
 
 def activation_range(x: torch.Tensor) -> tuple[float, float] | None:
     """(min, max) of a dense bf16 CPU tensor in one pass; None where the kernel does not apply. A non-finite value
     is a FloatingPointError, as in :func:`sdlite.engine.quant.quantize_activation`."""
-    if not enabled or x.dtype is not torch.bfloat16 or x.device.type != "cpu" or x.numel() == 0 or not _dense(x) \
-            or torch.compiler.is_compiling() or not available():
+    if not _quantizes(x):
         return None
     known = getattr(_KNOWN, "entry", None)
     if known is not None and known[0] is x and known[1] == x._version:
@@ -257,8 +260,7 @@ def activation_range(x: torch.Tensor) -> tuple[float, float] | None:
 def activation_codes(x: torch.Tensor, inv_scale: float, add: float, top: float) -> torch.Tensor | None:
     """``uint8(clamp(x * inv_scale + add, 0, top))`` (truncated) of a dense bf16 CPU tensor, in ``x``'s memory format;
     None where the kernel does not apply."""
-    if not enabled or x.dtype is not torch.bfloat16 or x.device.type != "cpu" or x.numel() == 0 or not _dense(x) \
-            or torch.compiler.is_compiling() or not available():
+    if not _quantizes(x):
         return None
     q = torch.empty_like(x, dtype=torch.uint8)
     code = _QUANT[1](x.data_ptr(), q.data_ptr(), x.numel(), inv_scale, add, top, torch.get_num_threads())
