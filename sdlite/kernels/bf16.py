@@ -28,7 +28,8 @@ import torch
 from . import build
 
 NAME = "avx512_bf16"
-ISA_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma")
+# -fopenmp: the kernels run on PyTorch's OpenMP threads (see parallel() in the source)
+ISA_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp")
 MAX_HEAD_DIM = 512
 REQUIRED = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 # below this much work (batch x heads x queries x keys x head dim) PyTorch's kernel is as fast or faster (the call and
