@@ -82,20 +82,34 @@ def test_attention_matches_fp32_as_closely_as_pytorchs_bf16_kernel(shape):
     assert (ours.float() - ref).abs().max() <= 2 * (torch_bf16.float() - ref).abs().max() + 1e-3
 
 
-def test_attention_threads_do_not_change_the_result():
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+def test_thread_counts_do_not_change_any_kernels_result(threads):
+    """Every kernel splits its work over PyTorch's OpenMP threads (torch.set_num_threads); 1, 2, an odd 3 and more
+    threads than cores give the same bits as one thread: each query row, GEGLU row and value is computed by one
+    thread the same way, and every part of the work is done once (the min/max of a split is merged)."""
     q, k, v = _qkv(2, 3, 300, 200, 40)
+    g = torch.Generator().manual_seed(3)
+    value, gate = torch.randn(3001, 320, generator=g).bfloat16(), torch.randn(3001, 320, generator=g).bfloat16()
+    x = (torch.randn(2, 64, 33, 31, generator=g) * 3).bfloat16().contiguous(memory_format=torch.channels_last)
+    x[1, 5, 30, 30] = 40.0                                        # the maximum, in the last thread's part
+
+    def results():
+        return (kattn.attend(q, k, v), kattn.geglu_epilogue(value.clone(), gate, None), kattn.activation_range(x),
+                kattn.activation_codes(x, 2.5, 128.5, 255.0))
+
     if not RUNS_HERE:
-        assert kattn.attend(q, k, v) is None
+        assert results()[0] is None and results()[2] is None
         return
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = kattn.attend(q, k, v)
-        torch.set_num_threads(max(2, before))
-        more = kattn.attend(q, k, v)
+        one = results()
+        torch.set_num_threads(threads)
+        more = results()
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(one, more)  # each query row is computed by one thread, the same way
+    assert torch.equal(one[0], more[0]) and torch.equal(one[1], more[1]) and torch.equal(one[3], more[3])
+    assert one[2] == more[2] == (x.min().item(), 40.0)
 
 
 def test_attention_layer_in_bf16_uses_it_and_stays_close_to_fp32(monkeypatch):
@@ -155,6 +169,31 @@ PROBE = """
     print("USED" if out is not None else "FALLBACK", kattn.status())
     print("COMPILED", build.COMPILES)
 """
+
+
+def test_kernels_share_pytorchs_openmp_runtime():
+    """The kernel library binds to the OpenMP runtime PyTorch loaded (libgomp.so.1) rather than loading a second
+    one whose threads would compete with PyTorch's (which spin for a while after every operator)."""
+    got = _run("""
+        import torch
+        def gomp():
+            return sorted({line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line})
+        before = gomp()
+        from sdlite.kernels import bf16 as kattn
+        q = torch.randn(2, 2, 512, 40).bfloat16()
+        print("USED" if kattn.attend(q, q, q) is not None else "FALLBACK")
+        print("BEFORE", before)
+        print("AFTER", gomp())
+        library = [line.split()[-1] for line in open("/proc/self/maps") if "avx512_bf16-" in line]
+        data = open(library[0], "rb").read() if library else b""
+        print("LINKED", b"libgomp.so.1" in data and b"GOMP_parallel" in data)
+    """, {})
+    assert got.returncode == 0, got.stderr
+    lines = dict(line.split(" ", 1) for line in got.stdout.splitlines() if " " in line)
+    assert ("USED" in got.stdout) == RUNS_HERE, got.stdout
+    assert "libgomp" in lines["BEFORE"], got.stdout              # this project's PyTorch (the pip CPU build) uses it
+    assert lines["AFTER"] == lines["BEFORE"], got.stdout
+    assert lines["LINKED"] == str(RUNS_HERE), got.stdout          # the kernels' threads are OpenMP's, not their own
 
 
 def test_build_is_cached_across_processes(tmp_path):
