@@ -30,17 +30,16 @@ OpenVINO's PERFORMANCE / ACCURACY execution modes:
   0.16 s).
 
 Why ``auto`` takes bf16-int8 and never int8 (``python bench/precision.py all``: SD 1.5 UNet, 512x512, batch 2, each
-precision in its own process, 2-core Zen 4 with AVX512-VNNI and AVX512-BF16): one step takes 5.58 s in exact
-(prepacked fp32, Winograd), 2.33 s in bf16 (with sdlite's bf16 kernels), 1.86 s in bf16-int8 and 3.03 s in int8; the
-step's output is at 40.3 dB (bf16), 33.0 dB (bf16-int8) and 30.8 dB (int8) against exact. The images are what the
-bound is about: bf16-int8's lowest PSNR of 8 seeds against exact is 48.0 dB (SD 1.5, 256x256) and 48.3 dB (SDXL).
+precision in its own process, 2-core Zen 4 with AVX512-VNNI and AVX512-BF16): one step takes 5.50 s in exact
+(prepacked fp32, Winograd), 2.22 s in bf16 (with sdlite's bf16 kernels), 1.50 s in bf16-int8 and 3.04 s in int8; the
+step's output is at 40.2 dB (bf16), 33.0 dB (bf16-int8) and 30.8 dB (int8) against exact. The images are what the
+bound is about: bf16-int8's lowest PSNR of 8 seeds against exact is 47.9 dB (SD 1.5, 256x256) and 48.1 dB (SDXL).
 int8 keeps fp32 between its layers and in the decoder, so it is slower than both. Without VNNI int8 activations
 use 7 bits (twice as coarse, about 6 dB lower again): such a CPU gets ``exact``, which is never slower than before
 this policy existed.
 
-Whole generations (``bench/openvino.py``, 512x512, 20 steps, medians of 3): exact 120.8 s, bf16-int8 41.3 s (bf16
-51.4 s before it; 73.7 s on PyTorch's kernels alone), against OpenVINO's default 45.2 s on the same machine; the
-bf16-int8 image is at 48.0 dB against exact's.
+Whole generations (``bench/openvino.py``, 512x512, 20 steps, medians of 3): exact 116.5 s, bf16-int8 35.4 s, against
+OpenVINO's default 45.3 s on the same machine (0.78x); the bf16-int8 image is at 48.0 dB against exact's.
 """
 from __future__ import annotations
 
@@ -66,8 +65,8 @@ PRECISIONS = {
 PRECISION_CHOICES = tuple(PRECISIONS)
 # why auto takes bf16-int8 (bench/precision.py, bench/openvino.py; BENCHMARKS.md)
 BF16_INT8_WHY = ("native bf16 dot products and VNNI (8-bit int8 products), and sdlite's AVX512-BF16 kernels: bf16 "
-                 "with the UNet's heaviest layers in int8 (a 512x512 SD 1.5 image: 41.3 s against bf16's 51.4 s and "
-                 "exact's 120.8 s) at >= 40 dB against exact (48.0 dB)")
+                 "with the UNet's heaviest layers in int8 (a 512x512 SD 1.5 image: 35.4 s against exact's 116.5 s, "
+                 "OpenVINO's default 45.3 s) at >= 40 dB against exact (48.0 dB)")
 # auto keeps a UNet narrower than this at its first level (the demo's: 32) in fp32, where bf16 does not pay;
 # every Stable Diffusion family has 320
 MIN_BF16_CHANNELS = 128
@@ -127,8 +126,8 @@ def auto_choice(device: str | torch.device = "cpu", cpu: CPUInfo | None = None, 
         return "bf16-int8", (BF16_INT8_WHY)
     if cpu.native_bf16:
         flags = ", ".join(f for f in BF16_FLAGS if cpu.has(f))
-        return "bf16", (f"native bf16 dot products ({flags}): the UNet and VAE in bf16 run about 2.3x faster than "
-                        "fp32 (a 512x512 SD 1.5 image: 51.4 s against 119.8 s; 1.6x without sdlite's bf16 kernels) "
+        return "bf16", (f"native bf16 dot products ({flags}): the UNet and VAE in bf16 run about 2.4x faster than "
+                        "fp32 (a 512x512 SD 1.5 image: 47-50 s against 116.5 s; 1.6x without sdlite's bf16 kernels) "
                         "at >= 40 dB against it")
     if cpu.avx512:
         return "exact", ("AVX-512 without native bf16: bf16 would be emulated (2.5-3x slower than fp32) and int8 "
