@@ -6,8 +6,11 @@
    layers with oneDNN-prepacked weights (sdlite.engine.packing), in GFLOP/s (median of 5). The best figure is
    taken as this machine's attainable fp32 peak.
 2. One UNet step (batch 2, cfg on) on the full-size checkpoint of bench/checkpoint.py, profiled with plain and
-   with prepacked weights, and (on CPUs with native bf16) in bf16 with PyTorch's and with sdlite's attention kernel:
-   time, FLOPs and GFLOP/s per kind of work (convolution, linear, attention, the rest).
+   with prepacked weights, and (on CPUs with native bf16) in bf16 with PyTorch's and with sdlite's attention kernel,
+   and (where it runs: native bf16 and VNNI/AMX) in bf16-int8: time, FLOPs and GFLOP/s per kind of work (convolution,
+   linear, attention, the rest). bf16-int8's int8 layers are measured against the bf16 peak too, so they can pass
+   100%; its activation quantization and GEGLU epilogue are sdlite's kernels called outside PyTorch's dispatcher, in
+   the wall time but not in the table.
 Prints markdown.
 """
 from __future__ import annotations
@@ -27,13 +30,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from sdlite.engine.cpu import this_cpu  # noqa: E402
+from sdlite.engine.cpu import bf16_int8_problem, this_cpu  # noqa: E402
 from sdlite.engine.packing import PackedConv2d, PackedLinear, prepack_model  # noqa: E402
+from sdlite.engine.quant import quantize_model  # noqa: E402
 from sdlite.kernels import bf16 as attention_kernel  # noqa: E402
 
 KINDS = {
-    "convolution": ("aten::mkldnn_convolution", "mkldnn::_convolution_pointwise", "aten::convolution_overrideable"),
-    "linear": ("aten::addmm", "aten::mm", "mkldnn::_linear_pointwise"),
+    "convolution": ("aten::mkldnn_convolution", "mkldnn::_convolution_pointwise", "aten::convolution_overrideable",
+                    "onednn::qconv_pointwise"),
+    "linear": ("aten::addmm", "aten::mm", "mkldnn::_linear_pointwise", "onednn::qlinear_pointwise"),
     "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::bmm", "aten::baddbmm",
                   "aten::_softmax", "sdlite::attention_bf16"),
 }
@@ -119,13 +124,20 @@ def unet_profile(size: int, peak: float) -> list[str]:
             configs.append((f"bf16 channels-last, attention in PyTorch's flash kernel (as a share of the bf16 peak, "
                             f"{bf16:.0f} GFLOP/s: the best 2048^2 bf16 matmul)", "bf16-sdpa", bf16))
             if attention_kernel.available():
-                configs.append(("bf16 channels-last, attention in sdlite's kernel (sdlite auto here)", "bf16", bf16))
+                int8 = bf16_int8_problem() is None
+                configs.append(("bf16 channels-last, attention in sdlite's kernel"
+                                + ("" if int8 else " (sdlite auto here)"), "bf16", bf16))
+                if int8:
+                    configs.append(("bf16-int8, the 3x3 convolutions and transformer Linears in int8 (sdlite auto "
+                                    "here; shares of the bf16 peak)", "bf16-int8", bf16))
         for label, change, peak in configs:
             if change == "prepack":
                 unet = prepack_model(unet)
             elif change == "bf16-sdpa":
                 unet = ckpt.load("unet", torch.bfloat16, "cpu").to(memory_format=torch.channels_last)
                 x, ctx = x.to(torch.bfloat16), ctx.to(torch.bfloat16)
+            elif change == "bf16-int8":
+                unet = quantize_model(unet, "bf16-int8")
             attention_kernel.enabled = change != "bf16-sdpa"
             unet(x, t, ctx)  # warm-up
             with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
