@@ -379,10 +379,6 @@ extern "C" int sdl_geglu_bf16(uint16_t* v, const uint16_t* g, const uint16_t* bv
                               int64_t cols, int64_t ldv, int64_t ldg, float* range, int threads) {
     if (rows < 1 || cols < 1 || ldv < cols || ldg < cols) return 1;
     threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, rows * cols / 65536 + 1));
-    if (threads == 1) {
-        geglu_rows(v, g, bv, bg, 0, rows, cols, ldv, ldg, range);
-        return 0;
-    }
     std::vector<float> parts(3 * threads);
     parallel(threads, [&](int t) {
         geglu_rows(v, g, bv, bg, rows * t / threads, rows * (t + 1) / threads, cols, ldv, ldg,
@@ -438,10 +434,6 @@ inline int split_threads(int64_t n, int threads) {
 template <class F>
 void split(int64_t n, int threads, F fn) {
     threads = split_threads(n, threads);
-    if (threads == 1) {
-        fn(0, 0, n);
-        return;
-    }
     parallel(threads, [&](int t) {
         fn(t, t == 0 ? 0 : (n * t / threads) & ~63, t == threads - 1 ? n : (n * (t + 1) / threads) & ~63);
     });
