@@ -463,7 +463,7 @@ class Engine:
             plan.vae_dtype == torch.float16 else plan.vae_dtype
         manager = ModelManager(ckpt, memory_mode, dtype, device, weight_dtype=weight_dtype, quantize=quantize,
                                prepack=prepack, vae_dtype=vae_dtype, winograd=winograd, text_dtype=plan.text_dtype,
-                               channels_last=plan.channels_last, compile=compile)
+                               channels_last=plan.channels_last, compile=compile, fp32_kernels=plan.fp32_kernels)
         if memory_mode != 0:
             manager.get("unet")  # resident from the start: the load is part of getting ready
         if ckpt.prediction_source == "unresolved":

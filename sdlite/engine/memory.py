@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import SDLiteError
+from ..kernels.fp32 import use_fp32_kernels
 from ..loader import TEXT_ENCODERS, Checkpoint, StableDiffusion
 from ..models.bert import BertEmbeddings, BertLayer
 from ..models.clip import Embeddings, EncoderLayer
@@ -70,9 +71,11 @@ def trim_heap() -> None:
 
 
 # glibc's mallopt parameters (malloc.h)
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
 # blocks up to this size come from the heap, not from a fresh mmap (glibc's own ceiling for the threshold: 32 MiB on
-# 64-bit); a UNet step's activations are all below it (SD 1.5 at 512^2 in bf16: 21 MiB at most)
+# 64-bit); a bf16 UNet step's activations are all below it (SD 1.5 at 512^2: 21 MiB at most), but fp32 ones are not
+# (42 MiB GEGLU halves, 63 MiB concatenations), so mmap is not used at all (M_MMAP_MAX 0): larger blocks come from
+# the heap too
 HEAP_MMAP_THRESHOLD = 32 << 20
 # free memory at the heap's top is returned only above this (and by trim_heap, which the engine calls after
 # sampling and whenever it frees a network)
@@ -87,14 +90,15 @@ def tune_heap() -> bool:
     back in at the next step: 72,000 page faults (281 MB) in each SD 1.5 512^2 bf16 UNet step, about 0.1 s of its
     2.3 s on a 2-core Zen 4. With a fixed 32 MiB mmap threshold and a 1 GiB trim threshold the steps after the first
     fault nothing (measured: 0) and run 4-6% faster; :func:`trim_heap` still hands the memory back after sampling,
-    so peak and idle memory do not grow."""
+    so peak and idle memory do not grow. Blocks over 32 MiB (fp32 activations at 512^2 and up) would still be fresh
+    mmaps, so mmap is turned off: the exact 512^2 step under the AVX2 cap ran 6.97 s with them, 6.54 s without."""
     global _heap_tuned
     if _heap_tuned:
         return True
     if _LIBC is None or not hasattr(_LIBC, "mallopt"):
         return False
     _heap_tuned = bool(_LIBC.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)) and \
-        bool(_LIBC.mallopt(M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD))
+        bool(_LIBC.mallopt(M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD)) and bool(_LIBC.mallopt(M_MMAP_MAX, 0))
     return _heap_tuned
 
 
@@ -224,7 +228,7 @@ class ModelManager:
                  weight_dtype: torch.dtype | None = None, preloaded: StableDiffusion | None = None,
                  quantize: str = "none", prepack: bool | None = None, vae_dtype: torch.dtype | None = None,
                  winograd: bool | None = None, text_dtype: torch.dtype | None = None, channels_last: bool = False,
-                 compile: bool = False):
+                 compile: bool = False, fp32_kernels: bool = False):
         self.ckpt, self.mode, self.dtype, self.device = ckpt, check_memory_mode(mode), dtype, torch.device(device)
         # the VAE's own compute dtype where it differs (SDXL's VAE decodes in fp32 under half-precision compute)
         self.vae_dtype = vae_dtype
@@ -233,6 +237,9 @@ class ModelManager:
         # the UNet's and VAE's weights channels-last, so that their convolutions (and everything between them) run
         # channels-last end to end (the bf16 precision, sdlite.engine.precision)
         self.channels_last = channels_last
+        # the UNet's, VAE's (and a ControlNet's) attention and GEGLU on sdlite's fp32 kernels (the fp32-fast
+        # precision, sdlite.kernels.fp32)
+        self.fp32_kernels = fp32_kernels
         # the UNet run through torch.compile (engine.compile) where that applies
         if not isinstance(compile, bool):
             raise MemoryModeError(f"compile {compile!r} is not valid: expected True or False")
@@ -306,11 +313,18 @@ class ModelManager:
 
     def _build(self, name: str) -> nn.Module:
         if self._streams_from_file(name):
-            return streamed_model(self.ckpt, name, self.dtype_of(name), self.device)
+            return self._kernels(name, streamed_model(self.ckpt, name, self.dtype_of(name), self.device))
         if self._streams(name):
-            return streamed_model(self.ckpt, name, self.dtype_of(name), self.device, keep_pages=True,
-                                  weight_dtype=self.weight_dtype)
+            return self._kernels(name, streamed_model(self.ckpt, name, self.dtype_of(name), self.device,
+                                                      keep_pages=True, weight_dtype=self.weight_dtype))
         return self._load_whole(name)
+
+    def _kernels(self, name: str, module: nn.Module) -> nn.Module:
+        """``module`` (network ``name``) with its attention and GEGLU marked for sdlite's fp32 kernels where the
+        precision asks for them (the UNet, the VAE and a ControlNet beside the UNet)."""
+        if self.fp32_kernels and name in ("unet", "vae", "controlnet"):
+            use_fp32_kernels(module)
+        return module
 
     def _load_whole(self, name: str) -> nn.Module:
         quantized = name == "unet" and self.quantize != "none"
@@ -328,7 +342,7 @@ class ModelManager:
             module = prepack_model(module)
         if self.channels_last and name in ("unet", "vae"):
             module = module.to(memory_format=torch.channels_last)
-        return module
+        return self._kernels(name, module)
 
     def adapt_like_unet(self, module: nn.Module) -> nn.Module:
         """A network that runs beside the UNet at its shapes (a ControlNet), loaded whole in the UNet's compute dtype,
@@ -342,7 +356,7 @@ class ModelManager:
             module = prepack_model(module)
         if self.channels_last:
             module = module.to(memory_format=torch.channels_last)
-        return module
+        return self._kernels("controlnet", module)
 
     def _prepacks(self, name: str) -> bool:
         """Whether network ``name``'s weights are prepacked: where the rule says so, except a UNet that is compiled

@@ -6,6 +6,10 @@ OpenVINO's PERFORMANCE / ACCURACY execution modes:
 
 * ``exact`` -- fp32 everywhere: the path that matches diffusers (every parity test names it). Prepacked weights
   and Winograd convolutions apply where this CPU gains from them; they reorder sums, they round nothing.
+* ``fp32-fast`` -- fp32 everywhere, as ``exact``, with the UNet's and VAE's attention and GEGLU on sdlite's fused
+  fp32 kernels for AVX2 (:mod:`sdlite.kernels.fp32`): they sum in another order and compute exp and erf by their
+  own polynomials, so the image differs from ``exact``'s by fp32 rounding (BENCHMARKS.md gives its PSNR). Needs AVX2
+  and FMA, and a C++ compiler to build the kernels (without one it runs PyTorch's operations: ``exact``'s numbers).
 * ``bf16`` -- the UNet and the VAE in bf16, channels-last, end to end (norms, attention -- sdlite's fused kernel
   on AVX512-BF16 CPUs (:mod:`sdlite.kernels.bf16`, ~3x PyTorch's flash kernel there), else PyTorch's -- and
   activations too, no fp32 round trips between layers); the text encoders stay fp32 (one pass per generation,
@@ -25,9 +29,10 @@ OpenVINO's PERFORMANCE / ACCURACY execution modes:
   the full-size SD 1.5, >= 35 dB on the demo model; BENCHMARKS.md) on this device: ``fp16`` on a GPU;
   ``bf16-int8`` on a CPU with native bf16, VNNI (or AMX) and sdlite's AVX512-BF16 kernels (``bf16`` for the SD x4
   upscaler, whose int8 quality is not measured, and where memory mode 0 streams the UNet, which int8 layers cannot
-  be); ``bf16`` on other CPUs with native bf16; ``exact`` on any other CPU, and for small UNets (under 128 channels
-  at the first level, the demo's 32), where bf16 is slower than fp32 (a 20-step demo image: 0.21 s against
-  0.16 s).
+  be); ``bf16`` on other CPUs with native bf16; ``fp32-fast`` on CPUs without native bf16 that run sdlite's AVX2
+  kernels; ``exact`` on any other CPU, and for small UNets (under 128 channels at the first level, the demo's 32),
+  where bf16 is slower than fp32 (a 20-step demo image: 0.21 s against 0.16 s) and the fp32 kernels gain nothing
+  (the demo's attention is under their size threshold).
 
 Why ``auto`` takes bf16-int8 and never int8 (``python bench/precision.py all``: SD 1.5 UNet, 512x512, batch 2, each
 precision in its own process, 2-core Zen 4 with AVX512-VNNI and AVX512-BF16): one step takes 5.50 s in exact
@@ -55,6 +60,7 @@ from .quant import BF16Warning, check_quantize_mode
 PRECISIONS = {
     "auto": "the fastest path meeting the quality bound on this device (see `sdlite info --system`)",
     "exact": "fp32 everywhere: the diffusers-exact path",
+    "fp32-fast": "fp32 everywhere, attention and GEGLU on sdlite's fused AVX2 kernels (not bit-exact: fp32 rounding)",
     "bf16": "UNet and VAE in bf16, channels-last end to end; text encoders fp32 (needs native bf16 on a CPU)",
     "int8": "UNet Linear/Conv2d in int8 (weights per channel, activations dynamic), the rest fp32",
     "int8-bf16": "UNet Linear in int8, its convolutions in bf16, the rest fp32",
@@ -67,6 +73,10 @@ PRECISION_CHOICES = tuple(PRECISIONS)
 BF16_INT8_WHY = ("native bf16 dot products and VNNI (8-bit int8 products), and sdlite's AVX512-BF16 kernels: bf16 "
                  "with the UNet's heaviest layers in int8 (a 512x512 SD 1.5 image: 35.4 s against exact's 116.5 s, "
                  "OpenVINO's default 45.3 s) at >= 40 dB against exact (48.0 dB)")
+# why auto takes fp32-fast where there is no native bf16 (bench/precision.py, bench/openvino.py under the AVX2 cap)
+FP32_FAST_WHY = ("no native bf16, and sdlite's fused fp32 kernels for AVX2 run here: fp32 with attention and GEGLU "
+                 "fused (faster than exact, within fp32 rounding of it); bf16 would have no fast kernels and int8 "
+                 "falls below the quality bound")
 # auto keeps a UNet narrower than this at its first level (the demo's: 32) in fp32, where bf16 does not pay;
 # every Stable Diffusion family has 320
 MIN_BF16_CHANNELS = 128
@@ -89,6 +99,7 @@ class Precision:
     quantize: str = "none"        # sdlite.engine.quant's mode for the UNet
     channels_last: bool = False   # UNet and VAE weights (and so their activations) channels-last
     reason: str = ""              # why (for auto: why this one on this device)
+    fp32_kernels: bool = False    # attention and GEGLU on sdlite's fp32 kernels (fp32-fast)
 
     @property
     def label(self) -> str:
@@ -129,6 +140,8 @@ def auto_choice(device: str | torch.device = "cpu", cpu: CPUInfo | None = None, 
         return "bf16", (f"native bf16 dot products ({flags}): the UNet and VAE in bf16 run about 2.4x faster than "
                         "fp32 (a 512x512 SD 1.5 image: 47-50 s against 116.5 s; 1.6x without sdlite's bf16 kernels) "
                         "at >= 40 dB against it")
+    if not small and _fp32_kernels_run(cpu, here):
+        return "fp32-fast", FP32_FAST_WHY
     if cpu.avx512:
         return "exact", ("AVX-512 without native bf16: bf16 would be emulated (2.5-3x slower than fp32) and int8 "
                          "falls below the quality bound; fp32")
@@ -157,6 +170,15 @@ def _kernels_run(cpu: CPUInfo, here: bool) -> bool:
     return kernels.available() if here else True
 
 
+def _fp32_kernels_run(cpu: CPUInfo, here: bool) -> bool:
+    """Whether sdlite's AVX2 fp32 kernels run on ``cpu`` (on this machine: also built and loaded)."""
+    from ..kernels import fp32 as kernels
+
+    if kernels.cpu_problem(cpu) is not None:
+        return False
+    return kernels.available() if here else True
+
+
 def resolve(name: str = "auto", device: str | torch.device = "cpu", cpu: CPUInfo | None = None,
             spec=None) -> Precision:
     """What precision ``name`` means on ``device`` for a model of ``spec`` (None: full size): ``auto`` resolved; a
@@ -172,6 +194,16 @@ def resolve(name: str = "auto", device: str | torch.device = "cpu", cpu: CPUInfo
         return Precision("fp16", requested, torch.float16, torch.float16, torch.float16, reason=reason)
     if chosen == "exact":
         return Precision("exact", requested, fp32, fp32, fp32, reason=reason)
+    if chosen == "fp32-fast":
+        if device.type != "cpu":
+            raise PrecisionError(f"precision 'fp32-fast' runs sdlite's AVX2 CPU kernels; on {device.type} use fp16 "
+                                 "or exact")
+        from ..kernels import fp32 as kernels
+
+        problem = kernels.cpu_problem(cpu)
+        if problem:
+            raise PrecisionError(f"precision 'fp32-fast' needs a CPU with AVX2 and FMA: {problem}; use exact")
+        return Precision("fp32-fast", requested, fp32, fp32, fp32, reason=reason, fp32_kernels=True)
     if chosen == "bf16":
         if device.type == "cpu":
             _check_bf16(cpu)
@@ -248,6 +280,9 @@ def precision_report(cpu: CPUInfo | None = None) -> list[str]:
     if bf16_support(cpu) == "native":
         from ..kernels import bf16 as kernels
         lines.append(f"  bf16 attention and GEGLU: {kernels.status()}")
+    if chosen == "fp32-fast":
+        from ..kernels import fp32 as fp32_kernels
+        lines.append(f"  fp32-fast attention and GEGLU: {fp32_kernels.status()}")
     for name, what in PRECISIONS.items():
         if name == "auto":
             continue

@@ -22,7 +22,6 @@
 // At SD 1.5's (2, 8, 4096, 4096, 40) this runs in 63 ms where it took 77 ms with 128-key blocks, a separate maximum
 // pass, a degree-5 exp2 and a sum per block.
 #include <immintrin.h>
-#include <omp.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -31,21 +30,11 @@
 #include <algorithm>
 #include <vector>
 
+#include "parallel.h"
+
 namespace {
 
-// Runs fn(t) for each t in [0, threads), in parallel on OpenMP's threads. In PyTorch's process that is PyTorch's own
-// pool: this library asks for libgomp.so.1, the name of the one PyTorch has loaded, so the loader binds to it. Threads
-// of a separate pool would compete with PyTorch's, which spin for a while after each operator (measured: 5 ms more
-// on a 68 ms attention call made right after a matmul). A team smaller than asked for runs several t each.
-template <class F>
-void parallel(int threads, F fn) {
-    if (threads <= 1) {
-        fn(0);
-        return;
-    }
-#pragma omp parallel num_threads(threads)
-    for (int t = omp_get_thread_num(); t < threads; t += omp_get_num_threads()) fn(t);
-}
+using sdl::parallel;
 
 constexpr int QB = 64;    // queries per block (a multiple of 4)
 constexpr int KB = 256;   // keys per block (a multiple of 64)

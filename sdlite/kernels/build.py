@@ -1,8 +1,9 @@
 """Compile a kernel's C++ file once into the user's cache folder and load it with ctypes.
 
-The shared library's name carries a hash of the source, the compiler's version line and the flags, so an edited
-kernel, another compiler or other flags build anew and never load a stale library. The build writes to a
-temporary name and renames it into place, so processes building the same kernel at once do not see half a file.
+The shared library's name carries a hash of the source (with the package's headers), the compiler's version line
+and the flags, so an edited kernel, another compiler or other flags build anew and never load a stale library. The
+build writes to a temporary name and renames it into place, so processes building the same kernel at once do not see
+half a file.
 """
 from __future__ import annotations
 
@@ -72,8 +73,10 @@ def kernel_dir() -> Path:
 
 def library_path(name: str, isa_flags: tuple[str, ...], cxx: str) -> Path:
     """Where kernel ``name`` built with these flags by this compiler lives (whether built yet or not)."""
-    source = (Path(__file__).parent / f"{name}.cpp").read_bytes()
-    key = hashlib.sha256(b"\0".join([source, _version(cxx).encode(), " ".join(FLAGS + isa_flags).encode()]))
+    here = Path(__file__).parent
+    # the kernel's source and the package's headers it may include
+    sources = [(here / f"{name}.cpp").read_bytes()] + [h.read_bytes() for h in sorted(here.glob("*.h"))]
+    key = hashlib.sha256(b"\0".join([*sources, _version(cxx).encode(), " ".join(FLAGS + isa_flags).encode()]))
     return kernel_dir() / f"{name}-{key.hexdigest()[:16]}.so"
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import fp32
 from ..kernels.bf16 import attend
 
 
@@ -62,7 +63,11 @@ class Attention(nn.Module):
     most that many tokens, one (batch, head) at a time, so no more than ``slice_tokens x M`` scores exist at
     once. Each query row's result does not depend on the other rows, so slicing changes only fp rounding. Set it
     on a whole model with :func:`sdlite.engine.attention.set_attention_slicing`.
+
+    ``fp32_kernels`` (the ``fp32-fast`` precision; :func:`sdlite.kernels.fp32.use_fp32_kernels`) runs fp32 attention
+    on sdlite's AVX2 kernel instead of PyTorch's, which the ``exact`` path keeps.
     """
+    fp32_kernels = False
 
     def __init__(self, dim: int, heads: int, context_dim: int | None = None, qkv_bias: bool = False):
         super().__init__()
@@ -84,6 +89,8 @@ class Attention(nn.Module):
         s = self.slice_tokens
         if s is None or (n <= s and b * h == 1):
             out = attend(q, k, v)                                       # bf16 on AVX512-BF16: (B, N, C), else None
+            if out is None and self.fp32_kernels:
+                out = fp32.attend(q, k, v)                              # fp32-fast on AVX2: (B, N, C), else None
             if out is None:
                 out = F.scaled_dot_product_attention(q, k, v)          # (B, h, N, D)
                 out = out.transpose(1, 2).reshape(b, n, c)              # (B, N, C)

@@ -12,13 +12,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import UNetConfig
+from ..kernels import fp32
 from ..kernels.bf16 import geglu, geglu_epilogue
 from .layers import (Attention, Downsample, ResnetBlock, TimestepEmbedding, Upsample, norm_silu, residual,
                      timestep_embedding)
 
 
 class GEGLU(nn.Module):
-    """Linear to 2x the inner width, then value * GELU(gate) (Shazeer 2020)."""
+    """Linear to 2x the inner width, then value * GELU(gate) (Shazeer 2020). ``fp32_kernels``: as in
+    :class:`~sdlite.models.layers.Attention`."""
+    fp32_kernels = False
 
     def __init__(self, dim: int, inner: int):
         super().__init__()
@@ -27,6 +30,8 @@ class GEGLU(nn.Module):
     def forward(self, x):
         if type(self.proj) is nn.Linear:   # not a prepacked, quantized or wrapped layer
             fused = geglu(x, self.proj.weight, self.proj.bias)   # bf16 on AVX512-BF16 CPUs: one pass; else None
+            if fused is None and self.fp32_kernels:
+                fused = fp32.geglu(x, self.proj.weight, self.proj.bias)   # fp32-fast on AVX2 CPUs; else None
             if fused is not None:
                 return fused
         elif getattr(self.proj, "split", False):   # int8 (bf16-int8): the halves' products, then one epilogue

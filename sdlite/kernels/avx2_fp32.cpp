@@ -1,0 +1,304 @@
+// sdlite: fp32 kernels for x86 CPUs with AVX2 and FMA (and every AVX-512 CPU), built and loaded by
+// sdlite/kernels/build.py. They serve the fp32-fast precision, never the exact one: they sum in another order and
+// compute exp and erf by their own polynomials, so they do not give PyTorch's bits.
+//
+// sdl_attention_f32: fused (flash) attention in fp32.
+// sdl_geglu_f32: the GEGLU feed-forward's epilogue, (value + bias) * gelu(gate + bias) in one pass.
+//
+// Attention: out = softmax(q k^T * scale) v for each (batch, head), without a mask, block by block with the running
+// ("online") softmax of FlashAttention (Dao et al., 2022), so the N x M scores never exist at once. Everything is
+// fp32: products summed in fp32 FMAs, exp2 by a degree-6 polynomial (relative error ~1.2e-7, an ulp).
+//
+// Why: PyTorch's fp32 flash kernel runs its products as generic GEMM calls on small blocks and its softmax in
+// separate passes; at SD 1.5's 64x64-latent self-attention (head dim 40) it reaches about a third of this CPU's fp32
+// matmul rate under AVX2, and is the largest single cost of a 512x512 step there after the convolutions.
+//
+// Queries run along the vector lanes everywhere, so the softmax needs no horizontal reductions and no masks:
+//   per (batch, head), by the thread that first meets it: K copied to dense rows [key][d], V transposed by key block
+//   [block][d][KB], so that the broadcasts below read memory in order;
+//   Q^T of a block of QB queries, [d][QB], scaled by scale * log2 e as it is copied (scores come out in base 2);
+//   S^T = K_blk Q^T, [key][QB], in register tiles of 4 keys x 24 queries (one key row per broadcast);
+//   per query lane: the block's maximum, alpha = 2^(old max - new max), P^T = 2^(S^T - max) written over S^T, the sum;
+//   O^T = alpha O^T + V_blk^T P^T, [d][QB], in register tiles of 4 head-dim rows x 24 queries;
+//   at the end out = (O^T)^T / sum.
+// Only the keys that exist are computed (no padding to the block: 77 text tokens cost 77 keys).
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "parallel.h"
+
+namespace {
+
+using sdl::parallel;
+
+constexpr int T = 4;      // keys (S^T) or head-dim rows (O^T) of a register tile
+constexpr int L = 3;      // vectors of 8 queries in a register tile
+constexpr int QB = 48;    // queries per block (a multiple of 8 L)
+constexpr int KB = 256;   // keys per block
+
+// lanes [0, n) set, for n in 0..8
+inline __m256i lanes(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// 2^x for x <= 0: 2^(x - round x) by its Taylor polynomial of degree 6 on [-1/2, 1/2] (relative error below 1.2e-7),
+// times 2^round(x) added into the exponent. x is clamped at -125, whose 2^-125 the fp32 sums ignore.
+inline __m256 exp2_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-125.f));
+    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(x, n);
+    __m256 p = _mm256_set1_ps(1.5403530393381609e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+}
+
+struct Problem {
+    const float *q, *k, *v;
+    float* o;
+    int B, H, N, M, D;
+    int64_t qs[3], ks[3], vs[3], os[3];  // element strides of batch, head, token (the last dim is contiguous)
+    float scale;
+};
+
+struct Buffers {
+    float *kp = nullptr, *vt = nullptr, *qt = nullptr, *s = nullptr, *o = nullptr;
+    bool ok = false;
+    Buffers(size_t kp_n, size_t vt_n, size_t qt_n, size_t s_n, size_t o_n) {
+        kp = (float*)aligned_alloc(64, kp_n * 4);
+        vt = (float*)aligned_alloc(64, vt_n * 4);
+        qt = (float*)aligned_alloc(64, qt_n * 4);
+        s = (float*)aligned_alloc(64, s_n * 4);
+        o = (float*)aligned_alloc(64, o_n * 4);
+        ok = kp && vt && qt && s && o;
+    }
+    ~Buffers() { free(kp); free(vt); free(qt); free(s); free(o); }
+};
+
+// acc[i][l] (+)= sum over x < X of a[i][x] * b[x][8 l .. 8 l + 8], for NT rows i whose x-th value is at
+// a + i * as + x and a b row of 8 L floats at b + x * QB: the one register tile of both products.
+// S^T: a = K rows (x: head dim), b = Q^T. O^T: a = V^T rows (x: key), b = P^T.
+template <int NT>
+inline void tile(__m256 (&acc)[T][L], const float* a, int as, const float* b, int X) {
+    for (int x = 0; x < X; ++x) {
+        __m256 bv[L];
+        for (int l = 0; l < L; ++l) bv[l] = _mm256_load_ps(b + (size_t)x * QB + 8 * l);
+        for (int i = 0; i < NT; ++i) {
+            const __m256 av = _mm256_broadcast_ss(a + i * as + x);
+            for (int l = 0; l < L; ++l) acc[i][l] = _mm256_fmadd_ps(av, bv[l], acc[i][l]);
+        }
+    }
+}
+
+// S^T[j0 .. j0 + NT][g] = K[j0 ..] Q^T[.., g] for the query group g (8 L lanes from column g)
+template <int NT>
+inline void s_tile(const float* k, const float* qt, float* s, int D, int j0, int g) {
+    __m256 acc[T][L];
+    for (int i = 0; i < NT; ++i)
+        for (int l = 0; l < L; ++l) acc[i][l] = _mm256_setzero_ps();
+    tile<NT>(acc, k + (size_t)j0 * D, D, qt + g, D);
+    for (int i = 0; i < NT; ++i)
+        for (int l = 0; l < L; ++l) _mm256_store_ps(s + (size_t)(j0 + i) * QB + g + 8 * l, acc[i][l]);
+}
+
+// O^T[d0 .. d0 + NT][g] = alpha O^T + V^T[d0 ..] P^T[:, g] over the block's `cols` keys (vt: the block's V^T)
+template <int NT>
+inline void pv_tile(float* o, const float* vt, const float* p, const float* alpha, int d0, int g, int cols) {
+    __m256 acc[T][L];
+    for (int l = 0; l < L; ++l) {
+        const __m256 al = _mm256_load_ps(alpha + g + 8 * l);
+        for (int i = 0; i < NT; ++i) acc[i][l] = _mm256_mul_ps(al, _mm256_load_ps(o + (size_t)(d0 + i) * QB + g + 8 * l));
+    }
+    tile<NT>(acc, vt + (size_t)d0 * KB, KB, p + g, cols);
+    for (int i = 0; i < NT; ++i)
+        for (int l = 0; l < L; ++l) _mm256_store_ps(o + (size_t)(d0 + i) * QB + g + 8 * l, acc[i][l]);
+}
+
+// runs f.template operator()<NT> over [0, n) in steps of T, the last step NT = n % T
+template <class F>
+inline void tiles(int n, F f) {
+    int i = 0;
+    for (; i + T <= n; i += T) f(std::integral_constant<int, T>(), i);
+    switch (n - i) {
+        case 1: f(std::integral_constant<int, 1>(), i); break;
+        case 2: f(std::integral_constant<int, 2>(), i); break;
+        case 3: f(std::integral_constant<int, 3>(), i); break;
+        default: break;
+    }
+}
+
+// Work items are (batch, head, query block), in that order; one thread runs [begin, end).
+int run(const Problem& a, int64_t begin, int64_t end) {
+    const int D = a.D;
+    const int nkb = (a.M + KB - 1) / KB;
+    const int nqb = (a.N + QB - 1) / QB;
+    Buffers buf((size_t)a.M * D, (size_t)nkb * D * KB, (size_t)D * QB, (size_t)KB * QB, (size_t)D * QB);
+    if (!buf.ok) return 2;
+    alignas(32) float mx[QB], sum[QB], alpha[QB];
+    const float c = a.scale * 1.44269504088896341f;  // scale and ln -> log2
+    int64_t packed = -1;
+    for (int64_t item = begin; item < end; ++item) {
+        const int64_t bh = item / nqb;
+        const int qblock = (int)(item % nqb);
+        const int b = (int)(bh / a.H), h = (int)(bh % a.H);
+        if (bh != packed) {
+            const float* kbase = a.k + b * a.ks[0] + h * a.ks[1];
+            const float* vbase = a.v + b * a.vs[0] + h * a.vs[1];
+            for (int n = 0; n < a.M; ++n) {
+                memcpy(buf.kp + (size_t)n * D, kbase + n * a.ks[2], (size_t)D * 4);
+                const float* vr = vbase + n * a.vs[2];
+                float* vd = buf.vt + (size_t)(n / KB) * D * KB + n % KB;
+                for (int d = 0; d < D; ++d) vd[(size_t)d * KB] = vr[d];
+            }
+            packed = bh;
+        }
+        const int r0 = qblock * QB;
+        const int rows = std::min(QB, a.N - r0);
+        // Q^T, scaled; queries past the last are zero
+        memset(buf.qt, 0, (size_t)D * QB * 4);
+        const float* qbase = a.q + b * a.qs[0] + h * a.qs[1];
+        for (int r = 0; r < rows; ++r) {
+            const float* src = qbase + (r0 + r) * a.qs[2];
+            for (int d = 0; d < D; ++d) buf.qt[(size_t)d * QB + r] = src[d] * c;
+        }
+        memset(buf.o, 0, (size_t)D * QB * 4);
+        for (int i = 0; i < QB; ++i) mx[i] = -INFINITY, sum[i] = 0.f;
+        for (int kb = 0; kb < nkb; ++kb) {
+            const int j0 = kb * KB;
+            const int cols = std::min(KB, a.M - j0);
+            const float* kblk = buf.kp + (size_t)j0 * D;
+            const float* vblk = buf.vt + (size_t)kb * D * KB;
+            tiles(cols, [&](auto nt, int j) {
+                for (int g = 0; g < QB; g += 8 * L) s_tile<decltype(nt)::value>(kblk, buf.qt, buf.s, D, j, g);
+            });
+            // the running softmax, 8 query lanes at a time: new maxima, alpha for what was summed, P^T, the sums
+            for (int g = 0; g < QB; g += 8) {
+                __m256 m = _mm256_set1_ps(-INFINITY);
+                for (int j = 0; j < cols; ++j) m = _mm256_max_ps(m, _mm256_load_ps(buf.s + (size_t)j * QB + g));
+                const __m256 old = _mm256_load_ps(mx + g);
+                m = _mm256_max_ps(m, old);
+                const __m256 al = exp2_nonpositive(_mm256_sub_ps(old, m));
+                __m256 total = _mm256_setzero_ps();
+                for (int j = 0; j < cols; ++j) {
+                    float* sj = buf.s + (size_t)j * QB + g;
+                    const __m256 e = exp2_nonpositive(_mm256_sub_ps(_mm256_load_ps(sj), m));
+                    _mm256_store_ps(sj, e);
+                    total = _mm256_add_ps(total, e);
+                }
+                _mm256_store_ps(mx + g, m);
+                _mm256_store_ps(alpha + g, al);
+                _mm256_store_ps(sum + g, _mm256_fmadd_ps(_mm256_load_ps(sum + g), al, total));
+            }
+            // O^T = alpha O^T + V^T P^T
+            for (int g = 0; g < QB; g += 8 * L)
+                tiles(D, [&](auto nt, int d0) {
+                    pv_tile<decltype(nt)::value>(buf.o, vblk, buf.s, alpha, d0, g, cols);
+                });
+        }
+        float* obase = a.o + b * a.os[0] + h * a.os[1];
+        for (int r = 0; r < rows; ++r) {
+            const float inv = 1.f / sum[r];
+            float* dst = obase + (r0 + r) * a.os[2];
+            for (int d = 0; d < D; ++d) dst[d] = buf.o[(size_t)d * QB + r] * inv;
+        }
+    }
+    return 0;
+}
+
+}  // namespace
+
+// q (B, H, N, D), k and v (B, H, M, D), out (B, H, N, D): fp32, any strides for the first three dims (given in
+// elements as {batch, head, token}), contiguous along D. scale multiplies q k^T. threads: how many to use.
+// Returns 0, 1 for a head dim outside 1..512 or an empty problem, 2 when memory could not be allocated.
+extern "C" int sdl_attention_f32(const float* q, const float* k, const float* v, float* out, int B, int H, int N,
+                                 int M, int D, const int64_t* qs, const int64_t* ks, const int64_t* vs,
+                                 const int64_t* os, float scale, int threads) {
+    if (D < 1 || D > 512 || B < 1 || H < 1 || N < 1 || M < 1) return 1;
+    const Problem a{q, k, v, out, B, H, N, M, D, {qs[0], qs[1], qs[2]}, {ks[0], ks[1], ks[2]}, {vs[0], vs[1], vs[2]},
+                    {os[0], os[1], os[2]}, scale};
+    const int64_t items = (int64_t)B * H * ((N + QB - 1) / QB);
+    threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, items));
+    std::vector<int> status(threads, 0);
+    parallel(threads, [&](int t) { status[t] = run(a, items * t / threads, items * (t + 1) / threads); });
+    for (int s : status)
+        if (s) return s;
+    return 0;
+}
+
+// --- GEGLU ----------------------------------------------------------------------------------------------------------
+//
+// PyTorch runs value * gelu(gate) of a GEGLU over a (tokens, 2F) bias-added product as a bias copy, a gelu over a
+// strided half and a multiply: three passes over the largest activations of the UNet's transformers, each into a
+// freshly allocated tensor. Here the two halves' products arrive without bias (two plain GEMMs) and one pass adds
+// the biases, applies the exact (erf) GELU and multiplies, in place.
+
+namespace {
+
+// erf by Abramowitz & Stegun 7.1.26 (absolute error below 1.5e-7)
+inline __m256 erf_ps(__m256 x) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    const __m256 ax = _mm256_andnot_ps(sign, x);
+    const __m256 t = _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_fmadd_ps(ax, _mm256_set1_ps(0.3275911f), _mm256_set1_ps(1.f)));
+    __m256 y = _mm256_set1_ps(1.061405429f);
+    y = _mm256_fmadd_ps(y, t, _mm256_set1_ps(-1.453152027f));
+    y = _mm256_fmadd_ps(y, t, _mm256_set1_ps(1.421413741f));
+    y = _mm256_fmadd_ps(y, t, _mm256_set1_ps(-0.284496736f));
+    y = _mm256_fmadd_ps(y, t, _mm256_set1_ps(0.254829592f));
+    y = _mm256_mul_ps(y, t);
+    const __m256 e = exp2_nonpositive(_mm256_mul_ps(_mm256_mul_ps(ax, ax), _mm256_set1_ps(-1.44269504088896341f)));
+    const __m256 r = _mm256_fnmadd_ps(y, e, _mm256_set1_ps(1.f));  // 1 - y e
+    return _mm256_or_ps(r, _mm256_and_ps(x, sign));
+}
+
+inline __m256 geglu_ps(__m256 v, __m256 g) {
+    const __m256 half_g = _mm256_mul_ps(g, _mm256_set1_ps(0.5f));
+    const __m256 cdf = _mm256_add_ps(_mm256_set1_ps(1.f), erf_ps(_mm256_mul_ps(g, _mm256_set1_ps(0.70710678118654752f))));
+    return _mm256_mul_ps(v, _mm256_mul_ps(half_g, cdf));
+}
+
+void geglu_rows(float* v, const float* g, const float* bv, const float* bg, int64_t r0, int64_t r1, int64_t cols,
+                int64_t ldv, int64_t ldg) {
+    const int64_t full = cols & ~7;
+    const __m256i tail = lanes((int)(cols - full));
+    for (int64_t r = r0; r < r1; ++r) {
+        float* vr = v + r * ldv;
+        const float* gr = g + r * ldg;
+        for (int64_t c = 0; c < full; c += 8) {
+            __m256 a = _mm256_loadu_ps(vr + c), z = _mm256_loadu_ps(gr + c);
+            if (bv) a = _mm256_add_ps(a, _mm256_loadu_ps(bv + c));
+            if (bg) z = _mm256_add_ps(z, _mm256_loadu_ps(bg + c));
+            _mm256_storeu_ps(vr + c, geglu_ps(a, z));
+        }
+        if (full < cols) {
+            __m256 a = _mm256_maskload_ps(vr + full, tail), z = _mm256_maskload_ps(gr + full, tail);
+            if (bv) a = _mm256_add_ps(a, _mm256_maskload_ps(bv + full, tail));
+            if (bg) z = _mm256_add_ps(z, _mm256_maskload_ps(bg + full, tail));
+            _mm256_maskstore_ps(vr + full, tail, geglu_ps(a, z));
+        }
+    }
+}
+
+}  // namespace
+
+// v (rows, cols; row stride ldv) <- (v + bv) * gelu(g + bg), g (rows, cols; row stride ldg); bv, bg: (cols) or null.
+// All fp32. Returns 0, or 1 for an empty or malformed problem.
+extern "C" int sdl_geglu_f32(float* v, const float* g, const float* bv, const float* bg, int64_t rows, int64_t cols,
+                             int64_t ldv, int64_t ldg, int threads) {
+    if (rows < 1 || cols < 1 || ldv < cols || ldg < cols) return 1;
+    threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, rows * cols / 65536 + 1));
+    parallel(threads, [&](int t) {
+        geglu_rows(v, g, bv, bg, rows * t / threads, rows * (t + 1) / threads, cols, ldv, ldg);
+    });
+    return 0;
+}
