@@ -49,7 +49,8 @@ test: setup
 	$(BIN)/python -m pytest -q -ra
 	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(BIN)/python -m pytest -q -ra \
 		tests/test_cpu.py tests/test_quant.py tests/test_packing.py tests/test_sdxl_engine_paths.py \
-		tests/test_winograd.py tests/test_conditioning.py tests/test_precision.py tests/test_kernels.py
+		tests/test_winograd.py tests/test_conditioning.py tests/test_precision.py tests/test_kernels.py \
+		tests/test_kernels_fp32.py
 
 # one image from the shipped demo model, no download: prints where the PNG is
 run: setup

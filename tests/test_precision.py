@@ -41,10 +41,11 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
     (AVX512 | {"avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"}, None, "bf16-int8"),
     (AVX512 | {"amx_tile", "amx_int8", "amx_bf16"}, None, "bf16"),     # no avx512_bf16: sdlite's kernels do not run
     (AVX2 | {"avx_vnni", "avx_vnni_int8", "avx_ne_convert"}, None, "bf16"),
-    (AVX512, None, "exact"),            # bf16 would be emulated
-    (AVX2, None, "exact"),
-    (ZEN4, "AVX2", "exact"),            # the cap leaves no bf16
-    (ZEN4, "AVX512_CORE_VNNI", "exact"),
+    (AVX512, None, "fp32-fast"),        # bf16 would be emulated: fp32 on sdlite's AVX2 kernels
+    (AVX2, None, "fp32-fast"),
+    (ZEN4, "AVX2", "fp32-fast"),        # the cap leaves no bf16
+    (ZEN4, "AVX512_CORE_VNNI", "fp32-fast"),
+    (frozenset({"sse4_1", "avx"}), None, "exact"),                     # no AVX2: no fast path at all
     (ZEN4, "AVX512_CORE_BF16", "bf16-int8"),
 ])
 def test_auto_per_cpu(flags, cap, expected):
@@ -69,7 +70,7 @@ def test_what_each_precision_computes_in():
 
 def test_names_aliases_and_errors():
     assert check_precision("FP32") == "exact" and check_precision("bfloat16") == "bf16"
-    with pytest.raises(PrecisionError, match=r"precision 'int4' is not valid: expected one of auto, exact, bf16"):
+    with pytest.raises(PrecisionError, match=r"precision 'int4' is not valid: expected one of auto, exact, fp32-fast, bf16"):
         check_precision("int4")
     with pytest.raises(PrecisionError, match=r"bf16 needs bf16 kernels.*ONEDNN_MAX_CPU_ISA=AVX2.*--precision exact"):
         resolve("bf16", "cpu", cpu(ZEN4, "AVX2"))
@@ -107,7 +108,7 @@ def test_info_system_says_what_auto_picks(capsys):
     out = capsys.readouterr().out
     chosen, why = auto_choice("cpu", this_cpu())
     assert f"precision:   auto -> {chosen} on this CPU: {why}" in out
-    assert precision_report(cpu(AVX2))[0].startswith("precision:   auto -> exact")
+    assert precision_report(cpu(AVX2))[0].startswith("precision:   auto -> fp32-fast")
 
 
 # --- on the demo model ------------------------------------------------------------------------------------------

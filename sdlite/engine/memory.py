@@ -331,7 +331,7 @@ class ModelManager:
         winograd = self.winograd and name in PREPACKED and not quantized and self.dtype_of(name) == torch.float32
         if self._prepacks(name) and not quantized:
             # the same as loading and then prepacking, in one pass
-            return load_prepacked(self.ckpt, name, winograd=winograd)
+            return self._kernels(name, load_prepacked(self.ckpt, name, winograd=winograd))
         module = self.ckpt.load(name, self.dtype_of(name), self.device)
         if quantized:
             module = quantize_model(module, self.quantize)
