@@ -29,7 +29,6 @@
 #include <string.h>
 
 #include <algorithm>
-#include <vector>
 
 #include "parallel.h"
 
@@ -227,13 +226,8 @@ extern "C" int sdl_attention_f32(const float* q, const float* k, const float* v,
     if (D < 1 || D > 512 || B < 1 || H < 1 || N < 1 || M < 1) return 1;
     const Problem a{q, k, v, out, B, H, N, M, D, {qs[0], qs[1], qs[2]}, {ks[0], ks[1], ks[2]}, {vs[0], vs[1], vs[2]},
                     {os[0], os[1], os[2]}, scale};
-    const int64_t items = (int64_t)B * H * ((N + QB - 1) / QB);
-    threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, items));
-    std::vector<int> status(threads, 0);
-    parallel(threads, [&](int t) { status[t] = run(a, items * t / threads, items * (t + 1) / threads); });
-    for (int s : status)
-        if (s) return s;
-    return 0;
+    return sdl::parallel_parts((int64_t)B * H * ((N + QB - 1) / QB), threads,
+                               [&](int64_t begin, int64_t end) { return run(a, begin, end); });
 }
 
 // --- GEGLU ----------------------------------------------------------------------------------------------------------

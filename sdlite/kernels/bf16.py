@@ -45,17 +45,7 @@ enabled = True
 
 def cpu_problem(cpu=None) -> str | None:
     """Why this CPU cannot run the kernel (None: it can)."""
-    from ..engine.cpu import this_cpu
-
-    cpu = this_cpu() if cpu is None else cpu
-    if not cpu.is_x86 or cpu.flags is None:
-        return f"needs an x86 CPU with AVX512-BF16 (this one: {cpu.arch})"
-    missing = [f for f in REQUIRED if not cpu.has(f)]
-    if missing:
-        capped = f" under ONEDNN_MAX_CPU_ISA={cpu.onednn_cap}" if cpu.onednn_cap and all(
-            f in cpu.flags for f in REQUIRED) else ""
-        return f"this CPU has no {', '.join(missing)}{capped}"
-    return None
+    return build.cpu_problem(REQUIRED, "AVX512-BF16", cpu)
 
 
 @functools.cache

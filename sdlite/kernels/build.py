@@ -45,6 +45,22 @@ def disabled(environ=None) -> bool:
     return environ.get("SDLITE_KERNELS", "").strip().lower() in ("off", "0", "false", "no")
 
 
+def cpu_problem(required: tuple[str, ...], needs: str, cpu=None) -> str | None:
+    """Why ``cpu`` (None: this one) cannot run a kernel that needs the flags ``required`` (``needs``: them in words,
+    e.g. "AVX2 and FMA"), naming the missing flags and a oneDNN cap that hides them; None: it can."""
+    from ..engine.cpu import this_cpu
+
+    cpu = this_cpu() if cpu is None else cpu
+    if not cpu.is_x86 or cpu.flags is None:
+        return f"needs an x86 CPU with {needs} (this one: {cpu.arch})"
+    missing = [f for f in required if not cpu.has(f)]
+    if missing:
+        capped = f" under ONEDNN_MAX_CPU_ISA={cpu.onednn_cap}" if cpu.onednn_cap and all(
+            f in cpu.flags for f in required) else ""
+        return f"this CPU has no {', '.join(missing)}{capped}"
+    return None
+
+
 def compiler(environ=None) -> str | None:
     """The C++ compiler to use: ``$CXX``, else ``g++``, else ``c++`` (the path found, or None)."""
     environ = os.environ if environ is None else environ

@@ -33,13 +33,7 @@ MIN_GEGLU_TOKENS = 1024
 
 def cpu_problem(cpu=None) -> str | None:
     """Why this CPU cannot run the kernels (None: it can)."""
-    from ..engine.cpu import this_cpu
-
-    cpu = this_cpu() if cpu is None else cpu
-    if not cpu.is_x86 or cpu.flags is None:
-        return f"needs an x86 CPU with AVX2 and FMA (this one: {cpu.arch})"
-    missing = [f for f in REQUIRED if not cpu.has(f)]
-    return f"this CPU has no {', '.join(missing)}" if missing else None
+    return build.cpu_problem(REQUIRED, "AVX2 and FMA", cpu)
 
 
 @functools.cache

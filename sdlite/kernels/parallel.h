@@ -1,6 +1,10 @@
 // sdlite kernels: running parts of a problem on OpenMP's threads (shared by every kernel file of this package).
 #pragma once
 #include <omp.h>
+#include <stdint.h>
+
+#include <algorithm>
+#include <vector>
 
 namespace sdl {
 
@@ -16,6 +20,18 @@ void parallel(int threads, F fn) {
     }
 #pragma omp parallel num_threads(threads)
     for (int t = omp_get_thread_num(); t < threads; t += omp_get_num_threads()) fn(t);
+}
+
+// Runs fn(begin, end) -> status over [0, items) cut into contiguous parts, one per thread (at most one per item);
+// returns the first nonzero status, else 0.
+template <class F>
+int parallel_parts(int64_t items, int threads, F fn) {
+    threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, items));
+    std::vector<int> status(threads, 0);
+    parallel(threads, [&](int t) { status[t] = fn(items * t / threads, items * (t + 1) / threads); });
+    for (int s : status)
+        if (s) return s;
+    return 0;
 }
 
 }  // namespace sdl
