@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import SDLiteError
-from ..kernels.fp32 import use_fp32_kernels
+from ..kernels.fp32 import release_workspace as release_fp32_workspace, use_fp32_kernels
 from ..loader import TEXT_ENCODERS, Checkpoint, StableDiffusion
 from ..models.bert import BertEmbeddings, BertLayer
 from ..models.clip import Embeddings, EncoderLayer
@@ -63,9 +63,10 @@ _LIBC = _libc()
 
 def trim_heap() -> None:
     """Return the C heap's free memory to the system (glibc keeps freed blocks below its mmap threshold,
-    which grows after large frees, so a freed sub-model would otherwise stay in resident memory). The Winograd
-    convolutions' reusable buffers are freed first."""
+    which grows after large frees, so a freed sub-model would otherwise stay in resident memory). The reusable
+    buffers of the Winograd convolutions and of the fp32 GEGLU kernel are freed first."""
     release_workspace()
+    release_fp32_workspace()
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
 
