@@ -1,7 +1,6 @@
 """sdlite's fp32 kernels for AVX2 (sdlite/kernels/fp32.py, avx2_fp32.cpp) and the fp32-fast precision that uses them:
-attention and GEGLU against float64 references (as close as PyTorch's own fp32 operations come), the same bits on
-any thread count, used only where a model is marked for them (never on the exact path), and fp32-fast's images
-against exact's."""
+attention, GEGLU and Winograd F(4x4, 3x3) convolutions against float64 references, the same bits on any thread count,
+used only where a model is marked for them (never on the exact path), and fp32-fast's images against exact's."""
 from __future__ import annotations
 
 import math
@@ -11,8 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from torch import nn
+
 from sdlite.demo import model_path
+from sdlite.engine import winograd as W
 from sdlite.engine.cpu import CPUInfo
+from sdlite.engine.memory import channels_last
 from sdlite.engine.precision import PrecisionError, resolve
 from sdlite.kernels import build
 from sdlite.kernels import fp32 as kf
@@ -137,6 +140,144 @@ def test_geglu_gelu_is_the_exact_erf_form():
     assert (got.double() - exact).abs().max() < 2e-6 < (tanh - exact).abs().max()
 
 
+def _rel_err(x, ref):
+    """Largest error relative to the reference's largest value."""
+    return float((x.double() - ref).abs().max() / ref.abs().max())
+
+
+@needs_kernels
+@pytest.mark.parametrize("n,c,k,h,w,padding,bias,layout", [
+    (2, 320, 320, 64, 64, (1, 1), True, "channels_last"),   # SD 1.x's first level, as the UNet runs it
+    (1, 128, 64, 37, 35, (1, 1), True, "nchw"),             # odd sizes (the last blocks cropped), plain input
+    (1, 64, 24, 33, 40, (0, 0), False, "channels_last"),    # tiled decoding's own padding, no bias
+    (2, 16, 40, 32, 45, (1, 0), True, "channels_last"),     # asymmetric padding
+])
+def test_winograd43_matches_float64_convolution(n, c, k, h, w, padding, bias, layout):
+    """F(4x4, 3x3) with sdlite's transforms against a float64 convolution: about 1e-5 of the output's largest value
+    (the filter transform's 1/6, 1/12, 1/24 round; PyTorch's fp32 convolution: about 3e-7)."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(n, c, h, w, generator=g)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    weight = torch.randn(k, c, 3, 3, generator=g) / (3 * math.sqrt(c))
+    b = torch.randn(k, generator=g) if bias else None
+    ref = F.conv2d(x.double(), weight.double(), None if b is None else b.double(), padding=padding)
+    got = torch.ops.sdlite.winograd43_f32(x, weight, b, *padding)
+    assert got.shape == ref.shape and got.dtype == torch.float32
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    assert _rel_err(got, ref) < 3e-5, _rel_err(got, ref)
+    assert _snr(got, ref) > 90
+
+
+@needs_kernels
+@pytest.mark.parametrize("budget,tiles", [(36 * 16 * 24, 10**6),   # output channels in slices of 16, 16, 8
+                                          (36 * 24 * 35, 9),       # slices of 32 and 8, several chunks of tiles
+                                          (1, 5)])                 # the smallest slice: 8 channels
+def test_winograd43_slices_and_chunks_give_the_whole_result(monkeypatch, budget, tiles):
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 24, 33, 35, generator=g).contiguous(memory_format=torch.channels_last)
+    weight, b = torch.randn(40, 24, 3, 3, generator=g) / 15, torch.randn(40, generator=g)
+    whole = torch.ops.sdlite.winograd43_f32(x, weight, b, 1, 1)
+    monkeypatch.setattr(W, "FILTER_BUDGET", budget)
+    monkeypatch.setattr(W, "FAST_TILES_PER_CHUNK", tiles)
+    W.release_workspace()
+    sliced = torch.ops.sdlite.winograd43_f32(x, weight, b, 1, 1)
+    # the products of a slice may be blocked differently: the same result to the method's rounding
+    ref = F.conv2d(x.double(), weight.double(), b.double(), padding=1)
+    assert _rel_err(sliced, ref) < 3e-5 and _rel_err(sliced, whole.double()) < 3e-5
+    assert W._workspace.buffers["u43"].numel() <= max(budget, 36 * 8 * 24)
+    W.release_workspace()
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 3])
+def test_winograd43_transforms_give_the_same_bits_on_any_thread_count(threads):
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 16, 21, 19, generator=g).contiguous(memory_format=torch.channels_last)
+    th, tw = 6, 5
+    m = torch.randn(36, 2 * 2 * tw, 24, generator=g)
+    b = torch.randn(24, generator=g)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for t in (2, threads):
+            torch.set_num_threads(t)
+            v = torch.empty(36, 2 * 3 * tw, 16)
+            kf.wino43_input(x, (1, 1), 2, 3, tw, v)
+            y = torch.zeros(2, 4 * th, 4 * tw, 24)
+            kf.wino43_output(m, b, y, 1, 0)
+            results.append((v, y))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    # the input transform of one tile, by its definition: V = B^T d B of the 6x6 zero-padded input window
+    bt = torch.tensor([[4, 0, -5, 0, 1, 0], [0, -4, -4, 1, 1, 0], [0, 4, -4, -1, 1, 0], [0, -2, -1, 2, 1, 0],
+                       [0, 2, -1, -2, 1, 0], [0, 4, 0, -5, 0, 1]], dtype=torch.float64)
+    padded = F.pad(x.double(), (1, 1 + 4 * tw, 1, 1 + 4 * th))
+    tile = padded[1, 5, 4 * 3: 4 * 3 + 6, 4 * 2: 4 * 2 + 6]             # batch 1, channel 5, tile row 3, column 2
+    p = (1 * 3 + (3 - 2)) * tw + 2                                       # its index among the chunk's tiles
+    assert torch.allclose(results[0][0][:, p, 5].double(), (bt @ tile @ bt.T).reshape(36), atol=1e-4)
+    # and the output transform of one block: Y = A^T M A, plus the bias
+    at = torch.tensor([[1, 1, 1, 1, 1, 0], [0, 1, -1, 2, -2, 0], [0, 1, 1, 4, 4, 0], [0, 1, -1, 8, -8, 1]],
+                      dtype=torch.float64)
+    block = at @ m[:, 7, 3].double().reshape(6, 6) @ at.T + b[3]       # tile 7: batch 0, tile row 1 + 1, column 2
+    assert torch.allclose(results[0][1][0, 8:12, 8:12, 3].double(), block, atol=1e-4)
+
+
+def test_winograd43_filter_transform_is_lavin_and_gray():
+    """U = G g G^T, and the 36 products transformed back give one 4x4 block of the valid correlation."""
+    g = torch.Generator().manual_seed(10)
+    d, f = torch.randn(6, 6, generator=g, dtype=torch.float64), torch.randn(3, 3, generator=g, dtype=torch.float64)
+    bt = torch.tensor([[4, 0, -5, 0, 1, 0], [0, -4, -4, 1, 1, 0], [0, 4, -4, -1, 1, 0], [0, -2, -1, 2, 1, 0],
+                       [0, 2, -1, -2, 1, 0], [0, 4, 0, -5, 0, 1]], dtype=torch.float64)
+    at = torch.tensor([[1, 1, 1, 1, 1, 0], [0, 1, -1, 2, -2, 0], [0, 1, 1, 4, 4, 0], [0, 1, -1, 8, -8, 1]],
+                      dtype=torch.float64)
+    u = (W._G36.double() @ f.reshape(9)).reshape(6, 6)
+    y = at @ (u * (bt @ d @ bt.T)) @ at.T
+    direct = torch.tensor([[(d[i:i + 3, j:j + 3] * f).sum() for j in range(4)] for i in range(4)], dtype=torch.float64)
+    assert torch.allclose(y, direct, atol=1e-6)      # _G36 is fp32: its 1/6, 1/12, 1/24 round
+
+
+def test_winograd_layers_run_f43_only_when_marked_on_large_maps(monkeypatch):
+    calls = []
+    real = kf.wino43_input
+    monkeypatch.setattr(kf, "wino43_input", lambda *a: calls.append(a[0].shape) or real(*a))
+    torch.manual_seed(11)
+    conv = nn.Conv2d(64, 64, 3, padding=1)
+    layer = W.WinogradConv2d.from_conv(conv)
+    big, small = torch.randn(1, 64, W.FAST_MIN_SIDE, 40), torch.randn(1, 64, W.FAST_MIN_SIDE - 1, 40)
+    with torch.no_grad():
+        plain = layer(big)
+        assert calls == []
+        kf.use_fp32_kernels(nn.Sequential(layer))
+        fast = layer(big)
+        assert calls == ([big.shape] if RUNS_HERE else [])
+        assert _rel_err(fast, F.conv2d(big.double(), conv.weight.double(), conv.bias.double(), padding=1)) < 3e-5
+        assert torch.equal(layer(small), W.winograd_conv2d(small, conv.weight, conv.bias))   # F(2x2, 3x3) below
+        odd = W.WinogradConv2d.from_conv(nn.Conv2d(60, 64, 3, padding=1))                    # not 8-channel lanes
+        odd.fp32_kernels = True
+        odd(torch.randn(1, 60, 40, 40))
+        assert len(calls) == (1 if RUNS_HERE else 0)
+        kf.use_fp32_kernels(nn.Sequential(layer), False)
+        assert torch.equal(layer(big), plain)
+
+
+def test_fast_rule_takes_the_vaes_narrow_layers_and_keeps_their_weights_plain():
+    narrow = [nn.Conv2d(128, 128, 3, padding=1), nn.Conv2d(256, 128, 3, padding=1), nn.Conv2d(64, 64, 3, padding=1)]
+    never = [nn.Conv2d(128, 3, 3, padding=1), nn.Conv2d(4, 512, 3, padding=1), nn.Conv2d(60, 64, 3, padding=1),
+             nn.Conv2d(128, 128, 3, stride=2, padding=1), nn.Conv2d(1280, 2560, 3, padding=1)]
+    assert all(W.eligible(c, wide=True, fast=True) for c in narrow)
+    assert not any(W.eligible(c, wide=True) for c in narrow)
+    assert not any(W.eligible(c, wide=True, fast=True) for c in never)
+    net = W.winograd_model(nn.Sequential(nn.Conv2d(4, 128, 3, padding=1), *narrow[:2], nn.Conv2d(128, 3, 1)),
+                           wide=True, fast=True)
+    assert [type(m) for m in net] == [nn.Conv2d, W.WinogradConv2d, W.WinogradConv2d, nn.Conv2d]
+    channels_last(net)
+    assert net[0].weight.is_contiguous(memory_format=torch.channels_last) and not net[0].weight.is_contiguous()
+    assert net[3].weight.is_contiguous(memory_format=torch.channels_last)
+    assert net[1].weight.is_contiguous() and net[2].weight.is_contiguous()   # the filter transform's layout
+
+
 def test_not_used_where_it_does_not_apply():
     q, k, v = _qkv(2, 4, 64, 77, 16)                                   # the demo's attention at 64x64 px: too small
     assert kf.attend(q, k, v) is None
@@ -178,8 +319,8 @@ def test_layers_use_it_only_when_marked(monkeypatch):
 
 def test_fp32_fast_precision():
     plan = resolve("fp32-fast", "cpu", _cpu({"avx", "avx2", "fma"}))
-    assert (plan.name, plan.dtype, plan.vae_dtype, plan.text_dtype, plan.fp32_kernels) == \
-        ("fp32-fast", torch.float32, torch.float32, torch.float32, True)
+    assert (plan.name, plan.dtype, plan.vae_dtype, plan.text_dtype, plan.fp32_kernels, plan.channels_last) == \
+        ("fp32-fast", torch.float32, torch.float32, torch.float32, True, True)
     assert not resolve("exact", "cpu", _cpu({"avx", "avx2", "fma"})).fp32_kernels
     with pytest.raises(PrecisionError, match=r"'fp32-fast' needs a CPU with AVX2 and FMA.*avx2.*use exact"):
         resolve("fp32-fast", "cpu", _cpu({"sse4_1", "avx"}))

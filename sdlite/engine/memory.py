@@ -30,7 +30,7 @@ from ..models.layers import Downsample, ResnetBlock, Upsample
 from ..models.unet import TransformerBlock
 from .cpu import default_prepack
 from .packing import load_prepacked, prepack_available, prepack_model, release_packed
-from .winograd import release_workspace, winograd_available, winograd_model
+from .winograd import WinogradConv2d, release_workspace, winograd_available, winograd_model
 from .quant import check_quantize_supported, quantize_model
 
 MEMORY_MODES = {
@@ -59,6 +59,22 @@ def _libc():
 
 
 _LIBC = _libc()
+
+
+def channels_last(module: nn.Module) -> nn.Module:
+    """``module`` with its 4-d weights and buffers (so its convolutions' outputs) channels-last, in place, as
+    ``module.to(memory_format=torch.channels_last)``, except the Winograd layers' weights: their filter transform reads
+    the plain (out, in, 3, 3) layout (the layers take inputs in either)."""
+    for layer in module.modules():
+        if isinstance(layer, WinogradConv2d):
+            continue
+        for param in layer.parameters(recurse=False):
+            if param.dim() == 4:
+                param.data = param.data.contiguous(memory_format=torch.channels_last)
+        for key, buf in layer.named_buffers(recurse=False):
+            if buf.dim() == 4:
+                layer._buffers[key] = buf.contiguous(memory_format=torch.channels_last)
+    return module
 
 
 def trim_heap() -> None:
@@ -338,11 +354,11 @@ class ModelManager:
             module = quantize_model(module, self.quantize)
         if winograd:
             # the weights are plain here (a prepacked load returned above), so the wide rule applies
-            module = winograd_model(module, wide=True)
+            module = winograd_model(module, wide=True, fast=self.fp32_kernels)
         if self._prepacks(name):
             module = prepack_model(module)
         if self.channels_last and name in ("unet", "vae"):
-            module = module.to(memory_format=torch.channels_last)
+            module = channels_last(module)
         return self._kernels(name, module)
 
     def adapt_like_unet(self, module: nn.Module) -> nn.Module:
@@ -352,11 +368,11 @@ class ModelManager:
         prepacks = self._prepacks("unet")
         if self.winograd and self.quantize == "none" and self.dtype_of("unet") == torch.float32:
             # the UNet's rule: beside prepacked layers the narrow one, else the wide one (as _load_whole)
-            module = winograd_model(module, wide=not prepacks)
+            module = winograd_model(module, wide=not prepacks, fast=self.fp32_kernels and not prepacks)
         if prepacks:
             module = prepack_model(module)
         if self.channels_last:
-            module = module.to(memory_format=torch.channels_last)
+            module = channels_last(module)
         return self._kernels("controlnet", module)
 
     def _prepacks(self, name: str) -> bool:

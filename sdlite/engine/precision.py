@@ -203,7 +203,7 @@ def resolve(name: str = "auto", device: str | torch.device = "cpu", cpu: CPUInfo
         problem = kernels.cpu_problem(cpu)
         if problem:
             raise PrecisionError(f"precision 'fp32-fast' needs a CPU with AVX2 and FMA: {problem}; use exact")
-        return Precision("fp32-fast", requested, fp32, fp32, fp32, reason=reason, fp32_kernels=True)
+        return Precision("fp32-fast", requested, fp32, fp32, fp32, channels_last=True, reason=reason, fp32_kernels=True)
     if chosen == "bf16":
         if device.type == "cpu":
             _check_bf16(cpu)

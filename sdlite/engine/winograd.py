@@ -74,6 +74,10 @@ _AT = torch.tensor([[1, 1, 1, 0], [0, 1, -1, -1]], dtype=torch.float64)
 # the 2-D transforms as matrices over a tile's values in row-major order: U = G16 @ g (9 -> 16), Y = A16 @ M
 _G16 = torch.einsum("xa,yb->xyab", _G, _G).reshape(16, 9).float()
 _A16 = torch.einsum("xa,yb->xyab", _AT, _AT).reshape(4, 16).float()
+# F(4x4, 3x3)'s filter transform (Lavin & Gray, section 5), as a matrix over a filter's 9 values (9 -> 36)
+_G6 = torch.tensor([[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6], [1 / 24, 1 / 12, 1 / 6],
+                    [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]], dtype=torch.float64)
+_G36 = torch.einsum("xa,yb->xyab", _G6, _G6).reshape(36, 9).float()
 
 MIN_CHANNELS = 320
 MAX_OUT_CHANNELS = 640
@@ -83,6 +87,9 @@ WIDE_MAX_OUT_CHANNELS = 1280    # and the UNet's 1280-channel ones
 FILTER_BUDGET = 16 * MAX_PAIRS  # floats of transformed filter at once: wider layers go by output-channel slices
 MIN_SIDE = 8                    # smaller inputs (either side) run the direct convolution
 TILES_PER_CHUNK = 512
+FAST_MIN_SIDE = 32              # F(4x4, 3x3) (fp32-fast) from this input size (either side); F(2x2, 3x3) below
+FAST_TILES_PER_CHUNK = 256
+FAST_MIN_CHANNELS = 64          # fp32-fast also takes narrower layers (the VAE's 128-channel ones): F(4x4, 3x3) pays
 
 _workspace = threading.local()
 
@@ -107,12 +114,19 @@ def winograd_available(device: torch.device | str = "cpu", dtype: torch.dtype = 
     return torch.device(device).type == "cpu" and dtype == torch.float32
 
 
-def eligible(conv: nn.Module, wide: bool = False) -> bool:
+def eligible(conv: nn.Module, wide: bool = False, fast: bool = False) -> bool:
     """Whether ``conv`` (an ``nn.Conv2d``) runs faster as :class:`WinogradConv2d` (see the module docstring):
-    against a prepacked layer, or with ``wide`` against PyTorch's plain convolution, which leaves more to gain."""
-    return (type(conv) is nn.Conv2d and conv.kernel_size == (3, 3) and conv.stride == (1, 1)
+    against a prepacked layer, or with ``wide`` against PyTorch's plain convolution, which leaves more to gain.
+    ``fast`` (fp32-fast, where the layers run F(4x4, 3x3) on large maps) also takes layers from
+    ``FAST_MIN_CHANNELS`` channels in and out (multiples of 8) up to the wide rule's widest."""
+    if not (type(conv) is nn.Conv2d and conv.kernel_size == (3, 3) and conv.stride == (1, 1)
             and conv.dilation == (1, 1) and conv.groups == 1 and conv.padding_mode == "zeros"
-            and conv.padding == (1, 1) and conv.in_channels >= (WIDE_MIN_CHANNELS if wide else MIN_CHANNELS)
+            and conv.padding == (1, 1)):
+        return False
+    if (fast and min(conv.in_channels, conv.out_channels) >= FAST_MIN_CHANNELS and conv.in_channels % 8 == 0
+            and conv.out_channels % 8 == 0 and conv.out_channels <= WIDE_MAX_OUT_CHANNELS):
+        return True
+    return (conv.in_channels >= (WIDE_MIN_CHANNELS if wide else MIN_CHANNELS)
             and (WIDE_MIN_CHANNELS if wide else MIN_CHANNELS) <= conv.out_channels
             and conv.out_channels <= (WIDE_MAX_OUT_CHANNELS if wide else MAX_OUT_CHANNELS)
             and (wide or conv.in_channels * conv.out_channels <= MAX_PAIRS))
@@ -195,11 +209,66 @@ def winograd_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return out.permute(0, 3, 1, 2)
 
 
+def fast_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`winograd43_conv2d` takes this input and weight: fp32 on the CPU, channels in and out in
+    multiples of 8, both sides of the input at least ``FAST_MIN_SIDE``, and sdlite's fp32 kernels here."""
+    from ..kernels import fp32
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and x.shape[1] % 8 == 0 and weight.shape[0] % 8 == 0 and min(x.shape[-2:]) >= FAST_MIN_SIDE
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)) and fp32.available())
+
+
+@torch.library.custom_op("sdlite::winograd43_f32", mutates_args=(), device_types="cpu")
+def winograd43_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ph: int, pw: int) -> torch.Tensor:
+    """``F.conv2d(x, weight, bias, padding=(ph, pw))`` for a 3x3 fp32 ``weight``, stride 1, by F(4x4, 3x3) with
+    sdlite's AVX2 transforms (the ``fp32-fast`` precision; :func:`fast_applies` says where). Not PyTorch's bits: the
+    filter transform's 1/6, 1/12 and 1/24 round, and the products are summed in another order (about 1e-5 of the
+    output's largest value; ``tests/test_kernels_fp32.py``).
+
+    ``x``: (N, C, H, W), channels-last or not. Returns (N, K, Ho, Wo) in channels-last memory."""
+    from ..kernels import fp32
+    n, c, h, w = x.shape
+    k = weight.shape[0]
+    ho, wo = h + 2 * ph - 2, w + 2 * pw - 2
+    th, tw = (ho + 3) // 4, (wo + 3) // 4
+    x = x.contiguous(memory_format=torch.channels_last)
+    out = torch.empty(n, 4 * th, 4 * tw, k)
+    rows = max(1, min(th, -(-FAST_TILES_PER_CHUNK // (n * tw))))
+    ks = min(k, max(8, FILTER_BUDGET // (36 * c) // 8 * 8))
+    chunks = [(r0, min(rows, th - r0)) for r0 in range(0, th, rows)]
+    v_buf = _buffer("v43", 36 * n * rows * tw * c)
+    m_buf = _buffer("m43", 36 * n * rows * tw * ks)
+    u_buf = _buffer("u43", 36 * ks * c)
+    v_for = None
+    for k0 in range(0, k, ks):
+        kk = min(ks, k - k0)
+        u = torch.mm(_G36, weight[k0:k0 + kk].reshape(kk * c, 9).t(), out=u_buf[:36 * kk * c].view(36, kk * c))
+        u = u.view(36, kk, c).transpose(1, 2)                                       # (36, C, kk)
+        for r0, m in chunks:
+            p = n * m * tw
+            v = v_buf[:36 * p * c].view(36, p, c)
+            if v_for != r0:
+                fp32.wino43_input(x, (ph, pw), r0, m, tw, v)
+                v_for = r0
+            prod = torch.bmm(v, u, out=m_buf[:36 * p * kk].view(36, p, kk))
+            fp32.wino43_output(prod, None if bias is None else bias, out, r0, k0)
+    if (ho, wo) != (4 * th, 4 * tw):
+        out = out[:, :ho, :wo].contiguous()      # the blocks' extra rows and columns go
+    return out.permute(0, 3, 1, 2)
+
+
+@winograd43_conv2d.register_fake
+def _(x, weight, bias, ph, pw):
+    n, _, h, w = x.shape
+    return x.new_empty(n, weight.shape[0], h + 2 * ph - 2, w + 2 * pw - 2).contiguous(memory_format=torch.channels_last)
+
+
 class WinogradConv2d(nn.Conv2d):
     """An ``nn.Conv2d`` (3x3, stride 1, fp32 on the CPU) that runs by :func:`winograd_conv2d`. It keeps the
     ordinary weight and bias, so loading, LoRA merging and saving see a plain Conv2d."""
 
     compute_dtype = torch.float32
+    fp32_kernels = False   # F(4x4, 3x3) with sdlite's transforms where it applies (fp32-fast; kernels.fp32)
 
     @classmethod
     def from_conv(cls, conv: nn.Conv2d, weight: torch.Tensor | None = None) -> "WinogradConv2d":
@@ -214,6 +283,8 @@ class WinogradConv2d(nn.Conv2d):
     def forward(self, x: torch.Tensor, padding: tuple[int, int] | None = None) -> torch.Tensor:
         """``padding`` overrides the layer's own (tiled decoding pads by hand and passes 0)."""
         pad = tuple(self.padding if padding is None else padding)
+        if self.fp32_kernels and fast_applies(x, self.weight):
+            return torch.ops.sdlite.winograd43_f32(x, self.weight, self.bias, pad[0], pad[1])
         if (x.device.type != "cpu" or x.dtype != torch.float32 or self.weight.dtype != torch.float32
                 or min(x.shape[-2:]) < MIN_SIDE):
             return F.conv2d(x, self.weight, self.bias, 1, pad)
@@ -223,11 +294,12 @@ class WinogradConv2d(nn.Conv2d):
         return super().extra_repr() + ", winograd F(2x2,3x3)"
 
 
-def winograd_model(module: nn.Module, wide: bool = False) -> nn.Module:
+def winograd_model(module: nn.Module, wide: bool = False, fast: bool = False) -> nn.Module:
     """Replace, in place, every :func:`eligible` Conv2d of ``module`` (fp32, CPU) by a :class:`WinogradConv2d`
     sharing its weights; returns ``module``. ``wide``: the layers stay unpacked (PyTorch's plain convolution is
-    the alternative), so the 1280-channel ones are taken too."""
+    the alternative), so the 1280-channel ones are taken too. ``fast``: the model runs fp32-fast (see
+    :func:`eligible`)."""
     for name, layer in list(module.named_modules()):
-        if eligible(layer, wide) and layer.weight.dtype == torch.float32 and layer.weight.device.type == "cpu":
+        if eligible(layer, wide, fast) and layer.weight.dtype == torch.float32 and layer.weight.device.type == "cpu":
             module.set_submodule(name, WinogradConv2d.from_conv(layer))
     return module

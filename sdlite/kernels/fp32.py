@@ -3,8 +3,11 @@
 another order and compute exp and erf by their own polynomials, so they do not give PyTorch's bits (their outputs
 agree with float64 attention and GELU to fp32 rounding: ``tests/test_kernels_fp32.py``).
 
-A model runs them where :func:`use_fp32_kernels` has marked its attention and GEGLU layers (the engine does so for
-``fp32-fast``); :func:`attend` and :func:`geglu` return None (the caller runs PyTorch's operations) wherever they do
+The third is the pair of transforms of Winograd's F(4x4, 3x3) convolution (:func:`wino43_input`,
+:func:`wino43_output`; :mod:`sdlite.engine.winograd` runs the convolution).
+
+A model runs them where :func:`use_fp32_kernels` has marked its attention, GEGLU and Winograd layers (the engine does so
+for ``fp32-fast``); :func:`attend` and :func:`geglu` return None (the caller runs PyTorch's operations) wherever they do
 not apply: another dtype or device, gradients, a head dim over 512, problems too small to gain, strides they do not
 take, kernels turned off (``SDLITE_KERNELS=off``), a CPU without AVX2 and FMA (or capped below them), or no compiler.
 """
@@ -54,6 +57,11 @@ def _library():
         [ctypes.POINTER(ctypes.c_int64)] * 4 + [ctypes.c_float, ctypes.c_int]
     lib.sdl_geglu_f32.restype = ctypes.c_int
     lib.sdl_geglu_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    lib.sdl_wino43_input.restype = lib.sdl_wino43_output.restype = ctypes.c_int
+    lib.sdl_wino43_input.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int] * 9 + \
+        [ctypes.c_void_p, ctypes.c_int]
+    lib.sdl_wino43_output.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
+        [ctypes.c_int] * 9
     return lib
 
 
@@ -165,13 +173,38 @@ def geglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
     return out.view(*lead, weight.shape[0] // 2)
 
 
+def wino43_input(x: torch.Tensor, padding: tuple[int, int], r0: int, rows: int, tw: int, out: torch.Tensor) -> None:
+    """F(4x4, 3x3)'s input transform ``V = B^T d B`` of the 6x6 tiles of tile rows ``[r0, r0 + rows)`` (``tw`` tiles
+    across) of ``x`` (N, C, H, W) fp32 with channels-last strides, zero-padded by ``padding`` at the top and left, into
+    ``out`` (36, N * rows * tw, C), contiguous. C is a multiple of 8."""
+    n, c, h, w = x.shape
+    code = _lib().sdl_wino43_input(x.data_ptr(), x.stride(0), x.stride(2), x.stride(3), n, h, w, c, padding[0],
+                                   padding[1], r0, rows, tw, out.data_ptr(), torch.get_num_threads())
+    if code != 0:
+        raise RuntimeError(f"sdlite's Winograd input transform failed (code {code}) on x {tuple(x.shape)}")
+
+
+def wino43_output(m: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, r0: int, k0: int) -> None:
+    """F(4x4, 3x3)'s output transform ``Y = A^T M A`` of ``m`` (36, N * rows * tw, kk) (rows contiguous) into the
+    4x4 blocks of tile rows ``[r0, r0 + rows)`` and channels ``[k0, k0 + kk)`` of ``out`` (N, 4 th, 4 tw, K), contiguous,
+    plus ``bias`` (K) (or None). kk is a multiple of 8."""
+    n, h4, w4, k = out.shape
+    kk = m.shape[2]
+    rows = m.shape[1] // (n * (w4 // 4))
+    code = _lib().sdl_wino43_output(m.data_ptr(), m.stride(1), None if bias is None else bias.data_ptr(),
+                                    out.data_ptr(), n, h4 // 4, w4 // 4, k, r0, rows, k0, kk, torch.get_num_threads())
+    if code != 0:
+        raise RuntimeError(f"sdlite's Winograd output transform failed (code {code}) into {tuple(out.shape)}")
+
+
 def use_fp32_kernels(model: nn.Module, on: bool = True) -> nn.Module:
-    """Marks ``model``'s attention and GEGLU layers to run these kernels (``on``) or PyTorch's (the ``exact`` path);
-    returns the model."""
+    """Marks ``model``'s attention, GEGLU and Winograd layers to run these kernels (``on``) or PyTorch's (the
+    ``exact`` path); returns the model."""
+    from ..engine.winograd import WinogradConv2d
     from ..models.layers import Attention
     from ..models.unet import GEGLU
 
     for module in model.modules():
-        if isinstance(module, (Attention, GEGLU)):
+        if isinstance(module, (Attention, GEGLU, WinogradConv2d)):
             module.fp32_kernels = on
     return model
