@@ -6,10 +6,13 @@ OpenVINO's PERFORMANCE / ACCURACY execution modes:
 
 * ``exact`` -- fp32 everywhere: the path that matches diffusers (every parity test names it). Prepacked weights
   and Winograd convolutions apply where this CPU gains from them; they reorder sums, they round nothing.
-* ``fp32-fast`` -- fp32 everywhere, as ``exact``, with the UNet's and VAE's attention and GEGLU on sdlite's fused
-  fp32 kernels for AVX2 (:mod:`sdlite.kernels.fp32`): they sum in another order and compute exp and erf by their
-  own polynomials, so the image differs from ``exact``'s by fp32 rounding (BENCHMARKS.md gives its PSNR). Needs AVX2
-  and FMA, and a C++ compiler to build the kernels (without one it runs PyTorch's operations: ``exact``'s numbers).
+* ``fp32-fast`` -- fp32 everywhere, as ``exact``, channels-last, with the UNet's and VAE's attention and GEGLU on
+  sdlite's fused fp32 kernels for AVX2 (:mod:`sdlite.kernels.fp32`) and their 3x3 convolutions on maps from 32x32
+  by Winograd's F(4x4, 3x3) with sdlite's transforms (:mod:`sdlite.engine.winograd`; 2.25x fewer products than
+  exact's F(2x2, 3x3)): they sum in another order, compute exp and erf by their own polynomials and round the
+  filter transform's 1/6, 1/12 and 1/24, so the image differs from ``exact``'s by about fp32 rounding
+  (BENCHMARKS.md gives its PSNR). Needs AVX2 and FMA, and a C++ compiler to build the kernels (without one it runs
+  PyTorch's operations and F(2x2, 3x3)).
 * ``bf16`` -- the UNet and the VAE in bf16, channels-last, end to end (norms, attention -- sdlite's fused kernel
   on AVX512-BF16 CPUs (:mod:`sdlite.kernels.bf16`, ~3x PyTorch's flash kernel there), else PyTorch's -- and
   activations too, no fp32 round trips between layers); the text encoders stay fp32 (one pass per generation,
@@ -60,7 +63,8 @@ from .quant import BF16Warning, check_quantize_mode
 PRECISIONS = {
     "auto": "the fastest path meeting the quality bound on this device (see `sdlite info --system`)",
     "exact": "fp32 everywhere: the diffusers-exact path",
-    "fp32-fast": "fp32 everywhere, attention and GEGLU on sdlite's fused AVX2 kernels (not bit-exact: fp32 rounding)",
+    "fp32-fast": "fp32 everywhere, attention, GEGLU and Winograd F(4x4,3x3) convolutions on sdlite's AVX2 kernels "
+                 "(not bit-exact: about fp32 rounding)",
     "bf16": "UNet and VAE in bf16, channels-last end to end; text encoders fp32 (needs native bf16 on a CPU)",
     "int8": "UNet Linear/Conv2d in int8 (weights per channel, activations dynamic), the rest fp32",
     "int8-bf16": "UNet Linear in int8, its convolutions in bf16, the rest fp32",
@@ -74,9 +78,9 @@ BF16_INT8_WHY = ("native bf16 dot products and VNNI (8-bit int8 products), and s
                  "with the UNet's heaviest layers in int8 (a 512x512 SD 1.5 image: 35.4 s against exact's 116.5 s, "
                  "OpenVINO's default 45.3 s) at >= 40 dB against exact (48.0 dB)")
 # why auto takes fp32-fast where there is no native bf16 (bench/precision.py, bench/openvino.py under the AVX2 cap)
-FP32_FAST_WHY = ("no native bf16, and sdlite's fused fp32 kernels for AVX2 run here: fp32 with attention and GEGLU "
-                 "fused (faster than exact, within fp32 rounding of it); bf16 would have no fast kernels and int8 "
-                 "falls below the quality bound")
+FP32_FAST_WHY = ("no native bf16, and sdlite's fp32 kernels for AVX2 run here: fp32 with attention and GEGLU "
+                 "fused and 3x3 convolutions by Winograd F(4x4,3x3) (faster than exact, within about fp32 rounding "
+                 "of it); bf16 would have no fast kernels and int8 falls below the quality bound")
 # auto keeps a UNet narrower than this at its first level (the demo's: 32) in fp32, where bf16 does not pay;
 # every Stable Diffusion family has 320
 MIN_BF16_CHANNELS = 128
