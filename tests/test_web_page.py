@@ -97,7 +97,9 @@ def open_page(browser, server, width=1200, height=800):
     page.js_errors = []
     page.on("pageerror", lambda e: page.js_errors.append(str(e)))
     page.goto(server + "/")
-    page.wait_for_function("document.querySelectorAll('#sampler option').length > 0")
+    # the server's lists (samplers, upscalers, ControlNet models ...) load one after another: all of them, before a
+    # test reads one
+    page.wait_for_function("document.body.dataset.serverInfo === 'loaded'")
     return page
 
 

@@ -522,6 +522,7 @@ async function loadServerInfo() {
     const name = options && options.sd_model_checkpoint;
     if (name) $("model").textContent = "Model: " + name;
   } catch { /* the model name is only shown when known */ }
+  document.body.dataset.serverInfo = "loaded";   // every list asked for has come back (or failed)
 }
 
 function init() {
