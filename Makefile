@@ -63,6 +63,9 @@ bench: setup setup-openvino
 	$(BIN)/python bench/sdxl.py
 	# sdlite against OpenVINO (default and f32), 3 alternating rounds; the OpenVINO section of BENCHMARKS.md
 	$(BIN)/python bench/openvino.py
+	# the same under the AVX2 caps, as a CPU without native bf16 runs it (default fp32-fast against OpenVINO f32)
+	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(BIN)/python bench/openvino.py \
+		--configs 'sdlite default,sdlite exact,OpenVINO f32' --json bench/results-openvino-avx2.json
 	# the precision policy: UNet step per precision, the default's PSNR against exact (SD 1.5, demo)
 	$(BIN)/python bench/precision.py all
 	# Winograd against the direct convolutions, layer by layer, natively and under the AVX2 cap

@@ -33,6 +33,11 @@ two engines' pixels are not compared).
 Raw figures go to bench/results-openvino.json (after every process), the table to an "OpenVINO" section of
 BENCHMARKS.md between markers (replaced in place; appended where absent). bench/run.py rewrites BENCHMARKS.md whole,
 so `make bench` runs this script after it.
+
+Under the AVX2 caps (``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2``, which OpenVINO honours too) the same
+script measures a CPU without native bf16: `make bench` runs it so with ``--configs 'sdlite default,sdlite
+exact,OpenVINO f32' --json bench/results-openvino-avx2.json``, and the report goes to a section of its own, with the
+default (fp32-fast there) against OpenVINO f32 as its target.
 """
 from __future__ import annotations
 
@@ -61,7 +66,9 @@ OV_PYTHON = ROOT / ".venv-openvino" / "bin" / "python"
 IR_DIR = HERE / "cache" / "sd15-fp16-openvino"
 EXPORT_INFO = "sdlite-export.json"
 RESULTS = HERE / "results-openvino.json"
-MARK_BEGIN, MARK_END = "<!-- openvino:begin (written by bench/openvino.py) -->", "<!-- openvino:end -->"
+# the section's markers and heading: one section as the CPU runs, one under the AVX2 caps (ISA_CAPS set)
+SECTIONS = {False: ("openvino", "## Against OpenVINO"),
+            True: ("openvino-avx2", "### Against OpenVINO under the AVX2 cap (CPUs without native bf16)")}
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
 
 # label -> (engine, settings); the order is the order of the processes in each round
@@ -71,8 +78,17 @@ CONFIGS = {
     "sdlite exact": ("sdlite", {"precision": "exact"}),
     "OpenVINO f32": ("openvino", {"ov_config": {"INFERENCE_PRECISION_HINT": "f32"}}),
 }
-# the pairs the report compares: (sdlite, OpenVINO)
-PAIRS = (("sdlite default", "OpenVINO default"), ("sdlite exact", "OpenVINO f32"))
+# the pairs the report compares: (sdlite, OpenVINO); the default against OpenVINO f32 is the issue's target on CPUs
+# without native bf16, where sdlite's default is fp32 (fp32-fast)
+PAIRS = (("sdlite default", "OpenVINO default"), ("sdlite exact", "OpenVINO f32"), ("sdlite default", "OpenVINO f32"))
+# the environment variables that cap both engines' ISA, named in the report's command line when set
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+
+
+def marks(raw: dict) -> tuple[str, str, str]:
+    """The section's begin and end markers and its heading, by whether the run was capped."""
+    key, heading = SECTIONS[bool(raw.get("isa_caps"))]
+    return f"<!-- {key}:begin (written by bench/openvino.py) -->", f"<!-- {key}:end -->", heading
 # the pairs whose images are compared: (tested, reference)
 QUALITY = (("sdlite default", "sdlite exact"), ("OpenVINO default", "OpenVINO f32"))
 MEASURES = ("import_s", "ready_s", "generation_s", "text_s", "sampling_s", "decode_s", "process_s", "peak_rss_mb")
@@ -306,6 +322,7 @@ def measure(args, folder: Path) -> dict:
                         "cfg_scale": CFG_SCALE, "sampler": "DPM++ 2M Karras", "prompt": PROMPT,
                         "negative": NEGATIVE, "quick": args.quick},
            "command": command_line(args), "cpu": cpu_facts(), "load_average_start": os.getloadavg(),
+           "isa_caps": {name: os.environ[name] for name in ISA_CAPS if os.environ.get(name)},
            "export": None, "runs": {label: [] for label in args.configs}, "psnr": {}}
     if any(CONFIGS[label][0] == "openvino" for label in args.configs):
         raw["export"] = export(folder, args.ov_python)
@@ -354,7 +371,16 @@ def command_line(args) -> str:
             parts.append(f"{flag} {value}")
     if args.configs != list(CONFIGS):
         parts.append("--configs '" + ",".join(args.configs) + "'")
-    return " ".join(parts)
+    if Path(args.json).resolve() != RESULTS:
+        parts.append(f"--json {_shown(Path(args.json))}")
+    caps = [f"{name}={os.environ[name]}" for name in ISA_CAPS if os.environ.get(name)]
+    return " ".join(caps + parts)
+
+
+def _shown(path: Path) -> str:
+    """``path`` as the report names it: relative to the repository where it is inside, else its file name."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
 
 
 # --- the report -----------------------------------------------------------------------------------------------
@@ -383,7 +409,8 @@ def section(raw: dict) -> list[str]:
         versions += f", OpenVINO {ov['openvino'].split('-')[0]} through optimum-intel {ov['optimum_intel']}"
     threads = {label: runs[label][0].get("threads") for label in labels}
     threads = ", ".join(f"{label} {n}" for label, n in threads.items() if n)
-    lines = [MARK_BEGIN, "## Against OpenVINO", ""]
+    mark_begin, mark_end, heading = marks(raw)
+    lines = [mark_begin, heading, ""]
     if s.get("quick"):
         lines += [f"**A quick run ({s['size']}^2, {s['steps']} steps, {s['rounds']} round): a check of the script, "
                   "not the benchmark.**", ""]
@@ -437,6 +464,11 @@ def section(raw: dict) -> list[str]:
         r = d["generation_s"] / o["generation_s"]
         targets.append(f"| sdlite default generation / OpenVINO default's | <= 0.80x | {r:.2f}x | "
                        f"{'met' if r <= 0.80 else 'not met'} |")
+    f32 = med.get("OpenVINO f32", {})
+    if not raw["cpu"]["native_bf16"] and d.get("generation_s") and f32.get("generation_s"):
+        r = d["generation_s"] / f32["generation_s"]
+        targets.append(f"| without native bf16: sdlite default (fp32) generation / OpenVINO f32's | <= 0.90x | "
+                       f"{r:.2f}x | {'met' if r <= 0.90 else 'not met'} |")
     if d.get("peak_rss_mb") and o.get("peak_rss_mb"):
         r = d["peak_rss_mb"] / o["peak_rss_mb"]
         targets.append(f"| sdlite default peak RSS / OpenVINO default's | < 1.0x | {r:.2f}x | "
@@ -456,17 +488,18 @@ def section(raw: dict) -> list[str]:
     if start and end:
         lines += ["", "Load average (1, 5, 15 min): " + ", ".join(f"{v:.2f}" for v in start) + " at the start, "
                   + ", ".join(f"{v:.2f}" for v in end) + " at the end. Raw figures, every process: "
-                  f"`bench/{RESULTS.name}`."]
-    lines.append(MARK_END)
+                  f"`{_shown(RESULTS_FILE)}`."]
+    lines.append(mark_end)
     return lines
 
 
 def write_section(path: Path, raw: dict) -> None:
     text = path.read_text(encoding="utf-8") if path.is_file() else "# Benchmarks\n"
     new = "\n".join(section(raw))
-    begin, end = text.find(MARK_BEGIN), text.find(MARK_END)
+    mark_begin, mark_end, _ = marks(raw)
+    begin, end = text.find(mark_begin), text.find(mark_end)
     if begin >= 0 and end > begin:
-        text = text[:begin] + new + text[end + len(MARK_END):]
+        text = text[:begin] + new + text[end + len(mark_end):]
     else:
         text = text.rstrip("\n") + "\n\n" + new + "\n"
     path.write_text(text, encoding="utf-8")
