@@ -42,11 +42,6 @@ QUALITY = (("sdlite exact", "diffusers fp32"), ("sdlite default", "sdlite exact"
            ("diffusers fp16", "diffusers fp32"))
 
 
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
-    return float("inf") if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)
-
-
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -142,6 +137,7 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     from checkpoint import build
 
+    from sdlite.engine.quant import psnr
     args.folder, _ = build(args.cache)
     import diffusers
 
@@ -151,7 +147,7 @@ def main() -> None:
     with torch.no_grad():
         for label, engine, setting in CONFIGS:
             results[label], images[label] = measure(label, engine, setting, args)
-    quality = {(a, b): psnr(images[a], images[b]) for a, b in QUALITY}
+    quality = {(a, b): psnr(torch.from_numpy(images[a]), torch.from_numpy(images[b])) for a, b in QUALITY}
     args.json.write_text(json.dumps({"facts": facts, "results": results,
                                      "quality": {f"{a} vs {b}": v for (a, b), v in quality.items()}}, indent=1))
     print(report(results, quality, facts, args))

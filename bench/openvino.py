@@ -83,15 +83,15 @@ CONFIGS = {
 PAIRS = (("sdlite default", "OpenVINO default"), ("sdlite exact", "OpenVINO f32"), ("sdlite default", "OpenVINO f32"))
 # the environment variables that cap both engines' ISA, named in the report's command line when set
 ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+# the pairs whose images are compared: (tested, reference)
+QUALITY = (("sdlite default", "sdlite exact"), ("OpenVINO default", "OpenVINO f32"))
+MEASURES = ("import_s", "ready_s", "generation_s", "text_s", "sampling_s", "decode_s", "process_s", "peak_rss_mb")
 
 
 def marks(raw: dict) -> tuple[str, str, str]:
     """The section's begin and end markers and its heading, by whether the run was capped."""
     key, heading = SECTIONS[bool(raw.get("isa_caps"))]
     return f"<!-- {key}:begin (written by bench/openvino.py) -->", f"<!-- {key}:end -->", heading
-# the pairs whose images are compared: (tested, reference)
-QUALITY = (("sdlite default", "sdlite exact"), ("OpenVINO default", "OpenVINO f32"))
-MEASURES = ("import_s", "ready_s", "generation_s", "text_s", "sampling_s", "decode_s", "process_s", "peak_rss_mb")
 
 
 # --- the children ---------------------------------------------------------------------------------------------
