@@ -138,11 +138,13 @@ def main() -> None:
     from checkpoint import build
 
     from sdlite.engine.quant import psnr
+
     args.folder, _ = build(args.cache)
     import diffusers
 
-    facts = {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "CPU", "torch": torch.__version__, "cuda": torch.version.cuda,
-             "diffusers": diffusers.__version__, "python": platform.python_version()}
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "CPU"
+    facts = {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda, "diffusers": diffusers.__version__,
+             "python": platform.python_version()}
     results, images = {}, {}
     with torch.no_grad():
         for label, engine, setting in CONFIGS:
