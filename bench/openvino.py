@@ -297,7 +297,8 @@ def cpu_facts() -> dict:
     """The machine as sdlite sees it (sdlite.engine.cpu), and the versions of what is measured."""
     import torch
 
-    from sdlite.engine.cpu import SHOWN_FLAGS, system_report, this_cpu
+    from sdlite.engine.cpu import system_report
+    from sdlite.platform import SHOWN_FLAGS, this_cpu
 
     cpu = this_cpu()
     return {"model": cpu.model, "cores": cpu.cores, "arch": cpu.arch,

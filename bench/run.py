@@ -155,7 +155,7 @@ def cpu_facts() -> dict:
     import torch
 
     try:
-        from sdlite.engine.cpu import detect
+        from sdlite.platform import detect
 
         info = detect(environ={})
         model, flags = info.model, info.flags

@@ -1,4 +1,5 @@
-"""engine.cpu: what the CPU has (flags, caps) and the choices made from it, with injected CPUs and caches."""
+"""platform and engine.cpu: what the CPU has (flags, caps) and the choices made from it, with injected CPUs and
+caches."""
 from __future__ import annotations
 
 import json
@@ -6,11 +7,13 @@ import json
 import pytest
 import torch
 
+from sdlite import platform as machine
 from sdlite.engine import cpu as cpumod
 from sdlite.engine.cpu import (
-    CPUInfo, PrepackChoice, bf16_support, cache_dir, detect, int8_activation_bits, int8_bits_reason, int8_saturates,
-    parse_cpuinfo, permitted_flags, prepack_choice, quantize_notes, system_report, this_cpu,
+    PrepackChoice, bf16_support, int8_activation_bits, int8_bits_reason, int8_saturates, prepack_choice,
+    quantize_notes, system_report,
 )
+from sdlite.platform import CPUInfo, cache_dir, detect, parse_cpuinfo, permitted_flags, this_cpu
 from sdlite.engine.packing import prepack_available
 
 ZEN4 = frozenset("fpu sse sse2 sse4_1 sse4_2 avx avx2 fma f16c avx512f avx512dq avx512cd avx512bw avx512vl "
@@ -116,7 +119,7 @@ def test_unknown_flags_and_other_architectures():
 
 
 def test_detect_reads_the_caps_from_the_environment(monkeypatch):
-    monkeypatch.setattr(cpumod, "_os_cpu", lambda: ("Fake Zen 4", ZEN4))
+    monkeypatch.setattr(machine, "_os_cpu", lambda: ("Fake Zen 4", ZEN4))
     native = detect({})
     capped = detect({"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"})
     assert native.model == capped.model == "Fake Zen 4"
@@ -130,12 +133,12 @@ def test_detect_reads_the_caps_from_the_environment(monkeypatch):
 
 
 def test_detect_never_fails(monkeypatch):
-    monkeypatch.setattr(cpumod.sys, "platform", "win32")
+    monkeypatch.setattr(machine.sys, "platform", "win32")
     cpu = detect({})
     assert cpu.flags is None and cpu.model and cpu.cores >= 1
     assert int8_activation_bits(cpu, saturates=False) in (7, 8)
-    monkeypatch.setattr(cpumod.sys, "platform", "darwin")
-    monkeypatch.setattr(cpumod, "_sysctl", lambda name: None)         # sysctl missing or silent
+    monkeypatch.setattr(machine.sys, "platform", "darwin")
+    monkeypatch.setattr(machine, "_sysctl", lambda name: None)         # sysctl missing or silent
     assert detect({}).flags is None
 
 
@@ -261,3 +264,10 @@ def test_manager_refuses_bf16_without_bf16_kernels_before_loading(monkeypatch):
     with pytest.raises(QuantizeError, match="needs bf16 kernels"):
         ModelManager(None, mode=1, quantize="int8-bf16")
     assert ModelManager(None, mode=1, quantize="int8").quantize == "int8"
+
+
+def test_quantize_notes_name_every_quantize_mode_in_order():
+    """system_report lists the usable modes in quantize_notes' order, which must be engine.quant's."""
+    from sdlite.engine.quant import QUANTIZE_MODES
+
+    assert list(quantize_notes(this_cpu())) == list(QUANTIZE_MODES)

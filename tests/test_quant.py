@@ -12,7 +12,8 @@ from torch import nn
 
 from sdlite.config import SD15
 from sdlite.engine import quant as quantmod
-from sdlite.engine.cpu import bf16_support, int8_activation_bits, this_cpu
+from sdlite.engine.cpu import bf16_support, int8_activation_bits
+from sdlite.platform import this_cpu
 from sdlite.engine.quant import (
     KEEP_FP32, QUANTIZE_CHOICES, BF16Conv2d, BF16Linear, BF16Warning, Int8Conv2d, Int8Linear, QuantizeError,
     check_quantize_mode, check_quantize_supported, compare_quality, layer_counts, psnr, quantize_activation, quantize_model, quantize_weight,

@@ -73,7 +73,7 @@ import torch
 from torch import nn
 
 from ..errors import notice_once
-from .cpu import cache_dir
+from ..platform import cache_dir
 from .packing import PackedConv2d, PackedLinear
 
 INDUCTOR_DIR = "inductor"

@@ -57,7 +57,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SDLiteError
-from .cpu import BF16_FLAGS, CPUInfo, bf16_int8_problem, bf16_support, this_cpu
+from ..platform import BF16_FLAGS, CPUInfo, this_cpu
+from .cpu import bf16_int8_problem, bf16_support
 from .quant import BF16Warning, check_quantize_mode
 
 PRECISIONS = {

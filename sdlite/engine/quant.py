@@ -97,7 +97,8 @@ from torch import nn
 
 from ..errors import SDLiteError
 from ..kernels import bf16 as kernels
-from .cpu import bf16_int8_problem, bf16_support, int8_activation_bits, this_cpu
+from ..platform import this_cpu
+from .cpu import bf16_int8_problem, bf16_support, int8_activation_bits
 
 QUANTIZE_MODES = {
     "none": "fp32 weights and compute (no change)",

@@ -198,13 +198,10 @@ def wino43_output(m: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
 
 
 def use_fp32_kernels(model: nn.Module, on: bool = True) -> nn.Module:
-    """Marks ``model``'s attention, GEGLU and Winograd layers to run these kernels (``on``) or PyTorch's (the
-    ``exact`` path); returns the model."""
-    from ..engine.winograd import WinogradConv2d
-    from ..models.layers import Attention
-    from ..models.unet import GEGLU
-
+    """Marks ``model``'s layers that can run these kernels -- those whose class declares ``fp32_kernels`` (attention
+    and GEGLU in :mod:`sdlite.models`, :class:`sdlite.engine.winograd.WinogradConv2d`) -- to run them (``on``) or
+    PyTorch's (the ``exact`` path); returns the model. The kernels know no layer classes: a layer opts in."""
     for module in model.modules():
-        if isinstance(module, (Attention, GEGLU, WinogradConv2d)):
+        if isinstance(getattr(type(module), "fp32_kernels", None), bool):
             module.fp32_kernels = on
     return model
