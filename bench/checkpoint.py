@@ -22,7 +22,7 @@ def build(cache: Path = DEFAULT_CACHE) -> tuple[Path, Path]:
     from sdlite.models.clip import CLIPTextEncoder
     from sdlite.models.unet import UNet
     from sdlite.models.vae import AutoencoderKL
-    from sdlite.tokenizer import CLIPTokenizer
+    from sdlite.tokenizers.clip_bpe import CLIPTokenizer
 
     folder, single = cache / "sd15-fp16", cache / "sd15-fp16.safetensors"
     if folder.is_dir() and single.is_file():

@@ -159,7 +159,7 @@ def bench_step(args) -> dict:
 
 def write_section(results: dict, out: Path) -> None:
     step, low = results.get("step"), results.get("lowmem")
-    from sdlite.platform import this_cpu
+    from sdlite.machine import this_cpu
 
     cpu = this_cpu()
     flags = ", ".join(f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16") if cpu.has(f))

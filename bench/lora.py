@@ -71,7 +71,7 @@ def clock() -> float:
 
 def merge_times(module, lora, component, repeat):
     """(merge, restore) medians."""
-    from sdlite.lora import merge
+    from sdlite.adapters.lora import merge
 
     merges, restores = [], []
     for _ in range(repeat):
@@ -90,7 +90,7 @@ class HookLora:
     """The rejected alternative: a forward hook per touched layer that adds ``scale * up(down(x))``."""
 
     def __init__(self, module, lora, component):
-        from sdlite.lora import resolve_targets
+        from sdlite.adapters.lora import resolve_targets
 
         names = resolve_targets(module, lora, component)
         self.handles = []
@@ -140,7 +140,7 @@ def step_times(unet, variants: dict, size: int, steps: int) -> dict:
 
 def lora_work(unet, lora) -> float:
     """CPU time of the work the LoRA adds to one call of a streamed UNet: its provider's copies and addmms alone."""
-    from sdlite.lora import apply_on_the_fly, resolve_targets
+    from sdlite.adapters.lora import apply_on_the_fly, resolve_targets
 
     streamer = unet._streamer
     handle = apply_on_the_fly(unet, [(lora, 1.0)], "unet")
@@ -169,7 +169,7 @@ def main():
 
     from sdlite.engine.memory import streamed_model
     from sdlite.loader import open_model
-    from sdlite.lora import engine_with_loras, merge, read_lora
+    from sdlite.adapters.lora import engine_with_loras, merge, read_lora
     from sdlite.pipeline import Engine
 
     folder, _ = build()

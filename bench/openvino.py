@@ -298,7 +298,7 @@ def cpu_facts() -> dict:
     import torch
 
     from sdlite.engine.cpu import system_report
-    from sdlite.platform import SHOWN_FLAGS, this_cpu
+    from sdlite.machine import SHOWN_FLAGS, this_cpu
 
     cpu = this_cpu()
     return {"model": cpu.model, "cores": cpu.cores, "arch": cpu.arch,

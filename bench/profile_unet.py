@@ -31,7 +31,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from sdlite.engine.cpu import bf16_int8_problem  # noqa: E402
-from sdlite.platform import this_cpu  # noqa: E402
+from sdlite.machine import this_cpu  # noqa: E402
 from sdlite.engine.packing import PackedConv2d, PackedLinear, prepack_model  # noqa: E402
 from sdlite.engine.quant import quantize_model  # noqa: E402
 from sdlite.kernels import bf16 as attention_kernel  # noqa: E402

@@ -39,7 +39,7 @@ from sdlite.models.unet import UNet  # noqa: E402
 def cpu_description() -> str:
     """CPU model, the ISA oneDNN may use (after any ONEDNN_MAX_CPU_ISA cap) and the int8 activation range."""
     from sdlite.engine.cpu import int8_activation_bits
-    from sdlite.platform import this_cpu
+    from sdlite.machine import this_cpu
 
     cpu = this_cpu()
     caps = ", ".join(f"{k}={v}" for k, v in (("ONEDNN_MAX_CPU_ISA", cpu.onednn_cap),

@@ -155,7 +155,7 @@ def cpu_facts() -> dict:
     import torch
 
     try:
-        from sdlite.platform import detect
+        from sdlite.machine import detect
 
         info = detect(environ={})
         model, flags = info.model, info.flags

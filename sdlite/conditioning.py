@@ -11,7 +11,7 @@
   chunk's encoding is rescaled so that its mean is what it was before weighting. A1111 takes that mean over all
   prompts of a batch at once; here each prompt's chunk is rescaled on its own, which is the same for the batches
   sdlite makes (copies of one prompt).
-* **Textual-inversion embeddings** (:mod:`sdlite.embeddings`): where an embedding's name occurs, its vectors
+* **Textual-inversion embeddings** (:mod:`sdlite.adapters.embeddings`): where an embedding's name occurs, its vectors
   replace those tokens; an embedding that would straddle a chunk boundary starts the next chunk.
 * **Prompt and negative prompt of different lengths**: the shorter one is padded with encodings of the empty
   prompt, one 77-token chunk at a time, as A1111 does (diffusers cannot take such prompts at all).

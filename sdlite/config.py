@@ -697,6 +697,14 @@ class ModelSpec:
         return self.text if self.text is not None else self.text2
 
 
+# --- request limits (sdlite.pipeline.request checks them; every front-end and the x4 upscaler hold to them) -------
+
+MAX_SEED = 2**32 - 1
+MAX_STEPS = 1000
+MAX_BATCH = 64
+CFG_RANGE = (1.0, 30.0)
+
+
 # --- presets -------------------------------------------------------------------------------------------
 
 # runwayml/stable-diffusion-v1-5 (text_encoder, unet, vae config.json): CLIP ViT-L/14 text tower

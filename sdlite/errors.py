@@ -47,3 +47,13 @@ class CheckpointError(SDLiteError):
         if self.path is not None:
             text = f"{self.path}: {text}"
         return text
+
+
+class RequestError(SDLiteError, ValueError):
+    """A request parameter is out of range; the message names it, its value and what is valid."""
+
+
+class StopSampling(Exception):
+    """Raised by a step callback (``callback`` or ``on_latents`` of :meth:`sdlite.pipeline.Engine.generate`) to end
+    sampling after the current step: the result then holds the images decoded from the latest estimate of the final
+    latents (``Result.interrupted`` is True). A server's interrupt and skip use it."""

@@ -18,7 +18,7 @@ from .errors import CheckpointError
 from .loader import META_CONFIG, META_PREDICTION, StableDiffusion
 from .weights.convert import plan_to_original
 from .weights.detect import META_TURBO
-from .weights.io import save_safetensors
+from .weights.safetensors import save_safetensors
 
 DIFFUSERS_VERSION = "0.30.0"  # the folder format written (readable by diffusers >= 0.21)
 

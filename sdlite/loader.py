@@ -27,11 +27,13 @@ from .models.bert import BertTextEncoder
 from .models.clip import CLIPTextEncoder
 from .models.unet import UNet
 from .models.vae import AutoencoderKL
-from .tokenizer import SD1_PAD_TOKEN_ID, SD2_PAD_TOKEN_ID, CLIPTokenizer
+from .tokenizers.clip_bpe import SD1_PAD_TOKEN_ID, SD2_PAD_TOKEN_ID, CLIPTokenizer
 from .tokenizers import WordPieceTokenizer, load_tokenizer, tokenizer_kind
-from .weights.convert import normalize_bert_keys, normalize_diffusers_keys, plan_from_original
+from .weights.convert import normalize_diffusers_keys, plan_from_original
 from .weights.detect import Detection, detect
-from .weights.io import TensorStore, open_checkpoint, open_sharded
+from .weights.io import open_checkpoint, open_sharded
+from .weights.store import TensorStore
+from .weights.text_keys import normalize_bert_keys
 
 COMPONENTS = ("text_encoder", "text_encoder_2", "unet", "vae")
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")

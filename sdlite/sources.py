@@ -37,11 +37,14 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image, ImageFilter, ImageOps, UnidentifiedImageError
 
-from .errors import SDLiteError
+import torch
+
+from .errors import RequestError, SDLiteError
 
 MAX_PIXELS = 8192 * 8192
 """Decompression-bomb cap on width * height of any input image, checked from the header before decoding."""
@@ -463,3 +466,93 @@ def apply_overlay(result: Image.Image, source: Image.Image, overlay_mask: Image.
     alpha = (255.0 - m)[:, :, None] / 255.0
     out = np.asarray(source_rgb).astype(np.float64) * alpha + np.asarray(generated).astype(np.float64) * (1 - alpha)
     return Image.fromarray(np.clip(np.rint(out), 0, 255).astype(np.uint8), "RGB")
+
+
+def prepare(r) -> "Source":
+    """Read the source image (and mask) of an image-to-image request and prepare the pixels as A1111 does:
+    outpaint canvas, mask inversion and blur, fitting to the generation size (or the crop around the mask),
+    the fill mode's pre-fill. Returns the pixels to encode and what the paste-back needs."""
+    try:
+        loaded = load_image(r.init_image, "init image")
+        mask = None
+        if r.mask_from_alpha:
+            mask = load_mask(loaded, "init image's transparency", from_alpha=True)
+        elif r.mask is not None:
+            mask = load_mask(r.mask, "mask")
+        image = to_rgb(loaded)
+        if mask is not None and mask.size != image.size:
+            mask = mask.resize(image.size, Image.Resampling.LANCZOS).point(lambda v: 255 if v > 128 else 0)
+        if mask is not None and r.invert_mask:
+            mask = invert_mask(mask)
+        if r.outpaint is not None:
+            image, border = outpaint_canvas(image, *r.outpaint)
+            if mask is None:
+                mask = border
+            else:  # the given mask over the source, plus the new border
+                padded = Image.new("L", image.size, 0)
+                padded.paste(mask, (r.outpaint[0], r.outpaint[1]))
+                mask = Image.fromarray(np.maximum(np.asarray(padded), np.asarray(border)))
+        if mask is not None:
+            check_mask_not_empty(mask, "the mask" + (" (inverted)" if r.invert_mask else ""))
+    except ImageInputError as e:
+        raise RequestError(str(e)) from None
+    # the source's size, rounded down to a multiple of 8 as diffusers' image processor does
+    width = r.width or max(8, image.width // 8 * 8)
+    height = r.height or max(8, image.height // 8 * 8)
+    blurred = blur_mask(mask, r.mask_blur) if mask is not None and r.mask_blur else mask
+    paste_box = None
+    if mask is not None and r.inpaint_area == "masked":
+        paste_box = crop_region(blurred, r.inpaint_padding, width, height)
+        overlay_source, overlay_mask = image, blurred
+        image = resize_image(image.crop(paste_box), width, height, "fill")
+        blurred = resize_image(blurred.crop(paste_box), width, height, "fill")
+    else:
+        image = resize_image(image, width, height, r.resize_mode)
+        if blurred is not None:
+            blurred = resize_image(blurred, width, height, r.resize_mode)
+        overlay_source, overlay_mask = image, blurred
+    if blurred is not None and r.inpaint_fill == "fill":
+        image = fill_masked(image, blurred)
+    return Source(image=image, mask=blurred, width=width, height=height, overlay_source=overlay_source,
+                  overlay_mask=overlay_mask, paste_box=paste_box)
+
+
+@dataclass
+class Source:
+    """A prepared source: the pixels to encode (``image``, RGB at width x height) and their ``mask`` ("L",
+    blurred, 255 = repaint; None for plain image to image), and what pasting back needs: the source as the
+    user sees it (``overlay_source``), the blurred mask at its size, and the crop box the generation covered
+    (``paste_box``, inpaint area "masked")."""
+
+    image: Image.Image
+    mask: Image.Image | None
+    width: int
+    height: int
+    overlay_source: Image.Image
+    overlay_mask: Image.Image | None
+    paste_box: tuple[int, int, int, int] | None = None
+
+    def finish(self, result: Image.Image, overlay: bool) -> Image.Image:
+        """A generated image as the user gets it: pasted back into the source where only a crop was generated,
+        and (``overlay``) with the source's pixels composited back outside the blurred mask, as A1111 does."""
+        if overlay:
+            return apply_overlay(result, self.overlay_source, self.overlay_mask, self.paste_box)
+        if self.paste_box is None:
+            return result
+        x1, y1, x2, y2 = self.paste_box
+        out = self.overlay_source.copy()
+        out.paste(result.resize((x2 - x1, y2 - y1), Image.Resampling.LANCZOS), (x1, y1))
+        return out
+
+
+def image_to_tensor(image: Image.Image) -> torch.Tensor:
+    """An RGB image -> (1, 3, H, W) float32 in [-1, 1], as the reference's image processor normalises it."""
+    arr = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
+    return torch.from_numpy(arr).permute(2, 0, 1)[None] * 2.0 - 1.0
+
+
+def mask_to_tensor(mask: Image.Image) -> torch.Tensor:
+    """An "L" mask -> (1, 1, H, W) of 0/1: repaint where the (blurred) mask is at least half white, as the
+    reference binarises it."""
+    arr = np.asarray(mask.convert("L"), dtype=np.float32) / 255.0
+    return torch.from_numpy((arr >= 0.5).astype(np.float32))[None, None]

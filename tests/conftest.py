@@ -33,7 +33,7 @@ def sd15_folder(tmp_path_factory):
     from sdlite.models.clip import CLIPTextEncoder
     from sdlite.models.unet import UNet
     from sdlite.models.vae import AutoencoderKL
-    from sdlite.tokenizer import CLIPTokenizer
+    from sdlite.tokenizers.clip_bpe import CLIPTokenizer
 
     folder = tmp_path_factory.mktemp("sd15") / "sd15"
     torch.manual_seed(0)

@@ -41,7 +41,7 @@ import torch
 torch.set_num_threads(1)
 from safetensors.torch import save_file
 from torch._dynamo.utils import counters
-from sdlite import lora as L
+from sdlite.adapters import lora as L
 from sdlite.engine.compile import Compiled
 from sdlite.pipeline import Engine, Request
 

@@ -257,7 +257,7 @@ def test_embedding_matches_diffusers_load_textual_inversion(tiny, tmp_path, fmt)
     with torch.no_grad():
         expected = ref.encode_prompt(prompt, "cpu", 1, False)[0]
     engine = Engine.load(folder, precision="exact")
-    from sdlite.embeddings import EmbeddingDB
+    from sdlite.adapters.embeddings import EmbeddingDB
 
     db = EmbeddingDB.from_dir(emb_dir, engine.tokenizer, width)
     got, _ = engine.encode_prompt([prompt], embeddings=db)
@@ -268,7 +268,7 @@ def test_embedding_matches_diffusers_load_textual_inversion(tiny, tmp_path, fmt)
 
 
 def test_embedding_of_another_width_is_refused(tiny, tmp_path):
-    from sdlite.embeddings import EmbeddingDB, EmbeddingError
+    from sdlite.adapters.embeddings import EmbeddingDB, EmbeddingError
 
     _, _, engine = tiny
     _write_a1111_pt(tmp_path / "wide.pt", torch.randn(2, 1024))

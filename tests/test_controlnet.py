@@ -17,8 +17,7 @@ from sdlite.control.units import keep, residual_scales
 from sdlite.models.controlnet import ControlNet
 from sdlite.pipeline import Engine, Request, RequestError
 from sdlite.weights.controlnet import ControlNetError, load_controlnet, open_controlnet
-from sdlite.weights.convert import controlnet_to_original
-from sdlite.weights.detect import unet_structure_from_keys
+from sdlite.weights.unet_keys import controlnet_to_original, unet_structure_from_keys
 from tests.reference import diffusers_pipeline, saved_pipeline, seed_all, use_scheduler, with_contrast
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

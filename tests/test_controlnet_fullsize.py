@@ -15,8 +15,7 @@ from safetensors.torch import save_file
 from sdlite.control import ControlUnit
 from sdlite.pipeline import Engine, Request
 from sdlite.weights.controlnet import load_controlnet
-from sdlite.weights.convert import controlnet_to_original
-from sdlite.weights.detect import unet_structure_from_keys
+from sdlite.weights.unet_keys import controlnet_to_original, unet_structure_from_keys
 
 pytestmark = pytest.mark.slow
 

@@ -157,7 +157,7 @@ def test_unet_structure_from_config_and_keys_agree():
         state = unet_state(cfg)
         from_cfg = C.UNetStructure.from_diffusers_config(cfg)
         original = C.unet_to_original(state, cfg).entries
-        from sdlite.weights.detect import unet_structure_from_keys
+        from sdlite.weights.unet_keys import unet_structure_from_keys
 
         assert unet_structure_from_keys(state, layout="diffusers", prefix="") == from_cfg
         assert unet_structure_from_keys(original, layout="original") == from_cfg

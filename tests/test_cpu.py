@@ -1,4 +1,4 @@
-"""platform and engine.cpu: what the CPU has (flags, caps) and the choices made from it, with injected CPUs and
+"""machine and engine.cpu: what the CPU has (flags, caps) and the choices made from it, with injected CPUs and
 caches."""
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import json
 import pytest
 import torch
 
-from sdlite import platform as machine
+from sdlite import machine
 from sdlite.engine import cpu as cpumod
 from sdlite.engine.cpu import (
     PrepackChoice, bf16_support, int8_activation_bits, int8_bits_reason, int8_saturates, prepack_choice,
     quantize_notes, system_report,
 )
-from sdlite.platform import CPUInfo, cache_dir, detect, parse_cpuinfo, permitted_flags, this_cpu
+from sdlite.machine import CPUInfo, cache_dir, detect, parse_cpuinfo, permitted_flags, this_cpu
 from sdlite.engine.packing import prepack_available
 
 ZEN4 = frozenset("fpu sse sse2 sse4_1 sse4_2 avx avx2 fma f16c avx512f avx512dq avx512cd avx512bw avx512vl "

@@ -55,7 +55,7 @@ def draw(engine, prompt: str, seed: int):
 
 
 def test_shipped_file_is_small_kohya_sd1():
-    from sdlite.lora import find_lora, read_lora
+    from sdlite.adapters.lora import find_lora, read_lora
 
     assert LORA.is_file() and LORA.stat().st_size < MAX_BYTES
     assert Path(find_lora("demo_teal")) == LORA          # the prompt tag finds the shipped file by default

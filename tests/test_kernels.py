@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sdlite.platform import this_cpu
+from sdlite.machine import this_cpu
 from sdlite.kernels import bf16 as kattn
 from sdlite.kernels import build
 from sdlite.models.layers import Attention

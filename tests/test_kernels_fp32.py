@@ -14,7 +14,7 @@ from torch import nn
 
 from sdlite.demo import model_path
 from sdlite.engine import winograd as W
-from sdlite.platform import CPUInfo
+from sdlite.machine import CPUInfo
 from sdlite.engine.memory import channels_last
 from sdlite.engine.precision import PrecisionError, resolve
 from sdlite.kernels import build

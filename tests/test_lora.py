@@ -1,4 +1,4 @@
-"""LoRA (sdlite.lora): kohya/A1111 and diffusers/PEFT files, merged or applied on the fly, against diffusers'
+"""LoRA (sdlite.adapters.lora): kohya/A1111 and diffusers/PEFT files, merged or applied on the fly, against diffusers'
 ``load_lora_weights`` + ``fuse_lora``; exact un-merging; refusals that name the file and the reason.
 
 The broad coverage runs on the tiny model; the full-size SD 1.5 shapes get four LoRA cases (each one diffusers
@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sdlite import lora as L
+from sdlite.adapters import lora as L
 from sdlite.engine.packing import PackedConv2d, PackedLinear, prepack_available
 from sdlite.loader import open_model
 from sdlite.pipeline import Engine, Request

@@ -1,4 +1,4 @@
-"""LoRA on SDXL (sdlite.lora): kohya SDXL files (the UNet in Stability's SGM block names, ``lora_te1_`` /
+"""LoRA on SDXL (sdlite.adapters.lora): kohya SDXL files (the UNet in Stability's SGM block names, ``lora_te1_`` /
 ``lora_te2_``) and diffusers/PEFT files (``unet.`` / ``text_encoder.`` / ``text_encoder_2.``) merged into both text
 encoders and the UNet, against diffusers' ``load_lora_weights`` + ``fuse_lora`` on the tiny SDXL pipeline of
 tests/test_sdxl_pipeline.py; exact un-merging; memory modes 0 and 2 and streamed fp16 weights; the prompt tag; the
@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from sdlite import lora as L
+from sdlite.adapters import lora as L
 from sdlite.pipeline import Engine, Request
 from tests.reference import use_scheduler
 from tests.test_sdxl_pipeline import SIZE, UNET_BASE, saved_pipelines

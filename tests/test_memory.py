@@ -120,7 +120,7 @@ def test_mode_0_frees_each_sub_model(tmp_path):
     from sdlite.models.clip import CLIPTextEncoder
     from sdlite.models.unet import UNet
     from sdlite.models.vae import AutoencoderKL
-    from sdlite.tokenizer import CLIPTokenizer
+    from sdlite.tokenizers.clip_bpe import CLIPTokenizer
     from tests.reference import TINY_UNET_SD1, TINY_VAE
 
     text = TextEncoderConfig(width=512, layers=16, heads=8, mlp_width=2048)  # ~76M params = ~300 MB fp32
@@ -153,7 +153,7 @@ def test_int8_and_tiled_decode_through_the_engine(model_dir):
 
 def test_mode_0_decodes_in_tiles(model_dir, monkeypatch):
     """Low memory: from 256 px up the VAE decodes in 256 px tiles, which give the untiled image."""
-    import sdlite.pipeline as pipeline
+    import sdlite.families.loaded as pipeline
 
     tiles = []
     real = pipeline.tiled_decode

@@ -158,7 +158,7 @@ def test_manager_default_comes_from_the_cpu_and_explicit_choices_win(model_dir, 
 
 def test_manager_default_on_this_cpu(model_dir):
     from sdlite.engine.cpu import default_prepack
-    from sdlite.platform import this_cpu
+    from sdlite.machine import this_cpu
 
     manager = ModelManager(open_model(model_dir), mode=1)
     assert manager.prepack == default_prepack().use == this_cpu().avx512   # AVX2 (or capped to it): plain

@@ -11,7 +11,7 @@ import torch
 from sdlite.cli import main
 from sdlite.config import DEMO, SD15, SDXL_BASE as SDXL
 from sdlite.demo import DEFAULT_CFG, DEFAULT_PROMPT, DEFAULT_STEPS, model_path
-from sdlite.platform import CPUInfo, this_cpu
+from sdlite.machine import CPUInfo, this_cpu
 from sdlite.engine.precision import (
     PrecisionError, auto_choice, check_precision, choose_precision, precision_report, resolve,
 )

@@ -13,7 +13,7 @@ from torch import nn
 from sdlite.config import SD15
 from sdlite.engine import quant as quantmod
 from sdlite.engine.cpu import bf16_support, int8_activation_bits
-from sdlite.platform import this_cpu
+from sdlite.machine import this_cpu
 from sdlite.engine.quant import (
     KEEP_FP32, QUANTIZE_CHOICES, BF16Conv2d, BF16Linear, BF16Warning, Int8Conv2d, Int8Linear, QuantizeError,
     check_quantize_mode, check_quantize_supported, compare_quality, layer_counts, psnr, quantize_activation, quantize_model, quantize_weight,
@@ -242,7 +242,7 @@ def test_psnr():
 def tiny_model():
     from sdlite.loader import StableDiffusion
     from sdlite.models.vae import AutoencoderKL
-    from sdlite.tokenizer import CLIPTokenizer
+    from sdlite.tokenizers.clip_bpe import CLIPTokenizer
     from tests.reference import TINY_TEXT_SD1_FULLVOCAB, TINY_VAE
 
     spec = SD15.replace(text=TINY_TEXT_SD1_FULLVOCAB, vae=TINY_VAE, default_size=32,

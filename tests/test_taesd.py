@@ -20,7 +20,7 @@ from sdlite.errors import CheckpointError, SDLiteError
 from sdlite.images import parse_infotext, read_parameters
 from sdlite.models.taesd import TinyAutoencoder
 from sdlite.pipeline import Engine, Request, RequestError, latents_to_images
-from sdlite.weights.convert import taesd_from_original
+from sdlite.weights.vae_keys import taesd_from_original
 from sdlite.weights.taesd import TAESDError, TAESDNotFound, load_taesd, resolve_taesd, variant_from_name
 from tests import loopback
 from tests.reference import seed_all

@@ -1,4 +1,4 @@
-"""Tests for sdlite.tokenizer against independent references.
+"""Tests for sdlite.tokenizers.clip_bpe against independent references.
 
 References used here, none of which calls sdlite's code:
 
@@ -29,7 +29,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from tokenizers import pre_tokenizers  # noqa: E402  (installed with transformers)
 
-from sdlite.tokenizer import (  # noqa: E402
+from sdlite.tokenizers.clip_bpe import (  # noqa: E402
     SD1_PAD_TOKEN_ID,
     SD2_PAD_TOKEN_ID,
     CLIPTokenizer,

@@ -20,7 +20,7 @@ from sdlite.errors import CheckpointError, SDLiteError
 from sdlite.upscalers import (RRDBConfig, RRDBNet, SRVGGConfig, SRVGGNetCompact, Upscaler, UpscalerError,
                               load_upscaler, upscale, upscale_tensor)
 from sdlite.upscalers import tiling
-from sdlite.weights.io import save_safetensors
+from sdlite.weights.safetensors import save_safetensors
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")   # small inputs: one thread is as fast, and steadier
 

@@ -21,14 +21,9 @@ from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save_file as st_save_file
 
 from sdlite.errors import CheckpointError, SDLiteError
-from sdlite.weights.io import (
-    MissingTensorError,
-    TensorStore,
-    merge_stores,
-    open_checkpoint,
-    open_sharded,
-    save_safetensors,
-)
+from sdlite.weights.io import open_checkpoint, open_sharded
+from sdlite.weights.safetensors import save_safetensors
+from sdlite.weights.store import MissingTensorError, TensorStore, merge_stores
 
 MiB = 1024 * 1024
 

@@ -354,7 +354,7 @@ def full_size(tmp_path_factory):
     from sdlite.models.clip import CLIPTextEncoder
     from sdlite.models.unet import UNet
     from sdlite.models.vae import AutoencoderKL as OurVAE
-    from sdlite.tokenizer import CLIPTokenizer
+    from sdlite.tokenizers.clip_bpe import CLIPTokenizer
     from tests.test_sdxl_fullsize import pooled_weights
 
     spec = SD_X4_UPSCALER

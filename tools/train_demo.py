@@ -57,7 +57,7 @@ from sdlite.loader import StableDiffusion  # noqa: E402
 from sdlite.models.clip import CLIPTextEncoder  # noqa: E402
 from sdlite.models.unet import UNet  # noqa: E402
 from sdlite.models.vae import AutoencoderKL  # noqa: E402
-from sdlite.tokenizer import CLIPTokenizer  # noqa: E402
+from sdlite.tokenizers.clip_bpe import CLIPTokenizer  # noqa: E402
 
 
 @dataclass(frozen=True)

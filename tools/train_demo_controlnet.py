@@ -72,7 +72,7 @@ from sdlite.demo import DEFAULT_CFG, DEFAULT_STEPS, model_path  # noqa: E402
 from sdlite.demo import data as D  # noqa: E402
 from sdlite.loader import open_model  # noqa: E402
 from sdlite.models.controlnet import ControlNet  # noqa: E402
-from sdlite.weights.io import save_safetensors  # noqa: E402
+from sdlite.weights.safetensors import save_safetensors  # noqa: E402
 
 NAME = "demo-position"
 OUT = ROOT / "sdlite" / "data" / "controlnets" / NAME

@@ -25,7 +25,7 @@ word "teal" is a token it never saw in training, so a prompt naming it draws som
    AdamW, warm-up and cosine decay;
 4. saves the adapters in the kohya/A1111 format (``lora_unet_<module>.lora_down.weight`` / ``.lora_up.weight``
    / ``.alpha``, ``lora_te_text_model_encoder_layers_N_...``), fp16, with kohya's ``ss_*`` metadata;
-5. loads the saved file back through the engine (:mod:`sdlite.lora`) and measures it: teal prompts with and
+5. loads the saved file back through the engine (:mod:`sdlite.adapters.lora`) and measures it: teal prompts with and
    without the LoRA (is the shape teal? :func:`is_teal`), and palette prompts with the LoRA (still right?);
    writes ``docs/demo_lora.md`` and ``docs/demo_lora.png``.
 
@@ -435,8 +435,8 @@ def train(hp: HParams, out: Path, log) -> dict:
 
 
 def evaluate(hp: HParams, path: Path, log) -> dict:
-    """Generate through the engine, with the LoRA (merged by sdlite.lora for each request) and without."""
-    from sdlite.lora import read_lora
+    """Generate through the engine, with the LoRA (merged by sdlite.adapters.lora for each request) and without."""
+    from sdlite.adapters.lora import read_lora
     from sdlite.pipeline import Engine, Request
 
     lora = read_lora(path)
@@ -570,7 +570,7 @@ column is an ordinary palette prompt, unchanged by the LoRA.)
 ## What it does (measured through the engine, every image classified automatically)
 
 Each prompt with seeds {EVAL_SEEDS[0]}..{EVAL_SEEDS[-1]}, {hp.eval_steps} steps, cfg {hp.eval_cfg:g}; the LoRA applied by
-`sdlite.lora` from the saved file at weight 1. *Teal*: the shape's colour (the median of its pixels, as
+`sdlite.adapters.lora` from the saved file at weight 1. *Teal*: the shape's colour (the median of its pixels, as
 `sdlite/demo/classify.py` finds it) nearer to RGB {TEAL} than to every palette colour; for the
 teal-background prompts, the background's.
 

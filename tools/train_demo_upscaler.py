@@ -50,7 +50,7 @@ if str(ROOT) not in sys.path:
 
 from sdlite.demo import data as D  # noqa: E402
 from sdlite.upscalers import DEMO_UPSCALER, SRVGGConfig, SRVGGNetCompact, load_upscaler, upscale  # noqa: E402
-from sdlite.weights.io import save_safetensors  # noqa: E402
+from sdlite.weights.safetensors import save_safetensors  # noqa: E402
 
 CONFIG = SRVGGConfig(num_feat=32, num_conv=8, scale=4)
 HR, LR = 256, 64

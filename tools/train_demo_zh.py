@@ -60,7 +60,7 @@ from sdlite.loader import open_model  # noqa: E402
 from sdlite.models.bert import BertTextEncoder  # noqa: E402
 from sdlite.pipeline import Engine  # noqa: E402
 from sdlite.tokenizers import WordPieceTokenizer  # noqa: E402
-from sdlite.weights.io import save_safetensors  # noqa: E402
+from sdlite.weights.safetensors import save_safetensors  # noqa: E402
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 PUNCTUATION = list(",.!?;:'\"()-") + list("，。！？；：、“”（）")

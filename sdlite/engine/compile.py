@@ -55,7 +55,7 @@ Freezing (``torch._inductor.config.freezing``) is **off**, measured and checked:
   cache cannot pickle (``fxgraph_cache_bypass``): a tiny UNet's second process compiled in 24 s frozen against
   3.8 s unfrozen.
 * It is a correctness trap for LoRAs: a weight changed in place is not seen by a frozen graph (measured: the old
-  weights' output came back), and a weight replaced by a new tensor -- how :func:`sdlite.lora.merge` merges --
+  weights' output came back), and a weight replaced by a new tensor -- how :func:`sdlite.adapters.lora.merge` merges --
   recompiles the whole graph, for every LoRA applied and again when it is removed. Unfrozen, the graph takes the
   weights as inputs at every call: a merged LoRA changes the image, with no recompile (``tests/test_compile.py``).
 * It gains nothing on the bf16 UNet: the frozen graph has the same fusions (960 pattern matches against 956) and no
@@ -73,7 +73,7 @@ import torch
 from torch import nn
 
 from ..errors import notice_once
-from ..platform import cache_dir
+from ..machine import cache_dir
 from .packing import PackedConv2d, PackedLinear
 
 INDUCTOR_DIR = "inductor"

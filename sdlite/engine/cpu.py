@@ -1,4 +1,4 @@
-"""What the engine makes of this CPU (:mod:`sdlite.platform` says what it is): prepacked fp32 weights or not, the
+"""What the engine makes of this CPU (:mod:`sdlite.machine` says what it is): prepacked fp32 weights or not, the
 int8 activation range, how bf16 runs, and the ``sdlite info --system`` report.
 
 The decisions (measured on a 2-core Zen 4, natively and under ``ONEDNN_MAX_CPU_ISA=AVX2``; figures in the
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from ..platform import CACHE_FILE, SHOWN_FLAGS, CPUInfo, cache_dir, this_cpu
+from ..machine import CACHE_FILE, SHOWN_FLAGS, CPUInfo, cache_dir, this_cpu
 
 # --- int8 -------------------------------------------------------------------------------------------------
 

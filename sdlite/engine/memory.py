@@ -286,7 +286,7 @@ class ModelManager:
         if preloaded is not None:
             self._resident = dict(preloaded.networks())
         # callables (name, module, resident) run on every network built from now on: how a LoRA applied for a
-        # request (sdlite.lora.engine_with_loras) reaches the networks memory modes 0 and 2 load per use
+        # request (sdlite.adapters.lora.engine_with_loras) reaches the networks memory modes 0 and 2 load per use
         self.adapters: list = []
 
     def _adapt(self, name: str, module: nn.Module, resident: bool) -> None:

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SDLiteError
-from ..platform import BF16_FLAGS, CPUInfo, this_cpu
+from ..machine import BF16_FLAGS, CPUInfo, this_cpu
 from .cpu import bf16_int8_problem, bf16_support
 from .quant import BF16Warning, check_quantize_mode
 

@@ -97,7 +97,7 @@ from torch import nn
 
 from ..errors import SDLiteError
 from ..kernels import bf16 as kernels
-from ..platform import this_cpu
+from ..machine import this_cpu
 from .cpu import bf16_int8_problem, bf16_support, int8_activation_bits
 
 QUANTIZE_MODES = {

@@ -48,7 +48,7 @@ def disabled(environ=None) -> bool:
 def cpu_problem(required: tuple[str, ...], needs: str, cpu=None) -> str | None:
     """Why ``cpu`` (None: this one) cannot run a kernel that needs the flags ``required`` (``needs``: them in words,
     e.g. "AVX2 and FMA"), naming the missing flags and a oneDNN cap that hides them; None: it can."""
-    from ..platform import this_cpu
+    from ..machine import this_cpu
 
     cpu = this_cpu() if cpu is None else cpu
     if not cpu.is_x86 or cpu.flags is None:
@@ -82,7 +82,7 @@ def _version(cxx: str) -> str:
 
 
 def kernel_dir() -> Path:
-    from ..platform import cache_dir
+    from ..machine import cache_dir
 
     return cache_dir() / KERNEL_DIR
 

@@ -17,7 +17,7 @@ preconditioning of Karras et al. 2022 (table 1, "VP"/"DDPM" rows, as in k-diffus
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -120,3 +120,24 @@ class CFGDenoiser:
                             context=torch.cat([uncond, context]), **extra)
         out_uncond, out_cond = out.chunk(2)
         return out_uncond + self.scale * (out_cond - out_uncond)
+
+
+@dataclass(frozen=True, eq=False)
+class Recorded:
+    """A denoiser that keeps its latest output (the estimate of the final latents) in ``value``, for step
+    callbacks (previews) and for the images of a run stopped early. It computes exactly what it wraps."""
+
+    denoiser: Callable
+    _last: list = field(default_factory=lambda: [None])
+
+    @property
+    def value(self) -> torch.Tensor | None:
+        return self._last[0]
+
+    def with_timesteps(self, sigmas: torch.Tensor, timesteps: torch.Tensor) -> "Recorded":
+        return dataclasses.replace(self, denoiser=self.denoiser.with_timesteps(sigmas, timesteps))
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, **extra) -> torch.Tensor:
+        out = self.denoiser(x, sigma, **extra)
+        self._last[0] = out
+        return out

@@ -15,27 +15,23 @@ native size) and, for img2img, the source image's size.
 from __future__ import annotations
 
 import base64
-import binascii
 import inspect
-import io
 import json
 import math
 import random
-import warnings as _warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import HTTPException
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from pydantic import BaseModel, ConfigDict
 
 from .. import __version__
-from ..errors import SDLiteError
 from ..images import infotext, parameters_of, parse_infotext, png_bytes
 from ..pipeline import MAX_BATCH, MAX_SEED, Request, RequestError, Result, validate
 from ..sampling.samplers import SAMPLERS, resolve_sampler
-from ..sources import MAX_PIXELS
 from .controlnet import control_maps, is_controlnet, units_from_scripts
+from .decode import ImageTooLarge, decode_image  # noqa: F401 (re-exported: a1111.decode_image)
 from .limits import Limits, check_request, check_size
 
 # --- requests ----------------------------------------------------------------------------------------------------
@@ -415,48 +411,6 @@ REQUEST_OPTIONS = ("sd_model_checkpoint", "CLIP_stop_at_last_layers", "eta_ddim"
 def check_options(changes: dict) -> dict:
     """Checked option values (``sd_model_checkpoint`` is the server's to check)."""
     return {k: OPTION_CHECKS[k](k, v) if k in OPTION_CHECKS else v for k, v in changes.items()}
-
-
-# --- images in ---------------------------------------------------------------------------------------------------
-
-class ImageTooLarge(SDLiteError):
-    """An input image is over the byte or pixel cap (HTTP 413)."""
-
-
-def decode_image(data: Any, what: str, max_bytes: int) -> Image.Image:
-    """A base64 image (raw, or a ``data:image/...;base64,`` URI) -> a decoded PIL image. The pixel count is checked
-    from the header before any pixel is decoded (:data:`sdlite.sources.MAX_PIXELS`)."""
-    if not isinstance(data, str) or not data.strip():
-        raise RequestError(f"{what}: expected a base64-encoded image, got {type(data).__name__ if data else 'nothing'}")
-    text = data.strip()
-    if text.startswith(("http://", "https://")):
-        raise RequestError(f"{what}: URLs are not fetched; send the image itself, base64-encoded")
-    if text.startswith("data:"):
-        header, comma, text = text.partition(",")
-        if not comma or ";base64" not in header:
-            raise RequestError(f"{what}: a data URI must be data:image/...;base64,<data>")
-    if len(text) * 3 // 4 > max_bytes:
-        raise ImageTooLarge(f"{what}: about {len(text) * 3 // 4} bytes, more than the cap of {max_bytes}")
-    try:
-        raw = base64.b64decode(text)
-    except (binascii.Error, ValueError) as e:
-        raise RequestError(f"{what}: not valid base64 ({e})") from None
-    try:
-        with _warnings.catch_warnings():
-            _warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(raw))
-            width, height = image.size
-            if width * height > MAX_PIXELS:
-                raise ImageTooLarge(f"{what}: {width}x{height} is {width * height} pixels, more than the cap of "
-                                    f"{MAX_PIXELS} (8192x8192)")
-            image.load()
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise ImageTooLarge(f"{what}: refused as a possible decompression bomb ({e})") from None
-    except UnidentifiedImageError:
-        raise RequestError(f"{what}: the data is not an image (PNG, JPEG, WebP ...) that Pillow can read") from None
-    except (OSError, ValueError, SyntaxError, EOFError) as e:
-        raise RequestError(f"{what}: the image cannot be decoded: {e}") from None
-    return image
 
 
 # --- A1111 request -> sdlite requests ----------------------------------------------------------------------------

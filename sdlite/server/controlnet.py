@@ -47,6 +47,7 @@ from pydantic import BaseModel, ConfigDict
 from ..control import RESIZE_MODES, SHIPPED, ControlError, ControlUnit
 from ..control import preprocess
 from ..pipeline import RequestError
+from .decode import decode_image
 
 API_VERSION = 3            # /controlnet/version: the extension's API version (an integer)
 UNIT_COUNT = 3             # /controlnet/settings' control_net_unit_count (the extension's default)
@@ -270,8 +271,6 @@ def unit_from_dict(raw: dict, what: str, *, controlnets: ControlNets | None, img
                    img2img_resize_mode: int = 0, max_image_bytes: int, warnings: list[str],
                    index: int = 0) -> ControlUnit | None:
     """One unit object -> a checked :class:`ControlUnit`, or None when it is disabled."""
-    from .a1111 import decode_image
-
     d = dict(raw)
     for old, new in OLD_NAMES.items():
         if old in d:
@@ -519,8 +518,6 @@ class DetectRequest(BaseModel):
 def detect(module: str, images: list, res, threshold_a, threshold_b, max_image_bytes: int) -> list:
     """``/controlnet/detect``: each image's control map by ``module`` (PIL images). Raises RequestError naming the
     module (unknown, or one that needs an annotator model) or the image at fault."""
-    from .a1111 import decode_image
-
     try:
         pre = preprocess.find(module if module is not None else "none")
     except ControlError as e:

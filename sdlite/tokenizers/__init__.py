@@ -1,4 +1,4 @@
-"""Tokenizers behind one interface: CLIP's byte-level BPE (:mod:`sdlite.tokenizer`, SD 1.x/2.x) and BERT's
+"""Tokenizers behind one interface: CLIP's byte-level BPE (:mod:`sdlite.tokenizers.clip_bpe`, SD 1.x/2.x) and BERT's
 WordPiece (:mod:`sdlite.tokenizers.wordpiece`, Chinese models such as Taiyi). The pipeline does not care which it
 has; every tokenizer offers:
 
@@ -16,7 +16,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..tokenizer import CLIPTokenizer, TokenizedPrompt
+from .clip_bpe import CLIPTokenizer, TokenizedPrompt
+from .wordpiece import WordPieceTokenizer
 
 __all__ = ["CLIPTokenizer", "TokenizedPrompt", "WordPieceTokenizer", "load_tokenizer", "tokenizer_kind"]
 
@@ -51,5 +52,3 @@ def load_tokenizer(folder: str | Path, max_length: int | None = None):
     raise FileNotFoundError(f"no tokenizer files in {str(folder)!r}: expected vocab.txt (WordPiece) or "
                             "vocab.json + merges.txt (CLIP BPE)")
 
-
-from .wordpiece import WordPieceTokenizer  # noqa: E402  (it imports TokenizedPrompt from here)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from ..tokenizer import TokenizedPrompt, framed_rows
+from .clip_bpe import TokenizedPrompt, framed_rows
 
 __all__ = ["WordPieceTokenizer", "MAX_INPUT_CHARS_PER_WORD", "is_cjk"]
 

@@ -7,8 +7,9 @@
     result.images[0].save("big.png")                           # 4x the input; result.seed is the seed used
 
 The public API is :class:`X4Upscaler` (``load``, ``upscale``, ``close``; also built from an already loaded
-:class:`~sdlite.loader.StableDiffusion` or :class:`~sdlite.pipeline.Engine` of an x4 model), :class:`X4Result`
-and :class:`X4Error` (a :class:`~sdlite.pipeline.RequestError`: a parameter or input image that cannot be used; a
+:class:`~sdlite.loader.StableDiffusion` or :class:`~sdlite.families.loaded.LoadedModel`, such as an
+:class:`~sdlite.pipeline.Engine`, of an x4 model), :class:`X4Result`
+and :class:`X4Error` (a :class:`~sdlite.errors.RequestError`: a parameter or input image that cannot be used; a
 model that is not an x4 upscaler is a :class:`~sdlite.errors.CheckpointError`), and the limits below.
 
 What one :meth:`X4Upscaler.upscale` computes -- diffusers' ``StableDiffusionUpscalePipeline``, which
@@ -38,7 +39,6 @@ first level, and on a CPU each step of a 128x128 input costs seconds.
 """
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
 from dataclasses import dataclass, field
@@ -47,16 +47,19 @@ from typing import Callable
 import torch
 from PIL import Image
 
-from ..config import X4_FAMILY
+from .. import sources
+from ..config import CFG_RANGE, MAX_SEED, MAX_STEPS, X4_FAMILY
 from ..engine.memory import ModelManager, check_memory_mode
 from ..engine.precision import Precision, choose_precision
-from ..errors import CheckpointError
+from ..errors import CheckpointError, RequestError, StopSampling
+from ..families.base import initial_noise, latents_to_images
+from ..families.loaded import LoadedModel
+from ..families.x4 import X4Family
 from ..loader import Checkpoint, StableDiffusion, open_model
-from ..pipeline import (CFG_RANGE, MAX_SEED, MAX_STEPS, Engine, RequestError, StopSampling, check_device,
-                        image_to_tensor, initial_noise, latents_to_images)
-from ..sampling.denoisers import CFGDenoiser, Denoiser
+from ..machine import check_device
+from ..sampling.denoisers import CFGDenoiser, Denoiser, Recorded
 from ..sampling.samplers import resolve_sampler, sample
-from ..sampling.schedules import NoiseSchedule
+from ..sources import image_to_tensor
 
 __all__ = ["X4Upscaler", "X4Result", "X4Error", "DEFAULT_STEPS", "DEFAULT_CFG", "DEFAULT_NOISE_LEVEL",
            "MAX_INPUT_PIXELS", "MIN_INPUT_SIDE", "SCALE"]
@@ -67,14 +70,6 @@ DEFAULT_CFG = 9.0              # diffusers' StableDiffusionUpscalePipeline defau
 DEFAULT_NOISE_LEVEL = 20       # its default too
 MIN_INPUT_SIDE = 8             # pixels, after rounding down to a multiple of 4: the UNet halves the size three times
 MAX_INPUT_PIXELS = 512 * 512   # the UNet runs at the input's size, the decoder at 4x: a 2048x2048 output at most
-
-# the sampler that follows each diffusers scheduler class a model's scheduler_config.json may name
-_SCHEDULER_SAMPLERS = {
-    "DDIMScheduler": "ddim", "PNDMScheduler": "pndm", "DDPMScheduler": "ddpm", "LMSDiscreteScheduler": "lms",
-    "EulerDiscreteScheduler": "euler", "EulerAncestralDiscreteScheduler": "euler_a", "HeunDiscreteScheduler": "heun",
-    "DPMSolverMultistepScheduler": "dpmpp_2m", "DPMSolverSDEScheduler": "dpmpp_sde",
-    "UniPCMultistepScheduler": "unipc", "LCMScheduler": "lcm",
-}
 
 
 class X4Error(RequestError):
@@ -115,18 +110,20 @@ class X4Upscaler:
     """The x4 upscaler, loaded and ready: holds no per-call state, so one instance serves every call.
 
     Build it with :meth:`load`, or from an x4 model already loaded (a :class:`~sdlite.loader.StableDiffusion`
-    whose spec is the x4 family's, or an :class:`~sdlite.pipeline.Engine` of one).
+    whose spec is the x4 family's, or a :class:`~sdlite.families.loaded.LoadedModel` of one, such as an
+    :class:`~sdlite.pipeline.Engine`).
     """
 
-    def __init__(self, model: StableDiffusion | Engine, device: str | torch.device = "cpu"):
-        engine = model if isinstance(model, Engine) else Engine(model, device)
+    def __init__(self, model: StableDiffusion | LoadedModel, device: str | torch.device = "cpu"):
+        engine = model if isinstance(model, LoadedModel) else LoadedModel(model, device)
         spec = engine.spec
-        if not spec.is_x4_upscaler or spec.low_res_scheduler is None:
+        if not isinstance(engine.family, X4Family) or spec.low_res_scheduler is None:
             raise CheckpointError(f"a {spec.family} model is not the SD x4 upscaler (family {X4_FAMILY}: a UNet of "
                                   "7 input channels with a noise-level class embedding, and a low_res_scheduler)")
         self.engine = engine
         self.spec = spec
-        self.low_res_schedule = NoiseSchedule.from_config(spec.low_res_scheduler)
+        self.family: X4Family = engine.family
+        self.low_res_schedule = self.family.low_res_schedule
 
     @classmethod
     def load(cls, path, device: str | torch.device = "cpu", precision: str | None = None, memory_mode: int = 1,
@@ -143,21 +140,19 @@ class X4Upscaler:
         device = check_device(device)
         choose_precision(precision, None, "none", device)     # a bad name refused before anything is opened
         ckpt = path if isinstance(path, Checkpoint) else open_model(path)
-        if not ckpt.spec.is_x4_upscaler:
+        if not X4Family.takes(ckpt.spec):
             raise CheckpointError(f"this is a {ckpt.spec.family} model, not the SD x4 upscaler (a "
                                   "StableDiffusionUpscalePipeline folder or x4-upscaler-ema.safetensors); generate "
                                   "with it, or give an x4 upscaler", ckpt.path)
         plan = choose_precision(precision, None, "none", device, spec=ckpt.spec)
-        # diffusers' upscale pipeline decodes in fp32 under fp16 (the VAE's force_upcast); bf16 has fp32's range
-        vae_dtype = torch.float32 if plan.vae_dtype == torch.float16 and ckpt.spec.vae.force_upcast \
-            else plan.vae_dtype
+        _, vae_dtype = X4Family(ckpt.spec).load_dtypes(ckpt, plan, device, memory_mode, prepack, None)
         manager = ModelManager(ckpt, memory_mode, plan.dtype, device, quantize=plan.quantize, prepack=prepack,
                                vae_dtype=vae_dtype, winograd=winograd, text_dtype=plan.text_dtype,
                                channels_last=plan.channels_last, compile=compile)
         if memory_mode != 0:
             manager.get("unet")   # resident from the start: the load is part of getting ready
-        engine = Engine(manager, device, ckpt.tokenizer(), ckpt.spec, ckpt.scheduler_config, vae_tile=vae_tile,
-                        tokenizers=ckpt.tokenizers())
+        engine = LoadedModel(manager, device, ckpt.tokenizer(), ckpt.spec, ckpt.scheduler_config, vae_tile=vae_tile,
+                             tokenizers=ckpt.tokenizers())
         engine.precision = plan
         return cls(engine)
 
@@ -186,7 +181,7 @@ class X4Upscaler:
         :attr:`max_noise_level`; more lets the model invent more detail). ``sampler``: one of our sampler names or
         an A1111 one (``"DPM++ 2M Karras"``); None: the model's own scheduler. ``seed``: -1 picks one at random
         (reported in the result). ``cfg_scale`` 1 turns guidance off. ``callback(step, total)`` is called after each
-        step; raising :class:`~sdlite.pipeline.StopSampling` there ends the run with the image of the current
+        step; raising :class:`~sdlite.errors.StopSampling` there ends the run with the image of the current
         estimate (``X4Result.interrupted``). A parameter or image that cannot be used raises :class:`X4Error`."""
         t0 = time.perf_counter()
         sampler_name, schedule_kind, warnings = self._sampler(sampler)
@@ -203,18 +198,15 @@ class X4Upscaler:
 
         g = torch.Generator().manual_seed(seed)
         # the low-resolution image at the requested noise level: its noise is the generator's first draw
-        a = self.low_res_schedule.alphas_cumprod[noise_level]
-        low = a ** 0.5 * pixels + (1 - a) ** 0.5 * torch.randn(pixels.shape, generator=g)      # (1, 3, h, w)
-        x_T = initial_noise([g], (self.spec.vae.latent_channels, *pixels.shape[2:]))          # (1, 4, h, w)
-        labels = torch.tensor([noise_level], device=device)
-        extra = {"context": context[:1], "uncond": context[1:2] if use_cfg else None, "concat": low.to(device),
-                 "added": {"class_labels": labels}, "uncond_added": {"class_labels": labels}}
+        image = self.family.image_conditioning(pixels, noise_level, g, device)
+        x_T = initial_noise([g], (self.family.latent.channels, *pixels.shape[2:]))            # (1, 4, h, w)
+        extra = {"context": context[:1], "uncond": context[1:2] if use_cfg else None, **image}
 
         interrupted = False
         with torch.no_grad(), engine.models.use("unet") as unet:
             guided = CFGDenoiser(Denoiser(engine.models.runner("unet", unet), engine.schedule,
-                                          self.spec.prediction_type, dtype=unet.dtype), cfg_scale if use_cfg else 1.0)
-            latest = _Latest(guided)
+                                          self.family.prediction_type, dtype=unet.dtype), cfg_scale if use_cfg else 1.0)
+            latest = Recorded(guided)
 
             def on_step(i, total, x):
                 if callback is not None:
@@ -228,7 +220,7 @@ class X4Upscaler:
                 latents, interrupted = latest.value, True
                 warnings.append("stopped early: the image is the estimate of the final image at that step")
         t2 = time.perf_counter()
-        decoded = engine.decode_latents(latents / self.spec.vae.scaling_factor)
+        decoded = engine.decode_latents(latents / self.family.latent.scaling_factor)
         images = latents_to_images(decoded)
         t3 = time.perf_counter()
         return X4Result(images=images, seed=seed, prompt=prompt, negative_prompt=negative_prompt,
@@ -245,15 +237,7 @@ class X4Upscaler:
             except ValueError as e:
                 raise X4Error(str(e)) from None
             return sampler, kind, []
-        cfg = self.spec.scheduler
-        cls = cfg.get("_class_name")
-        sampler = _SCHEDULER_SAMPLERS.get(cls)
-        if sampler is None:
-            return "ddim", "discrete", [f"the model's scheduler {cls!r} has no sdlite sampler: DDIM is used"]
-        if sampler == "dpmpp_2m" and "sde" in str(cfg.get("algorithm_type", "")):
-            sampler = "dpmpp_2m_sde"
-        kind = "karras" if cfg.get("use_karras_sigmas") else resolve_sampler(sampler)[1]
-        return sampler, kind, []
+        return self.family.default_sampler()
 
     def _check(self, noise_level, steps, cfg_scale, seed, prompt, negative_prompt) -> tuple[int, int, float, int]:
         top = self.spec.max_noise_level
@@ -278,8 +262,6 @@ class X4Upscaler:
     def _pixels(self, image) -> tuple[torch.Tensor, tuple[int, int], str | None]:
         """The input as (1, 3, h, w) in [-1, 1], h and w rounded down to multiples of 4 as diffusers' image processor
         does (a bicubic resize); the output size; a note when the input was resized."""
-        from .. import sources
-
         try:
             image = sources.to_rgb(sources.load_image(image, "input image"))
         except sources.ImageInputError as e:
@@ -298,23 +280,3 @@ class X4Upscaler:
             note = (f"the input {w}x{h} was resized to {rw}x{rh} (sides that are multiples of {SCALE}, as the "
                     f"model's VAE needs): the output is {SCALE * rw}x{SCALE * rh}")
         return image_to_tensor(image), (SCALE * rw, SCALE * rh), note
-
-
-@dataclass(frozen=True, eq=False)
-class _Latest:
-    """A denoiser that keeps its latest output (the estimate of the final latents) for a run stopped early."""
-
-    denoiser: Callable
-    box: list = field(default_factory=lambda: [None])
-
-    @property
-    def value(self) -> torch.Tensor | None:
-        return self.box[0]
-
-    def with_timesteps(self, sigmas: torch.Tensor, timesteps: torch.Tensor) -> "_Latest":
-        return dataclasses.replace(self, denoiser=self.denoiser.with_timesteps(sigmas, timesteps))
-
-    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, **extra) -> torch.Tensor:
-        out = self.denoiser(x, sigma, **extra)
-        self.box[0] = out
-        return out

@@ -30,9 +30,11 @@ from torch import nn
 from ..config import ConfigError, ControlNetConfig, UNetConfig
 from ..errors import CheckpointError
 from ..models.controlnet import ControlNet
-from .convert import CONTROLNET_PREFIX, COPY, ComponentPlan, PlanEntry, controlnet_from_original
-from .detect import UnsupportedModelError, describe, infer_unet, unet_structure_from_keys
-from .io import TensorStore, open_checkpoint
+from .detect import describe
+from .io import open_checkpoint
+from .plan import COPY, ComponentPlan, PlanEntry, UnsupportedModelError
+from .store import TensorStore
+from .unet_keys import CONTROLNET_PREFIX, controlnet_from_original, infer_unet, unet_structure_from_keys
 
 __all__ = ["ControlNetError", "ControlNetFile", "open_controlnet", "load_controlnet", "check_compatible",
            "family_name", "EXTENSIONS"]

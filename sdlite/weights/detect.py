@@ -13,7 +13,7 @@ Everything sdlite concludes about a weights file is concluded here:
 * a clear refusal, saying what the file looks like, for LoRA / LyCORIS adapters, textual-inversion
   embeddings, ControlNets, standalone VAEs or text encoders, transformer-based models and anything else;
 * the UNet, VAE and text-encoder configs implied by the shapes (:class:`UNetInfo`, :class:`VAEInfo`,
-  :class:`TextEncoderInfo`; ``config_kwargs()`` gives sdlite config field names);
+  :class:`TextEncoderInfo`, read by each network's key module; ``config_kwargs()`` gives sdlite config field names);
 * for single files, the prediction type when the file's own metadata (or a marker key) states it, and whether
   its metadata says it is a distilled Turbo model.
 """
@@ -21,16 +21,20 @@ from __future__ import annotations
 
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from ..config import X4_FAMILY
-from ..errors import CheckpointError
-from .convert import (
-    CLIP_PREFIX, EMA_PREFIX, EMBEDDERS_PREFIX, OPENCLIP_PREFIX, UNET_PREFIX, VAE_PREFIX, UNetStructure,
-    clip_from_original, normalize_diffusers_keys, openclip_from_original, sgm_text_prefixes, unet_from_original,
-    vae_from_original,
+from .convert import normalize_diffusers_keys
+from .plan import UnsupportedModelError
+from .text_keys import (
+    CLIP_PREFIX, EMBEDDERS_PREFIX, OPENCLIP_PREFIX, TextEncoderInfo, clip_from_original, infer_text_encoder,
+    openclip_from_original, sgm_text_prefixes,
 )
+from .unet_keys import (
+    EMA_PREFIX, SDXL_TIME_EMBED_DIM, UNET_PREFIX, UNetInfo, infer_unet, unet_from_original, unet_structure_from_keys,
+)
+from .vae_keys import VAE_PREFIX, VAEInfo, infer_vae, vae_from_original
 
 __all__ = [
     "UnsupportedModelError", "UNetInfo", "VAEInfo", "TextEncoderInfo", "Detection",
@@ -38,142 +42,18 @@ __all__ = [
     "infer_text_encoder", "prediction_type_from_metadata", "turbo_from_metadata", "META_TURBO",
 ]
 
-Shapes = Mapping[str, Sequence[int]]
-
-# Head width of the standard text towers: CLIP ViT-L/14 (768 = 12 x 64) and OpenCLIP ViT-H/14 (1024 = 16 x 64).
-TEXT_HEAD_DIM = 64
-# SD 1.x UNets use 8 heads at every level; SD 2.x UNets use 64-channel heads.
-SD1_UNET_HEADS = 8
-SD2_UNET_HEAD_DIM = 64
 CONTEXT_DIMS = {768: "sd1", 1024: "sd2"}
 # SDXL: the context is CLIP-L (768) and bigG (1280) side by side; the refiner has bigG alone. The UNet's added
 # conditioning is the pooled bigG embedding and this many size/crop ids (the refiner: an aesthetic score instead of
 # the target size), each embedded sinusoidally in SDXL_TIME_EMBED_DIM channels
 SDXL_CONTEXT_DIMS = {2048: "sdxl", 1280: "sdxl-refiner"}
 SDXL_TIME_IDS = {"sdxl": 6, "sdxl-refiner": 5}
-SDXL_TIME_EMBED_DIM = 256
 # the SD x4 upscaler (family X4_FAMILY): its UNet reads the latent and the noised low-resolution RGB image side by side
 X4_IN_CHANNELS = 7
 X4_UNET_HEADS = 8   # at every level, whatever its width (num_heads: 8 in x4-upscaling.yaml), unlike SD 2.x's 64-wide heads
 
 
-class UnsupportedModelError(CheckpointError):
-    """The weights are not an SD 1.x/2.x/XL model sdlite can run; the message says what they look like."""
-
-
 # --- results -----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class UNetInfo:
-    """UNet hyper-parameters read from shapes (canonical names). ``heads`` follows the family convention
-    (SD 1.x: 8 per level, SD 2.x and SDXL: width / 64) because head counts leave no trace in the shapes.
-    ``add_embed_in``: the input width of SDXL's added-conditioning MLP (0: none); ``addition_time_embed_dim`` is
-    only known once the family (its number of time ids) and the pooled text width are."""
-
-    in_channels: int
-    out_channels: int
-    block_channels: tuple[int, ...]
-    layers_per_block: int
-    attention: tuple[bool, ...]          # down path, highest resolution first
-    up_attention: tuple[bool, ...]       # up_blocks order, lowest resolution first
-    mid_attention: bool
-    context_dim: int | None
-    linear_projection: bool
-    transformer_depth: tuple[int, ...]   # per level, 0 where the level has no attention
-    time_embed_dim: int
-    heads: tuple[int, ...] | None = None
-    mid_transformer_depth: int = 0       # blocks in the middle block's transformer (0: read nothing)
-    add_embed_in: int = 0
-    addition_time_embed_dim: int = SDXL_TIME_EMBED_DIM
-    num_class_embeds: int = 0            # rows of the class-embedding table (``class_embedding.weight``; 0: none)
-    cross_only: tuple[bool, ...] = ()    # per level: attn1 attends to the context (its to_k is context-wide)
-
-    @property
-    def model_channels(self) -> int:
-        return self.block_channels[0]
-
-    @property
-    def channel_mult(self) -> tuple[int, ...]:
-        return tuple(c // self.block_channels[0] for c in self.block_channels)
-
-    @property
-    def structure(self) -> UNetStructure:
-        return UNetStructure(len(self.block_channels), self.layers_per_block, self.attention, self.up_attention,
-                             self.mid_attention)
-
-    def config_kwargs(self) -> dict:
-        """Keyword arguments with sdlite ``UNetConfig`` field names (``heads`` left out when unknown).
-
-        One depth for every transformer becomes one number; else a depth per level, 1 at levels without
-        attention, except the last level, which carries the middle block's depth (``UNetConfig.depth_at(-1)``).
-        """
-        depths = sorted({d for d in self.transformer_depth if d} | ({self.mid_transformer_depth} - {0}))
-        if len(depths) <= 1:
-            depth = depths[0] if depths else 1
-        else:
-            depth = tuple(d or 1 for d in self.transformer_depth)
-            if self.mid_transformer_depth and not self.attention[-1]:
-                depth = depth[:-1] + (self.mid_transformer_depth,)
-        out = dict(in_channels=self.in_channels, out_channels=self.out_channels,
-                   block_channels=self.block_channels, layers_per_block=self.layers_per_block,
-                   attention=self.attention, context_dim=self.context_dim,
-                   linear_projection=self.linear_projection, transformer_depth=depth)
-        if self.heads is not None:
-            out["heads"] = self.heads
-        if self.add_embed_in:
-            out.update(addition_embed="text_time", add_embed_in=self.add_embed_in,
-                       addition_time_embed_dim=self.addition_time_embed_dim)
-        if self.num_class_embeds:
-            out["num_class_embeds"] = self.num_class_embeds
-        if any(self.cross_only):
-            out["cross_only"] = self.cross_only
-        return out
-
-
-@dataclass(frozen=True)
-class VAEInfo:
-    in_channels: int
-    out_channels: int
-    latent_channels: int
-    block_channels: tuple[int, ...]
-    layers_per_block: int
-    mid_attention: bool
-
-    def config_kwargs(self) -> dict:
-        """Keyword arguments with sdlite ``VAEConfig`` field names."""
-        return dict(in_channels=self.in_channels, out_channels=self.out_channels,
-                    latent_channels=self.latent_channels, block_channels=self.block_channels,
-                    layers_per_block=self.layers_per_block)
-
-
-@dataclass(frozen=True)
-class TextEncoderInfo:
-    """``layers`` counts the layers the canonical model has (for OpenCLIP: the file's count minus the unused
-    last one, ``source_layers``); ``heads`` assumes the standard 64-dim heads (None when the width is not a
-    multiple of 64); ``activation`` follows the tower kind."""
-
-    kind: str                      # "clip" (OpenAI CLIP-L style) | "openclip" | "diffusers" (kind not visible)
-    vocab_size: int
-    max_positions: int
-    width: int
-    layers: int
-    heads: int | None
-    mlp_width: int
-    activation: str
-    source_layers: int
-    projection_dim: int | None = None  # the width of ``text_projection.weight`` where the tower has one (bigG)
-
-    def config_kwargs(self) -> dict:
-        """Keyword arguments with sdlite ``TextEncoderConfig`` field names (``heads`` and ``projection_dim`` left
-        out when unknown)."""
-        out = dict(vocab_size=self.vocab_size, max_positions=self.max_positions, width=self.width,
-                   layers=self.layers, mlp_width=self.mlp_width, activation=self.activation)
-        if self.heads is not None:
-            out["heads"] = self.heads
-        if self.projection_dim is not None:
-            out["projection_dim"] = self.projection_dim
-        return out
 
 
 @dataclass(frozen=True)
@@ -206,191 +86,9 @@ class Detection:
 # --- helpers -----------------------------------------------------------------------------------------------
 
 
-def _shape(value) -> tuple[int, ...]:
-    return tuple(int(d) for d in getattr(value, "shape", value))
-
-
 def _first(keys: Iterable[str], n: int = 3) -> str:
     keys = sorted(keys)
     return ", ".join(repr(k) for k in keys[:n]) + (", ..." if len(keys) > n else "")
-
-
-def _strip(shapes: Shapes, prefix: str) -> dict[str, tuple[int, ...]]:
-    return {k[len(prefix):]: _shape(v) for k, v in shapes.items() if k.startswith(prefix)}
-
-
-# --- UNet structure ----------------------------------------------------------------------------------------
-
-_IN = re.compile(r"input_blocks\.(\d+)\.(\d+)\.(.+)")
-_OUT = re.compile(r"output_blocks\.(\d+)\.(\d+)\.(.+)")
-_DOWN = re.compile(r"down_blocks\.(\d+)\.(resnets|attentions|downsamplers)\.(\d+)\.")
-_UP = re.compile(r"up_blocks\.(\d+)\.(resnets|attentions|upsamplers)\.(\d+)\.")
-
-
-def unet_structure_from_keys(keys: Iterable[str], layout: str = "original",
-                             prefix: str = UNET_PREFIX, encoder_only: bool = False) -> UNetStructure:
-    """The block structure (levels, resnets per level, attention levels) shown by UNet key names.
-
-    ``layout="original"``: keys under ``prefix`` numbered ``input_blocks.N``/``output_blocks.N``;
-    ``layout="diffusers"``: canonical keys (``prefix`` is stripped first when given). ``encoder_only``: the keys
-    have no up path (a ControlNet's); the structure's up path is then taken as the mirror of the down path.
-    """
-    names = [k[len(prefix):] for k in keys if k.startswith(prefix)]
-    if layout == "diffusers":
-        return _structure_diffusers(names)
-    if layout != "original":
-        raise ValueError(f"layout={layout!r}: expected 'original' or 'diffusers'")
-    inputs: dict[int, set[int]] = {}
-    ops: set[int] = set()
-    for name in names:
-        m = _IN.match(name)
-        if m:
-            n, slot, rest = int(m.group(1)), int(m.group(2)), m.group(3)
-            inputs.setdefault(n, set()).add(slot)
-            if slot == 0 and rest.startswith("op."):
-                ops.add(n)
-    if not inputs:
-        raise UnsupportedModelError(f"no UNet 'input_blocks' keys under {prefix!r}")
-    last = max(inputs)
-    lpb = min(ops) - 1 if ops else last
-    levels = len(ops) + 1
-    if lpb < 1 or ops != {(i + 1) * (lpb + 1) for i in range(levels - 1)} or last != levels * (lpb + 1) - 1:
-        raise UnsupportedModelError(
-            f"UNet input_blocks 0..{last} with downsamplers at {sorted(ops)} do not form a regular "
-            "levels x layers_per_block layout")
-    down = tuple(1 in inputs.get(1 + i * (lpb + 1), set()) for i in range(levels))
-    if encoder_only:
-        return UNetStructure(levels, lpb, down, down[::-1], any(name.startswith("middle_block.2.") for name in names))
-    up_attention = []
-    out_last = -1
-    for u in range(levels):
-        n = u * (lpb + 1)
-        up_attention.append(any((m := _OUT.match(name)) and int(m.group(1)) == n and m.group(2) == "1"
-                                and not m.group(3).startswith("conv.") for name in names))
-    for name in names:
-        m = _OUT.match(name)
-        if m:
-            out_last = max(out_last, int(m.group(1)))
-    if out_last != levels * (lpb + 1) - 1:
-        raise UnsupportedModelError(f"UNet has output_blocks 0..{out_last}, expected 0..{levels * (lpb + 1) - 1} "
-                                    f"for {levels} levels of {lpb} layers")
-    mid = any(name.startswith("middle_block.2.") for name in names)
-    return UNetStructure(levels, lpb, down, tuple(up_attention), mid)
-
-
-def _structure_diffusers(names: Sequence[str]) -> UNetStructure:
-    down: dict[int, dict[str, set[int]]] = {}
-    up: dict[int, dict[str, set[int]]] = {}
-    for name in names:
-        for pattern, table in ((_DOWN, down), (_UP, up)):
-            m = pattern.match(name)
-            if m:
-                table.setdefault(int(m.group(1)), {}).setdefault(m.group(2), set()).add(int(m.group(3)))
-    if not down:
-        raise UnsupportedModelError("no UNet 'down_blocks' keys")
-    levels = max(down) + 1
-    lpb = len(down.get(0, {}).get("resnets", ()))
-    if lpb < 1:
-        raise UnsupportedModelError("UNet down_blocks.0 has no resnets")
-    return UNetStructure(levels, lpb, tuple("attentions" in down.get(i, {}) for i in range(levels)),
-                         tuple("attentions" in up.get(i, {}) for i in range(levels)),
-                         any(n.startswith("mid_block.attentions.") for n in names))
-
-
-# --- config inference (canonical names) --------------------------------------------------------------------
-
-
-def _need(shapes: Mapping[str, tuple[int, ...]], key: str, what: str) -> tuple[int, ...]:
-    if key not in shapes:
-        raise UnsupportedModelError(f"{what}: key {key!r} is missing")
-    return shapes[key]
-
-
-def infer_unet(shapes: Shapes, encoder_only: bool = False) -> UNetInfo:
-    """UNet config from canonical (diffusers) UNet key shapes. ``encoder_only``: the keys have no up path and no
-    output layers (a ControlNet's): the output width is taken as the input's, the up path as the down path's mirror."""
-    shapes = {k: _shape(v) for k, v in shapes.items()}
-    st = _structure_diffusers(list(shapes))
-    conv_in = _need(shapes, "conv_in.weight", "UNet")
-    conv_out = conv_in[1:] if encoder_only else _need(shapes, "conv_out.weight", "UNet")
-    if encoder_only:
-        st = replace(st, up_attention=st.down_attention[::-1])
-    channels = tuple(_need(shapes, f"down_blocks.{i}.resnets.0.conv1.weight", "UNet")[0]
-                     for i in range(st.num_levels))
-    context = None
-    linear = False
-    depth = []
-    for i in range(st.num_levels):
-        blocks = {int(m.group(1)) for k in shapes
-                  if (m := re.match(rf"down_blocks\.{i}\.attentions\.0\.transformer_blocks\.(\d+)\.", k))}
-        depth.append(len(blocks))
-    mid_depth = len({int(m.group(1)) for k in shapes
-                     if (m := re.match(r"mid_block\.attentions\.0\.transformer_blocks\.(\d+)\.", k))})
-    add = shapes.get("add_embedding.linear_1.weight")
-    classes = shapes.get("class_embedding.weight")
-    # attn1 reads the context where its key projection's input is context-wide rather than the level's width (not
-    # visible at a level whose width is the context's: taken as self-attention there, as the x4 upscaler has it)
-    cross_only = []
-    for i, ch in enumerate(channels):
-        k1 = shapes.get(f"down_blocks.{i}.attentions.0.transformer_blocks.0.attn1.to_k.weight")
-        cross_only.append(k1 is not None and len(k1) == 2 and k1[1] != ch)
-    for k, s in shapes.items():
-        if context is None and k.endswith("attn2.to_k.weight"):
-            context = s[1]
-        if k.endswith("proj_in.weight") and len(s) == 2:
-            linear = True
-    if context is not None and (linear or context == 1024):
-        heads = tuple(c // SD2_UNET_HEAD_DIM for c in channels)
-        heads = heads if all(h and c % SD2_UNET_HEAD_DIM == 0 for h, c in zip(heads, channels)) else None
-    else:
-        heads = tuple(SD1_UNET_HEADS for _ in channels) if all(c % SD1_UNET_HEADS == 0 for c in channels) else None
-    return UNetInfo(
-        in_channels=conv_in[1], out_channels=conv_out[0], block_channels=channels,
-        layers_per_block=st.layers_per_block, attention=st.down_attention, up_attention=st.up_attention,
-        mid_attention=st.mid_attention, context_dim=context, linear_projection=linear,
-        transformer_depth=tuple(depth), time_embed_dim=_need(shapes, "time_embedding.linear_1.weight", "UNet")[0],
-        heads=heads, mid_transformer_depth=mid_depth, add_embed_in=add[1] if add is not None and len(add) == 2 else 0,
-        num_class_embeds=classes[0] if classes is not None and len(classes) == 2 else 0,
-        cross_only=tuple(cross_only) if any(cross_only) else ())
-
-
-def infer_vae(shapes: Shapes) -> VAEInfo:
-    """VAE config from canonical (diffusers) VAE key shapes."""
-    shapes = {k: _shape(v) for k, v in shapes.items()}
-    levels = {int(m.group(1)) for k in shapes if (m := re.match(r"encoder\.down_blocks\.(\d+)\.", k))}
-    if not levels:
-        raise UnsupportedModelError("VAE: no 'encoder.down_blocks' keys")
-    channels = tuple(_need(shapes, f"encoder.down_blocks.{i}.resnets.0.conv1.weight", "VAE")[0]
-                     for i in range(max(levels) + 1))
-    lpb = len({int(m.group(1)) for k in shapes if (m := re.match(r"encoder\.down_blocks\.0\.resnets\.(\d+)\.", k))})
-    return VAEInfo(
-        in_channels=_need(shapes, "encoder.conv_in.weight", "VAE")[1],
-        out_channels=_need(shapes, "decoder.conv_out.weight", "VAE")[0],
-        latent_channels=_need(shapes, "decoder.conv_in.weight", "VAE")[1],
-        block_channels=channels, layers_per_block=lpb,
-        mid_attention=any(k.startswith("encoder.mid_block.attentions.") for k in shapes))
-
-
-def infer_text_encoder(shapes: Shapes, kind: str = "diffusers", source_layers: int | None = None) -> TextEncoderInfo:
-    """Text encoder config from canonical (transformers ``CLIPTextModel``) key shapes.
-
-    ``kind``: ``clip`` / ``openclip`` when the original layout showed it (sets the activation), else
-    ``diffusers`` (then a 1024- or 1280-wide tower is taken for SD 2.x's or SDXL's OpenCLIP, which use GELU).
-    """
-    shapes = {k: _shape(v) for k, v in shapes.items()}
-    tok = _need(shapes, "text_model.embeddings.token_embedding.weight", "text encoder")
-    pos = _need(shapes, "text_model.embeddings.position_embedding.weight", "text encoder")
-    layers = len({int(m.group(1)) for k in shapes if (m := re.match(r"text_model\.encoder\.layers\.(\d+)\.", k))})
-    width = tok[1]
-    mlp = _need(shapes, "text_model.encoder.layers.0.mlp.fc1.weight", "text encoder")[0] if layers else 4 * width
-    openclip = kind == "openclip" or (kind == "diffusers" and width in (1024, 1280))
-    projection = shapes.get("text_projection.weight")
-    return TextEncoderInfo(
-        kind=kind, vocab_size=tok[0], max_positions=pos[0], width=width, layers=layers,
-        heads=width // TEXT_HEAD_DIM if width % TEXT_HEAD_DIM == 0 else None, mlp_width=mlp,
-        activation="gelu" if openclip else "quick_gelu",
-        source_layers=layers if source_layers is None else source_layers,
-        projection_dim=projection[0] if projection is not None else None)
 
 
 # --- prediction type ---------------------------------------------------------------------------------------

@@ -27,8 +27,10 @@ import torch
 from ..config import TAESD_VARIANTS, ConfigError, TAESDConfig
 from ..errors import CheckpointError
 from ..models.taesd import TinyAutoencoder
-from .convert import TAESD_PARTS, ComponentPlan, PlanEntry, taesd_from_original
-from .io import TensorStore, open_checkpoint
+from .io import open_checkpoint
+from .plan import ComponentPlan, PlanEntry
+from .store import TensorStore
+from .vae_keys import TAESD_PARTS, taesd_from_original
 
 __all__ = ["TAESDError", "TAESDNotFound", "MODEL_SUBFOLDERS", "load_taesd", "variant_from_name", "model_variant",
            "model_taesd", "resolve_taesd"]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import SDLiteError
+from ..errors import SDLiteError
 
 EXTENSIONS = (".pt", ".safetensors", ".bin")
 _TAG = re.compile(r"<embedding:([^>:]+)>")
@@ -58,8 +58,8 @@ def _file_hash(path: str) -> str:
 
 def read_embedding(path: str | os.PathLike, name: str | None = None) -> Embedding:
     """Read one embedding file (see the module docstring for the formats)."""
-    from .errors import CheckpointError
-    from .weights.io import open_checkpoint
+    from ..errors import CheckpointError
+    from ..weights.io import open_checkpoint
 
     p = os.fspath(path)
     try:

@@ -1,6 +1,7 @@
-"""What this machine is: the CPU's model and ISA flags, the caps a user set on them, PyTorch's view of it, and the
-user's cache folder. The ground floor of the house: it imports nothing from sdlite, and everything that decides
-something from these facts (prepacking, int8 ranges, precisions, kernels) sits above it.
+"""What this machine is: the CPU's model and ISA flags, the caps a user set on them, PyTorch's view of it, the
+devices there are, and the user's cache folder. The ground floor of the house: it imports nothing from sdlite but
+its errors, and everything that decides something from these facts (prepacking, int8 ranges, precisions, kernels)
+sits above it.
 
 :func:`detect` reads the CPU's model name and ISA flags (``/proc/cpuinfo`` on Linux, ``sysctl`` on macOS; elsewhere
 "unknown", which is never an error), PyTorch's CPU capability, and the caps a user may set before torch is
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from .errors import RequestError
 
 # oneDNN's ISA levels on x86 (the values ONEDNN_MAX_CPU_ISA takes), in order, with the CPU flags each adds.
 # AVX2_VNNI and AVX2_VNNI_2 are a side branch: only a cap naming them (or none) leaves avx_vnni usable.
@@ -224,3 +227,22 @@ def cache_dir(environ=None) -> Path:
     if environ.get("XDG_CACHE_HOME"):
         return Path(environ["XDG_CACHE_HOME"]) / "sdlite"
     return Path.home() / ".cache" / "sdlite"
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """The device, or a clear :class:`~sdlite.errors.RequestError` when it is not there."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise RequestError(f"device {device!r} is not a device name (try cpu, cuda, cuda:1, mps)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RequestError(f"device {device!r} is not available: no CUDA GPU is visible to PyTorch")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise RequestError(f"device {device!r} is not available: {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type == "mps":
+        if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+            raise RequestError(f"device {device!r} is not available: Apple MPS is not available here")
+    elif dev.type != "cpu":
+        raise RequestError(f"device {device!r} is not supported: use cpu, cuda or mps")
+    return dev

@@ -1,0 +1,6 @@
+"""``python -m sdlite.cli``: the same as ``sdlite`` (and ``python -m sdlite``)."""
+import sys
+
+from . import main
+
+sys.exit(main())

@@ -1,0 +1,65 @@
+"""The options several sub-commands share, and their defaults: ``--model`` (the shipped demo models when none is
+given), ``--precision``, ``--compile``, and the settings a Turbo model gets where the command line leaves them unset."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import SDLiteError
+
+
+# what --turbo (or a model recognised as Turbo) changes where the command line leaves it unset: the settings the
+# distilled models are made for (stabilityai/sdxl-turbo and sd-turbo model cards: 1-4 steps, no guidance)
+TURBO_DEFAULTS = {"steps": 1, "cfg": 1.0, "sampler": "euler_a", "timestep_spacing": "trailing"}
+TURBO_DEFAULTS_TEXT = "1 step, cfg 1 (no negative pass), Euler a, trailing timestep spacing"
+PLAIN_DEFAULTS = {"steps": 20, "cfg": 7.5, "sampler": "dpmpp_2m_karras", "timestep_spacing": None}
+
+DEMO_MODELS = ("demo", "demo-zh")   # --model names of the shipped demo models (when no such path exists)
+
+
+def demo_model_path(name: str = "demo") -> str:
+    """A small demo model shipped inside the package: ``demo`` (English; the default when no --model is given)
+    or ``demo-zh`` (its Chinese text encoder; the default for a prompt with Chinese characters)."""
+    from importlib import resources
+
+    folder = resources.files("sdlite") / "data" / name
+    if not folder.joinpath("model_index.json").is_file():
+        raise SDLiteError(f"the {name} model is not installed: pass --model PATH "
+                          "(a diffusers folder or a .safetensors/.ckpt file)")
+    return str(folder)
+
+
+def resolve_model(model: str | None, prompt: str | None = None) -> str:
+    """The model a command uses: ``--model`` as given, where ``demo`` and ``demo-zh`` name the shipped demo models
+    (unless a file or folder of that name exists); without ``--model``, the demo model, or demo-zh when the prompt
+    holds Chinese characters."""
+    if model is None:
+        from ..tokenizers.wordpiece import is_cjk
+
+        return demo_model_path("demo-zh" if prompt and any(map(is_cjk, prompt)) else "demo")
+    if model in DEMO_MODELS and not Path(model).exists():
+        return demo_model_path(model)
+    return model
+
+
+def check_precision_option(args, device: str) -> str:
+    """``--precision`` checked before anything starts (a name we know, and one this CPU can run); returns the name
+    to hand to the engines ("auto" stays "auto": each machine resolves it for itself)."""
+    from ..engine.precision import check_precision, resolve
+
+    name = check_precision(args.precision or "auto")
+    resolve(name, device)
+    return name
+
+
+def add_compile_option(parser) -> None:
+    parser.add_argument("--compile", action="store_true",
+                        help="run the UNet through torch.compile: the first run of an image shape compiles (about a "
+                             "minute for SD 1.5), later processes find it in the user's cache folder; eager, with one "
+                             "line saying why, where it cannot. Opt-in: it measured no faster than eager on a CPU")
+
+
+def add_precision_option(parser) -> None:
+    parser.add_argument("--precision", default=None, metavar="P",
+                        help="auto (default: bf16 on CPUs with native bf16, fp16 on a GPU, else exact), exact (fp32, the "
+                             "diffusers-exact path), bf16, int8, int8-bf16 or fp16; `sdlite info --system` shows what "
+                             "auto picks here and why")

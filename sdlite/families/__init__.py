@@ -1,0 +1,24 @@
+"""Model families: each says how a prompt becomes conditioning, what its latents are, how its network is
+parameterised, its default schedule and sizes (:class:`~sdlite.families.base.Family`). :func:`family_for` finds a
+spec's family; adding one is a module here, listed in :data:`FAMILIES`."""
+from __future__ import annotations
+
+from .base import Family
+from .sd import SDFamily
+from .sdxl import SDXLFamily
+from .x4 import X4Family
+
+# most specific first: the first family that takes a spec runs it
+FAMILIES: tuple[type[Family], ...] = (X4Family, SDXLFamily, SDFamily)
+
+
+def family_for(spec) -> Family:
+    """The family object for a model of ``spec`` (a :class:`~sdlite.config.ModelSpec`)."""
+    for family in FAMILIES:
+        if family.takes(spec):
+            return family(spec)
+    raise ValueError(f"no sdlite family runs a {spec.family} model (known: "
+                     f"{', '.join(f.name for f in FAMILIES)})")
+
+
+__all__ = ["FAMILIES", "Family", "SDFamily", "SDXLFamily", "X4Family", "family_for"]

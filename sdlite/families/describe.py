@@ -1,0 +1,63 @@
+"""How ``sdlite info`` describes a model: its family's name, each network's architecture in a line, its noise
+schedule. What differs by family is the family object's answer (:meth:`~sdlite.families.base.Family.info_lines`,
+:meth:`~sdlite.families.base.Family.text_encoder_note`)."""
+from __future__ import annotations
+
+from ..config import is_bert
+from . import family_for
+
+FAMILY_NAMES = {
+    "sd1": "Stable Diffusion 1.x",
+    "sd2": "Stable Diffusion 2.x",
+    "sd1-inpaint": "Stable Diffusion 1.x inpainting",
+    "sd2-inpaint": "Stable Diffusion 2.x inpainting",
+    "sdxl": "Stable Diffusion XL",
+    "sdxl-refiner": "Stable Diffusion XL refiner",
+    "sd-x4-upscaler": "Stable Diffusion x4 upscaler",
+}
+
+
+def family_name(spec) -> str:
+    """How ``sdlite info`` names a model's family: "Stable Diffusion 1.x", or for Taiyi "Taiyi, Chinese BERT text
+    encoder" (SD 1.x's UNet and VAE with a BERT text tower)."""
+    if is_bert(spec.text):
+        return "Taiyi, Chinese BERT text encoder"
+    name = FAMILY_NAMES.get(spec.family, spec.family)
+    if spec.turbo:
+        return f"{name}, Turbo (distilled: 1-4 steps, no guidance)"
+    return name
+
+
+def describe_component(name: str, spec) -> str:
+    if name == "text_encoder" and is_bert(spec.text):
+        t = spec.text
+        return (f"BERT text encoder: {t.layers} layers, width {t.width}, {t.heads} heads, gelu, vocabulary "
+                f"{t.vocab_size}, {t.max_positions} positions (the UNet reads all {t.max_positions}, padding "
+                "included)")
+    if name in ("text_encoder", "text_encoder_2"):
+        t = spec.text if name == "text_encoder" else spec.text2
+        kind = {768: "CLIP ViT-L/14 text tower", 1024: "OpenCLIP ViT-H text tower",
+                1280: "OpenCLIP ViT-bigG text tower"}.get(t.width, "CLIP text tower")
+        extra = family_for(spec).text_encoder_note(name)
+        return f"{kind}: {t.layers} layers, width {t.width}, {t.heads} heads, {t.activation}{extra}"
+    if name == "unet":
+        u = spec.unet
+        depth = u.transformer_depth
+        return (f"UNet: {u.in_channels} in-channels, widths {list(u.block_channels)}, {u.layers_per_block} "
+                f"res blocks/level, heads {list(u.heads)}, context {u.context_dim}, "
+                f"{'linear' if u.linear_projection else 'conv'} projections"
+                + (f", transformer depth {list(depth) if isinstance(depth, tuple) else depth}" if depth != 1 else "")
+                + (f", added conditioning: pooled text + {(u.add_embed_in - spec.text2.projection_dim) // u.addition_time_embed_dim}"
+                   f" {'size/crop/aesthetic' if spec.requires_aesthetics_score else 'size/crop'} ids"
+                   if u.addition_embed == "text_time" and spec.text2 is not None else ""))
+    v = spec.vae
+    return f"AutoencoderKL: widths {list(v.block_channels)}, {v.latent_channels} latent channels, " \
+           f"{v.downscale}x downsampling, scaling factor {v.scaling_factor}"
+
+
+def describe_schedule(cfg: dict) -> str:
+    spacing = cfg.get("timestep_spacing") or "each sampler's default"
+    betas = cfg.get("beta_schedule", "linear") if cfg.get("trained_betas") is None else "trained"
+    return (f"{betas} betas {cfg.get('beta_start', 0.0001)}..{cfg.get('beta_end', 0.02)} over "
+            f"{cfg.get('num_train_timesteps', 1000)} steps, timestep spacing {spacing}, steps offset "
+            f"{cfg.get('steps_offset', 0)}" + (f" ({cfg['_class_name']})" if cfg.get("_class_name") else ""))

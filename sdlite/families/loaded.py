@@ -1,0 +1,170 @@
+"""A model of some family, loaded on a device: its networks (through a
+:class:`~sdlite.engine.memory.ModelManager`), tokenizers, noise schedule and :class:`~sdlite.families.base.Family`,
+and what every run asks of them -- prompts to conditioning, latents to images and back, previews.
+
+:class:`sdlite.pipeline.Engine` is one of these with the request loop on top; the x4 upscaler
+(:class:`sdlite.upscalers.x4.X4Upscaler`) runs on one directly. Nothing here branches on a family: what differs
+is the family object's answer.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..engine.memory import ModelManager
+from ..engine.precision import Precision
+from ..engine.precision import resolve as resolve_precision
+from ..engine.tiling import tiled_decode
+from ..errors import RequestError
+from ..loader import StableDiffusion
+from ..sampling.schedules import NoiseSchedule
+from . import family_for
+from .base import ScheduledConditioning, approximate_images, latents_to_images
+
+AUTO_TILE, AUTO_TILE_ABOVE = 64, 96   # latent pixels: tile 512 px when an image side exceeds 768 px
+LOW_MEMORY_TILE = 32                  # memory mode 0: tiles of 256 px above 256 px (a 512^2 decode in 4 tiles)
+
+
+class LoadedModel:
+    """A model on a device, ready to be asked for conditioning and images. Holds no per-request state.
+
+    Which networks stay in memory is the :class:`~sdlite.engine.memory.ModelManager`'s business (memory modes
+    0/1/2); the model asks it for each network when it needs it.
+    """
+
+    def __init__(self, model: StableDiffusion | ModelManager, device: str | torch.device = "cpu",
+                 tokenizer=None, spec=None, scheduler_config: dict | None = None, vae_tile: int | None = None,
+                 tokenizers: dict | None = None):
+        if isinstance(model, StableDiffusion):
+            tokenizer, spec, scheduler_config = model.tokenizer, model.spec, model.scheduler_config
+            tokenizers = {"text_encoder": model.tokenizer, "text_encoder_2": model.tokenizer_2}
+            model = ModelManager(model.checkpoint, mode=1, device=device, preloaded=model)
+        self.models = model
+        self.device = torch.device(device)
+        self.vae_tile = vae_tile  # tiled-decode tile in latent pixels; None: automatic; 0: off
+        self.tokenizer, self.spec = tokenizer, spec
+        self.family = family_for(spec)
+        # each text encoder's tokenizer (SDXL: two; they differ in their padding)
+        self.tokenizers = {name: (tokenizers or {}).get(name) or tokenizer for name in spec.text_encoders}
+        self.schedule = NoiseSchedule.from_config(scheduler_config)
+        # a refiner engine that takes the latents over for the last steps of a request that asks for it
+        # (Request.refiner_switch_at; SDXL's); see :meth:`sdlite.pipeline.Engine.set_refiner`
+        self.refiner = None
+        # TAESDs (sdlite.models.taesd): one that decodes the final images instead of the VAE (:meth:`set_vae_decoder`)
+        # and one for the "TAESD" live previews (:meth:`set_preview_decoder`); None: the VAE / no such previews
+        self.vae_decoder = None
+        self.preview_decoder = None
+        # a batch whose estimated UNet (decoder) activations exceed these bytes runs in pieces (None: the device's
+        # default, sdlite.engine.budget); the rule never looks at the memory free, so images never depend on it
+        self.unet_piece_bytes: int | None = None
+        self.decode_piece_bytes: int | None = None
+        # what each network computes in (sdlite.engine.precision; Engine.load sets it); recorded in the PNG
+        self.precision: Precision = resolve_precision("exact" if self.device.type == "cpu" else "fp16", self.device)
+        # where the hires fix and upscales look up network upscalers by name (sdlite.upscalers.registry)
+        self.upscaler_dir: str | None = None
+
+    # -- decoders ----------------------------------------------------------------------------------------------------
+
+    def set_vae_decoder(self, taesd) -> None:
+        """Decode the final images with ``taesd`` (a :class:`~sdlite.models.taesd.TinyAutoencoder` with a decoder)
+        instead of the VAE: a fraction of the VAE's time, some detail lost; the PNG parameters say ``VAE decoder``.
+        None: the VAE again."""
+        self.vae_decoder = self._checked_taesd(taesd)
+
+    def set_preview_decoder(self, taesd) -> None:
+        """The TAESD for :meth:`preview` with ``tiny`` (A1111's "TAESD" live previews); None: none."""
+        self.preview_decoder = self._checked_taesd(taesd)
+
+    def _checked_taesd(self, taesd):
+        if taesd is None:
+            return None
+        from ..weights.taesd import model_variant
+
+        cfg, vae, name = taesd.config, self.spec.vae, taesd.name
+        if taesd.decoder is None:
+            raise RequestError(f"{name} holds no TAESD decoder")
+        if cfg.latent_channels != vae.latent_channels or cfg.downscale != vae.downscale:
+            raise RequestError(f"{name} decodes {cfg.latent_channels}-channel latents {cfg.downscale}x; this model's "
+                               f"are {vae.latent_channels}-channel, {vae.downscale}x")
+        wanted = model_variant(self.spec)
+        if cfg.variant is not None and cfg.variant != wanted:
+            raise RequestError(f"{name} is a TAESD for {cfg.variant} latents; this model ({self.spec.family}) needs "
+                               f"one for {wanted}")
+        return taesd.to(self.device)
+
+    # -- conditioning ------------------------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompts: list[str], clip_skip: int = 1, labels: list[str] | None = None,
+                      embeddings=None) -> tuple[torch.Tensor, list[str]]:
+        """(P, 77 k, width) contexts of P prompts in one text-encoder pass, by A1111's rules
+        (:mod:`sdlite.conditioning`: emphasis, 75-token chunks, ``BREAK``, ``embeddings``), as the family encodes
+        them (:meth:`sdlite.families.base.Family.encode_prompt`). Returns the warnings too (for CLIP none: long
+        prompts are chunked, not cut; for BERT a cut prompt or an ignored BREAK)."""
+        return self.family.encode_prompt(self, prompts, clip_skip, embeddings)
+
+    def conditioning(self, r, use_cfg: bool, embeddings=None) -> ScheduledConditioning:
+        """The request's prompt and negative prompt (network tags already removed) as per-step conditioning
+        (:meth:`sdlite.families.base.Family.conditioning`)."""
+        return self.family.conditioning(self, r, use_cfg, embeddings)
+
+    # -- latents and images ------------------------------------------------------------------------------------------
+
+    def decode_tile(self, height: int, width: int) -> int:
+        """The tile (latent pixels; 0: untiled) a latent of ``height`` x ``width`` is decoded in."""
+        tile = self.vae_tile
+        if tile is None:  # automatic: large images are decoded in tiles, which bounds the decoder's temporaries
+            side = max(height, width)
+            if self.models.mode == 0:  # low memory: an untiled 512^2 decode alone needs about 1 GB of temporaries
+                tile = LOW_MEMORY_TILE if side > LOW_MEMORY_TILE else 0
+            else:
+                tile = AUTO_TILE if side > AUTO_TILE_ABOVE else 0
+        return tile
+
+    def decode_latents(self, latents: torch.Tensor, piece: int | None = None) -> torch.Tensor:
+        """Unscaled latents (B, C, h, w) -> images (B, 3, 8h, 8w) in about [-1, 1]; ``piece`` images per decoder
+        call (None: all at once)."""
+        if piece is not None and piece < latents.shape[0]:
+            return torch.cat([self.decode_latents(latents[i:i + piece]) for i in range(0, latents.shape[0], piece)])
+        tile = self.decode_tile(*latents.shape[-2:])
+        if not tile:
+            with torch.no_grad(), self.models.use("vae") as vae:
+                return vae.decode(latents.to(self.device, vae.dtype))
+        with torch.no_grad(), self.models.use_whole("vae") as vae:  # tiling calls the layers one by one
+            return tiled_decode(vae, latents.to(self.device, vae.dtype), tile)
+
+    def decode_scaled(self, latents: torch.Tensor, piece: int | None = None) -> torch.Tensor:
+        """Latents as the sampler gives them (B, C, h, w) -> images (B, 3, 8h, 8w) in about [-1, 1]: by the TAESD of
+        :meth:`set_vae_decoder` when there is one (it takes them as they are), else by the VAE."""
+        if self.vae_decoder is None:
+            return self.decode_latents(latents / self.family.latent.scaling_factor, piece=piece)
+        taesd, piece = self.vae_decoder, piece or latents.shape[0]
+        with torch.no_grad():
+            return torch.cat([taesd.decode(latents[i:i + piece].to(taesd.device, taesd.dtype))
+                              for i in range(0, latents.shape[0], piece)])
+
+    def preview(self, latents: torch.Tensor, full: bool = False, tiny: bool = False) -> list:
+        """Images of an estimate of the final latents (what ``on_latents`` of :meth:`sdlite.pipeline.Engine.generate`
+        receives): decoded by the VAE (``full``: exact, a decoder pass), by the TAESD of :meth:`set_preview_decoder`
+        (``tiny``: close, a small fraction of the VAE's time) or by
+        :func:`~sdlite.families.base.approximate_images` (instant, approximate)."""
+        if tiny and self.preview_decoder is not None:
+            taesd = self.preview_decoder
+            with torch.no_grad():
+                return latents_to_images(taesd.decode(latents.to(taesd.device, taesd.dtype)))
+        latent = self.family.latent
+        if not full:
+            return approximate_images(latents, latent.downscale, coefs=latent.preview_rgb)
+        return latents_to_images(self.decode_latents(latents / latent.scaling_factor))
+
+    def encode_image(self, image: torch.Tensor, generators: list[torch.Generator] | None) -> torch.Tensor:
+        """Images (1, 3, H, W) in [-1, 1] -> scaled latents (B, C, H/8, W/8): one encoder pass, then one sample
+        of the latent distribution per generator, each drawn as the reference draws it (``randn`` of the
+        latent's shape from generator i; diffusers encodes the image once per batch item to the same moments).
+        Without generators, the distribution's mean (B = 1)."""
+        with torch.no_grad(), self.models.use("vae") as vae:
+            mean, logvar = vae.encode_moments(image.to(self.device, vae.dtype))
+        mean, std = mean.float(), torch.exp(0.5 * logvar.float())
+        scale = self.family.latent.scaling_factor
+        if not generators:
+            return mean * scale
+        draws = torch.cat([torch.randn(mean.shape, generator=g) for g in generators]).to(mean.device)
+        return (mean + std * draws) * scale

@@ -1,0 +1,256 @@
+"""The one narrow contract: a :class:`Request` in, a :class:`Result` out, and :func:`validate`, which checks every
+parameter and resolves the defaults before any work. Every front-end (the CLI, the servers, Ray) builds these."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import CFG_RANGE, MAX_BATCH, MAX_SEED, MAX_STEPS
+from ..errors import RequestError
+from ..sampling.samplers import resolve_sampler
+from ..sampling.schedules import SIGMA_KINDS, SPACINGS
+
+DEFAULT_SAMPLER = "dpmpp_2m_karras"   # A1111's default: "DPM++ 2M" with the "Karras" schedule
+
+
+@dataclass
+class Request:
+    prompt: str
+    negative_prompt: str = ""
+    width: int | None = None          # None: the model's native size
+    height: int | None = None
+    steps: int = 20
+    cfg_scale: float = 7.5
+    sampler: str = DEFAULT_SAMPLER    # our names or A1111's ("DPM++ 2M Karras", "Euler a", ...)
+    schedule: str | None = None       # discrete | karras | exponential; None: what the sampler name implies
+    seed: int = -1                    # -1: a random seed, reported in the result
+    batch_size: int = 1
+    clip_skip: int = 1                # A1111 numbering: 1 = last layer
+    eta: float | None = None          # DDIM / ancestral / SDE noise amount; None: the sampler's default
+    timestep_spacing: str | None = None  # leading | linspace | trailing; None: what the model's scheduler says
+    # image to image, inpainting, outpainting (see sdlite.sources for the pixel side, A1111's rules)
+    init_image: object = None         # a path or a PIL image: image to image (and inpainting with a mask)
+    mask: object = None               # a path or a PIL image; white = repaint
+    strength: float = 0.75            # (0, 1]: the last int(steps * strength) steps are run
+    mask_blur: int = 4                # px, A1111's default
+    inpaint_fill: str | None = None   # original | fill | latent-noise | latent-nothing; None: original (fill
+                                      # when outpainting)
+    invert_mask: bool = False
+    inpaint_area: str = "whole"       # whole | masked (crop around the mask, generate at full size, paste back)
+    inpaint_padding: int = 32         # px around the mask's box for inpaint_area="masked"
+    overlay: bool = True              # paste the source back outside the (blurred) mask, as A1111 does
+    outpaint: tuple | None = None     # (left, top, right, bottom) px, multiples of 8: extend the canvas
+    resize_mode: str = "just-resize"  # just-resize | crop | fill: how a source of another size is fitted
+    mask_from_alpha: bool = False     # the init image's transparency is the mask
+    # add-ons
+    loras: tuple = ()                 # (path, weight) pairs, besides the prompt's <lora:name:weight> tags
+    lora_dir: str | None = None       # where <lora:name:...> tags are looked up
+    embeddings_dir: str | None = None  # textual-inversion embeddings: a prompt word equal to a file stem uses it
+    # SDXL's size conditioning, (height, width) and (top, left) as diffusers takes them; None: the output size.
+    # The refiner's time ids hold an aesthetic score instead of the target size (positive / negative prompt).
+    original_size: tuple | None = None
+    crops_coords_top_left: tuple = (0, 0)
+    target_size: tuple | None = None
+    aesthetic_score: float = 6.0
+    negative_aesthetic_score: float = 2.5
+    # SDXL base + refiner: the fraction of the steps the base runs before the engine's refiner takes the latents
+    # over (A1111's "refiner switch at"; diffusers' denoising_end / denoising_start). None: no hand-off.
+    refiner_switch_at: float | None = None
+    # the hires fix (text to image): a :class:`sdlite.hires.Hires`, the second pass's upscale and options; None: off
+    hires: object = None
+    # ControlNet units (:class:`sdlite.control.ControlUnit`), applied in order, their residuals summed
+    controls: tuple = ()
+
+    @property
+    def is_img2img(self) -> bool:
+        return self.init_image is not None
+
+    @property
+    def is_inpaint(self) -> bool:
+        return self.init_image is not None and (self.mask is not None or self.mask_from_alpha
+                                                or self.outpaint is not None)
+
+    def replace(self, **changes) -> "Request":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class Result:
+    images: list                      # PIL images
+    seeds: list[int]                  # seed of each image (request.seed + i)
+    request: Request                  # the parameters actually used (seed, size, sampler and schedule resolved)
+    latents: torch.Tensor             # (B, 4, h, w) final latents, unscaled by the VAE factor
+    warnings: list[str] = field(default_factory=list)
+    timings: dict = field(default_factory=dict)
+    infotext: dict = field(default_factory=dict)   # extra A1111 parameters ("Lora hashes", "TI hashes")
+    interrupted: bool = False         # a step callback raised StopSampling: the images are the estimate at that step
+    # the ControlNet units' control maps as the networks got them: (unit index, map, mask or None) per unit and pass
+    # (a hires fix: the second pass's, then the first's)
+    control_maps: list = field(default_factory=list)
+
+
+def _validate_image_options(r: Request) -> Request:
+    """The image-to-image options: each checked, the fill mode resolved. Images are not opened here."""
+    from ..sources import INPAINT_AREAS, INPAINT_FILLS, RESIZE_MODES
+
+    if r.init_image is None:
+        for name, value, default in (("mask", r.mask, None), ("outpaint", r.outpaint, None),
+                                     ("mask_from_alpha", r.mask_from_alpha, False)):
+            if value != default:
+                raise RequestError(f"{name} needs a source image (init_image / --init-image)")
+        return r
+    strength = r.strength
+    if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not 0.0 < strength <= 1.0:
+        raise RequestError(f"strength {strength!r} is not valid: it must be above 0 and at most 1 "
+                           "(1 repaints everything, 0.3 keeps most of the source)")
+    if int(r.steps * strength) < 1:
+        least = math.ceil(1000 / r.steps) / 1000   # rounded up, so that it does run a step
+        raise RequestError(f"strength {strength:g} with {r.steps} steps runs int({r.steps} x {strength:g}) = 0 "
+                           f"steps: raise the strength to at least {least:g} or the steps")
+    if r.mask is not None and r.mask_from_alpha:
+        raise RequestError("give either a mask or mask_from_alpha (--mask-from-alpha), not both")
+    if isinstance(r.mask_blur, bool) or not isinstance(r.mask_blur, int) or r.mask_blur < 0:
+        raise RequestError(f"mask blur {r.mask_blur!r} is not valid: it must be 0 or more pixels")
+    if isinstance(r.inpaint_padding, bool) or not isinstance(r.inpaint_padding, int) or r.inpaint_padding < 0:
+        raise RequestError(f"inpaint padding {r.inpaint_padding!r} is not valid: it must be 0 or more pixels")
+    fill = r.inpaint_fill or ("fill" if r.outpaint is not None else "original")
+    if fill not in INPAINT_FILLS:
+        raise RequestError(f"inpaint fill {fill!r} is not valid: expected one of {', '.join(INPAINT_FILLS)}")
+    if r.inpaint_area not in INPAINT_AREAS:
+        raise RequestError(f"inpaint area {r.inpaint_area!r} is not valid: expected one of {', '.join(INPAINT_AREAS)}")
+    if r.resize_mode not in RESIZE_MODES:
+        raise RequestError(f"resize mode {r.resize_mode!r} is not valid: expected one of {', '.join(RESIZE_MODES)}")
+    outpaint = r.outpaint
+    if outpaint is not None:
+        try:
+            outpaint = tuple(outpaint)
+        except TypeError:
+            outpaint = (outpaint,)
+        if len(outpaint) != 4:
+            raise RequestError(f"outpaint {r.outpaint!r} is not valid: expected four values LEFT,TOP,RIGHT,BOTTOM "
+                               "in pixels, multiples of 8 (e.g. 64,0,64,0)")
+        for side, value in zip(("left", "top", "right", "bottom"), outpaint):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value % 8:
+                raise RequestError(f"outpaint {side}={value!r} is not valid: it must be a multiple of 8 pixels, "
+                                   "0 or more")
+        if not any(outpaint):
+            raise RequestError("outpaint 0,0,0,0 extends nothing: give at least one side a multiple of 8 above 0")
+    return r.replace(inpaint_fill=fill if r.is_inpaint else r.inpaint_fill, outpaint=outpaint,
+                     strength=float(strength))
+
+
+def validate(request: Request, native_size: int = 512) -> Request:
+    """Check every parameter and resolve the defaults; a bad one raises :class:`RequestError`.
+
+    With a source image, a width or height left None stays None: it comes from the source's size when the
+    source is read (:meth:`Engine.generate`)."""
+    r = request
+    sized_by_source = r.init_image is not None
+    width = (None if sized_by_source else native_size) if r.width is None else r.width
+    height = (None if sized_by_source else native_size) if r.height is None else r.height
+    for name, value in (("width", width), ("height", height)):
+        if value is None:
+            continue
+        if not isinstance(value, int) or value < 8 or value % 8:
+            raise RequestError(f"{name}={value!r} is not valid: it must be a positive multiple of 8")
+    if not isinstance(r.steps, int) or not 1 <= r.steps <= MAX_STEPS:
+        raise RequestError(f"steps={r.steps!r} is not valid: it must be between 1 and {MAX_STEPS}")
+    if not CFG_RANGE[0] <= float(r.cfg_scale) <= CFG_RANGE[1]:
+        raise RequestError(f"cfg scale {r.cfg_scale!r} is out of range: it must be between {CFG_RANGE[0]:g} "
+                           f"and {CFG_RANGE[1]:g} (1 turns guidance off)")
+    if not isinstance(r.batch_size, int) or not 1 <= r.batch_size <= MAX_BATCH:
+        raise RequestError(f"batch size {r.batch_size!r} is not valid: it must be between 1 and {MAX_BATCH}")
+    if not isinstance(r.clip_skip, int) or r.clip_skip < 1:
+        raise RequestError(f"clip skip {r.clip_skip!r} is not valid: it must be 1 (no skip) or more")
+    if r.eta is not None and not 0.0 <= r.eta <= 1.0:
+        raise RequestError(f"eta={r.eta!r} is not valid: it must be between 0 and 1")
+    try:
+        sampler, implied = resolve_sampler(r.sampler)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    schedule = r.schedule or implied
+    if schedule not in SIGMA_KINDS:
+        raise RequestError(f"schedule {schedule!r} is not valid: expected one of {', '.join(SIGMA_KINDS)}")
+    if r.timestep_spacing is not None and r.timestep_spacing not in SPACINGS:
+        raise RequestError(f"timestep spacing {r.timestep_spacing!r} is not valid: expected one of "
+                           f"{', '.join(SPACINGS)}")
+    seed = r.seed
+    if not isinstance(seed, int) or not -1 <= seed <= MAX_SEED:
+        raise RequestError(f"seed {seed!r} is not valid: it must be -1 (random) or 0..{MAX_SEED}")
+    if seed == -1:
+        seed = random.SystemRandom().randrange(0, MAX_SEED - MAX_BATCH)
+    if seed + r.batch_size - 1 > MAX_SEED:
+        raise RequestError(f"seed {seed} + batch {r.batch_size} runs past the largest seed {MAX_SEED}")
+    _validate_sdxl_options(r)
+    hires = _validate_hires(r, width, height)
+    return _validate_image_options(r).replace(width=width, height=height, sampler=sampler, schedule=schedule,
+                                              seed=seed, cfg_scale=float(r.cfg_scale), hires=hires,
+                                              controls=_validate_controls(r))
+
+
+def _validate_controls(r: Request) -> tuple:
+    """The ControlNet units with their values checked and their names made ours."""
+    from ..control import ControlError, ControlUnit
+
+    units = []
+    for i, unit in enumerate(r.controls or ()):
+        if not isinstance(unit, ControlUnit):
+            raise RequestError(f"ControlNet unit {i}: expected a ControlUnit, got {type(unit).__name__}")
+        try:
+            units.append(unit.checked(i))
+        except ControlError as e:
+            raise RequestError(str(e)) from None
+    return tuple(units)
+
+
+def _validate_hires(r: Request, width: int | None, height: int | None):
+    """The hires fix's options, checked (:func:`sdlite.hires.validate`) with its target size and sampler."""
+    if r.hires is None:
+        return None
+    from .. import hires as hires_module
+
+    if not isinstance(r.hires, hires_module.Hires):
+        raise RequestError(f"hires {r.hires!r} is not valid: expected a sdlite.hires.Hires")
+    if r.init_image is not None:
+        raise RequestError("the hires fix runs text to image; for image to image give the source at the size "
+                           "wanted (or upscale it first: sdlite upscale)")
+    try:
+        h = hires_module.validate(r.hires, r.steps)
+        hires_module.target_size(width, height, h)
+        if h.sampler is not None:
+            resolve_sampler(h.sampler)
+    except (hires_module.HiresError, ValueError) as e:
+        raise RequestError(str(e)) from None
+    if h.schedule is not None and h.schedule not in SIGMA_KINDS:
+        raise RequestError(f"hires schedule {h.schedule!r} is not valid: expected one of {', '.join(SIGMA_KINDS)}")
+    return h
+
+
+def _validate_sdxl_options(r: Request) -> None:
+    """SDXL's size conditioning and the refiner hand-off."""
+    for name in ("original_size", "target_size", "crops_coords_top_left"):
+        value = getattr(r, name)
+        if value is None:
+            continue
+        least = 0 if name == "crops_coords_top_left" else 1
+        try:
+            ok = len(value) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v >= least
+                                         for v in value)
+        except TypeError:
+            ok = False
+        if not ok:
+            what = "(top, left), pixels, 0 or more" if least == 0 else "(height, width), pixels, 1 or more"
+            raise RequestError(f"{name} {value!r} is not valid: expected two integers {what}")
+    for name in ("aesthetic_score", "negative_aesthetic_score"):
+        value = getattr(r, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise RequestError(f"{name} {value!r} is not valid: expected a number (the refiner was trained on 0-10)")
+    switch = r.refiner_switch_at
+    if switch is not None and (isinstance(switch, bool) or not isinstance(switch, (int, float))
+                               or not 0.0 < switch < 1.0):
+        raise RequestError(f"refiner switch {switch!r} is not valid: it must be above 0 and below 1 (the fraction "
+                           "of the steps the base model runs, e.g. 0.8)")

@@ -1,0 +1,324 @@
+"""The server behind the routes: what every front-end's routes share, and where and how a job runs.
+
+:class:`ServerBase` holds what the routes share wherever the jobs run (the checkpoints on offer, the options, the
+credentials, the flags, the limits, the preview cache). :class:`Server` runs the jobs in this process, in one FIFO
+job queue (:mod:`.jobs`) whose worker thread alone runs the engine; :mod:`sdlite.scale.ray_serve`'s cluster server
+sends them to Ray Serve replicas. Both run a request with :func:`run_plan`.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime
+import logging
+import threading
+from typing import Any
+
+from fastapi import HTTPException, Request
+from starlette.concurrency import run_in_threadpool
+
+from ..hires import second_pass_steps
+from ..images import png_bytes
+from ..pipeline import RequestError
+from . import a1111
+from .checkpoints import Checkpoint, Checkpoints, Engines
+from .controlnet import ControlNets
+from .http import MAX_BODY_BYTES, parse_auth
+from .jobs import JobControl, Jobs, ShuttingDown
+from .limits import Limits, admit, check_hires_size, check_size
+
+log = logging.getLogger("sdlite.server")
+
+DISCONNECT_POLL_S = 0.5
+
+
+class ServerBase:
+    """What the routes share wherever the jobs run: the checkpoints on offer, the options, the credentials, the
+    flags and the preview cache. :class:`Server` runs the jobs in this process; :mod:`sdlite.scale.ray_serve`'s
+    cluster server sends them to Ray Serve replicas. A subclass provides the asynchronous methods below."""
+
+    def __init__(self, model=None, models_dir=None, api_auth: str | None = None, *, lora_dir=None,
+                 embeddings_dir=None, max_body_bytes: int = MAX_BODY_BYTES, flags: dict | None = None,
+                 limits: Limits | None = None, upscaler_dir=None, controlnet_dir=None):
+        if model is None and models_dir is None:
+            from ..demo import model_path
+
+            model = model_path()
+        self.checkpoints = Checkpoints(model, models_dir)
+        self.options = a1111.default_options()
+        self._options_lock = threading.Lock()
+        self.credentials = parse_auth(api_auth) if api_auth else None
+        self.lora_dir, self.embeddings_dir = lora_dir, embeddings_dir
+        self.upscaler_dir = upscaler_dir   # upscaler networks by name (hires fix, extras)
+        self.controlnets = ControlNets(controlnet_dir)   # ControlNet models by name (alwayson_scripts units)
+        self.max_body_bytes = max_body_bytes
+        self.flags = flags or {}
+        self.limits = limits if limits is not None else Limits()
+        self._preview_cache: tuple[Any, str] | None = None
+
+    # --- options -------------------------------------------------------------------------------------------
+
+    def options_snapshot(self) -> dict:
+        with self._options_lock:
+            current = self.checkpoints.current
+            return {**self.options, "sd_model_checkpoint": current.title, "sd_checkpoint_hash": current.hash}
+
+    def set_options(self, changes: dict) -> None:
+        with self._options_lock:
+            self.options.update(changes)
+
+    def _preview_due(self, step: int, total: int) -> bool:
+        with self._options_lock:
+            enabled, every = self.options["live_previews_enable"], self.options["show_progress_every_n_steps"]
+        return enabled and (step == total if every == -1 else step % every == 0)
+
+    def find_checkpoint(self, name: Any, field: str | None = None) -> Checkpoint:
+        """The checkpoint ``name`` means (404 when there is none; ``field`` names the request field it came from)."""
+        if not isinstance(name, str) or self.checkpoints.find(name) is None:
+            self.checkpoints.refresh()   # A1111 refreshes its list once before giving up
+        found = self.checkpoints.find(name) if isinstance(name, str) else None
+        if found is None:
+            what = f"{field}={name!r}" if field else repr(name)
+            raise HTTPException(404, f"Model not found: {what}; available: {', '.join(self.checkpoints.names())}")
+        return found
+
+    def keep_overrides(self, plan: a1111.Plan, checkpoint: Checkpoint) -> None:
+        """``override_settings_restore_afterwards`` false: the request's overrides stay after it."""
+        if plan.keep_overrides:
+            if plan.checkpoint is not None:
+                self.checkpoints.current = checkpoint
+            self.set_options({k: v for k, v in plan.keep_overrides.items() if k != "sd_model_checkpoint"})
+
+    def preview_b64(self, image) -> str | None:
+        if image is None:
+            return None
+        cached = self._preview_cache
+        if cached is not None and cached[0] is image:
+            return cached[1]
+        encoded = base64.b64encode(png_bytes(image)).decode("ascii")
+        self._preview_cache = (image, encoded)
+        return encoded
+
+    # --- what a subclass provides ----------------------------------------------------------------------------
+
+    async def generate(self, plan: a1111.Plan, request: Request) -> a1111.Outcome | None:
+        """Run the plan (after the jobs queued before it); None when the client went away meanwhile. Raises
+        QueueFull / ShuttingDown (503) when the job is refused."""
+        raise NotImplementedError
+
+    async def progress(self, want_image: bool) -> tuple[dict, Any]:
+        """A1111's progress JSON (without ``current_image``) and the latest preview image or None."""
+        raise NotImplementedError
+
+    async def interrupt(self) -> None:
+        raise NotImplementedError
+
+    async def skip(self) -> None:
+        raise NotImplementedError
+
+    async def switch_model(self, target: Checkpoint, request: Request) -> None:
+        """Make ``target`` the current model, loaded after the jobs queued before; returns once it is loaded."""
+        raise NotImplementedError
+
+    def text_width(self) -> int | None:
+        """The current model's text-encoder width when it is known without loading it, else None."""
+        return None
+
+    def start(self) -> None:
+        """Called when the app starts (before requests)."""
+
+    async def stop(self) -> None:
+        """Called when the app stops."""
+
+
+class Server(ServerBase):
+    """The single-machine server: one engine cache and one FIFO job queue, in this process."""
+
+    def __init__(self, model=None, models_dir=None, api_auth: str | None = None, queue_size: int = 32, *,
+                 lora_dir=None, embeddings_dir=None, max_body_bytes: int = MAX_BODY_BYTES,
+                 engine_options: dict | None = None, flags: dict | None = None, preload: bool = True,
+                 limits: Limits | None = None, upscaler_dir=None, controlnet_dir=None):
+        super().__init__(model, models_dir, api_auth, lora_dir=lora_dir, embeddings_dir=embeddings_dir,
+                         max_body_bytes=max_body_bytes, flags=flags, limits=limits, upscaler_dir=upscaler_dir,
+                         controlnet_dir=controlnet_dir)
+        self.engines = Engines(self.checkpoints, limit=1, **(engine_options or {}))
+        self.jobs = Jobs(queue_size, preview_every=self._preview_due, job_timeout=self.limits.job_timeout)
+        self._preload = preload
+
+    def set_options(self, changes: dict) -> None:
+        super().set_options(changes)
+        with self._options_lock:
+            self.engines.limit = self.options["sd_checkpoints_limit"]
+
+    # --- work done in the queue's worker thread ------------------------------------------------------------
+
+    def switch(self, checkpoint: Checkpoint) -> None:
+        """Load ``checkpoint`` and make it the current model."""
+        self.engines.get(checkpoint)
+        self.checkpoints.current = checkpoint
+
+    def preload(self) -> None:
+        self.engines.get(self.checkpoints.current)
+
+    def run(self, plan: a1111.Plan, control: JobControl) -> a1111.Outcome:
+        """One txt2img / img2img request: its iterations, one after another, with progress and previews."""
+        checkpoint = self.checkpoints.current if plan.checkpoint is None else self.find_checkpoint(plan.checkpoint)
+        outcome = run_plan(self.engines, checkpoint, plan, control)
+        self.keep_overrides(plan, checkpoint)
+        return outcome
+
+    # --- awaiting jobs -------------------------------------------------------------------------------------
+
+    async def wait(self, job, request: Request):
+        """The job's result; a client that goes away meanwhile gets its job dropped (queued) or interrupted."""
+        future = asyncio.wrap_future(job.future)
+        try:
+            while True:
+                done, _ = await asyncio.wait({future}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return future.result()
+                if await request.is_disconnected():
+                    self.jobs.cancel(job)
+                    log.info("client went away: job %d (%s) dropped", job.id, job.label)
+                    return None
+        except asyncio.CancelledError:
+            self.jobs.cancel(job)
+            if self.jobs.closed:   # the server stops at once (SIGINT): its client gets a 503, not a bare 500
+                raise ShuttingDown(running=True) from None
+            raise
+
+    # --- ServerBase ----------------------------------------------------------------------------------------
+
+    async def generate(self, plan: a1111.Plan, request: Request) -> a1111.Outcome | None:
+        job = self.jobs.submit(lambda control: self.run(plan, control), plan.kind)
+        return await self.wait(job, request)
+
+    async def progress(self, want_image: bool) -> tuple[dict, Any]:
+        return self.jobs.progress(want_image=want_image)
+
+    async def interrupt(self) -> None:
+        self.jobs.interrupt()
+
+    async def skip(self) -> None:
+        self.jobs.skip()
+
+    async def switch_model(self, target: Checkpoint, request: Request) -> None:
+        # the model is loaded in the queue: after the jobs before it, never during one
+        job = self.jobs.call(lambda: self.switch(target), f"load {target.name}")
+        await self.wait(job, request)
+
+    def text_width(self) -> int | None:
+        engine = self.engines.loaded(self.checkpoints.current)
+        return engine.spec.context_text.width if engine is not None else None   # an SDXL refiner: its only one
+
+    def start(self) -> None:
+        if self._preload:
+            self.jobs.call(self.preload, "load model")
+
+    async def stop(self) -> None:
+        # bounded: a job abandoned by a shutdown (Jobs.drain) may still run in the worker, a daemon thread
+        await run_in_threadpool(self.jobs.stop, STOP_WAIT_S)
+
+
+STOP_WAIT_S = 0.5   # how long the app's shutdown waits for the queue's worker thread (answered by then, or abandoned)
+
+
+# --- a request's work, wherever it runs ---------------------------------------------------------------------------
+
+def stop_warning(control, limits: Limits | None) -> str | None:
+    """The warning a job interrupted by the server itself carries: past ``--job-timeout``, or by a shutdown."""
+    reason = getattr(control, "stop_reason", None)
+    if reason == "timeout":
+        limit = f" of {limits.job_timeout:g} s" if limits is not None else ""
+        return (f"the job ran past this server's time limit{limit} (--job-timeout) and was "
+                "interrupted: the images are those of the step it had reached")
+    if reason == "shutdown":
+        grace = f" after its grace of {limits.shutdown_grace:g} s (--shutdown-grace)" if limits else ""
+        return (f"the server is shutting down: the job was interrupted{grace}; the images are those of the step it "
+                "had reached")
+    if reason == "stop":
+        return ("the server was stopped at once (SIGINT, or a second SIGTERM): the job was interrupted; the images "
+                "are those of the step it had reached")
+    return None
+
+
+def run_plan(engines: Engines, checkpoint: Checkpoint, plan: a1111.Plan, control) -> a1111.Outcome:
+    """Run one A1111 request's iterations on ``checkpoint``'s engine (loaded by ``engines`` if needed), reporting
+    through ``control`` (a :class:`~.jobs.JobControl`, or anything with its methods: a Ray replica's)."""
+    control.begin(len(plan.requests))
+    if engines.loaded(checkpoint) is None:
+        control.info(f"{plan.kind}: loading {checkpoint.name}")
+    engine = engines.get(checkpoint)
+    timestamp = datetime.datetime.now().strftime("%Y%m%d%H%M%S")
+    downscale = engine.spec.vae.downscale
+    if plan.limits is not None:   # a size left out is the model's native one, known only now
+        native = engine.spec.default_size
+        for request in plan.requests[:1]:
+            if request.init_image is None:
+                check_size(request.width or native, request.height or native, plan.limits,
+                           "width x height (the model's native size where not given)")
+            if request.hires is not None:
+                check_hires_size(request.width or native, request.height or native, plan.parameters,
+                                 plan.limits)
+            admit(engine, request, plan.limits)   # 503 when it does not fit now, 422 when it never could
+    results, warnings = [], []
+    requests = plan.requests
+    if plan.hr_checkpoint is not None and plan.hr_checkpoint.path != checkpoint.path:
+        from dataclasses import replace
+
+        requests = [r.replace(hires=replace(r.hires, checkpoint=str(plan.hr_checkpoint.path))) for r in requests]
+    engine.upscaler_dir = plan.upscaler_dir
+    try:
+        extra = _attach_refiner(engines, engine, checkpoint, plan, control)
+        for i, request in enumerate(requests):
+            if control.interrupted:
+                break
+            hires = request.hires   # its second pass adds to the progress
+            control.iteration(i, request.steps + (0 if hires is None else second_pass_steps(hires, request.steps)))
+
+            def on_latents(step, total, latents):
+                if control.preview_due(step, total):
+                    pixels = latents.shape[-1] * latents.shape[-2] * downscale**2
+                    full = plan.preview == "Full" or (plan.preview == "Auto"
+                                                      and pixels <= a1111.AUTO_FULL_PREVIEW_PIXELS)
+                    tiny = plan.preview == "TAESD"
+                    if tiny and engine.preview_decoder is None and not warnings:
+                        warnings.append(NO_TAESD_WARNING)
+                        log.warning(NO_TAESD_WARNING)
+                    control.set_preview(engine.preview(latents[:1], full=full, tiny=tiny)[0], step)
+
+            results.append(engine.generate(request, callback=control.step, on_latents=on_latents))
+    finally:
+        engine.set_refiner(None)   # attached for this job only: the engine holds no per-request state otherwise
+    inpainting = engine.spec.unet.in_channels != engine.spec.vae.latent_channels
+    warning = stop_warning(control, plan.limits) if control.interrupted else None
+    return a1111.Outcome(results, checkpoint.short_name, engines.checkpoints.hash_of(checkpoint), inpainting,
+                         timestamp, interrupted=control.interrupted, infotext=extra,
+                         warnings=warnings + ([warning] if warning else []))
+
+
+NO_TAESD_WARNING = ("live previews: show_progress_type 'TAESD' needs a TAESD for this model's latents (sdlite serve "
+                    "--taesd PATH); the previews were made by 'Approx cheap' instead")
+
+
+def _attach_refiner(engines: Engines, engine, checkpoint: Checkpoint, plan: a1111.Plan, control) -> dict:
+    """Attach the plan's ``refiner_checkpoint`` to ``engine`` and return the infotext fields that record it (none
+    without a refiner). The refiner is loaded in the job (progress stays readable meanwhile) and must share the
+    base's latent space (a RequestError, 422, naming both models)."""
+    if plan.refiner_name is None:
+        return {}
+    target = plan.refiner
+    if target is None:   # build_plan names it; the routes resolve it
+        raise RequestError(f"refiner_checkpoint={plan.refiner_name!r} was not resolved to a checkpoint")
+    if target.path == checkpoint.path:
+        refiner = engine   # the model refines its own latents: no second copy
+    else:
+        if engines.loaded(target) is None:
+            control.info(f"{plan.kind}: loading the refiner {target.name}")
+        refiner = engines.refiner(target)
+    try:
+        engine.set_refiner(refiner)
+    except RequestError as e:
+        raise RequestError(f"refiner_checkpoint {target.name!r} cannot refine {checkpoint.name!r}: {e}") from None
+    return {"Refiner": f"{target.short_name} [{engines.checkpoints.hash_of(target)}]",
+            "Refiner switch at": plan.refiner_switch_at}
