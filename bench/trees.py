@@ -1,7 +1,7 @@
 """sdlite against sdlite: the same whole runs and start-ups from two source trees, to show a change costs nothing.
 
-    git worktree add /tmp/before <commit>
-    python bench/trees.py /tmp/before . [--repeat 5] [--size 256] [--steps 20]
+    git worktree add ../sdlite-before <commit>
+    python bench/trees.py ../sdlite-before . [--repeat 5] [--size 256] [--steps 20]
 
 For each tree, alternating run by run so that a noisy spell of the machine hits both alike, in fresh processes:
 
@@ -91,9 +91,10 @@ def main():
     before, after = med[trees[0]], med[trees[1]]
     print(f"\n{args.size}x{args.size}, {args.steps} steps, median of {args.repeat}, trees alternating")
     print("| measure | before | after | after / before |\n|---|---|---|---|")
-    for key, name, unit in (("e2e", "e2e wall (sdlite generate)", "s"), ("rss", "e2e peak RSS", "MB"),
-                            ("startup", "start-up to the first text encoding", "s")):
-        print(f"| {name} | {before[key]:.2f} {unit} | {after[key]:.2f} {unit} | {after[key] / before[key]:.3f} |")
+    for key, name, unit, digits in (("e2e", "e2e wall (sdlite generate)", "s", 2), ("rss", "e2e peak RSS", "MB", 0),
+                                    ("startup", "start-up to the first text encoding", "s", 2)):
+        print(f"| {name} | {before[key]:.{digits}f} {unit} | {after[key]:.{digits}f} {unit} | "
+              f"{after[key] / before[key]:.3f} |")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,10 @@ class X4Family(SDFamily):
                                  if spec.low_res_scheduler is not None else None)
 
     @property
+    def inpainting(self) -> bool:
+        return False   # its UNet's 3 extra input channels are the low-resolution image, not a mask
+
+    @property
     def max_noise_level(self) -> int:
         return self.spec.max_noise_level
 
