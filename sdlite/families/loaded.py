@@ -46,9 +46,6 @@ class LoadedModel:
         # each text encoder's tokenizer (SDXL: two; they differ in their padding)
         self.tokenizers = {name: (tokenizers or {}).get(name) or tokenizer for name in spec.text_encoders}
         self.schedule = NoiseSchedule.from_config(scheduler_config)
-        # a refiner engine that takes the latents over for the last steps of a request that asks for it
-        # (Request.refiner_switch_at; SDXL's); see :meth:`sdlite.pipeline.Engine.set_refiner`
-        self.refiner = None
         # TAESDs (sdlite.models.taesd): one that decodes the final images instead of the VAE (:meth:`set_vae_decoder`)
         # and one for the "TAESD" live previews (:meth:`set_preview_decoder`); None: the VAE / no such previews
         self.vae_decoder = None
@@ -59,8 +56,6 @@ class LoadedModel:
         self.decode_piece_bytes: int | None = None
         # what each network computes in (sdlite.engine.precision; Engine.load sets it); recorded in the PNG
         self.precision: Precision = resolve_precision("exact" if self.device.type == "cpu" else "fp16", self.device)
-        # where the hires fix and upscales look up network upscalers by name (sdlite.upscalers.registry)
-        self.upscaler_dir: str | None = None
 
     # -- decoders ----------------------------------------------------------------------------------------------------
 

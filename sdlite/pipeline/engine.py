@@ -49,6 +49,14 @@ class Engine(LoadedModel):
     0/1/2); the engine asks it for each network when it needs it.
     """
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)   # LoadedModel's arguments
+        # a refiner engine that takes the latents over for the last steps of a request that asks for it
+        # (Request.refiner_switch_at; SDXL's); see :meth:`set_refiner`
+        self.refiner: Engine | None = None
+        # where the hires fix looks up network upscalers by name (sdlite.upscalers.registry)
+        self.upscaler_dir: str | None = None
+
     def set_refiner(self, refiner: "Engine | None") -> None:
         """Attach (or, with None, detach) an SDXL refiner for requests with ``refiner_switch_at``: both models must
         work in the same latent space (the same VAE latents)."""
