@@ -140,3 +140,51 @@ def test_a_second_sigterm_exits_at_once(tmp_path):
         assert code == 0 and seconds < 5, (code, seconds)
     finally:
         s.stop()
+
+
+# --- a request cut off by the shutdown at once, at any point: deterministic, in this process ---------------------
+
+def _cut_off(stopping: bool, started: bool):
+    """What AnswerWhenStopped sends for a handler cancelled (as a shutdown at once cancels it) after it started its
+    response or before; the cancellation it lets pass is returned as "cancelled"."""
+    import asyncio
+
+    from sdlite.server.http import AnswerWhenStopped
+
+    async def handler(scope, receive, send):
+        if started:
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+        raise asyncio.CancelledError()   # e.g. while the finished job's images are written, off the event loop
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def main():
+        try:
+            await AnswerWhenStopped(handler, stopping=lambda: stopping)({"type": "http", "method": "POST",
+                                                                           "path": "/sdapi/v1/txt2img",
+                                                                           "headers": []}, receive, send)
+        except asyncio.CancelledError:
+            return "cancelled", sent
+        return "answered", sent
+    return asyncio.run(main())
+
+
+def test_a_request_cut_off_by_the_shutdown_gets_503_not_500():
+    how, sent = _cut_off(stopping=True, started=False)
+    assert how == "answered"
+    start, body = sent[0], b"".join(m.get("body", b"") for m in sent[1:])
+    assert start["status"] == 503
+    assert dict(start["headers"])[b"retry-after"] == b"30"
+    assert json.loads(body)["error"] == "ShuttingDown"
+
+
+def test_a_cancellation_that_is_no_shutdown_or_after_the_response_started_passes_on():
+    assert _cut_off(stopping=False, started=False) == ("cancelled", [])
+    how, sent = _cut_off(stopping=True, started=True)
+    assert how == "cancelled" and [m["status"] for m in sent] == [200]   # nothing sent after the response began

@@ -27,8 +27,8 @@ from . import a1111_routes
 from .backend import (DISCONNECT_POLL_S, NO_TAESD_WARNING, STOP_WAIT_S, Server, ServerBase, run_plan,
                       stop_warning)
 from .checkpoints import Checkpoint, Checkpoints, Engines
-from .http import (MAX_BODY_BYTES, MAX_JSON_DEPTH, BodyLimit, BodyTooLarge, StrictJSON, auth_dependency,
-                   error_response, install_error_handlers, parse_auth)
+from .http import (MAX_BODY_BYTES, MAX_JSON_DEPTH, AnswerWhenStopped, BodyLimit, BodyTooLarge, StrictJSON,
+                   auth_dependency, error_response, install_error_handlers, parse_auth)
 from .jobs import JobControl, Jobs, QueueFull, ShuttingDown, Unavailable
 from .limits import Limits
 
@@ -74,6 +74,7 @@ def build_app(server: ServerBase) -> FastAPI:
     app.state.server = server
     app.add_middleware(StrictJSON)   # added first: inside BodyLimit, which checks the size before it reads
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(AnswerWhenStopped, stopping=server.stopping)   # outermost: around every route and check
     install_error_handlers(app)
 
     dependencies = [Depends(auth_dependency(server))] if server.credentials else []   # on every front-end's routes

@@ -124,6 +124,10 @@ class ServerBase:
         """The current model's text-encoder width when it is known without loading it, else None."""
         return None
 
+    def stopping(self) -> bool:
+        """Whether a shutdown has begun (the queue takes no new jobs)."""
+        return False
+
     def start(self) -> None:
         """Called when the app starts (before requests)."""
 
@@ -210,6 +214,9 @@ class Server(ServerBase):
     def text_width(self) -> int | None:
         engine = self.engines.loaded(self.checkpoints.current)
         return engine.spec.context_text.width if engine is not None else None   # an SDXL refiner: its only one
+
+    def stopping(self) -> bool:
+        return self.jobs.closed
 
     def start(self) -> None:
         if self._preload:

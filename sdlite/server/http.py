@@ -1,5 +1,6 @@
 """The HTTP machinery every front-end shares, around the routes: the error JSON and the handlers that answer with it,
-HTTP Basic auth (``--api-auth``), the request-body cap and the strict-JSON check (two ASGI middlewares).
+HTTP Basic auth (``--api-auth``), the request-body cap, the strict-JSON check and the answer to a request cut off
+by a shutdown at once (three ASGI middlewares).
 
 Errors are reported as A1111 reports them: FastAPI's ``{"detail": [...]}`` (422) when the JSON does not fit the
 schema, otherwise ``{"error", "detail", "body", "errors"}`` with a fitting status (401, 404, 413, 422, 503).
@@ -7,6 +8,7 @@ schema, otherwise ``{"error", "detail", "body", "errors"}`` with a fitting statu
 from __future__ import annotations
 
 import base64
+import asyncio
 import binascii
 import email.message
 import json
@@ -25,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import CheckpointError, SDLiteError
 from .decode import ImageTooLarge
-from .jobs import Unavailable
+from .jobs import ShuttingDown, Unavailable
 
 log = logging.getLogger("sdlite.server")
 
@@ -155,6 +157,35 @@ class BodyLimit:
             return message
 
         return await self.app(scope, limited, send)
+
+
+class AnswerWhenStopped:
+    """Answers 503 (:class:`~.jobs.ShuttingDown`, with ``Retry-After``) to a request whose handler is cancelled by
+    a shutdown at once (SIGINT, a second SIGTERM) before its response started, where the ASGI server would send a
+    bare 500. The handler may be anywhere then: waiting for its job, or writing the finished job's images.
+    ``stopping()`` says whether the server is stopping; a cancellation at any other time passes on."""
+
+    def __init__(self, app, stopping):
+        self.app, self.stopping = app, stopping
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except asyncio.CancelledError:
+            if started or not self.stopping():
+                raise
+            e = ShuttingDown(running=True)
+            response = error_response(503, type(e).__name__, str(e), headers={"Retry-After": str(e.retry_after)})
+            await response(scope, receive, send)
 
 
 MAX_JSON_DEPTH = 100   # nesting levels a JSON body may have (A1111's requests, alwayson_scripts included, use < 10)
