@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from .errors import SDLiteError
+from ..errors import SDLiteError
 
 
 class ConfigError(SDLiteError):
