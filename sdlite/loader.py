@@ -32,7 +32,7 @@ from .tokenizers import WordPieceTokenizer, load_tokenizer, tokenizer_kind
 from .weights.convert import normalize_diffusers_keys, plan_from_original
 from .weights.detect import Detection, detect
 from .weights.io import open_checkpoint, open_sharded
-from .weights.store import TensorStore
+from .weights.store import ComponentSource, TensorStore
 from .weights.text_keys import normalize_bert_keys
 
 COMPONENTS = ("text_encoder", "text_encoder_2", "unet", "vae")
@@ -81,30 +81,6 @@ META_CONFIG = "sdlite.config"
 def _listing(keys) -> str:
     keys = list(keys)
     return ", ".join(repr(k) for k in keys[:_MAX_LISTED]) + (", ..." if len(keys) > _MAX_LISTED else "")
-
-
-@dataclass
-class ComponentSource:
-    """One component's weights: a lazy canonical-name view and where it came from."""
-
-    view: object            # Mapping[str, Tensor] with canonical keys, lazy
-    shapes: dict            # canonical key -> shape (no tensor read)
-    files: tuple[str, ...]
-    unexpected: list[str] = field(default_factory=list)
-    ignored: list[str] = field(default_factory=list)
-    origin: dict = field(default_factory=dict)   # canonical key -> the file's key(s) it is made from
-
-    @classmethod
-    def from_plan(cls, plan, store: TensorStore, files: tuple[str, ...]) -> "ComponentSource":
-        shapes = {k: tuple(store.shape(k)) for k in store.keys()}
-        return cls(view=plan.apply(store), shapes=plan.shapes(shapes), files=files,
-                   unexpected=list(plan.unexpected), ignored=list(plan.ignored),
-                   origin={k: e.sources for k, e in plan.entries.items()})
-
-    def file_key(self, key: str) -> str:
-        """The key as the file spells it (for messages)."""
-        sources = self.origin.get(key, (key,))
-        return sources[0] if len(sources) == 1 else " + ".join(sources)
 
 
 @dataclass

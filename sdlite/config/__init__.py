@@ -373,6 +373,11 @@ class VAEConfig:
     # decode in fp32 even when the model computes in half precision (SDXL's VAE overflows in fp16); diffusers'
     # SDXL pipelines honour it, its SD 1.x/2.x pipelines do not (sdlite: the same). True is diffusers' default.
     force_upcast: bool = True
+    # the sampler's latents are (VAE latent - shift_factor) * scaling_factor (SD3, FLUX: 16-channel VAEs with a
+    # shift); those VAEs have no 1x1 convolutions around the latent (use_quant_conv, use_post_quant_conv False)
+    shift_factor: float = 0.0
+    use_quant_conv: bool = True
+    use_post_quant_conv: bool = True
 
     @property
     def downscale(self) -> int:
@@ -386,8 +391,6 @@ class VAEConfig:
         for name in list(cfg.get("up_block_types", [])):
             if name != "UpDecoderBlock2D":
                 raise ConfigError(f"VAE config: up block type {name!r} is not supported")
-        if cfg.get("shift_factor") not in (None, 0, 0.0):
-            raise ConfigError(f"VAE config field shift_factor={cfg['shift_factor']!r} is not supported")
         if not cfg.get("mid_block_add_attention", True):
             raise ConfigError("VAE config field mid_block_add_attention=False is not supported")
         return cls(
@@ -400,6 +403,9 @@ class VAEConfig:
             scaling_factor=cfg.get("scaling_factor", 0.18215),
             sample_size=cfg.get("sample_size", 512),
             force_upcast=bool(cfg.get("force_upcast", True)),   # diffusers' default
+            shift_factor=float(cfg.get("shift_factor") or 0.0),
+            use_quant_conv=bool(cfg.get("use_quant_conv", True)),
+            use_post_quant_conv=bool(cfg.get("use_post_quant_conv", True)),
         )
 
     def to_diffusers(self) -> dict:
@@ -418,6 +424,9 @@ class VAEConfig:
             "scaling_factor": self.scaling_factor,
             "sample_size": self.sample_size,
             "force_upcast": self.force_upcast,
+            "shift_factor": self.shift_factor or None,
+            "use_quant_conv": self.use_quant_conv,
+            "use_post_quant_conv": self.use_post_quant_conv,
         }
 
 
@@ -652,7 +661,7 @@ class ModelSpec:
 
     family: str
     text: TextEncoderConfig | BertTextConfig | None
-    unet: UNetConfig
+    unet: UNetConfig | None                 # None where a transformer denoises (SD3)
     vae: VAEConfig
     prediction_type: str = "epsilon"  # "epsilon" | "v_prediction"
     default_size: int = 512
@@ -669,15 +678,24 @@ class ModelSpec:
     # (model_index.json max_noise_level)
     low_res_scheduler: dict | None = None
     max_noise_level: int = 0
+    # the transformer generation (SD3): the denoising transformer (sdlite.config.mmdit.MMDiTConfig) in place of the
+    # UNet, and a third text encoder, T5 (sdlite.config.t5.T5Config), None when the model runs without it
+    transformer: object | None = None
+    text3: object | None = None
 
     def replace(self, **changes) -> "ModelSpec":
         return dataclasses.replace(self, **changes)
 
     @property
+    def denoiser(self) -> str:
+        """The component that denoises: ``unet``, or ``transformer`` (SD3)."""
+        return "unet" if self.unet is not None else "transformer"
+
+    @property
     def is_sdxl(self) -> bool:
         """Conditioned the SDXL way: penultimate hidden states of one or two CLIP towers, a pooled text embedding
         and size/crop (or aesthetic) time ids."""
-        return self.unet.addition_embed == "text_time"
+        return self.unet is not None and self.unet.addition_embed == "text_time"
 
     @property
     def is_x4_upscaler(self) -> bool:
@@ -688,8 +706,8 @@ class ModelSpec:
     @property
     def text_encoders(self) -> tuple[str, ...]:
         """The component names of the text encoders, in the order their states are concatenated."""
-        return tuple(name for name, cfg in (("text_encoder", self.text), ("text_encoder_2", self.text2))
-                     if cfg is not None)
+        return tuple(name for name, cfg in (("text_encoder", self.text), ("text_encoder_2", self.text2),
+                                            ("text_encoder_3", self.text3)) if cfg is not None)
 
     @property
     def context_text(self) -> TextEncoderConfig | BertTextConfig:

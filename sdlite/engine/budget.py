@@ -38,6 +38,11 @@ TEXT_ACTIVATIONS = 64 * MB    # one text-encoder pass over a few 77-token chunks
 UNET_ROW_PIXEL_FLOATS = 47    # x C0: live floats a latent pixel of one UNet row needs at the call's peak
 DECODE_PIXEL_FLOATS = 9       # x the decoder's last width: live floats an image pixel needs in an untiled decode
 TILED_FULL_RES_FLOATS = 2.0   # x the decoder's second width: the full-resolution layers a tiled decode keeps whole
+# a transformer's live floats per token at a call's peak, x its width (the joint attention's q, k, v and output
+# and a 4x MLP's hidden layer beside the residual stream: an estimate from the network's shapes, not yet fitted to
+# measurements as the UNet's is), and the text tokens it attends with (SD3: 77 CLIP + 256 T5)
+TRANSFORMER_TOKEN_FLOATS = 10
+TRANSFORMER_TEXT_TOKENS = 333
 STREAM_SHARE = 0.15           # memory mode 0: the largest streamed block, as a share of the UNet's weights
 # a batch runs in pieces above these (estimated activations of one call): the same on every machine of a device kind
 UNET_PIECE_BYTES = {"cpu": 1536 * MB, "mps": 1536 * MB, "cuda": 4096 * MB}
@@ -82,18 +87,26 @@ def _to_load(engine, name: str) -> int:
     if name in models.resident():
         return 0
     size = _weights_bytes(engine, name)
-    if name == "unet" and models.mode == 0:
+    if name == engine.spec.denoiser and models.mode == 0:
         return int(size * STREAM_SHARE)
     return size
 
 
 def _unet_rows_bytes(engine, rows: int, latent_pixels: int) -> int:
-    """The activations of ``rows`` UNet rows over ``latent_pixels`` latent pixels (what grows with the batch)."""
-    return rows * latent_pixels * UNET_ROW_PIXEL_FLOATS * engine.spec.unet.block_channels[0] * 4
+    """The activations of ``rows`` UNet rows over ``latent_pixels`` latent pixels (what grows with the batch); for a
+    transformer (SD3), its image tokens (a patch of 2x2 latent pixels each) and text tokens at its width."""
+    spec = engine.spec
+    if spec.unet is None:
+        t = spec.transformer
+        tokens = latent_pixels // (t.patch_size ** 2) + TRANSFORMER_TEXT_TOKENS
+        return rows * tokens * TRANSFORMER_TOKEN_FLOATS * t.num_attention_heads * t.attention_head_dim * 4
+    return rows * latent_pixels * UNET_ROW_PIXEL_FLOATS * spec.unet.block_channels[0] * 4
 
 
 def unet_call_bytes(engine, rows: int, latent_pixels: int) -> int:
-    return UNET_FIXED + int(0.05 * _weights_bytes(engine, "unet")) + _unet_rows_bytes(engine, rows, latent_pixels)
+    """The activations of one denoiser call (the UNet's, or a transformer's)."""
+    weights = _weights_bytes(engine, engine.spec.denoiser)
+    return UNET_FIXED + int(0.05 * weights) + _unet_rows_bytes(engine, rows, latent_pixels)
 
 
 def _vae_image_bytes(engine, height: int, width: int, tile: int) -> int:
@@ -145,13 +158,13 @@ def estimate(engine, request) -> Estimate:
     vae_load = _to_load(engine, "vae")
     if request.init_image is not None:
         phases["encode"] = vae_load + vae_call_bytes(engine, 1, request.height, request.width, 0)
-    phases["sampling"] = _to_load(engine, "unet") + unet_call_bytes(engine, rows, latent_pixels)
+    phases["sampling"] = _to_load(engine, engine.spec.denoiser) + unet_call_bytes(engine, rows, latent_pixels)
     # the decode's output (B, 3, H, W) in fp32 and the images, beside the decoder's temporaries
     images = request.batch_size * request.height * request.width * (3 * 4 + 3)
     phases["decode"] = vae_load + vae_call_bytes(engine, decode_piece, request.height, request.width, tile) + images
     refiner = getattr(engine, "refiner", None)
     if request.refiner_switch_at is not None and refiner is not None and refiner is not engine:
-        phases["refiner"] = _to_load(refiner, "unet") + unet_call_bytes(refiner, rows, latent_pixels)
+        phases["refiner"] = _to_load(refiner, refiner.spec.denoiser) + unet_call_bytes(refiner, rows, latent_pixels)
     return Estimate(phases, unet_piece, decode_piece)
 
 

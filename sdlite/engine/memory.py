@@ -293,8 +293,13 @@ class ModelManager:
         for adapter in list(self.adapters):
             adapter(name, module, resident)
 
+    @property
+    def denoiser(self) -> str:
+        """The network that denoises (the UNet, or SD3's transformer): the one memory modes 0 and 2 keep."""
+        return self.ckpt.spec.denoiser if self.ckpt is not None else "unet"
+
     def _keeps(self, name: str) -> bool:
-        return self.mode == 1 or (self.mode == 2 and name == "unet") or (self.mode == 0 and name == "unet")
+        return self.mode == 1 or (self.mode in (0, 2) and name == self.denoiser)
 
     def _streams(self, name: str) -> bool:
         """Whether the network's weights are streamed block by block (on the meta device between blocks)."""
@@ -302,10 +307,11 @@ class ModelManager:
             or self._keeps_as_stored(name)
 
     def _streams_from_file(self, name: str) -> bool:
-        """Memory mode 0 streams the UNet, and SDXL's text encoders (bigG alone is 2.8 GB in fp32), from the file,
-        its pages handed back after each block."""
-        return self.mode == 0 and (name == "unet" or (name in TEXT_ENCODERS and self.ckpt is not None
-                                                      and self.ckpt.spec.is_sdxl))
+        """Memory mode 0 streams the UNet (or transformer), SDXL's text encoders (bigG alone is 2.8 GB in fp32) and
+        T5 (SD3's third encoder, 19 GB in fp32) from the file, its pages handed back after each block."""
+        return self.mode == 0 and (name == self.denoiser or (name in TEXT_ENCODERS and self.ckpt is not None
+                                                             and self.ckpt.spec.is_sdxl)
+                                   or name == "text_encoder_3")
 
     def _keeps_as_stored(self, name: str) -> bool:
         """Mode 1 keeps the text encoders' weights as a half-precision file stores them (zero-copy), each block

@@ -132,7 +132,7 @@ def auto_choice(device: str | torch.device = "cpu", cpu: CPUInfo | None = None, 
         return "fp16", f"a {device.type} device: fp16 compute, as diffusers runs there"
     here = cpu is None or cpu is this_cpu()
     cpu = cpu or this_cpu()
-    small = spec is not None and spec.unet.block_channels[0] < MIN_BF16_CHANNELS
+    small = spec is not None and spec.unet is not None and spec.unet.block_channels[0] < MIN_BF16_CHANNELS
     if cpu.native_bf16 and small:
         return "exact", (f"a small UNet ({spec.unet.block_channels[0]} channels at its first level, under "
                          f"{MIN_BF16_CHANNELS}): bf16's conversions cost more than its kernels save (the demo: "

@@ -276,7 +276,7 @@ def tiled_decode(vae: AutoencoderKL, z: torch.Tensor, tile: int = 64) -> torch.T
         return vae.decode(z)
     dec = vae.decoder
     # latent resolution, whole, with the model's own modules: conv_in, mid-block (global attention), level 0
-    x = dec.mid_block(dec.conv_in(vae.post_quant_conv(z)))
+    x = dec.mid_block(dec.conv_in(vae.post_quantize(z)))
     levels = list(dec.up_blocks)
     if levels:
         x = levels[0](x)
@@ -314,7 +314,7 @@ def tiled_encode_moments(vae: AutoencoderKL, x: torch.Tensor, tile: int = 512) -
     feats, run.src = run.src.t, None
     # latent resolution, whole, with the model's own modules: last level, mid-block, output layers
     feats = enc.mid_block(enc.down_blocks[-1](feats))
-    moments = vae.quant_conv(enc.conv_out(F.silu(enc.conv_norm_out(feats))))
+    moments = vae.quantize(enc.conv_out(F.silu(enc.conv_norm_out(feats))))
     mean, logvar = moments.chunk(2, dim=1)
     return mean, logvar.clamp(-30.0, 20.0)
 

@@ -7,7 +7,8 @@ A :class:`Family` is an object the loop (:mod:`sdlite.pipeline`) asks things of,
   added conditioning the network reads: pooled text embeddings, size ids);
 * **latent format** -- :attr:`Family.latent` (:class:`LatentFormat`: channels, VAE scale and shift, downscale, the
   cheap preview's colours);
-* **parameterisation** -- :attr:`Family.prediction_type` (eps or v; flow matching joins them as one more);
+* **parameterisation** -- :attr:`Family.prediction_type` (eps or v; flow matching joins them as one more), and
+  from it :meth:`Family.denoiser` and :meth:`Family.noise_schedule`;
 * **default schedule and sizes** -- :attr:`Family.scheduler_config`, :attr:`Family.default_size`;
 * **what it can do** -- :meth:`Family.check_generate` refuses a request the family cannot draw (the x4 upscaler
   draws no images from text), :meth:`Family.check_request` one its variant cannot (an inpainting model without a
@@ -28,6 +29,8 @@ from PIL import Image
 from ..conditioning import pad_to_same_length
 from ..errors import RequestError
 from ..prompts import ScheduledPrompt, prompt_schedule, text_at_step
+from ..sampling.denoisers import Denoiser
+from ..sampling.schedules import NoiseSchedule
 
 # latent -> RGB in [-1, 1], one linear map per latent channel: the approximation of the SD 1.x/2.x VAE that the
 # A1111 web UI calls "Approx cheap" (after https://discuss.huggingface.co/t/decoding-latents-to-rgb-without-upscaling/23204)
@@ -48,6 +51,16 @@ class LatentFormat:
     scaling_factor: float
     shift_factor: float = 0.0
     preview_rgb: tuple = CHEAP_RGB
+
+    def scale(self, latents: torch.Tensor) -> torch.Tensor:
+        """VAE latents -> the sampler's: ``(latents - shift_factor) * scaling_factor``."""
+        return (latents - self.shift_factor) * self.scaling_factor if self.shift_factor else \
+            latents * self.scaling_factor
+
+    def unscale(self, latents: torch.Tensor) -> torch.Tensor:
+        """The sampler's latents -> the VAE's: ``latents / scaling_factor + shift_factor``."""
+        return latents / self.scaling_factor + self.shift_factor if self.shift_factor else \
+            latents / self.scaling_factor
 
 
 def initial_noise(generators: list[torch.Generator], shape: tuple[int, ...]) -> torch.Tensor:
@@ -132,7 +145,7 @@ class Family:
     def __init__(self, spec):
         self.spec = spec
         vae = spec.vae
-        self.latent = LatentFormat(vae.latent_channels, vae.downscale, vae.scaling_factor,
+        self.latent = LatentFormat(vae.latent_channels, vae.downscale, vae.scaling_factor, vae.shift_factor,
                                    preview_rgb=self.preview_rgb)
 
     @classmethod
@@ -143,6 +156,15 @@ class Family:
     @property
     def prediction_type(self) -> str:
         return self.spec.prediction_type
+
+    def noise_schedule(self, scheduler_config: dict):
+        """The training noise schedule the samplers walk, from the model's scheduler config."""
+        return NoiseSchedule.from_config(scheduler_config)
+
+    def denoiser(self, model, schedule, dtype: torch.dtype | None):
+        """The denoiser (:mod:`sdlite.sampling.denoisers`) over network ``model`` run in ``dtype``: what turns its
+        output (eps, v) into the estimate of the clean latent."""
+        return Denoiser(model, schedule, self.prediction_type, dtype=dtype)
 
     @property
     def default_size(self) -> int:

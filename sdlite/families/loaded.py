@@ -16,7 +16,6 @@ from ..engine.precision import resolve as resolve_precision
 from ..engine.tiling import tiled_decode
 from ..errors import RequestError
 from ..loader import StableDiffusion
-from ..sampling.schedules import NoiseSchedule
 from . import family_for
 from .base import ScheduledConditioning, approximate_images, latents_to_images
 
@@ -45,7 +44,7 @@ class LoadedModel:
         self.family = family_for(spec)
         # each text encoder's tokenizer (SDXL: two; they differ in their padding)
         self.tokenizers = {name: (tokenizers or {}).get(name) or tokenizer for name in spec.text_encoders}
-        self.schedule = NoiseSchedule.from_config(scheduler_config)
+        self.schedule = self.family.noise_schedule(scheduler_config)
         # TAESDs (sdlite.models.taesd): one that decodes the final images instead of the VAE (:meth:`set_vae_decoder`)
         # and one for the "TAESD" live previews (:meth:`set_preview_decoder`); None: the VAE / no such previews
         self.vae_decoder = None
@@ -130,7 +129,7 @@ class LoadedModel:
         """Latents as the sampler gives them (B, C, h, w) -> images (B, 3, 8h, 8w) in about [-1, 1]: by the TAESD of
         :meth:`set_vae_decoder` when there is one (it takes them as they are), else by the VAE."""
         if self.vae_decoder is None:
-            return self.decode_latents(latents / self.family.latent.scaling_factor, piece=piece)
+            return self.decode_latents(self.family.latent.unscale(latents), piece=piece)
         taesd, piece = self.vae_decoder, piece or latents.shape[0]
         with torch.no_grad():
             return torch.cat([taesd.decode(latents[i:i + piece].to(taesd.device, taesd.dtype))
@@ -148,7 +147,7 @@ class LoadedModel:
         latent = self.family.latent
         if not full:
             return approximate_images(latents, latent.downscale, coefs=latent.preview_rgb)
-        return latents_to_images(self.decode_latents(latents / latent.scaling_factor))
+        return latents_to_images(self.decode_latents(latent.unscale(latents)))
 
     def encode_image(self, image: torch.Tensor, generators: list[torch.Generator] | None) -> torch.Tensor:
         """Images (1, 3, H, W) in [-1, 1] -> scaled latents (B, C, H/8, W/8): one encoder pass, then one sample
@@ -158,8 +157,8 @@ class LoadedModel:
         with torch.no_grad(), self.models.use("vae") as vae:
             mean, logvar = vae.encode_moments(image.to(self.device, vae.dtype))
         mean, std = mean.float(), torch.exp(0.5 * logvar.float())
-        scale = self.family.latent.scaling_factor
+        latent = self.family.latent
         if not generators:
-            return mean * scale
+            return latent.scale(mean)
         draws = torch.cat([torch.randn(mean.shape, generator=g) for g in generators]).to(mean.device)
-        return (mean + std * draws) * scale
+        return latent.scale(mean + std * draws)

@@ -105,17 +105,29 @@ class AutoencoderKL(nn.Module):
         self.config = cfg
         self.encoder = Encoder(cfg)
         self.decoder = Decoder(cfg)
-        self.quant_conv = nn.Conv2d(2 * cfg.latent_channels, 2 * cfg.latent_channels, 1)
-        self.post_quant_conv = nn.Conv2d(cfg.latent_channels, cfg.latent_channels, 1)
+        # 1x1 convolutions on the latent's moments and on the latent (absent from SD3's and FLUX's VAEs)
+        self.quant_conv = nn.Conv2d(2 * cfg.latent_channels, 2 * cfg.latent_channels, 1) \
+            if cfg.use_quant_conv else None
+        self.post_quant_conv = nn.Conv2d(cfg.latent_channels, cfg.latent_channels, 1) \
+            if cfg.use_post_quant_conv else None
 
     @property
     def dtype(self) -> torch.dtype:
-        layer = self.post_quant_conv  # prepacked layers (engine.packing) say so themselves
+        # prepacked layers (engine.packing) say so themselves
+        layer = self.post_quant_conv if self.post_quant_conv is not None else self.decoder.conv_in
         return getattr(layer, "compute_dtype", None) or layer.weight.dtype
+
+    def quantize(self, moments: torch.Tensor) -> torch.Tensor:
+        """The encoder's output -> the latent distribution's moments (through ``quant_conv`` where there is one)."""
+        return moments if self.quant_conv is None else self.quant_conv(moments)
+
+    def post_quantize(self, z: torch.Tensor) -> torch.Tensor:
+        """An unscaled latent -> the decoder's input (through ``post_quant_conv`` where there is one)."""
+        return z if self.post_quant_conv is None else self.post_quant_conv(z)
 
     def encode_moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Image (B, 3, H, W) in [-1, 1] -> (mean, logvar), each (B, 4, H/8, W/8), logvar clamped as in LDM."""
-        moments = self.quant_conv(self.encoder(x))
+        moments = self.quantize(self.encoder(x))
         mean, logvar = moments.chunk(2, dim=1)
         return mean, logvar.clamp(-30.0, 20.0)
 
@@ -129,4 +141,4 @@ class AutoencoderKL(nn.Module):
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         """Unscaled latent (B, 4, h, w) -> image (B, 3, 8h, 8w), roughly in [-1, 1]."""
-        return self.decoder(self.post_quant_conv(z))
+        return self.decoder(self.post_quantize(z))

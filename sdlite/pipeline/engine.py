@@ -33,7 +33,7 @@ from ..families.base import ScheduledConditioning, initial_noise, latents_to_ima
 from ..families.loaded import LoadedModel
 from ..loader import Checkpoint, open_model, resolve_prediction_type
 from ..machine import check_device
-from ..sampling.denoisers import CFGDenoiser, Denoiser, Recorded
+from ..sampling.denoisers import CFGDenoiser, Recorded
 from ..sampling.samplers import img2img_start, plan, sample
 from ..sources import Source, image_to_tensor, mask_to_tensor
 from . import controls
@@ -112,7 +112,7 @@ class Engine(LoadedModel):
                                prepack=prepack, vae_dtype=vae_dtype, winograd=winograd, text_dtype=plan.text_dtype,
                                channels_last=plan.channels_last, compile=compile, fp32_kernels=plan.fp32_kernels)
         if memory_mode != 0:
-            manager.get("unet")  # resident from the start: the load is part of getting ready
+            manager.get(ckpt.spec.denoiser)  # resident from the start: the load is part of getting ready
         if ckpt.prediction_source == "unresolved":
             with manager.use("unet") as unet:
                 resolve_prediction_type(ckpt, unet, device=device)
@@ -263,14 +263,14 @@ class Engine(LoadedModel):
                 return x
 
             engine = st.engine
-            with torch.no_grad(), engine.models.use("unet") as unet:
-                model = engine.models.runner("unet", unet)
+            network = engine.spec.denoiser   # the UNet, or a transformer
+            with torch.no_grad(), engine.models.use(network) as unet:
+                model = engine.models.runner(network, unet)
                 if controls and engine is self:
                     from ..control.apply import ControlledUNet
 
                     model = controlled = ControlledUNet(unet, controls, use_cfg, r.steps - start, st.start - start)
-                guided = CFGDenoiser(Denoiser(model, engine.schedule,
-                                              engine.family.prediction_type, dtype=unet.dtype),
+                guided = CFGDenoiser(engine.family.denoiser(model, engine.schedule, unet.dtype),
                                      r.cfg_scale if use_cfg else 1.0)
                 denoised = Recorded(Pieces(guided, unet_piece, r.batch_size) if unet_piece < r.batch_size
                                      else guided)

@@ -1,4 +1,5 @@
-"""The lazy tensor store every checkpoint reader returns, and what the readers build it from.
+"""The lazy tensor store every checkpoint reader returns, what the readers build it from, and one component's
+canonical view of it (:class:`ComponentSource`).
 
 A reader turns a file into :class:`Entry` objects (a tensor's shape and dtype, and how to produce its data) and
 wraps them in a :class:`TensorStore`: a read-only ``name -> tensor`` mapping whose names, shapes and dtypes are
@@ -12,6 +13,7 @@ import math
 import mmap
 import os
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,6 +22,7 @@ from ..errors import CheckpointError
 
 __all__ = [
     "TensorStore",
+    "ComponentSource",
     "MissingTensorError",
     "merge_stores",
     "Entry",
@@ -278,3 +281,27 @@ def merge_stores(stores: Iterable[TensorStore]) -> TensorStore:
     dirs = {os.path.dirname(os.path.abspath(p)) for p in paths}
     path = paths[0] if len(paths) == 1 else (dirs.pop() if len(dirs) == 1 else os.path.commonpath(list(dirs)))
     return TensorStore(path, fmt, entries, metadata, container="merged", paths=paths, resources=stores)
+
+
+@dataclass
+class ComponentSource:
+    """One component's weights: a lazy canonical-name view and where it came from."""
+
+    view: object            # Mapping[str, Tensor] with canonical keys, lazy
+    shapes: dict            # canonical key -> shape (no tensor read)
+    files: tuple[str, ...]
+    unexpected: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+    origin: dict = field(default_factory=dict)   # canonical key -> the file's key(s) it is made from
+
+    @classmethod
+    def from_plan(cls, plan, store: TensorStore, files: tuple[str, ...]) -> "ComponentSource":
+        shapes = {k: tuple(store.shape(k)) for k in store.keys()}
+        return cls(view=plan.apply(store), shapes=plan.shapes(shapes), files=files,
+                   unexpected=list(plan.unexpected), ignored=list(plan.ignored),
+                   origin={k: e.sources for k, e in plan.entries.items()})
+
+    def file_key(self, key: str) -> str:
+        """The key as the file spells it (for messages)."""
+        sources = self.origin.get(key, (key,))
+        return sources[0] if len(sources) == 1 else " + ".join(sources)
