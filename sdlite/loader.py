@@ -12,7 +12,6 @@ import dataclasses
 import json
 import os
 import re
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,10 +27,13 @@ from .models.clip import CLIPTextEncoder
 from .models.unet import UNet
 from .models.vae import AutoencoderKL
 from .tokenizers.clip_bpe import SD1_PAD_TOKEN_ID, SD2_PAD_TOKEN_ID, CLIPTokenizer
-from .tokenizers import WordPieceTokenizer, load_tokenizer, tokenizer_kind
+from .tokenizers import WordPieceTokenizer, tokenizer_kind
 from .weights.convert import normalize_diffusers_keys, plan_from_original
 from .weights.detect import Detection, detect
-from .weights.io import open_checkpoint, open_sharded
+from .weights.folders import (component_store as _component_store, folder_tokenizer as _folder_tokenizer,
+                              read_json as _read_json, storage_dtype as _storage_dtype,
+                              text_architecture as _text_architecture)
+from .weights.io import open_checkpoint
 from .weights.store import ComponentSource, TensorStore
 from .weights.text_keys import normalize_bert_keys
 
@@ -48,9 +50,6 @@ X4_PIPELINES = ("StableDiffusionUpscalePipeline",)   # the SD x4 upscaler (run b
 # path relative to it): the shipped ``demo-zh`` has its own text encoder and tokenizer and shares the demo's UNet,
 # VAE and scheduler. diffusers ignores keys that start with "_".
 SHARED_FROM_KEY = "_sdlite_shared_from"
-# text-encoder architectures a folder's text_encoder/config.json can declare
-_CLIP_ARCHITECTURES = {"CLIPTextModel", "CLIPTextModelWithProjection"}
-_BERT_ARCHITECTURES = {"BertModel", "BertForMaskedLM", "BertForPreTraining"}
 
 
 def build_network(component: str, spec: ModelSpec) -> nn.Module:
@@ -65,11 +64,6 @@ def build_network(component: str, spec: ModelSpec) -> nn.Module:
 def model_components(spec: ModelSpec) -> tuple[str, ...]:
     """The networks a model of ``spec`` has: its text encoder(s), the UNet and the VAE."""
     return (*spec.text_encoders, "unet", "vae")
-# weight files of a diffusers component, in order of preference (a variant such as fp16 is tried after)
-_WEIGHT_NAMES = {
-    "unet": "diffusion_pytorch_model", "vae": "diffusion_pytorch_model", "text_encoder": "model",
-    "text_encoder_2": "model",
-}
 _MAX_LISTED = 5
 RELEASE_EVERY = 256 << 20  # bytes converted between releases of the file pages they were read from
 # metadata keys of the single files we write: the prediction type in the modelspec convention, and the three
@@ -313,36 +307,6 @@ def open_model(path: str | os.PathLike, prediction_type: str | None = None, use_
 # --- diffusers folders --------------------------------------------------------------------------------------
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError("file is missing", path) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"not valid JSON ({e})", path) from None
-    if not isinstance(data, dict):
-        raise CheckpointError("expected a JSON object", path)
-    return data
-
-
-def _component_store(folder: Path, component: str, sub: Path | None = None) -> TensorStore:
-    """The weights of one diffusers component (in ``folder / component``, or ``sub`` when given): plain file, then
-    the fp16 variant, sharded or ``.bin``."""
-    sub = folder / component if sub is None else sub
-    base = _WEIGHT_NAMES[component]
-    bin_base = "pytorch_model" if component == "text_encoder" else base
-    candidates = [f"{base}.safetensors", f"{base}.fp16.safetensors", f"{base}.bf16.safetensors",
-                  f"{base}.safetensors.index.json", f"{base}.fp16.safetensors.index.json",
-                  f"{bin_base}.bin", f"{bin_base}.fp16.bin", f"{bin_base}.bin.index.json"]
-    for name in candidates:
-        file = sub / name
-        if file.is_file():
-            return open_sharded(file) if name.endswith(".index.json") else open_checkpoint(file)
-    raise CheckpointError(f"no weights for the {component}: expected one of {', '.join(candidates[:3])}, ...",
-                          sub)
-
-
 def _component_folders(folder: Path, index: dict, index_file: Path) -> dict[str, Path]:
     """Where each part (``text_encoder``, ``unet``, ``vae``, ``tokenizer``, ``scheduler``) of a folder is: in the
     folder itself, or, for a part it lacks, in the folder its model_index.json names under ``_sdlite_shared_from``
@@ -363,22 +327,6 @@ def _component_folders(folder: Path, index: dict, index_file: Path) -> dict[str,
         if not where[p].is_dir():
             where[p] = base / p
     return where
-
-
-def _text_architecture(config: dict, config_file: Path) -> str:
-    """"bert" or "clip", from what text_encoder/config.json declares (``architectures``, else ``model_type``)."""
-    declared = config.get("architectures") or []
-    if isinstance(declared, str):
-        declared = [declared]
-    names = set(declared)
-    if names & _BERT_ARCHITECTURES or (not names and config.get("model_type") == "bert"):
-        return "bert"
-    if names & _CLIP_ARCHITECTURES or any("CLIP" in n for n in names) or (
-            not names and config.get("model_type", "clip_text_model") in ("clip_text_model", "clip")):
-        return "clip"
-    kind = ", ".join(sorted(names)) or config.get("model_type")
-    raise CheckpointError(f"the text encoder is a {kind}: sdlite runs CLIP text towers (CLIPTextModel) and BERT "
-                          "encoders (BertModel, as Taiyi uses)", config_file)
 
 
 def _open_diffusers_folder(folder: Path) -> Checkpoint:
@@ -710,18 +658,6 @@ def _configs_from_metadata(path: Path, raw: str) -> dict:
         raise CheckpointError(f"metadata {META_CONFIG!r} is not a usable config ({e})", path) from None
 
 
-def _folder_tokenizer(folder: Path, text=None) -> CLIPTokenizer | WordPieceTokenizer:
-    """The folder's tokenizer. A WordPiece one is limited to the text encoder's positions when its config names
-    no length (transformers' "no limit") or a longer one."""
-    try:
-        tok = load_tokenizer(folder)
-        if isinstance(tok, WordPieceTokenizer) and text is not None and tok.max_length > text.max_positions:
-            tok = load_tokenizer(folder, max_length=text.max_positions)
-        return tok
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"unusable tokenizer: {e}", folder) from None
-
-
 def _prediction_from_yaml(path: Path) -> tuple[str, str] | None:
     """The original config file people keep beside a single file (``model.yaml`` for ``model.ckpt``)."""
     for yaml_path in (path.with_suffix(".yaml"), path.with_suffix(".yml")):
@@ -783,15 +719,6 @@ def _with_published_scheduler(spec: ModelSpec) -> tuple[ModelSpec, str]:
 
 def _shapes(store: TensorStore) -> dict[str, tuple[int, ...]]:
     return {k: tuple(store.shape(k)) for k in store.keys()}
-
-
-def _storage_dtype(store: TensorStore, prefix: str = "") -> torch.dtype:
-    """The dtype most floating-point bytes are stored in (of keys under ``prefix``)."""
-    sizes: Counter = Counter()
-    for key in store.keys():
-        if key.startswith(prefix) and store.dtype(key).is_floating_point:
-            sizes[store.dtype(key)] += store.nbytes(key)
-    return sizes.most_common(1)[0][0] if sizes else torch.float32
 
 
 def _family_preset(family: str, prediction: str, turbo: bool = False) -> ModelSpec:

@@ -100,6 +100,9 @@ class ScheduledConditioning:
     pooled: dict[str, torch.Tensor] | None = None
     zero_negative: bool = False
     time_ids: tuple[torch.Tensor, torch.Tensor] | None = None
+    # the network's keyword for the pooled embedding: SDXL's UNet reads it with the time ids as ``text_embeds``,
+    # SD3's transformer alone as ``pooled_projections``
+    pooled_key: str = "text_embeds"
 
     @property
     def changes(self) -> bool:
@@ -120,18 +123,21 @@ class ScheduledConditioning:
 
     def extra_at(self, step: int, batch: int) -> dict:
         """The denoiser's conditioning arguments at ``step``: ``context`` and ``uncond`` (:meth:`at`) and, where the
-        family has them, ``added`` and ``uncond_added``, the network's added conditioning (pooled text embeddings
-        and time ids)."""
+        family has them, ``added`` and ``uncond_added``, the network's added conditioning (pooled text embeddings,
+        and SDXL's time ids)."""
         context, uncond = self.at(step, batch)
         extra = {"context": context, "uncond": uncond}
         if self.pooled is None:
             return extra
         pooled = self.pooled[text_at_step(self.prompt, step)]
-        time_ids, negative_ids = self.time_ids
-        extra["added"] = {"text_embeds": pooled.expand(batch, -1), "time_ids": time_ids.expand(batch, -1)}
+        extra["added"] = {self.pooled_key: pooled.expand(batch, -1)}
+        if self.time_ids is not None:
+            extra["added"]["time_ids"] = self.time_ids[0].expand(batch, -1)
         if self.negative is not None:
             neg = torch.zeros_like(pooled) if self.zero_negative else self.pooled[text_at_step(self.negative, step)]
-            extra["uncond_added"] = {"text_embeds": neg.expand(batch, -1), "time_ids": negative_ids.expand(batch, -1)}
+            extra["uncond_added"] = {self.pooled_key: neg.expand(batch, -1)}
+            if self.time_ids is not None:
+                extra["uncond_added"]["time_ids"] = self.time_ids[1].expand(batch, -1)
         return extra
 
 
