@@ -222,9 +222,10 @@ class Engine(LoadedModel):
         concat, start, noised, blend = None, 0, False, None
         if start_latents is not None:   # image to image from latents: diffusers' img2img on 4-channel "images"
             x0, generators = start_latents
-            start = img2img_start(r.steps, r.strength)
+            start = img2img_start(r.steps, r.strength, self.schedule)
             p = plan(r.sampler, self.schedule, r.steps, r.schedule, r.timestep_spacing)
-            x = (x0 + initial_noise(generators, shape).to(x0.device) * p.sigmas[start]).to(self.device)
+            x = self.schedule.noised(x0, initial_noise(generators, shape).to(x0.device), p.sigmas[start])
+            x = x.to(self.device)
             noised = True
         elif source is None and not inpaint_model:
             x = initial_noise(generators, shape).to(self.device)
@@ -327,7 +328,7 @@ class Engine(LoadedModel):
             pixels = image_to_tensor(source.image)
             mask = None if source.mask is None else mask_to_tensor(source.mask)
         strength = r.strength if source is not None else 1.0
-        start = img2img_start(r.steps, strength)
+        start = img2img_start(r.steps, strength, self.schedule)
         strength_max = strength == 1.0
         p = plan(r.sampler, self.schedule, r.steps, r.schedule, r.timestep_spacing)
         sigmas = p.sigmas[start:]
@@ -351,10 +352,11 @@ class Engine(LoadedModel):
                 fill = initial_noise(generators, shape) if r.inpaint_fill == "latent-noise" else torch.zeros_like(x0)
                 x0 = x0 * (1 - lat_mask) + fill * lat_mask
             if not inpaint_model:
-                blend = Blend(x0.to(self.device), noise.to(self.device), lat_mask.to(self.device), sigmas)
+                blend = Blend(x0.to(self.device), noise.to(self.device), lat_mask.to(self.device), sigmas,
+                              self.schedule)
         if is_inpaint and strength_max:
             return noise.to(self.device), start, False, on_device(concat, self.device), blend
-        x = x0 + noise * sigmas[0]
+        x = self.schedule.noised(x0, noise, sigmas[0])
         return x.to(self.device), start, True, on_device(concat, self.device), blend
 
 
@@ -414,11 +416,12 @@ class Blend:
     noise: torch.Tensor
     mask: torch.Tensor     # (1, 1, h, w), 1 = repaint
     sigmas: torch.Tensor   # the run's sigmas (after the img2img start)
+    schedule: object       # the model's schedule: how a latent is noised to a sigma, and the sampler's scaling
 
     def __call__(self, i: int, total: int, x: torch.Tensor) -> torch.Tensor:
         sigma = self.sigmas[i + 1].to(x.device)
         if i < total - 1:
-            proper = self.x0 + self.noise * sigma
-        else:  # the reference blends its unscaled latents with the clean source: in sigma form, scaled
-            proper = self.x0 * (sigma**2 + 1) ** 0.5
+            proper = self.schedule.noised(self.x0, self.noise, sigma)
+        else:  # the reference blends its own latents with the clean source: in the sampler's scaling
+            proper = self.schedule.to_sampler(self.x0, sigma)
         return (1 - self.mask) * proper.to(x.dtype) + self.mask * x

@@ -12,7 +12,12 @@ preconditioning of Karras et al. 2022 (table 1, "VP"/"DDPM" rows, as in k-diffus
 * v-prediction (Salimans & Ho 2022): ``denoised = c_skip * x + c_out * v`` with ``c_skip = 1 / (sigma^2 + 1)``,
   ``c_out = -sigma / sqrt(sigma^2 + 1)``.
 
-:class:`CFGDenoiser` adds classifier-free guidance (Ho & Salimans 2022) in one doubled batch.
+:class:`FlowDenoiser` wraps a flow-matching network ``model(x, t, **extra) -> v`` (SD3, FLUX; rectified flow, see
+:mod:`.flow`): the latent is ``x = (1 - sigma) * x0 + sigma * noise``, the network predicts the velocity ``v =
+noise - x0`` at timestep ``t = sigma * 1000`` and ``denoised = x - sigma * v``. The samplers then run on the flow
+latent itself.
+
+:class:`CFGDenoiser` adds classifier-free guidance (Ho & Salimans 2022) in one doubled batch, on either.
 """
 from __future__ import annotations
 
@@ -57,10 +62,7 @@ class Denoiser:
         s = sigma.detach().to("cpu", torch.float32).reshape(-1)
         t = self.schedule.sigma_to_t(s).float()
         if self.timestep_table is not None:
-            table_sigmas, table_t = self.timestep_table
-            hit = s[:, None] == table_sigmas[None, :]  # (B, steps)
-            found = hit.any(1)
-            t = torch.where(found, table_t[hit.float().argmax(1)], t)
+            t = _timestep_lookup(self.timestep_table, s, t)
         return t.to(sigma.device)
 
     def __call__(self, x: torch.Tensor, sigma: torch.Tensor, *, concat: torch.Tensor | None = None,
@@ -79,6 +81,60 @@ class Denoiser:
         if self.prediction_type == "epsilon":
             return (x - s * out).to(x.dtype)
         return (out * (-s / (s**2 + 1) ** 0.5) + x / (s**2 + 1)).to(x.dtype)
+
+
+def _timestep_lookup(table, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t`` with the timesteps a table pins (exact float32 sigma matches) put in."""
+    table_sigmas, table_t = table
+    hit = s[:, None] == table_sigmas[None, :]  # (B, steps)
+    return torch.where(hit.any(1), table_t[hit.float().argmax(1)], t)
+
+
+@dataclass(frozen=True, eq=False)
+class FlowDenoiser:
+    """``FlowDenoiser(model, schedule)(x, sigma, **extra) -> denoised`` for a flow-matching network
+    ``model(x, t, **extra) -> v``: ``denoised = x - sigma * v``.
+
+    The network's timestep is the training timestep ``sigma * N`` (float32, N = ``schedule.num_train_timesteps``:
+    the value diffusers' flow-matching schedulers give SD3's transformer), divided by ``N / multiplier`` when
+    ``multiplier`` (the network's timestep per unit sigma) is not N: FLUX's transformer takes ``t / 1000``, so
+    ``multiplier=1.0``. :meth:`with_timesteps` pins the training timesteps of a run's sigmas where the sigma
+    placement chose others (the multistep schedulers' truncated integer timesteps). ``dtype``: the network's input
+    dtype (None: the latent's); the network's output is taken back to the latent's dtype.
+    """
+
+    model: Callable
+    schedule: object  # a FlowSchedule (only num_train_timesteps is read)
+    dtype: torch.dtype | None = None
+    multiplier: float | None = None  # the network's timestep per unit sigma; None: num_train_timesteps (SD3)
+    timestep_table: tuple[torch.Tensor, torch.Tensor] | None = None  # (sigmas, training timesteps), float32
+
+    def with_timesteps(self, sigmas: torch.Tensor, timesteps: torch.Tensor) -> "FlowDenoiser":
+        sigmas = sigmas[: len(timesteps)].detach().to("cpu", torch.float32)
+        return dataclasses.replace(self, timestep_table=(sigmas, timesteps.detach().to("cpu", torch.float32)))
+
+    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        """(B,) float32 network timesteps for (B,) sigmas."""
+        n_train = self.schedule.num_train_timesteps
+        s = sigma.detach().to("cpu", torch.float32).reshape(-1)
+        t = s * n_train
+        if self.timestep_table is not None:
+            t = _timestep_lookup(self.timestep_table, s, t)
+        if self.multiplier is not None and self.multiplier != n_train:
+            t = t / (n_train / self.multiplier)
+        return t.to(sigma.device)
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, *, concat: torch.Tensor | None = None,
+                 **extra) -> torch.Tensor:
+        """``concat`` (B, C', h, w): channels appended to the latent before the network sees it (a fill model's
+        mask and masked-image latents)."""
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device)
+        if sigma.ndim == 0:
+            sigma = sigma.expand(x.shape[0])
+        s = sigma.reshape(-1, *([1] * (x.ndim - 1)))                            # (B, 1, 1, 1)
+        x_in = x if concat is None else torch.cat([x, concat.to(x)], dim=1)
+        v = self.model(x_in.to(self.dtype or x.dtype), self.timestep(sigma), **extra).to(x.dtype)
+        return (x - s * v).to(x.dtype)
 
 
 @dataclass(frozen=True, eq=False)

@@ -11,9 +11,16 @@ Samplers first published on the DDPM parameterisation (DDIM, PLMS, DDPM, UniPC, 
 same sigma form; their updates are the reference's, rewritten with ``alpha_bar = 1 / (1 + sigma^2)``. Random
 draws happen in the reference's order and shapes, so a seed gives the reference's image.
 
+The same functions run on a flow-matching latent ``x = (1 - sigma) x0 + sigma noise`` (:mod:`.flow`): its
+probability-flow ODE ``dx/dsigma = (x - x0_hat) / sigma`` has k-diffusion's form, so Euler and Heun need nothing
+else. The samplers whose steps depend on how the latent scales the signal (the exponential integrators and the
+ancestral step) take the ``schedule`` and ask it: ``schedule.alphas(sigmas)`` for ``alpha`` in
+``x = alpha x0 + sigma noise`` (their log-SNR is ``lambda = log(alpha / sigma)``) and ``schedule.ancestral_step``.
+Without a schedule they assume k-diffusion's latent (alpha = 1).
+
 :func:`sample` is the single entry point: it resolves a sampler name (ours or the A1111 one), builds the
-sigmas and timesteps, scales the initial noise, runs the sampler and returns the latent in the reference's
-(DDPM) scaling.
+sigmas and timesteps, scales the initial noise, runs the sampler and returns the latent in the model's own
+scaling (the reference's DDPM latent; the flow latent as it is).
 """
 from __future__ import annotations
 
@@ -27,7 +34,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .schedules import SIGMA_KINDS, NoiseSchedule, make_sigmas, resolve_spacing
+from .schedules import SIGMA_KINDS, NoiseSchedule, ScheduleError
+from .schedules import ancestral_step as _ancestral_step
 
 # --- helpers -------------------------------------------------------------------------------------------------
 
@@ -43,13 +51,13 @@ def _noise(like: torch.Tensor, generator=None) -> torch.Tensor:
     return torch.randn(like.shape, generator=generator, device=device, dtype=like.dtype).to(like.device)
 
 
-def _ancestral_step(sigma_from, sigma_to, eta: float = 1.0):
-    """(sigma_down, sigma_up) of an ancestral step (Song et al. 2021 / k-diffusion): the deterministic step goes
-    to sigma_down, then fresh noise of std sigma_up brings the latent back up to sigma_to."""
-    if not eta:
-        return sigma_to, torch.zeros_like(sigma_to)
-    sigma_up = torch.minimum(sigma_to, eta * (sigma_to**2 * (sigma_from**2 - sigma_to**2) / sigma_from**2) ** 0.5)
-    return (sigma_to**2 - sigma_up**2) ** 0.5, sigma_up
+def _alphas(schedule, sigmas: torch.Tensor) -> torch.Tensor:
+    """The signal scale alpha of the latent at each sigma: the schedule's, or 1 (k-diffusion's latent)."""
+    return torch.ones_like(sigmas) if schedule is None else schedule.alphas(sigmas).to(sigmas)
+
+
+def _ve_ancestral_step(sigma, sigma_next, eta):
+    return (*_ancestral_step(sigma, sigma_next, eta), 1.0)
 
 
 def _sigma_in(sigma: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -90,16 +98,23 @@ def sample_euler(denoiser, x, sigmas, *, generator=None, callback=None, extra_ar
 
 
 @torch.no_grad()
-def sample_euler_ancestral(denoiser, x, sigmas, *, generator=None, callback=None, extra_args=None, eta=1.0):
+def sample_euler_ancestral(denoiser, x, sigmas, *, generator=None, callback=None, extra_args=None, eta=1.0,
+                           schedule=None):
     """Ancestral Euler: an Euler step down to sigma_down, then fresh noise up to the next sigma (k-diffusion's
-    ``sample_euler_ancestral``; one noise draw per step, the last step included)."""
+    ``sample_euler_ancestral``; one noise draw per step, the last step included). ``eta`` scales the DDPM
+    posterior's noise (0: Euler).
+
+    ``schedule.ancestral_step(sigma, sigma_next, eta)`` gives ``(sigma_down, sigma_up, scale)``: after the Euler
+    step to sigma_down the latent is multiplied by ``scale`` (1 on k-diffusion's latent, ``(1 - sigma_next) /
+    (1 - sigma_down)`` on a flow latent) before the noise; without a schedule, k-diffusion's latent."""
     sigmas, extra, n = _setup(x, sigmas, extra_args)
+    step = _ve_ancestral_step if schedule is None else schedule.ancestral_step
     for i in range(n):
         denoised = denoiser(x, _sigma_in(sigmas[i], x), **extra)
-        sigma_down, sigma_up = _ancestral_step(sigmas[i], sigmas[i + 1], eta)
+        sigma_down, sigma_up, scale = step(sigmas[i], sigmas[i + 1], eta)
         d = (x - denoised) / sigmas[i]
         x = x + d * (sigma_down - sigmas[i])
-        x = x + _noise(x, generator) * sigma_up
+        x = x * scale + _noise(x, generator) * sigma_up
         x = _report(callback, i, n, x)
     return x
 
@@ -151,24 +166,33 @@ def sample_lms(denoiser, x, sigmas, *, generator=None, callback=None, extra_args
     return x
 
 
+def _lambda(alphas: torch.Tensor, sigmas: torch.Tensor, i: int) -> torch.Tensor:
+    """Log-SNR time ``lambda = log(alpha) - log(sigma)`` at sigma ``i`` (-log(sigma) on k-diffusion's latent)."""
+    return alphas[i].log() - sigmas[i].log()
+
+
 @torch.no_grad()
-def sample_dpmpp_2m(denoiser, x, sigmas, *, generator=None, callback=None, extra_args=None):
-    """DPM-Solver++(2M) (Lu et al. 2022, "DPM-Solver++", algorithm 2), in log-SNR time lambda = -log(sigma);
-    first order on the first step and on the step to sigma = 0."""
+def sample_dpmpp_2m(denoiser, x, sigmas, *, generator=None, callback=None, extra_args=None, schedule=None):
+    """DPM-Solver++(2M) (Lu et al. 2022, "DPM-Solver++", algorithm 2) in log-SNR time ``lambda = log(alpha /
+    sigma)`` for a latent ``x = alpha x0 + sigma noise``: ``x' = (sigma'/sigma) x - alpha' expm1(-h) D`` with
+    ``h = lambda' - lambda`` and D the second-order combination of the last two estimates. ``alpha`` comes from
+    ``schedule.alphas`` (1 without a schedule: lambda = -log(sigma), k-diffusion's form). First order on the first
+    step and on the step to sigma = 0."""
     sigmas, extra, n = _setup(x, sigmas, extra_args)
+    alphas = _alphas(schedule, sigmas)
     old_denoised, h_last = None, None
     for i in range(n):
         denoised = denoiser(x, _sigma_in(sigmas[i], x), **extra)
         if sigmas[i + 1] == 0:
             x = denoised
         else:
-            h = sigmas[i].log() - sigmas[i + 1].log()
+            h = _lambda(alphas, sigmas, i + 1) - _lambda(alphas, sigmas, i)
             if old_denoised is None:
                 denoised_d = denoised
             else:
                 r = h_last / h
                 denoised_d = denoised + (denoised - old_denoised) / (2 * r)
-            x = (sigmas[i + 1] / sigmas[i]) * x - torch.expm1(-h) * denoised_d
+            x = (sigmas[i + 1] / sigmas[i]) * x - alphas[i + 1] * torch.expm1(-h) * denoised_d
             h_last = h
         old_denoised = denoised
         x = _report(callback, i, n, x)
@@ -176,10 +200,14 @@ def sample_dpmpp_2m(denoiser, x, sigmas, *, generator=None, callback=None, extra
 
 
 @torch.no_grad()
-def sample_dpmpp_2m_sde(denoiser, x, sigmas, *, generator=None, callback=None, extra_args=None, eta=1.0):
+def sample_dpmpp_2m_sde(denoiser, x, sigmas, *, generator=None, callback=None, extra_args=None, eta=1.0,
+                        schedule=None):
     """SDE-DPM-Solver++(2M) (Lu et al. 2022, section 5 / appendix; the "midpoint" second-order form), with noise
-    strength ``eta`` (1 = the reverse SDE). One noise draw per step, the last step included."""
+    strength ``eta`` (1 = the reverse SDE), in log-SNR time ``lambda = log(alpha / sigma)`` with ``alpha`` from
+    ``schedule.alphas`` (1 without a schedule), as :func:`sample_dpmpp_2m`. One noise draw per step, the last step
+    included."""
     sigmas, extra, n = _setup(x, sigmas, extra_args)
+    alphas = _alphas(schedule, sigmas)
     old_denoised, h_last = None, None
     for i in range(n):
         denoised = denoiser(x, _sigma_in(sigmas[i], x), **extra)
@@ -187,12 +215,13 @@ def sample_dpmpp_2m_sde(denoiser, x, sigmas, *, generator=None, callback=None, e
         if sigmas[i + 1] == 0:
             x = denoised
         else:
-            h = sigmas[i].log() - sigmas[i + 1].log()
+            h = _lambda(alphas, sigmas, i + 1) - _lambda(alphas, sigmas, i)
             eta_h = eta * h
-            x = (sigmas[i + 1] / sigmas[i]) * torch.exp(-eta_h) * x - torch.expm1(-h - eta_h) * denoised
+            x = (sigmas[i + 1] / sigmas[i]) * torch.exp(-eta_h) * x \
+                - alphas[i + 1] * torch.expm1(-h - eta_h) * denoised
             if old_denoised is not None:
                 r = h_last / h
-                x = x - 0.5 * torch.expm1(-h - eta_h) * (denoised - old_denoised) / r
+                x = x - 0.5 * (alphas[i + 1] * torch.expm1(-h - eta_h)) * (denoised - old_denoised) / r
             x = x + noise * sigmas[i + 1] * (-torch.expm1(-2 * eta_h)) ** 0.5
             h_last = h
         old_denoised = denoised
@@ -351,12 +380,16 @@ def sample_ddpm(denoiser, x, sigmas, *, generator=None, callback=None, extra_arg
 
 
 @torch.no_grad()
-def sample_unipc(denoiser, x, sigmas, *, generator=None, callback=None, extra_args=None):
+def sample_unipc(denoiser, x, sigmas, *, generator=None, callback=None, extra_args=None, schedule=None):
     """UniPC (Zhao et al. 2023, "UniPC: A Unified Predictor-Corrector Framework"), data prediction, B(h) =
     e^h - 1 ("bh2"), order 2: after each model call the UniC corrector refines the current latent with the new
-    estimate, then the UniP predictor steps on. Order 1 on the first and the last step."""
+    estimate, then the UniP predictor steps on. Order 1 on the first and the last step. Log-SNR time
+    ``lambda = log(alpha / sigma)`` with ``alpha`` from ``schedule.alphas`` (1 without a schedule), and the
+    updates' x0 terms scaled by the target's alpha, as :func:`sample_dpmpp_2m`."""
     sigmas, extra, n = _setup(x, sigmas, extra_args)
-    lam = -sigmas.clamp(min=1e-30).log()  # log-SNR time; +inf-free because the sigma-0 step is special-cased
+    alphas = _alphas(schedule, sigmas)
+    # log-SNR time; +inf-free because the sigma-0 step is special-cased
+    lam = alphas.log() - sigmas.clamp(min=1e-30).log()
     ms = []  # past denoised estimates, newest last
     x_last, order_last = None, 0
     for i in range(n):
@@ -374,7 +407,7 @@ def sample_unipc(denoiser, x, sigmas, *, generator=None, callback=None, extra_ar
                 b2 = ((h_phi_1 / -h - 1) / -h - 0.5) * 2 / b_h
                 rho0 = (b1 - b2) / (1 - r)
                 corr = rho0 * (ms[-2] - m0) / r + (b1 - rho0) * (denoised - m0)
-            x = (sigmas[i] / sigmas[i - 1]) * x_last - h_phi_1 * m0 - b_h * corr
+            x = (sigmas[i] / sigmas[i - 1]) * x_last - alphas[i] * h_phi_1 * m0 - alphas[i] * b_h * corr
         ms = (ms + [denoised])[-2:]
         order = min(2, n - i, i + 1)
         x_last, order_last = x, order
@@ -383,10 +416,10 @@ def sample_unipc(denoiser, x, sigmas, *, generator=None, callback=None, extra_ar
         else:  # UniP
             h = lam[i + 1] - lam[i]
             h_phi_1 = torch.expm1(-h)
-            x = (sigmas[i + 1] / sigmas[i]) * x - h_phi_1 * denoised
+            x = (sigmas[i + 1] / sigmas[i]) * x - alphas[i + 1] * h_phi_1 * denoised
             if order == 2:
                 r = (lam[i - 1] - lam[i]) / h
-                x = x - h_phi_1 * 0.5 * (ms[-2] - denoised) / r
+                x = x - alphas[i + 1] * h_phi_1 * 0.5 * (ms[-2] - denoised) / r
         x = _report(callback, i, n, x)
     return x
 
@@ -420,7 +453,10 @@ def sample_lcm(denoiser, x, sigmas, *, generator=None, callback=None, extra_args
 @dataclass(frozen=True)
 class SamplerInfo:
     """How to run a sampler: its function, default sigma schedule, the diffusers scheduler whose timestep
-    placement it follows (``schedules.FAMILIES``), whether it takes the NoiseSchedule, and the reference."""
+    placement it follows (``schedules.FAMILIES``), whether it takes the NoiseSchedule, and the reference.
+
+    ``flow_family``: on a flow-matching model, the diffusers scheduler whose sigma placement it follows
+    (``flow.FLOW_FAMILIES``; ``flow_reference`` names it); None: the sampler does not run on flow matching."""
 
     fn: Callable
     schedule: str = "discrete"
@@ -428,23 +464,35 @@ class SamplerInfo:
     needs_schedule: bool = False
     stochastic: bool = False
     reference: str = ""
+    flow_family: str | None = None
+    flow_reference: str = ""
 
 
 SAMPLERS: dict[str, SamplerInfo] = {
-    "euler": SamplerInfo(sample_euler, reference="EulerDiscreteScheduler"),
-    "euler_a": SamplerInfo(sample_euler_ancestral, stochastic=True, reference="EulerAncestralDiscreteScheduler"),
-    "heun": SamplerInfo(sample_heun, reference="HeunDiscreteScheduler"),
+    "euler": SamplerInfo(sample_euler, reference="EulerDiscreteScheduler", flow_family="euler",
+                         flow_reference="FlowMatchEulerDiscreteScheduler"),
+    "euler_a": SamplerInfo(sample_euler_ancestral, stochastic=True, reference="EulerAncestralDiscreteScheduler",
+                           flow_family="euler", flow_reference="none (FlowMatchEulerDiscreteScheduler's sigmas)"),
+    "heun": SamplerInfo(sample_heun, reference="HeunDiscreteScheduler", flow_family="euler",
+                        flow_reference="FlowMatchHeunDiscreteScheduler"),
     "lms": SamplerInfo(sample_lms, reference="LMSDiscreteScheduler"),
     "dpmpp_2m": SamplerInfo(sample_dpmpp_2m, family="multistep",
-                            reference="DPMSolverMultistepScheduler(algorithm_type='dpmsolver++')"),
+                            reference="DPMSolverMultistepScheduler(algorithm_type='dpmsolver++')",
+                            flow_family="dpmsolver", flow_reference="DPMSolverMultistepScheduler(use_flow_sigmas=True, "
+                            "prediction_type='flow_prediction', algorithm_type='dpmsolver++')"),
     "dpmpp_2m_sde": SamplerInfo(sample_dpmpp_2m_sde, family="multistep", stochastic=True,
-                                reference="DPMSolverMultistepScheduler(algorithm_type='sde-dpmsolver++')"),
+                                reference="DPMSolverMultistepScheduler(algorithm_type='sde-dpmsolver++')",
+                                flow_family="dpmsolver", flow_reference="DPMSolverMultistepScheduler("
+                                "use_flow_sigmas=True, prediction_type='flow_prediction', "
+                                "algorithm_type='sde-dpmsolver++')"),
     "dpmpp_sde": SamplerInfo(sample_dpmpp_sde, stochastic=True, reference="DPMSolverSDEScheduler"),
     "ddim": SamplerInfo(sample_ddim, family="ddim", reference="DDIMScheduler"),
     "pndm": SamplerInfo(sample_pndm, family="ddim", reference="PNDMScheduler(skip_prk_steps=True)"),
     "ddpm": SamplerInfo(sample_ddpm, family="ddpm", needs_schedule=True, stochastic=True,
                         reference="DDPMScheduler"),
-    "unipc": SamplerInfo(sample_unipc, family="multistep", reference="UniPCMultistepScheduler(solver_type='bh2')"),
+    "unipc": SamplerInfo(sample_unipc, family="multistep", reference="UniPCMultistepScheduler(solver_type='bh2')",
+                         flow_family="unipc", flow_reference="UniPCMultistepScheduler(use_flow_sigmas=True, "
+                         "prediction_type='flow_prediction')"),
     "lcm": SamplerInfo(sample_lcm, family="lcm", needs_schedule=True, stochastic=True, reference="LCMScheduler"),
 }
 
@@ -484,7 +532,7 @@ def resolve_sampler(name: str) -> tuple[str, str]:
 
 @dataclass(frozen=True)
 class Plan:
-    """Where a sampling run's noise levels fall: ``sigmas`` (steps + 1, descending), the UNet ``timesteps`` at
+    """Where a sampling run's noise levels fall: ``sigmas`` (steps + 1, descending), the model's ``timesteps`` at
     ``sigmas[:-1]``, and ``init_scale``, what unit-variance noise is multiplied by to start at ``sigmas[0]``."""
 
     sampler: str
@@ -493,32 +541,38 @@ class Plan:
     init_scale: torch.Tensor
 
 
-def plan(name: str, schedule: NoiseSchedule, steps: int, schedule_kind: str | None = None,
+def plan(name: str, schedule, steps: int, schedule_kind: str | None = None,
          spacing: str | None = None) -> Plan:
-    """The :class:`Plan` of sampler ``name`` over ``steps`` steps (see :func:`sample` for the arguments).
+    """The :class:`Plan` of sampler ``name`` over ``steps`` steps on ``schedule`` (a :class:`NoiseSchedule` or a
+    flow-matching :class:`~.flow.FlowSchedule`; see :func:`sample` for the arguments).
 
-    The initial noise is scaled as the reference scheduler does: by ``sqrt(sigma_0^2 + 1)`` (the DDPM
-    latent's unit variance; Euler-family schedulers with leading spacing and all DDPM-parameterised ones) or by
-    ``sigma_0`` (Euler-family schedulers with linspace/trailing spacing).
+    The schedule places the sigmas where the sampler's reference scheduler does (``schedule.family_for``) and says
+    how the initial noise is scaled (:meth:`NoiseSchedule.init_noise_scale`: as the reference scheduler does;
+    1 on flow matching). A sampler that does not run on the schedule's model is refused (:class:`ScheduleError`,
+    naming the samplers that do).
     """
     sampler, default_kind = resolve_sampler(name)
     info = SAMPLERS[sampler]
-    sigmas, timesteps = make_sigmas(schedule, steps, schedule_kind or default_kind, info.family, spacing)
-    if info.family == "k" and resolve_spacing(schedule, info.family, spacing) in ("linspace", "trailing"):
-        init = sigmas[0]
-    else:
-        init = (sigmas[0] ** 2 + 1) ** 0.5
-    return Plan(sampler, sigmas, timesteps, init)
+    family = schedule.family_for(info)
+    if family is None:
+        usable = [n for n, i in SAMPLERS.items() if schedule.family_for(i) is not None]
+        raise ScheduleError(f"sampler {sampler!r} does not run on {schedule.describe}; the samplers that do: "
+                            f"{', '.join(usable)}")
+    sigmas, timesteps = schedule.make_sigmas(steps, schedule_kind or default_kind, family, spacing)
+    return Plan(sampler, sigmas, timesteps, schedule.init_noise_scale(sigmas, family, spacing))
 
 
-def img2img_start(steps: int, strength: float) -> int:
-    """How many of ``steps`` planned steps image to image skips at ``strength``: it runs the last
-    ``int(steps * strength)`` of them, as diffusers' img2img and inpainting pipelines do (truncating, so at least
-    ``1 / steps`` of strength is needed for one step)."""
-    return steps - min(int(steps * strength), steps)
+def img2img_start(steps: int, strength: float, schedule=None) -> int:
+    """How many of ``steps`` planned steps image to image skips at ``strength``, as the reference pipeline of
+    ``schedule``'s models does (:meth:`NoiseSchedule.img2img_start`: diffusers' StableDiffusion img2img and
+    inpainting pipelines run the last ``int(steps * strength)`` steps; :meth:`~.flow.FlowSchedule.img2img_start`:
+    StableDiffusion3Img2ImgPipeline's rule). Without a schedule, the StableDiffusion rule."""
+    if schedule is None:
+        return steps - min(int(steps * strength), steps)
+    return schedule.img2img_start(steps, strength)
 
 
-def sample(name: str, denoiser, x_T: torch.Tensor, schedule: NoiseSchedule, steps: int,
+def sample(name: str, denoiser, x_T: torch.Tensor, schedule, steps: int,
            schedule_kind: str | None = None, generator=None, eta: float | None = None, callback=None, *,
            spacing: str | None = None, extra_args: dict | None = None, start: int = 0, noised: bool = False,
            end: int | None = None, **options) -> torch.Tensor:
@@ -529,13 +583,19 @@ def sample(name: str, denoiser, x_T: torch.Tensor, schedule: NoiseSchedule, step
     ancestral ones' to 1); ``extra_args`` (e.g. ``context``/``uncond``) to the denoiser; ``options`` to the
     sampler function (e.g. ``noise_sampler`` for dpmpp_sde).
 
+    ``schedule`` is the model's :class:`NoiseSchedule` or flow-matching :class:`~.flow.FlowSchedule` (then
+    ``denoiser`` is a :class:`~.denoisers.FlowDenoiser` and ``x_T`` unit noise, the flow latent at sigma 1): it
+    places the sigmas, and the samplers that need to know how the latent carries the signal get it
+    (``schedule=``).
+
     Image to image: ``start`` skips the first planned steps (the sampler runs ``sigmas[start:]``, as the
-    reference slices its scheduler's timesteps), and ``noised=True`` says ``x_T`` is already the latent at
-    ``sigmas[start]`` (k-diffusion scaling, ``x0 + sigma * noise``) rather than noise to scale by the plan's
+    reference slices its scheduler's timesteps), and ``noised=True`` says ``x_T`` is already the sampler's latent
+    at ``sigmas[start]`` (``schedule.noised(x0, noise, sigma)``: ``x0 + sigma * noise`` for a DDPM schedule,
+    ``(1 - sigma) * x0 + sigma * noise`` for flow matching) rather than noise to scale by the plan's
     ``init_scale``.
 
-    The result is the latent in the DDPM scaling, ``x / sqrt(1 + sigma_last^2)``, which is ``x`` itself whenever
-    the last sigma is 0.
+    The result is the latent in the model's own scaling (``schedule.from_sampler``): for a DDPM schedule
+    ``x / sqrt(1 + sigma_last^2)``, which is ``x`` itself whenever the last sigma is 0; the flow latent as it is.
 
     A hand-off (SDXL base to refiner): ``end`` stops after the planned step ``end`` (the sampler runs
     ``sigmas[start:end + 1]``) and returns the latent at ``sigmas[end]`` in the k-diffusion scaling, as it is, for
@@ -563,4 +623,4 @@ def sample(name: str, denoiser, x_T: torch.Tensor, schedule: NoiseSchedule, step
     x = info.fn(denoiser, x, sigmas, generator=generator, callback=callback, extra_args=extra_args, **kwargs)
     if stop is not None:
         return x
-    return x / (sigmas[-1] ** 2 + 1) ** 0.5 if sigmas[-1] > 0 else x
+    return schedule.from_sampler(x, sigmas[-1])

@@ -21,6 +21,14 @@ mirrors, because the schedulers disagree (``family``):
                  has ``set_alpha_to_one``, else to ``alpha_bar_0`` (so the final sigma may be non-zero).
 ``"ddpm"``       DDPM: as ``"ddim"`` but the last step always goes to ``alpha_bar = 1``.
 ``"lcm"``        LCM: ``steps`` timesteps picked from the ``original_steps``-step skipping schedule.
+
+What the samplers' entry points ask of a schedule (:func:`.samplers.plan`, :func:`.samplers.sample`, and the
+engine's image to image) is a small protocol that :class:`NoiseSchedule` and the flow-matching
+:class:`.flow.FlowSchedule` both answer, each for its own latent: which sigma placement a sampler uses
+(``family_for``), the sigmas (``make_sigmas``), the initial noise's scale, a clean latent noised to a sigma
+(``noised``), the conversions between the sampler's latent and the model's own scaling, the signal scale ``alpha``
+of ``x = alpha * x0 + sigma * noise`` at each sigma (1 here: k-diffusion's latent), the ancestral step, and where
+image to image starts. No sampler tests which kind of schedule it runs on.
 """
 from __future__ import annotations
 
@@ -106,6 +114,10 @@ class NoiseSchedule:
         in the config (solver order, Karras sigmas, DDIM's ``clip_sample``/``thresholding``, ...) are ignored:
         sdlite picks the sampler separately.
         """
+        cls_name = str(cfg.get("_class_name") or "")
+        if cls_name.startswith("FlowMatch") or "use_dynamic_shifting" in cfg or "shift_terminal" in cfg:
+            raise ScheduleError(f"scheduler config {cls_name or '(no _class_name)'} is a flow-matching schedule, "
+                                "not a DDPM one: build it with FlowSchedule.from_config (or schedule_from_config)")
         for key, ok in _UNSUPPORTED.items():
             value = cfg.get(key, ok)
             if value != ok and not (key == "variance_type" and value in ("fixed_small", None)):
@@ -162,6 +174,57 @@ class NoiseSchedule:
         low = t.floor().long().clamp(max=self.num_train_timesteps - 2)
         return sigmas[low] + (sigmas[low + 1] - sigmas[low]) * (t - low)
 
+    # -- what the samplers' entry points ask of a schedule (FlowSchedule answers the same) --------------------
+
+    latent_form = "ve"  # samplers run on k-diffusion's latent x = x0 + sigma * noise
+    describe = "a DDPM-trained (eps / v) model"
+
+    def family_for(self, info) -> str | None:
+        """The sigma placement (``FAMILIES``) sampler ``info`` (a ``SamplerInfo``) uses; every sampler runs here."""
+        return info.family
+
+    def make_sigmas(self, steps: int, kind: str = "discrete", family: str = "k", spacing: str | None = None,
+                    original_steps: int = 50) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`make_sigmas` on this schedule."""
+        return make_sigmas(self, steps, kind, family, spacing, original_steps)  # the module-level function
+
+    def init_noise_scale(self, sigmas: torch.Tensor, family: str, spacing: str | None = None) -> torch.Tensor:
+        """What unit-variance noise is multiplied by to start at ``sigmas[0]``, as the reference scheduler does:
+        ``sqrt(sigma_0^2 + 1)`` (the DDPM latent's unit variance; Euler-family schedulers with leading spacing
+        and all DDPM-parameterised ones) or ``sigma_0`` (Euler-family schedulers with linspace/trailing
+        spacing)."""
+        if family == "k" and resolve_spacing(self, family, spacing) in ("linspace", "trailing"):
+            return sigmas[0]
+        return (sigmas[0] ** 2 + 1) ** 0.5
+
+    def noised(self, x0: torch.Tensor, noise: torch.Tensor, sigma) -> torch.Tensor:
+        """The sampler's latent at ``sigma`` for clean latents ``x0`` and unit noise: ``x0 + sigma * noise``."""
+        return x0 + noise * sigma
+
+    def to_sampler(self, latent: torch.Tensor, sigma) -> torch.Tensor:
+        """A latent in the model's own (DDPM) scaling at ``sigma`` as the sampler's: ``latent * sqrt(1 + sigma^2)``."""
+        return latent * (sigma**2 + 1) ** 0.5
+
+    def from_sampler(self, x: torch.Tensor, sigma) -> torch.Tensor:
+        """The sampler's latent at ``sigma`` in the model's own (DDPM) scaling: ``x / sqrt(1 + sigma^2)`` (``x``
+        itself at sigma 0)."""
+        return x / (sigma**2 + 1) ** 0.5 if sigma > 0 else x
+
+    def alphas(self, sigmas: torch.Tensor) -> torch.Tensor:
+        """The signal scale of the sampler's latent at each sigma: 1 (``x = x0 + sigma * noise``)."""
+        return torch.ones_like(sigmas)
+
+    def ancestral_step(self, sigma, sigma_next, eta: float = 1.0):
+        """``(sigma_down, sigma_up, scale)`` of an ancestral step (:func:`ancestral_step`; scale 1: the latent
+        needs no rescaling after the deterministic step)."""
+        return (*ancestral_step(sigma, sigma_next, eta), 1.0)
+
+    def img2img_start(self, steps: int, strength: float) -> int:
+        """How many of ``steps`` planned steps image to image skips at ``strength``: it runs the last
+        ``int(steps * strength)`` of them, as diffusers' StableDiffusion img2img and inpainting pipelines do
+        (truncating, so at least ``1 / steps`` of strength is needed for one step)."""
+        return steps - min(int(steps * strength), steps)
+
 
 def _log_interp_t(log_sigmas: torch.Tensor, sigma) -> torch.Tensor:
     sigma = torch.as_tensor(sigma, dtype=torch.float64)
@@ -171,6 +234,16 @@ def _log_interp_t(log_sigmas: torch.Tensor, sigma) -> torch.Tensor:
     lo, hi = log_sigmas[low], log_sigmas[low + 1]
     w = ((lo - log_sigma) / (lo - hi)).clamp(0, 1)
     return ((1 - w) * low + w * (low + 1)).reshape(sigma.shape)
+
+
+def ancestral_step(sigma_from, sigma_to, eta: float = 1.0):
+    """(sigma_down, sigma_up) of an ancestral step on k-diffusion's latent (Song et al. 2021 / k-diffusion): the
+    deterministic step goes to sigma_down, then fresh noise of std sigma_up brings the latent back up to sigma_to;
+    ``eta`` scales the DDPM posterior's noise (1: ancestral sampling, 0: none)."""
+    if not eta:
+        return sigma_to, torch.zeros_like(sigma_to)
+    sigma_up = torch.minimum(sigma_to, eta * (sigma_to**2 * (sigma_from**2 - sigma_to**2) / sigma_from**2) ** 0.5)
+    return (sigma_to**2 - sigma_up**2) ** 0.5, sigma_up
 
 
 # --- sigma sequences -----------------------------------------------------------------------------------------
