@@ -24,9 +24,12 @@ from .config import (PRESETS, X4_FAMILY, X4_LOW_RES_SCHEDULER, X4_MAX_NOISE_LEVE
 from .errors import CheckpointError
 from .models.bert import BertTextEncoder
 from .models.clip import CLIPTextEncoder
+from .models.mmdit import MMDiT
+from .models.t5 import T5Encoder
 from .models.unet import UNet
 from .models.vae import AutoencoderKL
 from .tokenizers.clip_bpe import SD1_PAD_TOKEN_ID, SD2_PAD_TOKEN_ID, CLIPTokenizer
+from .tokenizers.t5 import T5Tokenizer
 from .tokenizers import WordPieceTokenizer, tokenizer_kind
 from .weights.convert import normalize_diffusers_keys, plan_from_original
 from .weights.detect import Detection, detect
@@ -34,14 +37,17 @@ from .weights.folders import (component_store as _component_store, folder_tokeni
                               read_json as _read_json, storage_dtype as _storage_dtype,
                               text_architecture as _text_architecture)
 from .weights.io import open_checkpoint
+from .weights.sd3 import SD3_PIPELINES, is_sd3_file, open_sd3_file, open_sd3_folder
 from .weights.store import ComponentSource, TensorStore
 from .weights.text_keys import normalize_bert_keys
 
-COMPONENTS = ("text_encoder", "text_encoder_2", "unet", "vae")
-TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
+COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "unet", "transformer", "vae")
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 PREDICTION_TYPES = ("epsilon", "v_prediction")
-_BUILDERS = {"text_encoder": CLIPTextEncoder, "unet": UNet, "vae": AutoencoderKL}
-_SPEC_FIELD = {"text_encoder": "text", "text_encoder_2": "text2", "unet": "unet", "vae": "vae"}
+_BUILDERS = {"text_encoder": CLIPTextEncoder, "text_encoder_3": T5Encoder, "unet": UNet, "transformer": MMDiT,
+             "vae": AutoencoderKL}
+_SPEC_FIELD = {"text_encoder": "text", "text_encoder_2": "text2", "text_encoder_3": "text3", "unet": "unet",
+               "transformer": "transformer", "vae": "vae"}
 # pipeline classes of the diffusers folders sdlite opens (model_index.json _class_name)
 SD_PIPELINES = ("StableDiffusionPipeline", "StableDiffusionInpaintPipeline", "StableDiffusionImg2ImgPipeline")
 SDXL_PIPELINES = ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline")
@@ -58,12 +64,14 @@ def build_network(component: str, spec: ModelSpec) -> nn.Module:
         return BertTextEncoder(spec.text)
     if component == "text_encoder_2":   # SDXL's OpenCLIP bigG, whose projection makes the pooled text embedding
         return CLIPTextEncoder(spec.text2, projection=True)
+    if component == "text_encoder" and spec.transformer is not None:   # SD3's CLIP-L: its pooled output too
+        return CLIPTextEncoder(spec.text, projection=True)
     return _BUILDERS[component](getattr(spec, _SPEC_FIELD[component]))
 
 
 def model_components(spec: ModelSpec) -> tuple[str, ...]:
-    """The networks a model of ``spec`` has: its text encoder(s), the UNet and the VAE."""
-    return (*spec.text_encoders, "unet", "vae")
+    """The networks a model of ``spec`` has: its text encoder(s), the UNet (or transformer) and the VAE."""
+    return (*spec.text_encoders, spec.denoiser, "vae")
 _MAX_LISTED = 5
 RELEASE_EVERY = 256 << 20  # bytes converted between releases of the file pages they were read from
 # metadata keys of the single files we write: the prediction type in the modelspec convention, and the three
@@ -97,6 +105,7 @@ class Checkpoint:
     _zero_copy: bool = field(default=False, repr=False)  # some loaded weights are views of the mapped files
     _tokenizer: CLIPTokenizer | WordPieceTokenizer | None = field(default=None, repr=False)  # built once
     _tokenizer_2: CLIPTokenizer | None = field(default=None, repr=False)
+    _tokenizer_3: T5Tokenizer | None = field(default=None, repr=False)
 
     # -- components ------------------------------------------------------------------------------------
 
@@ -107,9 +116,15 @@ class Checkpoint:
 
     def tokenizers(self) -> dict:
         """``{text encoder component: its tokenizer}``: one for SD 1.x/2.x, two for SDXL (the refiner: only the
-        second encoder's)."""
-        return {name: self.tokenizer() if name == "text_encoder" else self.tokenizer_2()
-                for name in self.spec.text_encoders}
+        second encoder's), three for SD3 (CLIP-L's, bigG's, T5's)."""
+        which = {"text_encoder": self.tokenizer, "text_encoder_2": self.tokenizer_2, "text_encoder_3": self.tokenizer_3}
+        return {name: which[name]() for name in self.spec.text_encoders}
+
+    def tokenizer_3(self) -> T5Tokenizer:
+        """T5's tokenizer (SD3): the vocabulary shipped with sdlite, which every T5 v1.1 checkpoint shares."""
+        if self._tokenizer_3 is None:
+            self._tokenizer_3 = T5Tokenizer.from_package()
+        return self._tokenizer_3
 
     def tokenizer_2(self) -> CLIPTokenizer:
         """The second text encoder's tokenizer: the folder's ``tokenizer_2``, else the packaged CLIP vocabulary
@@ -282,10 +297,13 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
                            tokenizer_2=ckpt.tokenizer_2() if second else None)
 
 
-def open_model(path: str | os.PathLike, prediction_type: str | None = None, use_ema: bool = False) -> Checkpoint:
+def open_model(path: str | os.PathLike, prediction_type: str | None = None, use_ema: bool = False,
+               text_encoders=()) -> Checkpoint:
     """Identify ``path`` (a diffusers folder or a single file) without reading any tensor data.
 
-    ``prediction_type`` overrides what the checkpoint says (``epsilon`` or ``v_prediction``).
+    ``prediction_type`` overrides what the checkpoint says (``epsilon`` or ``v_prediction``). ``text_encoders``:
+    files of the text encoders a single file lacks (SD3: ComfyUI's ``clip_l``, ``clip_g``, ``t5xxl`` files; see
+    :mod:`sdlite.weights.sd3`).
     """
     if prediction_type is not None and prediction_type not in PREDICTION_TYPES:
         raise ConfigError(f"prediction type {prediction_type!r} is not valid: expected one of "
@@ -294,12 +312,18 @@ def open_model(path: str | os.PathLike, prediction_type: str | None = None, use_
     if not path.exists():
         raise CheckpointError("no such file or folder", path)
     try:
-        ckpt = _open_diffusers_folder(path) if path.is_dir() else _open_single_file(path, use_ema=use_ema)
+        if text_encoders and path.is_dir():
+            raise CheckpointError("separate text-encoder files go with a single-file model; a diffusers folder "
+                                  "holds its own", path)
+        ckpt = _open_diffusers_folder(path) if path.is_dir() else \
+            _open_single_file(path, use_ema=use_ema, text_encoders=text_encoders)
     except CheckpointError as e:
         if e.path is None:  # errors from the key tables and detection know keys, not files
             e.path = str(path)
         raise
     if prediction_type is not None:
+        if ckpt.spec.transformer is not None:
+            raise ConfigError(f"prediction type {prediction_type!r}: an SD3 model is flow matching, always")
         _set_prediction(ckpt, prediction_type, "given by the user")
     return ckpt
 
@@ -338,10 +362,12 @@ def _open_diffusers_folder(folder: Path) -> Checkpoint:
     cls = index.get("_class_name", "")
     if cls in SDXL_PIPELINES:
         return _open_sdxl_folder(folder, index, index_file)
+    if cls in SD3_PIPELINES:
+        return Checkpoint(**open_sd3_folder(folder, index, index_file))
     if cls and cls not in SD_PIPELINES + X4_PIPELINES:
         raise CheckpointError(f"pipeline class {cls!r} is not a pipeline sdlite runs (Stable Diffusion 1.x/2.x: "
-                              f"{', '.join(SD_PIPELINES)}; SDXL: {', '.join(SDXL_PIPELINES)}; the x4 upscaler: "
-                              f"{', '.join(X4_PIPELINES)})", index_file)
+                              f"{', '.join(SD_PIPELINES)}; SDXL: {', '.join(SDXL_PIPELINES)}; SD3: "
+                              f"{', '.join(SD3_PIPELINES)}; the x4 upscaler: {', '.join(X4_PIPELINES)})", index_file)
     where = _component_folders(folder, index, index_file)
     stores: list[TensorStore] = []
     sources: dict[str, ComponentSource] = {}
@@ -571,8 +597,14 @@ def _says_turbo(index: dict, scheduler: dict) -> bool:
 # --- single files ---------------------------------------------------------------------------------------------
 
 
-def _open_single_file(path: Path, use_ema: bool) -> Checkpoint:
+def _open_single_file(path: Path, use_ema: bool, text_encoders=()) -> Checkpoint:
     store = open_checkpoint(path)
+    if is_sd3_file(store.keys()):
+        return Checkpoint(**open_sd3_file(path, store, text_encoders))
+    if text_encoders:
+        store.close()
+        raise CheckpointError("separate text-encoder files (--text-encoder) go with SD3 models; this file is not "
+                              "one", path)
     try:
         shapes = _shapes(store)
         detection = detect(shapes, store.metadata)

@@ -86,6 +86,8 @@ def cmd_generate(args) -> int:
                       loras=tuple(parse_lora(v) for v in args.lora), lora_dir=args.lora_dir,
                       embeddings_dir=args.embeddings, controls=control_units(args),
                       refiner_switch_at=(args.refiner_switch or DEFAULT_REFINER_SWITCH) if args.refiner else None,
+                      slg_layers=_parse_layers(args.slg), slg_scale=args.slg_scale, slg_start=args.slg_start,
+                      slg_stop=args.slg_stop,
                       **{name: value for name, value in (("aesthetic_score", args.aesthetic_score),
                                                          ("negative_aesthetic_score", args.negative_aesthetic_score))
                          if value is not None})
@@ -126,7 +128,8 @@ def cmd_generate(args) -> int:
                    weight_dtype=getattr(torch, _DTYPES[args.weight_dtype]) if args.weight_dtype else None,
                    vae_tile=vae_tile, prepack=False if args.no_prepack else None,
                    winograd=False if args.no_winograd else None, compile=args.compile)
-    engine = Engine.load(opened or args.model, prediction_type=args.prediction_type, **options)
+    engine = Engine.load(opened or args.model, prediction_type=args.prediction_type,
+                         text_encoders=args.text_encoder or (), **options)
     extra_info = {}
     if args.refiner is not None:
         engine.set_refiner(Engine.load(args.refiner, **options))
@@ -167,8 +170,8 @@ def cmd_generate(args) -> int:
     mode = ""
     if used.is_img2img:
         kind = "outpainting" if used.outpaint else "inpainting" if used.is_inpaint else "img2img"
-        mode = (f", {kind} strength {used.strength:g} ({used.steps - img2img_start(used.steps, used.strength)} "
-                "steps run)")
+        run = used.steps - img2img_start(used.steps, used.strength, engine.schedule)
+        mode = f", {kind} strength {used.strength:g} ({run} steps run)"
     if used.hires is not None:
         big = result.images[0].size
         mode += f", hires {used.hires.upscaler} to {big[0]}x{big[1]} at denoise {used.hires.denoise:g}"
@@ -204,6 +207,19 @@ def _model_name(path: str) -> str:
     return Path(path).stem if Path(path).is_file() else Path(path).name
 
 
+def _parse_layers(text: str | None) -> tuple[int, ...]:
+    """``--slg 7,8,9``: block indices."""
+    from ..pipeline import RequestError
+
+    if not text:
+        return ()
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise RequestError(f"--slg {text!r} is not valid: expected block indices separated by commas, e.g. 7,8,9") \
+            from None
+
+
 def _resolve_turbo_defaults(args):
     """Fill the sampling options the command line left unset (None): a Turbo model's settings with --turbo or when
     the model says it is one (its scheduler config or metadata; `sdlite info` shows it), A1111's otherwise.
@@ -211,17 +227,19 @@ def _resolve_turbo_defaults(args):
     Returns the checkpoint opened (headers only) to find that out, for the load to use rather than open it again;
     None when it was not opened or could not be (the load then reports what is wrong with the model)."""
     unset = [key for key in TURBO_DEFAULTS if getattr(args, key) is None]
-    turbo, ckpt = args.turbo, None
+    turbo, ckpt, own = args.turbo, None, None
     if not turbo and unset:
+        from ..families import family_for
         from ..loader import open_model
 
         try:
-            ckpt = open_model(args.model, prediction_type=args.prediction_type)
+            ckpt = open_model(args.model, prediction_type=args.prediction_type, text_encoders=args.text_encoder or ())
             turbo = ckpt.spec.turbo
+            own = family_for(ckpt.spec).sampling_defaults   # a family's own (SD3: 28 steps of Euler, its cfg)
         except SDLiteError:
             turbo = False
     for key in unset:
-        setattr(args, key, (TURBO_DEFAULTS if turbo else PLAIN_DEFAULTS)[key])
+        setattr(args, key, (TURBO_DEFAULTS if turbo else own or PLAIN_DEFAULTS)[key])
     return ckpt
 
 
@@ -231,12 +249,24 @@ def add_parser(sub) -> None:
     g.add_argument("--model", "-m", default=None,
                    help="a diffusers folder or a .safetensors/.ckpt single file, or demo / demo-zh (default: the "
                         "shipped demo model; demo-zh, its Chinese text encoder, when the prompt has Chinese characters)")
+    g.add_argument("--text-encoder", action="append", metavar="PATH", default=None,
+                   help="a text encoder a single-file SD3 model lacks (repeatable): ComfyUI's clip_l.safetensors, "
+                        "clip_g.safetensors, t5xxl_fp16.safetensors or t5xxl_fp8_e4m3fn.safetensors; found beside "
+                        "the model (its folder, text_encoders/, ComfyUI's models/text_encoders) when not given")
     g.add_argument("--negative", "-n", default="", help="negative prompt")
-    g.add_argument("--steps", type=int, default=None, help="default 20 (Turbo models: 1)")
+    g.add_argument("--slg", default=None, metavar="LAYERS",
+                   help="skip-layer guidance (SD3.5): the transformer blocks an extra pass skips, e.g. 7,8,9 (SD3.5 "
+                        "Medium's recommendation); needs --cfg above 1")
+    g.add_argument("--slg-scale", type=float, default=2.8, help="skip-layer guidance scale (default 2.8)")
+    g.add_argument("--slg-start", type=float, default=0.01, help="fraction of the steps where it starts (0.01)")
+    g.add_argument("--slg-stop", type=float, default=0.2, help="fraction of the steps where it stops (0.2)")
+    g.add_argument("--steps", type=int, default=None, help="default 20 (Turbo models: 1; SD3: 28, SD3.5 Medium 40)")
     g.add_argument("--cfg", type=float, default=None,
-                   help="classifier-free guidance scale (1 = off; default 7.5, Turbo models 1)")
+                   help="classifier-free guidance scale (1 = off; default 7.5, Turbo models 1, SD3 7, SD3.5 Large 3.5, "
+                        "SD3.5 Medium 4.5)")
     g.add_argument("--sampler", default=None,
-                   help="see `sdlite samplers`; A1111 names work too (default: DPM++ 2M Karras; Turbo models: Euler a)")
+                   help="see `sdlite samplers`; A1111 names work too (default: DPM++ 2M Karras; Turbo models: Euler a; "
+                        "SD3: Euler, which is diffusers' FlowMatchEulerDiscreteScheduler)")
     g.add_argument("--schedule", default=None,
                    help="sigma schedule: discrete, karras or exponential (default: what the sampler name implies)")
     g.add_argument("--timestep-spacing", default=None,

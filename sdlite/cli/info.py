@@ -19,12 +19,14 @@ def cmd_info(args) -> int:
         if args.path is None:
             return 0
         print()
-    with open_model(resolve_model(args.path), prediction_type=args.prediction_type) as ckpt:
+    with open_model(resolve_model(args.path), prediction_type=args.prediction_type,
+                    text_encoders=args.text_encoder or ()) as ckpt:
         if ckpt.prediction_source == "unresolved":
             resolve_prediction_type(ckpt)
         spec = ckpt.spec
         layout = "diffusers folder" if ckpt.layout == "diffusers" else \
-            f"original single file ({ckpt._stores[0].container})"
+            f"original single file ({ckpt._stores[0].container})" + \
+            (f" with {len(ckpt._stores) - 1} text-encoder file(s)" if len(ckpt._stores) > 1 else "")
         print(f"path:        {ckpt.path}")
         print(f"layout:      {layout}")
         print(f"family:      {spec.family} ({family_name(spec)})")
@@ -66,6 +68,8 @@ def add_parser(sub) -> None:
                    help="a diffusers folder or a .safetensors/.ckpt single file (default: the shipped demo model)")
     p.add_argument("--prediction-type", choices=["epsilon", "v_prediction"], default=None,
                    help="override what the checkpoint says (SD 2.x single files)")
+    p.add_argument("--text-encoder", action="append", metavar="PATH", default=None,
+                   help="a text encoder a single-file SD3 model lacks (repeatable; see `sdlite generate --help`)")
     p.add_argument("--system", action="store_true",
                    help="describe this machine instead (CPU, ISA flags and caps, torch, and the engine's choices: "
                         "prepacking, int8 activation range, quantize modes); with a PATH, the checkpoint too")

@@ -715,6 +715,11 @@ class ModelSpec:
         return self.text if self.text is not None else self.text2
 
 
+# the SD3 releases by transformer (sdlite.weights.sd3.sd3_family): SD3 Medium, SD3.5 Medium (MMDiT-X), SD3.5 Large
+# (and Large Turbo)
+SD3_FAMILIES = ("sd3", "sd3.5-medium", "sd3.5-large")
+
+
 # --- request limits (sdlite.pipeline.request checks them; every front-end and the x4 upscaler hold to them) -------
 
 MAX_SEED = 2**32 - 1

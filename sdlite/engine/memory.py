@@ -27,6 +27,8 @@ from ..loader import TEXT_ENCODERS, Checkpoint, StableDiffusion
 from ..models.bert import BertEmbeddings, BertLayer
 from ..models.clip import Embeddings, EncoderLayer
 from ..models.layers import Downsample, ResnetBlock, Upsample
+from ..models.mmdit import JointBlock
+from ..models.t5 import T5LayerFF
 from ..models.unet import TransformerBlock
 from .cpu import default_prepack
 from .packing import load_prepacked, prepack_available, prepack_model, release_packed
@@ -41,8 +43,10 @@ MEMORY_MODES = {
 # modules whose forward uses their weights only through calls of their own children or themselves. A spatial
 # transformer is streamed one transformer block at a time (its norm and projections are units of their own): SDXL's
 # deepest ones hold 10 blocks, 1.4 GB in fp32, where one block is 139 MB
+# SD3's transformer one joint block at a time, T5 one feed-forward at a time (its attention's Linears are units of their
+# own: block 0's relative-position table is read before that block runs)
 _UNIT_TYPES = (ResnetBlock, TransformerBlock, Downsample, Upsample, Embeddings, EncoderLayer, BertEmbeddings,
-               BertLayer)
+               BertLayer, JointBlock, T5LayerFF)
 
 
 class MemoryModeError(SDLiteError, ValueError):

@@ -192,6 +192,9 @@ class Family:
     def check_request(self, r) -> None:
         """Refuse a validated request this model cannot run: a UNet whose input channels are neither the latent's
         nor an inpainting model's, an inpainting model asked for image to image without a mask."""
+        if r.slg_layers:
+            raise RequestError(f"skip-layer guidance skips blocks of SD3.5's transformer; this model "
+                               f"({self.spec.family}) has none to skip")
         unet_in, channels = self.spec.unet.in_channels, self.latent.channels
         if self.inpainting and unet_in != 2 * channels + 1:
             raise RequestError(f"this UNet takes {unet_in} input channels: sdlite runs {channels} (text to image, "
@@ -199,6 +202,12 @@ class Family:
         if self.inpainting and r.is_img2img and not r.is_inpaint:
             raise RequestError(f"{self.spec.family} is an inpainting model: image to image needs a mask "
                                "(--mask, --mask-from-alpha or --outpaint); without one it would repaint everything")
+
+    @property
+    def sampling_defaults(self) -> dict | None:
+        """The steps, cfg, sampler and timestep spacing a front-end gives a request that leaves them unset, where
+        this family has settings of its own (None: the front-end's, A1111's)."""
+        return None
 
     def info_lines(self) -> list[str]:
         """Lines ``sdlite info`` adds for this family (after the native size)."""

@@ -14,6 +14,9 @@ FAMILY_NAMES = {
     "sdxl": "Stable Diffusion XL",
     "sdxl-refiner": "Stable Diffusion XL refiner",
     "sd-x4-upscaler": "Stable Diffusion x4 upscaler",
+    "sd3": "Stable Diffusion 3 (Medium)",
+    "sd3.5-medium": "Stable Diffusion 3.5 Medium (MMDiT-X)",
+    "sd3.5-large": "Stable Diffusion 3.5 Large (or Large Turbo)",
 }
 
 
@@ -40,6 +43,18 @@ def describe_component(name: str, spec) -> str:
                 1280: "OpenCLIP ViT-bigG text tower"}.get(t.width, "CLIP text tower")
         extra = family_for(spec).text_encoder_note(name)
         return f"{kind}: {t.layers} layers, width {t.width}, {t.heads} heads, {t.activation}{extra}"
+    if name == "text_encoder_3":
+        t = spec.text3
+        return (f"T5 encoder (v1.1): {t.num_layers} layers, width {t.d_model}, {t.num_heads} heads, feed-forward "
+                f"{t.d_ff} {t.feed_forward_proj}{family_for(spec).text_encoder_note(name)}")
+    if name == "transformer":
+        t = spec.transformer
+        return (f"MMDiT: {t.num_layers} joint blocks, width {t.hidden} ({t.num_attention_heads} heads of "
+                f"{t.attention_head_dim}), patch {t.patch_size}, {t.in_channels} latent channels, text context "
+                f"{t.joint_attention_dim}, pooled {t.pooled_projection_dim}, positions up to "
+                f"{t.pos_embed_max_size * t.patch_size} latent pixels a side"
+                + (", qk RMS norm" if t.qk_norm else "")
+                + (f", dual attention in {len(t.dual_attention_layers)} blocks" if t.dual_attention_layers else ""))
     if name == "unet":
         u = spec.unet
         depth = u.transformer_depth
@@ -52,10 +67,16 @@ def describe_component(name: str, spec) -> str:
                    if u.addition_embed == "text_time" and spec.text2 is not None else ""))
     v = spec.vae
     return f"AutoencoderKL: widths {list(v.block_channels)}, {v.latent_channels} latent channels, " \
-           f"{v.downscale}x downsampling, scaling factor {v.scaling_factor}"
+           f"{v.downscale}x downsampling, scaling factor {v.scaling_factor}" + \
+           (f", shift {v.shift_factor}" if v.shift_factor else "")
 
 
 def describe_schedule(cfg: dict) -> str:
+    if cfg.get("_class_name", "").startswith("FlowMatch") or "shift" in cfg:
+        dynamic = cfg.get("use_dynamic_shifting")
+        return (f"flow matching over {cfg.get('num_train_timesteps', 1000)} steps, "
+                + ("shift from the image size (mu)" if dynamic else f"shift {cfg.get('shift', 1.0)}")
+                + (f" ({cfg['_class_name']})" if cfg.get("_class_name") else ""))
     spacing = cfg.get("timestep_spacing") or "each sampler's default"
     betas = cfg.get("beta_schedule", "linear") if cfg.get("trained_betas") is None else "trained"
     return (f"{betas} betas {cfg.get('beta_start', 0.0001)}..{cfg.get('beta_end', 0.02)} over "

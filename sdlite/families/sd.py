@@ -23,7 +23,7 @@ class SDFamily(Family):
 
     @classmethod
     def takes(cls, spec) -> bool:
-        return spec.text is not None and spec.unet.addition_embed is None
+        return spec.text is not None and spec.unet is not None and spec.unet.addition_embed is None
 
     def encode_texts(self, model, texts: list[str], clip_skip: int, embeddings,
                      warnings: list[str] | None = None) -> tuple[list[torch.Tensor], None]:

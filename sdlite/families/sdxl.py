@@ -30,7 +30,7 @@ class SDXLFamily(Family):
 
     @classmethod
     def takes(cls, spec) -> bool:
-        return spec.unet.addition_embed == "text_time"
+        return spec.unet is not None and spec.unet.addition_embed == "text_time"
 
     def info_lines(self) -> list[str]:
         zeros = "zeros when no negative prompt is given" if self.spec.force_zeros_for_empty_prompt else \

@@ -285,6 +285,11 @@ class MMDiT(nn.Module):
         self.norm_out = AdaNorm(dim, 2)
         self.proj_out = nn.Linear(dim, cfg.patch_size ** 2 * cfg.out_channels)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (that of its weights)."""
+        return self.proj_out.weight.dtype
+
     def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, pooled_projections: torch.Tensor,
                 skip_layers: Iterable[int] | None = None) -> torch.Tensor:
         """x (B, in_channels, H, W) latent; t (B,) timesteps (sigma x 1000; a single value serves the batch);

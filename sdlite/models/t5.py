@@ -112,10 +112,12 @@ class T5Attention(nn.Module):
         if has_relative_bias:
             self.relative_attention_bias = Embedding(self.num_buckets, cfg.num_heads)
 
-    def position_bias(self, n: int) -> torch.Tensor:
-        """(1, heads, N, N) bias of every query-key pair, in the table's dtype."""
+    def position_bias(self, n: int, device: torch.device | None = None) -> torch.Tensor:
+        """(1, heads, N, N) bias of every query-key pair, in the table's dtype, on ``device`` (None: the table's;
+        give it where the table's weights are streamed, placeholders until the table runs)."""
         table = self.relative_attention_bias
-        buckets = relative_position_buckets(n, n, self.num_buckets, self.max_distance, table.weight.device)
+        device = table.weight.device if device is None else device
+        buckets = relative_position_buckets(n, n, self.num_buckets, self.max_distance, device)
         return table(buckets).permute(2, 0, 1).unsqueeze(0).contiguous()  # (N, N, h) -> (1, h, N, N)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -224,15 +226,18 @@ class T5Encoder(nn.Module):
         if ids.ndim != 2:
             raise ValueError(f"T5 encoder: expected token ids of shape (batch, tokens), got {tuple(ids.shape)}")
         b, n = ids.shape
-        # moved here, not by the caller: where weights are streamed, they reach their device only when this runs
-        ids = ids.to(self.shared.weight.device)
+        # moved here, not by the caller; where weights are streamed they are placeholders (meta) until a block runs,
+        # and the ids stay where the caller has them
+        if self.shared.weight.device.type != "meta":
+            ids = ids.to(self.shared.weight.device)
         if n:
             low, high = int(ids.min()), int(ids.max())
             if low < 0 or high >= self.config.vocab_size:
                 raise ValueError(f"T5 encoder: token id {low if low < 0 else high} is outside its vocabulary of "
                                  f"{self.config.vocab_size}")
         x = self.shared(ids)                                              # (B, N, d_model)
-        bias = self.encoder.block[0].layer[0].SelfAttention.position_bias(n)  # (1, h, N, N), shared by all blocks
+        attention = self.encoder.block[0].layer[0].SelfAttention
+        bias = attention.position_bias(n, x.device)                     # (1, h, N, N), shared by all blocks
         if attention_mask is not None:
             if tuple(attention_mask.shape) != (b, n):
                 raise ValueError(f"T5 encoder: attention_mask of shape {tuple(attention_mask.shape)} does not match "

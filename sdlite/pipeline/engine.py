@@ -74,7 +74,7 @@ class Engine(LoadedModel):
              weight_dtype: torch.dtype | None = None, quantize: str = "none",
              vae_tile: int | None = None, prepack: bool | None = None,
              winograd: bool | None = None, precision: str | None = None,
-             compile: bool = False) -> "Engine":
+             compile: bool = False, text_encoders=()) -> "Engine":
         """Open ``path`` (or take an already opened :class:`~sdlite.loader.Checkpoint`) and prepare it in
         ``memory_mode`` (see :data:`~sdlite.engine.memory.MEMORY_MODES`).
 
@@ -92,7 +92,8 @@ class Engine(LoadedModel):
         ``winograd`` whether the UNet's and VAE's large-map 3x3 convolutions run by Winograd's F(2x2, 3x3)
         (:mod:`sdlite.engine.winograd`; None: wherever the compute is fp32 on a CPU); ``compile`` whether the UNet
         runs through ``torch.compile`` (:mod:`sdlite.engine.compile`: per input shape, cached on disk; eager, with one
-        line on stderr saying why, where it does not apply).
+        line on stderr saying why, where it does not apply); ``text_encoders`` the files of the text encoders a
+        single-file SD3 model lacks (:func:`sdlite.loader.open_model`).
         """
         check_memory_mode(memory_mode)
         device = check_device(device)
@@ -100,7 +101,8 @@ class Engine(LoadedModel):
         if device.type == "cpu":
             tune_heap()   # activations stay in the heap from step to step (engine.memory.tune_heap)
         # a Checkpoint already opened (headers read) by the caller is used as it is
-        ckpt = path if isinstance(path, Checkpoint) else open_model(path, prediction_type=prediction_type)
+        ckpt = path if isinstance(path, Checkpoint) else open_model(path, prediction_type=prediction_type,
+                                                                    text_encoders=text_encoders)
         plan = whole_unet(choose_precision(precision, dtype, quantize, device, spec=ckpt.spec),
                           streams=memory_mode == 0 or weight_dtype is not None)
         dtype, quantize = plan.dtype, plan.quantize

@@ -64,6 +64,13 @@ class Request:
     hires: object = None
     # ControlNet units (:class:`sdlite.control.ControlUnit`), applied in order, their residuals summed
     controls: tuple = ()
+    # skip-layer guidance (SD3.5; diffusers' skip_guidance_layers): the transformer blocks skipped in an extra pass of
+    # the prompt, whose difference from the full pass is added times slg_scale, in the steps between slg_start and
+    # slg_stop (fractions of the steps). () = off; SD3.5 Medium's recommended layers are 7, 8, 9
+    slg_layers: tuple = ()
+    slg_scale: float = 2.8
+    slg_start: float = 0.01
+    slg_stop: float = 0.2
 
     @property
     def is_img2img(self) -> bool:
@@ -186,10 +193,27 @@ def validate(request: Request, native_size: int = 512) -> Request:
     if seed + r.batch_size - 1 > MAX_SEED:
         raise RequestError(f"seed {seed} + batch {r.batch_size} runs past the largest seed {MAX_SEED}")
     _validate_sdxl_options(r)
+    _validate_slg(r)
     hires = _validate_hires(r, width, height)
     return _validate_image_options(r).replace(width=width, height=height, sampler=sampler, schedule=schedule,
                                               seed=seed, cfg_scale=float(r.cfg_scale), hires=hires,
                                               controls=_validate_controls(r))
+
+
+def _validate_slg(r: Request) -> None:
+    """Skip-layer guidance's options (which blocks a model has is the family's to check)."""
+    layers = r.slg_layers
+    if not isinstance(layers, (tuple, list)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                        for i in layers):
+        raise RequestError(f"skip-layer guidance layers {layers!r} are not valid: expected block indices (0 or more), "
+                           "e.g. 7,8,9")
+    if not isinstance(r.slg_scale, (int, float)) or not 0.0 <= float(r.slg_scale) <= 10.0:
+        raise RequestError(f"skip-layer guidance scale {r.slg_scale!r} is not valid: expected 0 to 10 (2.8 is "
+                           "diffusers' default)")
+    start, stop = r.slg_start, r.slg_stop
+    if not all(isinstance(v, (int, float)) for v in (start, stop)) or not 0.0 <= start < stop <= 1.0:
+        raise RequestError(f"skip-layer guidance start {start!r} and stop {stop!r} are not valid: expected fractions "
+                           "of the steps with 0 <= start < stop <= 1")
 
 
 def _validate_controls(r: Request) -> tuple:

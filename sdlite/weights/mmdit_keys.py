@@ -240,14 +240,15 @@ def canonical_shapes(shapes: Shapes) -> dict[str, tuple[int, ...]]:
     return mmdit_plan(shapes).shapes(shapes)
 
 
-def infer_mmdit_config(shapes: Shapes, sample_size: int = 128, head_dim: int = MMDIT_HEAD_DIM) -> MMDiTConfig:
+def infer_mmdit_config(shapes: Shapes, sample_size: int = 128, head_dim: int | None = None) -> MMDiTConfig:
     """The :class:`MMDiTConfig` that MMDiT weights of either layout show (shapes or tensors, by name).
 
     Blocks: the ``joint_blocks`` / ``transformer_blocks`` count; width, input channels and patch size: the patch
     convolution; heads: width / 64; positional grid: the side of ``pos_embed``'s token count; text and pooled widths:
     ``context_embedder`` and the pooled-text MLP; output channels: the final Linear over the patch area; qk norm:
     ``ln_q`` / ``norm_q`` present; dual attention: the blocks with ``attn2``. ``sample_size`` leaves no trace in the
-    shapes (every release: 128), nor does ``head_dim`` (every release: 64)."""
+    shapes (every release: 128); ``head_dim`` (None: from the shapes) is the qk norms' width where they exist (SD3.5),
+    else 64 (every release)."""
     s = canonical_shapes(shapes)
     what = "SD3 MMDiT"
     proj = need_shape(s, "pos_embed.proj.weight", what)
@@ -279,6 +280,9 @@ def infer_mmdit_config(shapes: Shapes, sample_size: int = 128, head_dim: int = M
     if biased:
         raise UnsupportedModelError(f"{what}: the qk norms have a bias ({biased[0]!r}): a LayerNorm, where sdlite "
                                     "implements SD3.5's RMSNorm")
+    if head_dim is None:
+        norm = next((k for k in sorted(norms) if k.endswith(".weight")), None)
+        head_dim = s[norm][0] if norm is not None else MMDIT_HEAD_DIM
     if hidden % head_dim:
         raise UnsupportedModelError(f"{what}: width {hidden} is not a multiple of the {head_dim}-wide heads")
     try:

@@ -1,0 +1,201 @@
+"""SD3 end to end against diffusers' StableDiffusion3Pipeline (and its img2img pipeline) on tiny random models saved
+as diffusers folders: the three text encoders (CLIP-L and bigG at their penultimate layers with their pooled
+projections, T5 over 256 tokens, the joint context), the MMDiT-X transformer (dual attention, qk RMS norm), flow
+matching with the scheduler's shift, the 16-channel VAE's shift and scale; with and without T5 and a negative prompt,
+batch 2; and what the family refuses."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import sdlite
+from sdlite.config import TextEncoderConfig, VAEConfig
+from sdlite.loader import open_model
+from sdlite.control import ControlUnit
+from sdlite.errors import SDLiteError
+from sdlite.pipeline import Engine, Request, RequestError
+from tests.reference import diffusers_vae, seed_all, write_hf_tokenizer_files
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MAX_PIXEL_DIFF = 2   # /255, the issue's bar
+SIZE = 64            # 8x8 latents, 16 image tokens
+T5_JSON = Path(sdlite.__file__).parent / "data" / "t5" / "tokenizer.json"
+
+TEXT_L = TextEncoderConfig(width=32, layers=3, heads=4, mlp_width=37, projection_dim=32)
+TEXT_G = TextEncoderConfig(width=40, layers=3, heads=4, mlp_width=64, activation="gelu", pad_token_id=0,
+                           eos_token_id=2, projection_dim=24)
+T5_WIDTH = 80
+TRANSFORMER = dict(sample_size=SIZE // 8, patch_size=2, in_channels=16, out_channels=16, num_layers=3,
+                   attention_head_dim=8, num_attention_heads=4, joint_attention_dim=T5_WIDTH,
+                   caption_projection_dim=32, pooled_projection_dim=32 + 24, pos_embed_max_size=16,
+                   qk_norm="rms_norm", dual_attention_layers=(0,))
+VAE = VAEConfig(latent_channels=16, block_channels=(32, 64, 64, 64), layers_per_block=1, scaling_factor=1.5305,
+                shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False, sample_size=SIZE)
+PROMPT, NEGATIVE = "a red circle on a blue background", "green, blurry"
+
+
+def _clip(cfg: TextEncoderConfig, seed: int):
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    d = cfg.to_diffusers()
+    for k in ("architectures", "model_type", "torch_dtype"):
+        d.pop(k)
+    return seed_all(CLIPTextModelWithProjection(CLIPTextConfig(**d, attn_implementation="eager")).eval(), seed,
+                    scale=0.2)
+
+
+def _t5(seed: int, width: int = T5_WIDTH):
+    from transformers import T5Config, T5EncoderModel
+
+    cfg = T5Config(vocab_size=32128, d_model=width, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                   relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                   feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False)
+    model = T5EncoderModel(cfg).eval()
+    return seed_all(model, seed, scale=0.2)
+
+
+def _transformer(seed: int, **changes):
+    from diffusers import SD3Transformer2DModel
+
+    model = SD3Transformer2DModel(**{**TRANSFORMER, **changes}).eval()
+    seed_all(model, seed, scale=0.15)
+    return model
+
+
+def _pipeline(tmp: Path, with_t5: bool = True, text_l: TextEncoderConfig = TEXT_L, text_g: TextEncoderConfig = TEXT_G,
+              t5_width: int = T5_WIDTH):
+    """A tiny StableDiffusion3Pipeline (without T5: ``with_t5=False``); its CLIP towers and T5 width may be others
+    than this module's (a single file's tests need CLIP heads 64 wide, which the shapes imply)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+    from transformers import CLIPTokenizer, T5TokenizerFast
+
+    vae = seed_all(diffusers_vae(VAE), 1, scale=0.05)
+    with torch.no_grad():   # contrast enough that 2/255 means something (tests.reference.with_contrast)
+        vae.decoder.conv_out.weight.mul_(30.0)
+    pipe = StableDiffusion3Pipeline(
+        transformer=_transformer(4, joint_attention_dim=t5_width,
+                                 pooled_projection_dim=text_l.projection_dim + text_g.projection_dim),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
+        text_encoder=_clip(text_l, 2), tokenizer=CLIPTokenizer.from_pretrained(str(write_hf_tokenizer_files(tmp / "l"))),
+        text_encoder_2=_clip(text_g, 3),
+        tokenizer_2=CLIPTokenizer.from_pretrained(str(write_hf_tokenizer_files(tmp / "g", pad_token="!"))),
+        text_encoder_3=_t5(5, t5_width) if with_t5 else None,
+        tokenizer_3=T5TokenizerFast(tokenizer_file=str(T5_JSON)) if with_t5 else None)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sd3")
+    pipe, bare = _pipeline(tmp), _pipeline(tmp, with_t5=False)
+    pipe.save_pretrained(tmp / "sd3")
+    bare.save_pretrained(tmp / "sd3-no-t5")
+    return (pipe, Engine.load(tmp / "sd3", precision="exact"), bare, Engine.load(tmp / "sd3-no-t5", precision="exact"),
+            tmp)
+
+
+def _pixels(images) -> np.ndarray:
+    return np.stack([np.asarray(im, dtype=np.int16) for im in images])
+
+
+def _reference(pipe, **kw) -> np.ndarray:
+    out = pipe(height=SIZE, width=SIZE, output_type="np", **kw).images
+    return np.round(np.clip(out, 0, 1) * 255).astype(np.int16)
+
+
+def test_folder_opens_as_sd35_medium(models):
+    _, engine, _, bare, tmp = models
+    spec = engine.spec
+    assert spec.family == "sd3.5-medium" and spec.denoiser == "transformer" and spec.unet is None
+    assert spec.text_encoders == ("text_encoder", "text_encoder_2", "text_encoder_3")
+    assert spec.text.pad_token_id == 49407 and spec.text2.pad_token_id == 0   # <|endoftext|> and "!"
+    assert spec.vae.shift_factor == pytest.approx(0.0609) and spec.vae.scaling_factor == pytest.approx(1.5305)
+    assert spec.default_size == SIZE and engine.family.prediction_type == "flow"
+    assert bare.spec.text3 is None and bare.spec.text_encoders == ("text_encoder", "text_encoder_2")
+    ckpt = open_model(tmp / "sd3")
+    assert set(ckpt.sources) == {"text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae"}
+    assert not ckpt.problems()
+
+
+@pytest.mark.parametrize("negative", ["", NEGATIVE], ids=["empty-negative", "negative"])
+def test_text_to_image_matches_diffusers(models, negative):
+    pipe, engine, _, _, _ = models
+    expected = _reference(pipe, prompt=PROMPT, negative_prompt=negative, num_inference_steps=4, guidance_scale=5.0,
+                          num_images_per_prompt=2, generator=[torch.Generator().manual_seed(s) for s in (7, 8)])
+    got = engine.generate(Request(prompt=PROMPT, negative_prompt=negative, steps=4, cfg_scale=5.0, sampler="euler",
+                                  seed=7, batch_size=2))
+    diff = np.abs(_pixels(got.images) - expected).max()
+    assert diff <= MAX_PIXEL_DIFF, f"{diff}/255"
+    assert expected.std() > 20   # contrast enough for the bar to mean something
+
+
+def test_without_t5_matches_diffusers_and_warns(models):
+    _, _, bare_pipe, bare, _ = models
+    expected = _reference(bare_pipe, prompt=PROMPT, negative_prompt=NEGATIVE, num_inference_steps=3,
+                          guidance_scale=4.0, generator=torch.Generator().manual_seed(3))
+    got = bare.generate(Request(prompt=PROMPT, negative_prompt=NEGATIVE, steps=3, cfg_scale=4.0, sampler="euler",
+                                seed=3))
+    assert np.abs(_pixels(got.images) - expected).max() <= MAX_PIXEL_DIFF
+    assert any("without T5" in w for w in got.warnings), got.warnings
+
+
+def test_the_shift_of_the_scheduler_is_followed(models, tmp_path):
+    """A folder whose scheduler says shift 1.0 samples other noise levels than the default 3.0, as diffusers does."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    pipe, engine, _, _, tmp = models
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0)
+    try:
+        pipe.save_pretrained(tmp_path / "shift1")
+        expected = _reference(pipe, prompt=PROMPT, num_inference_steps=3, guidance_scale=1.0,
+                              generator=torch.Generator().manual_seed(1))
+    finally:
+        pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    other = Engine.load(tmp_path / "shift1", precision="exact")
+    got = other.generate(Request(prompt=PROMPT, steps=3, cfg_scale=1.0, sampler="euler", seed=1))
+    default = engine.generate(Request(prompt=PROMPT, steps=3, cfg_scale=1.0, sampler="euler", seed=1))
+    assert np.abs(_pixels(got.images) - expected).max() <= MAX_PIXEL_DIFF
+    assert np.abs(_pixels(default.images) - expected).max() > MAX_PIXEL_DIFF   # the shift matters
+
+
+def test_image_to_image_matches_diffusers(models):
+    from diffusers import StableDiffusion3Img2ImgPipeline
+    from PIL import Image
+
+    pipe, engine, _, _, _ = models
+    img2img = StableDiffusion3Img2ImgPipeline(**pipe.components)
+    img2img.set_progress_bar_config(disable=True)
+    rng = np.random.default_rng(0)
+    source = Image.fromarray(rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8))
+    out = img2img(prompt=PROMPT, negative_prompt=NEGATIVE, image=source, strength=0.6, num_inference_steps=5,
+                  guidance_scale=4.0, generator=torch.Generator().manual_seed(9), output_type="np").images
+    expected = np.round(np.clip(out, 0, 1) * 255).astype(np.int16)
+    got = engine.generate(Request(prompt=PROMPT, negative_prompt=NEGATIVE, init_image=source, strength=0.6, steps=5,
+                                  cfg_scale=4.0, sampler="euler", seed=9))
+    assert np.abs(_pixels(got.images) - expected).max() <= MAX_PIXEL_DIFF
+
+
+def test_low_memory_mode_gives_the_same_images(models):
+    """Memory mode 0 streams the transformer (block by block) and T5 from the files: the same images as mode 1."""
+    _, engine, _, _, tmp = models
+    low = Engine.load(tmp / "sd3", precision="exact", memory_mode=0)
+    r = Request(prompt=PROMPT, negative_prompt=NEGATIVE, steps=2, cfg_scale=4.0, sampler="euler", seed=5)
+    assert np.array_equal(_pixels(low.generate(r).images), _pixels(engine.generate(r).images))
+    assert low.models.resident() == ["transformer"] or low.models.resident() == []
+
+
+def test_what_sd3_refuses(models):
+    _, engine, _, _, _ = models
+    with pytest.raises(SDLiteError, match="'ddim' does not run on a flow-matching model.*euler"):
+        engine.generate(Request(prompt=PROMPT, steps=2, sampler="ddim", seed=1))
+    with pytest.raises(RequestError, match="ControlNet for SD3"):
+        engine.generate(Request(prompt=PROMPT, steps=2, sampler="euler", seed=1,
+                                controls=(ControlUnit(image=Image.new("RGB", (SIZE, SIZE)), model="any"),)))
+    with pytest.raises(SDLiteError, match="flow matching"):
+        open_model(engine.models.ckpt.path, prediction_type="epsilon")
