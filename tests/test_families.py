@@ -13,29 +13,33 @@ import torch
 
 from sdlite import config
 from sdlite.errors import RequestError
-from sdlite.families import FAMILIES, SDFamily, SDXLFamily, X4Family, family_for
+from sdlite.config import sd3 as sd3_config
+from sdlite.families import FAMILIES, SD3Family, SDFamily, SDXLFamily, X4Family, family_for
 from sdlite.families.base import CHEAP_RGB, CHEAP_RGB_SDXL, approximate_images
+from sdlite.families.sd3 import CHEAP_RGB_SD3
 from sdlite.pipeline import Request
 
 PRESETS = {
     "SD15": SDFamily, "SD15_INPAINT": SDFamily, "SD21_BASE": SDFamily, "SD21_V": SDFamily, "SD2_INPAINT": SDFamily,
     "DEMO": SDFamily, "TAIYI": SDFamily, "SD_TURBO": SDFamily, "SDXL_BASE": SDXLFamily, "SDXL_REFINER": SDXLFamily,
     "SDXL_TURBO": SDXLFamily, "SD_X4_UPSCALER": X4Family,
+    "SD3_MEDIUM_MODEL": SD3Family, "SD35_MEDIUM_MODEL": SD3Family, "SD35_LARGE_MODEL": SD3Family,
 }
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_finds_its_family_and_its_answers(name):
-    spec = getattr(config, name)
+    spec = getattr(config, name, None) or getattr(sd3_config, name)
     family = family_for(spec)
     assert type(family) is PRESETS[name]
     assert [f for f in FAMILIES if f.takes(spec)][0] is PRESETS[name]
     latent = family.latent
     assert (latent.channels, latent.downscale, latent.scaling_factor) == \
         (spec.vae.latent_channels, spec.vae.downscale, spec.vae.scaling_factor)
-    assert family.prediction_type == spec.prediction_type and family.default_size == spec.default_size
-    assert family.scheduler_config == spec.scheduler
-    assert latent.preview_rgb == (CHEAP_RGB_SDXL if PRESETS[name] is SDXLFamily else CHEAP_RGB)
+    assert latent.shift_factor == spec.vae.shift_factor
+    assert family.prediction_type == ("flow" if PRESETS[name] is SD3Family else spec.prediction_type)
+    assert family.default_size == spec.default_size and family.scheduler_config == spec.scheduler
+    assert latent.preview_rgb == {SDXLFamily: CHEAP_RGB_SDXL, SD3Family: CHEAP_RGB_SD3}.get(PRESETS[name], CHEAP_RGB)
     assert family.inpainting == (name in ("SD15_INPAINT", "SD2_INPAINT"))
 
 
@@ -57,6 +61,13 @@ def test_what_the_families_refuse():
     odd = family_for(config.SD15.replace(unet=dataclasses.replace(config.SD15.unet, in_channels=5)))
     with pytest.raises(RequestError, match="this UNet takes 5 input channels"):
         odd.check_request(Request("a cat"))
+    for spec in (config.SD15, config.SDXL_BASE, config.SD_X4_UPSCALER):   # no transformer blocks to skip
+        with pytest.raises(RequestError, match="skip-layer guidance skips blocks of SD3.5's transformer"):
+            family_for(spec).check_request(Request("a cat", slg_layers=(7,)))
+    sd35 = family_for(sd3_config.SD35_MEDIUM_MODEL)
+    sd35.check_request(Request("a cat", slg_layers=(7, 8, 9)))
+    with pytest.raises(RequestError, match=r"layers \[24\] are not blocks of this transformer \(0..23\)"):
+        sd35.check_request(Request("a cat", slg_layers=(24,)))
 
 
 def test_load_dtypes_follow_the_family():

@@ -181,6 +181,24 @@ def test_image_to_image_matches_diffusers(models):
     assert np.abs(_pixels(got.images) - expected).max() <= MAX_PIXEL_DIFF
 
 
+def test_skip_layer_guidance_matches_diffusers(models):
+    """SD3.5's skip-layer guidance: diffusers' skip_guidance_layers with its start/stop window over the steps."""
+    pipe, engine, _, _, _ = models
+    kw = dict(prompt=PROMPT, negative_prompt=NEGATIVE, num_inference_steps=5, guidance_scale=4.0,
+              generator=torch.Generator().manual_seed(12))
+    expected = _reference(pipe, skip_guidance_layers=[1], skip_layer_guidance_scale=2.0,
+                          skip_layer_guidance_start=0.1, skip_layer_guidance_stop=0.7, **kw)
+    plain = _reference(pipe, **kw)
+    got = engine.generate(Request(prompt=PROMPT, negative_prompt=NEGATIVE, steps=5, cfg_scale=4.0, sampler="euler",
+                                  seed=12, slg_layers=(1,), slg_scale=2.0, slg_start=0.1, slg_stop=0.7))
+    assert np.abs(_pixels(got.images) - expected).max() <= MAX_PIXEL_DIFF
+    assert np.abs(plain - expected).max() > 8   # the skipped block matters
+    with pytest.raises(RequestError, match="not blocks of this transformer"):
+        engine.generate(Request(prompt=PROMPT, steps=2, cfg_scale=4.0, seed=1, slg_layers=(3,)))
+    with pytest.raises(RequestError, match="cfg scale above 1"):
+        engine.generate(Request(prompt=PROMPT, steps=2, cfg_scale=1.0, seed=1, slg_layers=(1,)))
+
+
 def test_low_memory_mode_gives_the_same_images(models):
     """Memory mode 0 streams the transformer (block by block) and T5 from the files: the same images as mode 1."""
     _, engine, _, _, tmp = models
@@ -199,3 +217,35 @@ def test_what_sd3_refuses(models):
                                 controls=(ControlUnit(image=Image.new("RGB", (SIZE, SIZE)), model="any"),)))
     with pytest.raises(SDLiteError, match="flow matching"):
         open_model(engine.models.ckpt.path, prediction_type="epsilon")
+
+
+@pytest.mark.parametrize("name", ["sd3-medium", "sd3.5-medium", "sd3.5-large"])
+def test_full_size_networks_have_the_published_keys_and_shapes(name):
+    """Every network of a released SD3 model, built from sdlite's preset on the meta device, has the keys and shapes of
+    the diffusers / transformers class built from the published config (no weights: the meta device)."""
+    from diffusers import AutoencoderKL, SD3Transformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    from sdlite.config.sd3 import SD3_PRESETS
+    from sdlite.loader import build_network, model_components
+
+    spec = SD3_PRESETS[name]
+    assert model_components(spec) == ("text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae")
+
+    def clip(cfg):
+        d = {k: v for k, v in cfg.to_diffusers().items() if k not in ("architectures", "model_type", "torch_dtype")}
+        return CLIPTextModelWithProjection(CLIPTextConfig(**d))
+
+    vae = {k: v for k, v in spec.vae.to_diffusers().items() if k != "_class_name"}
+    transformer = {k: v for k, v in spec.transformer.to_diffusers().items() if k != "_class_name"}
+    with torch.device("meta"):
+        references = {
+            "text_encoder": clip(spec.text), "text_encoder_2": clip(spec.text2),
+            "text_encoder_3": T5EncoderModel(T5Config(**spec.text3.to_transformers())),
+            "transformer": SD3Transformer2DModel(**transformer), "vae": AutoencoderKL(**vae),
+        }
+        for component, reference in references.items():
+            ours = {k: tuple(v.shape) for k, v in build_network(component, spec).state_dict().items()}
+            theirs = {k: tuple(v.shape) for k, v in reference.state_dict().items()
+                      if not k.endswith("position_ids") and k != "encoder.embed_tokens.weight"}
+            assert ours == theirs, component

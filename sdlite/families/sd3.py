@@ -76,6 +76,8 @@ class SD3Family(Family):
 
     def check_request(self, r) -> None:
         blocks = self.spec.transformer.num_layers
+        if r.slg_layers and r.cfg_scale <= 1.0:
+            raise RequestError("skip-layer guidance works beside classifier-free guidance: give a cfg scale above 1")
         outside = [i for i in r.slg_layers if i >= blocks]
         if outside:
             raise RequestError(f"skip-layer guidance layers {outside} are not blocks of this transformer (0.."

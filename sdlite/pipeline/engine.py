@@ -274,7 +274,7 @@ class Engine(LoadedModel):
 
                     model = controlled = ControlledUNet(unet, controls, use_cfg, r.steps - start, st.start - start)
                 guided = CFGDenoiser(engine.family.denoiser(model, engine.schedule, unet.dtype),
-                                     r.cfg_scale if use_cfg else 1.0)
+                                     r.cfg_scale if use_cfg else 1.0, **engine.skip_layer_guidance(r))
                 denoised = Recorded(Pieces(guided, unet_piece, r.batch_size) if unet_piece < r.batch_size
                                      else guided)
                 try:
@@ -309,6 +309,17 @@ class Engine(LoadedModel):
         return Result(images=images, seeds=seeds, request=r, latents=latents, warnings=warnings,
                       infotext={**networks.infotext(), "Precision": self.precision.label}, timings={"text": t1 - t0, "sampling": t2 - t1, "decode": t3 - t2,
                                                   "total": t3 - t0}, interrupted=interrupted)
+
+    def skip_layer_guidance(self, r: Request) -> dict:
+        """The guidance's skip-layer options for ``r`` (:class:`~sdlite.sampling.denoisers.CFGDenoiser`): the blocks,
+        the scale and the noise levels of the planned steps ``i`` with ``steps * start < i < steps * stop``, as
+        diffusers' StableDiffusion3Pipeline picks them (the family has checked that its network has the blocks)."""
+        if not r.slg_layers:
+            return {}
+        p = plan(r.sampler, self.schedule, r.steps, r.schedule, r.timestep_spacing)
+        active = frozenset(float(p.sigmas[i]) for i in range(r.steps)
+                           if r.steps * r.slg_start < i < r.steps * r.slg_stop)
+        return {"skip_layers": tuple(r.slg_layers), "skip_scale": float(r.slg_scale), "skip_sigmas": active}
 
     def refiner_switch_step(self, r: Request) -> int:
         """How many planned steps the base runs before the refiner takes over at ``r.refiner_switch_at``: the

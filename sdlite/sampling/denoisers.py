@@ -144,11 +144,18 @@ class CFGDenoiser:
     ``CFGDenoiser(denoiser, scale)(x, sigma, context=cond, uncond=uncond_context)`` runs both halves as one
     batch of 2B, unconditional first (the order the reference concatenates them in); with ``scale == 1`` (or
     no ``uncond``) the unconditional half is not run at all. Guidance on the denoised estimate equals guidance
-    on the UNet output, since both halves share x and sigma and the wrapper is affine in the output.
+    on the UNet output, since both halves share x and sigma and the wrapper is affine in the output (so does
+    skip-layer guidance's term, which diffusers adds to the velocity).
     """
 
     denoiser: Callable
     scale: float = 7.5
+    # skip-layer guidance (SD3.5; diffusers' skip_guidance_layers): at the noise levels in ``skip_sigmas`` the prompt
+    # runs once more with the network's blocks ``skip_layers`` skipped, and (prompt - skipped) x ``skip_scale`` is
+    # added to the guided output
+    skip_layers: tuple = ()
+    skip_scale: float = 0.0
+    skip_sigmas: frozenset = frozenset()
 
     def with_timesteps(self, sigmas: torch.Tensor, timesteps: torch.Tensor) -> "CFGDenoiser":
         inner = self.denoiser
@@ -163,6 +170,7 @@ class CFGDenoiser:
         prompt (SDXL's ``text_embeds`` and ``time_ids``), batched the same way as ``context`` / ``uncond``."""
         if uncond is None or self.scale == 1.0:
             return self.denoiser(x, sigma, context=context, **(added or {}), **extra)
+        cond_extra = {**extra, **(added or {})}   # the prompt's half alone (skip-layer guidance's extra pass)
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device)
         if sigma.ndim == 0:
             sigma = sigma.expand(x.shape[0])
@@ -175,7 +183,11 @@ class CFGDenoiser:
         out = self.denoiser(torch.cat([x, x]), torch.cat([sigma, sigma]),              # (2B, C, h, w)
                             context=torch.cat([uncond, context]), **extra)
         out_uncond, out_cond = out.chunk(2)
-        return out_uncond + self.scale * (out_cond - out_uncond)
+        guided = out_uncond + self.scale * (out_cond - out_uncond)
+        if self.skip_layers and float(sigma[0]) in self.skip_sigmas:
+            skipped = self.denoiser(x, sigma, context=context, skip_layers=self.skip_layers, **cond_extra)
+            guided = guided + (out_cond - skipped) * self.skip_scale
+        return guided
 
 
 @dataclass(frozen=True, eq=False)

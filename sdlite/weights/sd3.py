@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ..config import SD3_FAMILIES, ConfigError, ModelSpec, TextEncoderConfig, VAEConfig
 from ..config.mmdit import MMDiTConfig
+from ..config.sd3 import SD3_SCHEDULER, SD3_VAE
 from ..errors import CheckpointError
 from .convert import normalize_diffusers_keys
 from .detect import Detection
@@ -41,8 +42,6 @@ from .text_keys import clip_from_original, infer_text_encoder
 from .vae_keys import VAE_PREFIX, infer_vae, vae_from_original
 
 SD3_PIPELINES = ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline", "StableDiffusion3InpaintPipeline")
-# the published scheduler of every SD3/SD3.5 release (scheduler/scheduler_config.json)
-SD3_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0}
 _CLIP_TOWERS = (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2"))
 
 
@@ -148,8 +147,6 @@ def check_sd3_parts(transformer: MMDiTConfig, vae: VAEConfig, clip_l, clip_g, t5
 # where Stability's single files (and ComfyUI's all-in-one checkpoints) keep the text encoders
 CLIP_L_PREFIX = "text_encoders.clip_l.transformer."
 CLIP_G_PREFIX = "text_encoders.clip_g.transformer."
-# SD3's VAE (its vae/config.json): the sampler's latents are (latent - shift) * scale
-SD3_VAE_SCALING, SD3_VAE_SHIFT = 1.5305, 0.0609
 # widths that tell CLIP ViT-L from OpenCLIP bigG in a file of their own
 _CLIP_WIDTHS = {768: "text_encoder", 1280: "text_encoder_2"}
 _ENCODER_NAMES = {"text_encoder": "CLIP-L", "text_encoder_2": "CLIP-G (OpenCLIP bigG)", "text_encoder_3": "T5-XXL"}
@@ -241,7 +238,7 @@ def open_sd3_file(path: Path, store: TensorStore, text_encoders=()) -> dict:
         vplan = vae_from_original(keys)
         sources["vae"] = ComponentSource.from_plan(vplan, store, (str(path),))
         info = infer_vae(sources["vae"].shapes)
-        vae = VAEConfig(**info.config_kwargs(), scaling_factor=SD3_VAE_SCALING, shift_factor=SD3_VAE_SHIFT,
+        vae = VAEConfig(**info.config_kwargs(), scaling_factor=SD3_VAE.scaling_factor, shift_factor=SD3_VAE.shift_factor,
                         use_quant_conv="quant_conv.weight" in sources["vae"].shapes,
                         use_post_quant_conv="post_quant_conv.weight" in sources["vae"].shapes,
                         sample_size=transformer.sample_size * 2 ** (len(info.block_channels) - 1))
