@@ -208,6 +208,38 @@ def test_low_memory_mode_gives_the_same_images(models):
     assert low.models.resident() == ["transformer"] or low.models.resident() == []
 
 
+def test_inpainting_matches_diffusers(models):
+    """Inpainting with the SD3 transformer (16 input channels): the unmasked region re-imposed after each step, as
+    StableDiffusion3InpaintPipeline does. That pipeline decodes its latents without the VAE's shift factor (0.0609),
+    unlike diffusers' SD3 text-to-image and img2img pipelines; sdlite decodes every SD3 latent one way, so the final
+    latents are compared, and the image against diffusers' latents decoded as its other SD3 pipelines decode."""
+    from diffusers import StableDiffusion3InpaintPipeline
+
+    pipe, engine, _, _, _ = models
+    inpaint = StableDiffusion3InpaintPipeline(**pipe.components)
+    inpaint.set_progress_bar_config(disable=True)
+    rng = np.random.default_rng(1)
+    source = Image.fromarray(rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8))
+    mask = Image.new("L", (SIZE, SIZE), 0)
+    mask.paste(255, (16, 16, 48, 48))
+    latents = inpaint(prompt=PROMPT, negative_prompt=NEGATIVE, image=source, mask_image=mask, strength=0.8,
+                      num_inference_steps=5, guidance_scale=4.0, height=SIZE, width=SIZE,
+                      generator=torch.Generator().manual_seed(4), output_type="latent").images
+    got = engine.generate(Request(prompt=PROMPT, negative_prompt=NEGATIVE, init_image=source, mask=mask, strength=0.8,
+                                  steps=5, cfg_scale=4.0, sampler="euler", seed=4, mask_blur=0, overlay=False))
+    assert (got.latents - latents).abs().max() < 1e-4 * latents.abs().max()
+    with torch.no_grad():
+        decoded = pipe.vae.decode(latents / VAE.scaling_factor + VAE.shift_factor).sample
+    expected = np.round(np.clip(pipe.image_processor.postprocess(decoded, output_type="np"), 0, 1) * 255)
+    assert np.abs(_pixels(got.images) - expected.astype(np.int16)).max() <= MAX_PIXEL_DIFF
+    # the unmasked region is the source's (through the VAE), not what the model drew there
+    drawn = engine.generate(Request(prompt=PROMPT, negative_prompt=NEGATIVE, steps=5, cfg_scale=4.0, sampler="euler",
+                                    seed=4))
+    outside = np.ones((SIZE, SIZE), bool)
+    outside[16:48, 16:48] = False
+    assert np.abs(_pixels(got.images)[0][outside] - _pixels(drawn.images)[0][outside]).mean() > 8
+
+
 def test_what_sd3_refuses(models):
     _, engine, _, _, _ = models
     with pytest.raises(SDLiteError, match="'ddim' does not run on a flow-matching model.*euler"):
@@ -215,8 +247,17 @@ def test_what_sd3_refuses(models):
     with pytest.raises(RequestError, match="ControlNet for SD3"):
         engine.generate(Request(prompt=PROMPT, steps=2, sampler="euler", seed=1,
                                 controls=(ControlUnit(image=Image.new("RGB", (SIZE, SIZE)), model="any"),)))
+    with pytest.raises(SDLiteError, match="no int8 path yet"):
+        Engine.load(engine.models.ckpt.path, precision="int8")
+    from sdlite.engine.precision import resolve
+    assert resolve("auto", spec=engine.spec).name != "bf16-int8"   # auto never picks int8 for the transformer
     with pytest.raises(SDLiteError, match="flow matching"):
         open_model(engine.models.ckpt.path, prediction_type="epsilon")
+    with pytest.raises(RequestError, match="LoRAs for SD3 are not supported yet.*style.safetensors"):
+        engine.generate(Request(prompt=PROMPT, steps=2, seed=1, loras=(("style.safetensors", 1.0),)))
+    with pytest.raises(RequestError, match="ControlNet"):
+        engine.generate(Request(prompt=PROMPT, steps=2, seed=1, init_image=Image.new("RGB", (SIZE, SIZE)),
+                                controls=(ControlUnit(model="any"),)))
 
 
 @pytest.mark.parametrize("name", ["sd3-medium", "sd3.5-medium", "sd3.5-large"])

@@ -137,8 +137,9 @@ def auto_choice(device: str | torch.device = "cpu", cpu: CPUInfo | None = None, 
         return "exact", (f"a small UNet ({spec.unet.block_channels[0]} channels at its first level, under "
                          f"{MIN_BF16_CHANNELS}): bf16's conversions cost more than its kernels save (the demo: "
                          "0.21 s a 20-step image in bf16, 0.16 s in fp32)")
+    transformer = spec is not None and spec.unet is None   # SD3: int8 layers are the UNet's only, so far
     if bf16_int8_problem(None if here else cpu) is None and not (spec is not None and spec.is_x4_upscaler) \
-            and _kernels_run(cpu, here):
+            and not transformer and _kernels_run(cpu, here):
         return "bf16-int8", (BF16_INT8_WHY)
     if cpu.native_bf16:
         flags = ", ".join(f for f in BF16_FLAGS if cpu.has(f))
@@ -214,6 +215,9 @@ def resolve(name: str = "auto", device: str | torch.device = "cpu", cpu: CPUInfo
             _check_bf16(cpu)
         return Precision("bf16", requested, bf16, bf16, fp32, channels_last=device.type == "cpu", reason=reason)
     # int8 modes: the CPU's oneDNN kernels
+    if spec is not None and spec.unet is None:
+        raise PrecisionError(f"precision {chosen!r} quantizes a UNet's layers; this model's transformer "
+                             f"({spec.family}) has no int8 path yet: use bf16 or exact")
     if device.type != "cpu":
         raise PrecisionError(f"precision {chosen!r} runs on oneDNN's CPU kernels; on {device.type} use fp16 or exact")
     if chosen == "bf16-int8":

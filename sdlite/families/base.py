@@ -209,6 +209,10 @@ class Family:
         this family has settings of its own (None: the front-end's, A1111's)."""
         return None
 
+    def check_loras(self, paths: list) -> None:
+        """Refuse (:class:`~sdlite.errors.RequestError`) LoRAs where this family's networks take none (the files are
+        checked against the model's layers later, when they are merged)."""
+
     def info_lines(self) -> list[str]:
         """Lines ``sdlite info`` adds for this family (after the native size)."""
         return []

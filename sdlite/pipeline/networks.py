@@ -74,6 +74,8 @@ def prompt_networks(engine, r: Request) -> "PromptNetworks":
     if negative_tags:
         warnings.append("network tags in the negative prompt are ignored (as A1111 does): "
                         + ", ".join(f"<{t.kind}:{t.name}>" for t in negative_tags))
+    if loras:
+        engine.family.check_loras([path for path, _ in loras])
     return PromptNetworks(prompt, negative, loras, db, warnings, names)
 
 
