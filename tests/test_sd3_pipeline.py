@@ -290,3 +290,36 @@ def test_full_size_networks_have_the_published_keys_and_shapes(name):
             theirs = {k: tuple(v.shape) for k, v in reference.state_dict().items()
                       if not k.endswith("position_ids") and k != "encoder.embed_tokens.weight"}
             assert ours == theirs, component
+
+
+def test_the_a1111_server_lists_switches_and_runs_sd3(models, tmp_path):
+    """`sdlite serve` over a models folder holding the SD3 folder and the demo model: listed, switched to, and its
+    txt2img (A1111 sampler names) the image the engine gives."""
+    import base64
+    import io
+
+    from fastapi.testclient import TestClient
+
+    from sdlite.demo import model_path
+    from sdlite.server.app import create_app
+    from tests.loopback import wait_for
+
+    _, engine, _, _, tmp = models
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "sd35").symlink_to(tmp / "sd3", target_is_directory=True)
+    (folder / "demo").symlink_to(model_path(), target_is_directory=True)
+    api = "/sdapi/v1"
+    with TestClient(create_app(models_dir=folder, engine_options={"precision": "exact"})) as c:
+        wait_for(lambda: c.get(f"{api}/progress").json()["state"]["job_count"] == 0, timeout=120, every=0.1)
+        assert sorted(m["model_name"] for m in c.get(f"{api}/sd-models").json()) == ["demo", "sd35"]
+        assert c.post(f"{api}/options", json={"sd_model_checkpoint": "sd35"}).json() == {}
+        r = c.post(f"{api}/txt2img", json={"prompt": PROMPT, "negative_prompt": NEGATIVE, "steps": 3, "seed": 8,
+                                           "cfg_scale": 4.0, "sampler_name": "Euler", "width": SIZE, "height": SIZE})
+        assert r.status_code == 200, r.text
+        got = np.asarray(Image.open(io.BytesIO(base64.b64decode(r.json()["images"][0]))).convert("RGB"), np.int16)
+        expected = engine.generate(Request(prompt=PROMPT, negative_prompt=NEGATIVE, steps=3, seed=8, cfg_scale=4.0,
+                                           sampler="euler", width=SIZE, height=SIZE))
+        assert np.array_equal(got, _pixels(expected.images)[0])
+        refused = c.post(f"{api}/txt2img", json={"prompt": PROMPT, "steps": 2, "sampler_name": "DDIM"})
+        assert refused.status_code == 422 and "flow-matching" in refused.text, refused.text

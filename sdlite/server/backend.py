@@ -297,7 +297,7 @@ def run_plan(engines: Engines, checkpoint: Checkpoint, plan: a1111.Plan, control
             results.append(engine.generate(request, callback=control.step, on_latents=on_latents))
     finally:
         engine.set_refiner(None)   # attached for this job only: the engine holds no per-request state otherwise
-    inpainting = engine.spec.unet.in_channels != engine.spec.vae.latent_channels
+    inpainting = engine.family.inpainting
     warning = stop_warning(control, plan.limits) if control.interrupted else None
     return a1111.Outcome(results, checkpoint.short_name, engines.checkpoints.hash_of(checkpoint), inpainting,
                          timestamp, interrupted=control.interrupted, infotext=extra,
