@@ -102,7 +102,9 @@ class Checkpoint:
     tokenizer_2_dir: str | None = None   # SDXL: the second text encoder's tokenizer (pads with "!", id 0)
     scheduler_source: str = ""       # where scheduler_config (and its timestep spacing) came from
     _stores: list[TensorStore] = field(default_factory=list, repr=False)
-    _zero_copy: bool = field(default=False, repr=False)  # some loaded weights are views of the mapped files
+    # the files some loaded weights are zero-copy views of: their pages are never handed back (a page a user wrote,
+    # e.g. a merged LoRA, would be lost); the other files' are
+    _pinned: set = field(default_factory=set, repr=False)
     _tokenizer: CLIPTokenizer | WordPieceTokenizer | None = field(default=None, repr=False)  # built once
     _tokenizer_2: CLIPTokenizer | None = field(default=None, repr=False)
     _tokenizer_3: T5Tokenizer | None = field(default=None, repr=False)
@@ -174,13 +176,12 @@ class Checkpoint:
             if tensor.dtype != target or torch.device(device).type != "cpu":
                 converted += tensor.numel() * tensor.element_size()
             else:
-                self._zero_copy = True  # this module's weights are views of the mapped file
+                self._pinned.update(self.sources[component].files)  # this module's weights are views of the file
             state[key] = tensor.to(device=device, dtype=target)
-            if converted > RELEASE_EVERY and not self._zero_copy:
+            if converted > RELEASE_EVERY:
                 self._release_pages()  # the converted copy is what stays; the file pages need not
                 converted = 0
-        if not self._zero_copy:
-            self._release_pages()
+        self._release_pages()
         module.load_state_dict(state, strict=True, assign=True)
         return module.eval().requires_grad_(False)
 
@@ -210,14 +211,14 @@ class Checkpoint:
         return module
 
     def release_pages(self) -> None:
-        """Hand the file pages read so far back to the kernel (they are re-read if needed again). Skipped once
-        weights were loaded as zero-copy views of the file, which must never lose a page written by a user."""
-        if not self._zero_copy:
-            self._release_pages()
+        """Hand the file pages read so far back to the kernel (they are re-read if needed again), except those of
+        files that loaded weights are zero-copy views of, which must never lose a page written by a user."""
+        self._release_pages()
 
     def _release_pages(self) -> None:
         for store in self._stores:
-            store.release_pages()
+            if not self._pinned.intersection(map(str, store.paths)):
+                store.release_pages()
 
     def problems(self) -> list[str]:
         """Everything unusual about the weights, from shapes only: missing keys, shape mismatches, keys that
