@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..config import SD3_FAMILIES, ConfigError, ModelSpec, TextEncoderConfig, VAEConfig
 from ..config.mmdit import MMDiTConfig
-from ..config.sd3 import SD3_SCHEDULER, SD3_VAE
+from ..config.sd3 import SD3_SCHEDULER, SD3_TEXT_G, SD3_TEXT_L, SD3_VAE
 from ..errors import CheckpointError
 from .convert import normalize_diffusers_keys
 from .detect import Detection
@@ -101,15 +101,9 @@ def open_sd3_folder(folder: Path, index: dict, index_file: Path) -> dict:
             t5 = infer_t5_config(sources["text_encoder_3"].shapes) if with_t5 else None
         except (ConfigError, KeyError, TypeError) as e:
             raise CheckpointError(f"unusable component config: {e}", folder) from None
-        check_sd3_parts(transformer, vae, texts["text_encoder"], texts["text_encoder_2"], t5, folder)
         sched_file = folder / "scheduler" / "scheduler_config.json"
         scheduler = read_json(sched_file) if sched_file.is_file() else dict(SD3_SCHEDULER)
-        family = sd3_family(transformer)
-        spec = ModelSpec(family=family, text=texts["text_encoder"], text2=texts["text_encoder_2"], unet=None,
-                         transformer=transformer, text3=t5, vae=vae, prediction_type="flow",
-                         default_size=transformer.sample_size * vae.downscale, scheduler=dict(scheduler))
-        detection = Detection(layout="diffusers", family=family, components=(*spec.text_encoders, "transformer",
-                                                                             "vae"), unet=None)
+        spec, detection = _spec(texts, transformer, vae, t5, scheduler, "diffusers", folder)
     except BaseException:
         for store in stores:
             store.close()
@@ -124,12 +118,25 @@ def open_sd3_folder(folder: Path, index: dict, index_file: Path) -> dict:
                 _stores=stores, _tokenizer=tokenizers["text_encoder"], _tokenizer_2=tokenizers["text_encoder_2"])
 
 
+def _spec(texts: dict, transformer: MMDiTConfig, vae: VAEConfig, t5, scheduler: dict, layout: str,
+          where) -> tuple[ModelSpec, Detection]:
+    """The spec and detection of an SD3 model from its parts, once they are checked to fit together."""
+    check_sd3_parts(transformer, vae, texts["text_encoder"], texts["text_encoder_2"], t5, where)
+    family = sd3_family(transformer)
+    spec = ModelSpec(family=family, text=texts["text_encoder"], text2=texts["text_encoder_2"], unet=None,
+                     transformer=transformer, text3=t5, vae=vae, prediction_type="flow",
+                     default_size=transformer.sample_size * vae.downscale, scheduler=dict(scheduler))
+    return spec, Detection(layout=layout, family=family, components=(*spec.text_encoders, "transformer", "vae"),
+                           unet=None)
+
+
 def check_sd3_parts(transformer: MMDiTConfig, vae: VAEConfig, clip_l, clip_g, t5, where) -> None:
     """The parts of an SD3 model fit together: the CLIP widths make the pooled width and fit in the joint context,
     T5's width is the joint context's, the VAE's latent is the transformer's input."""
     pooled = clip_l.projection_dim + clip_g.projection_dim
     if pooled != transformer.pooled_projection_dim:
-        raise CheckpointError(f"the CLIP towers' projections ({clip_l.projection_dim} + {clip_g.projection_dim}) do not "
+        raise CheckpointError(f"the CLIP towers' projections ({clip_l.projection_dim} + {clip_g.projection_dim}) "
+                              f"do not "
                               f"make the transformer's pooled width {transformer.pooled_projection_dim}", where)
     if clip_l.width + clip_g.width > transformer.joint_attention_dim:
         raise CheckpointError(f"the CLIP towers' widths ({clip_l.width} + {clip_g.width}) exceed the transformer's "
@@ -238,7 +245,8 @@ def open_sd3_file(path: Path, store: TensorStore, text_encoders=()) -> dict:
         vplan = vae_from_original(keys)
         sources["vae"] = ComponentSource.from_plan(vplan, store, (str(path),))
         info = infer_vae(sources["vae"].shapes)
-        vae = VAEConfig(**info.config_kwargs(), scaling_factor=SD3_VAE.scaling_factor, shift_factor=SD3_VAE.shift_factor,
+        vae = VAEConfig(**info.config_kwargs(), scaling_factor=SD3_VAE.scaling_factor,
+                        shift_factor=SD3_VAE.shift_factor,
                         use_quant_conv="quant_conv.weight" in sources["vae"].shapes,
                         use_post_quant_conv="post_quant_conv.weight" in sources["vae"].shapes,
                         sample_size=transformer.sample_size * 2 ** (len(info.block_channels) - 1))
@@ -277,20 +285,14 @@ def open_sd3_file(path: Path, store: TensorStore, text_encoders=()) -> dict:
                     f"the model has no {_ENCODER_NAMES[component]} text encoder: the file holds none and none was "
                     "given (--text-encoder PATH, repeatable: clip_l.safetensors, clip_g.safetensors, and "
                     "optionally t5xxl_fp16.safetensors) or found beside it", path)
-            if component in texts:
-                pad = 49407 if component == "text_encoder" else 0   # CLIP-L pads with its end token, bigG with "!"
-                eos = 49407 if component == "text_encoder" else 2
-                texts[component] = dataclasses.replace(texts[component], pad_token_id=pad, eos_token_id=eos)
+            if component in texts:   # as the released towers' configs say: CLIP-L pads with its end token, bigG "!"
+                known = SD3_TEXT_L if component == "text_encoder" else SD3_TEXT_G
+                texts[component] = dataclasses.replace(texts[component], pad_token_id=known.pad_token_id,
+                                                       eos_token_id=known.eos_token_id)
         t5 = infer_t5_config(sources["text_encoder_3"].shapes) if "text_encoder_3" in sources else None
         if t5 is None:
             notes.append("no T5 (text_encoder_3) in the file, given or beside it: its conditioning is zeros")
-        check_sd3_parts(transformer, vae, texts["text_encoder"], texts["text_encoder_2"], t5, path)
-        family = sd3_family(transformer)
-        spec = ModelSpec(family=family, text=texts["text_encoder"], text2=texts["text_encoder_2"], unet=None,
-                         transformer=transformer, text3=t5, vae=vae, prediction_type="flow",
-                         default_size=transformer.sample_size * vae.downscale, scheduler=dict(SD3_SCHEDULER))
-        detection = Detection(layout="original", family=family, components=(*spec.text_encoders, "transformer",
-                                                                            "vae"), unet=None)
+        spec, detection = _spec(texts, transformer, vae, t5, SD3_SCHEDULER, "original", path)
         for name, source in sources.items():
             if source.unexpected:
                 notes.append(f"{len(source.unexpected)} {name} keys not understood (ignored)")
