@@ -29,6 +29,7 @@ import re
 import torch
 
 from ..conditioning import CHUNK_LENGTH, chunk_prompt, encode_chunks
+from ..config import SD3_FAMILIES
 from ..errors import RequestError
 from ..prompts import parse_attention
 from ..sampling.denoisers import FlowDenoiser
@@ -43,7 +44,6 @@ CHEAP_RGB_SD3 = (
     (-0.0057, 0.0116, 0.0700), (-0.0412, 0.0281, -0.0039), (0.1106, 0.1171, 0.1220), (-0.0248, 0.0682, -0.0481),
     (0.0815, 0.0846, 0.1207), (-0.0120, -0.0055, -0.0867), (-0.0749, -0.0634, -0.0456), (-0.1418, -0.1457, -0.1259),
 )
-CLIP_TOKENS = 77          # one CLIP chunk: start, 75 tokens, end
 T5_TOKENS = 256           # the T5 row of SD3 (diffusers' max_sequence_length default)
 NO_T5_WARNING = ("this model runs without T5 (no text_encoder_3): its part of the conditioning is zeros, as "
                  "diffusers gives; prompts follow less closely than with T5")
@@ -58,7 +58,7 @@ class SD3Family(Family):
 
     @classmethod
     def takes(cls, spec) -> bool:
-        return spec.transformer is not None and spec.family.startswith("sd3")
+        return spec.transformer is not None and spec.family in SD3_FAMILIES
 
     @property
     def prediction_type(self) -> str:
