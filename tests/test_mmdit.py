@@ -110,7 +110,7 @@ def reference(ref, x, t, c, pooled, skip_layers=None, dtype=torch.float32):
 def test_float32_bit_exact(pairs, case):
     """The same operations in the same order as diffusers: the velocity is bit for bit the same."""
     ref, ours = pairs[case]
-    x, t, c, pooled = inputs(ours.cfg)
+    x, t, c, pooled = inputs(ours.config)
     with torch.no_grad():
         want = reference(ref, x, t, c, pooled)
         got = ours(x, t, c, pooled)
@@ -125,13 +125,13 @@ def test_float32_bit_exact(pairs, case):
 def test_skip_layers(pairs, case):
     """Skip-layer guidance: the skipped blocks are not run, as with diffusers' ``skip_layers``."""
     ref, ours = pairs[case]
-    x, t, c, pooled = inputs(ours.cfg)
+    x, t, c, pooled = inputs(ours.config)
     with torch.no_grad():
         full = ours(x, t, c, pooled)
         got = ours(x, t, c, pooled, skip_layers=[1])
         want = reference(ref, x, t, c, pooled, skip_layers=[1])
-        last = ours(x, t, c, pooled, skip_layers=(0, ours.cfg.num_layers - 1))
-        want_last = reference(ref, x, t, c, pooled, skip_layers=[0, ours.cfg.num_layers - 1])
+        last = ours(x, t, c, pooled, skip_layers=(0, ours.config.num_layers - 1))
+        want_last = reference(ref, x, t, c, pooled, skip_layers=[0, ours.config.num_layers - 1])
     assert torch.equal(got, want) and not torch.equal(got, full)
     assert torch.equal(last, want_last)
 
@@ -143,7 +143,7 @@ def test_half_precision_bit_exact(pairs, dtype, monkeypatch):
     here: it agrees with PyTorch's to bf16 rounding, not bit for bit (tests/test_kernels.py holds it)."""
     monkeypatch.setattr(bf16_kernels, "enabled", False)
     ref, ours = pairs["sd3.5-medium"]
-    cfg = ours.cfg
+    cfg = ours.config
     ref_h, ours_h = diffusers_mmdit(cfg).to(dtype), MMDiT(cfg).eval().to(dtype)
     ref_h.load_state_dict(ref.state_dict())
     ours_h.load_state_dict(ours.state_dict())
@@ -160,7 +160,7 @@ def test_half_precision_bit_exact(pairs, dtype, monkeypatch):
 def test_grad_mode_same_values(pairs):
     """With gradients on, the in-place shortcuts are off; the values are the same and backward runs."""
     ref, ours = pairs["sd3.5-large"]
-    x, t, c, pooled = inputs(ours.cfg)
+    x, t, c, pooled = inputs(ours.config)
     with torch.no_grad():
         want = ours(x, t, c, pooled)
     x = x.clone().requires_grad_(True)
@@ -175,10 +175,10 @@ def test_latent_sizes_and_timesteps(pairs):
     agree with diffusers; a single timestep serves the batch."""
     ref, ours = pairs["sd3-medium"]
     for h, w, batch in ((32, 32, 1), (2, 32, 2), (16, 16, 2)):
-        x, t, c, pooled = inputs(ours.cfg, h, w, batch)
+        x, t, c, pooled = inputs(ours.config, h, w, batch)
         with torch.no_grad():
             assert torch.equal(ours(x, t, c, pooled), reference(ref, x, t, c, pooled)), (h, w, batch)
-    x, t, c, pooled = inputs(ours.cfg)
+    x, t, c, pooled = inputs(ours.config)
     with torch.no_grad():
         assert torch.equal(ours(x, 250.0, c, pooled), ours(x, torch.tensor([250.0, 250.0]), c, pooled))
 
@@ -194,7 +194,7 @@ def test_positional_table_matches_diffusers():
 
 def test_bad_inputs_are_named(pairs):
     _, ours = pairs["sd3-medium"]
-    x, t, c, pooled = inputs(ours.cfg)
+    x, t, c, pooled = inputs(ours.config)
     with pytest.raises(RequestError, match=r"34x20 \(17x10 patches of 2\), larger than the positional grid of "
                                            r"16x16 patches \(pos_embed_max_size\): at most 32x32"):
         ours(torch.randn(2, 16, 34, 20), t, c, pooled)
@@ -224,8 +224,8 @@ def test_presets_are_the_published_configs(name):
 
 def test_config_round_trips_and_errors(pairs):
     for ref, ours in pairs.values():
-        assert MMDiTConfig.from_diffusers(dict(ref.config)) == ours.cfg
-        assert MMDiTConfig.from_diffusers(ours.cfg.to_diffusers()) == ours.cfg
+        assert MMDiTConfig.from_diffusers(dict(ref.config)) == ours.config
+        assert MMDiTConfig.from_diffusers(ours.config.to_diffusers()) == ours.config
     good = SD3_MEDIUM.to_diffusers()
     for change, message in (({"qk_norm": "layer_norm"}, "qk_norm='layer_norm' is not supported"),
                             ({"caption_projection_dim": 1152}, "caption_projection_dim=1152 must equal the width"),

@@ -253,8 +253,6 @@ def test_what_sd3_refuses(models):
     assert resolve("auto", spec=engine.spec).name != "bf16-int8"   # auto never picks int8 for the transformer
     with pytest.raises(SDLiteError, match="flow matching"):
         open_model(engine.models.ckpt.path, prediction_type="epsilon")
-    with pytest.raises(RequestError, match="LoRAs for SD3 are not supported yet.*style.safetensors"):
-        engine.generate(Request(prompt=PROMPT, steps=2, seed=1, loras=(("style.safetensors", 1.0),)))
     with pytest.raises(RequestError, match="ControlNet"):
         engine.generate(Request(prompt=PROMPT, steps=2, seed=1, init_image=Image.new("RGB", (SIZE, SIZE)),
                                 controls=(ControlUnit(model="any"),)))

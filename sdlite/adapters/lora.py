@@ -71,8 +71,10 @@ from .lora_targets import (  # noqa: F401
     _lookup,
     _model_components,
     check_components,
+    check_denoiser,
     check_family,
     resolve_targets,
+    split_fused,
 )
 
 _PACKED = (PackedLinear, PackedConv2d)
@@ -91,8 +93,10 @@ def _multiplier(weight: Weight, component: str) -> float:
     """The multiplier of ``component``; a mapping without ``text_encoder_2`` gives SDXL's second text encoder the
     first one's (A1111's text-encoder multiplier applies to both)."""
     if isinstance(weight, Mapping):
-        if component == "text_encoder_2" and component not in weight:
+        if component in ("text_encoder_2", "text_encoder_3") and component not in weight:
             component = "text_encoder"
+        if component == "transformer" and component not in weight:
+            component = "unet"
         return float(weight.get(component, 1.0))
     return float(weight)
 
@@ -115,6 +119,7 @@ def _plan(module: nn.Module, loras: Sequence[tuple[Lora, Weight]], component: st
     table = _lookup(module, component)
     plan: dict[str, list[_Update]] = {}
     for lora, weight in loras:
+        lora = split_fused(lora, component, table, module)
         names = resolve_targets(module, lora, component, table, spec)
         multiplier = _multiplier(weight, component)
         for layer in lora.layers_of(component):
@@ -304,6 +309,9 @@ def engine_with_loras(engine, loras: Sequence[tuple[LoraSource, Weight]]):
         return
     spec = engine.spec
     components = _model_components(spec)
+    for lora, _ in loaded:
+        check_denoiser(lora, spec)
+    loaded = [(lora.for_denoiser(components[0]), weight) for lora, weight in loaded]
     touched = [c for c in components if any(lora.layers_of(c) for lora, _ in loaded)]
     manager = engine.models
     resident = dict(manager._resident)
@@ -338,4 +346,4 @@ def engine_with_loras(engine, loras: Sequence[tuple[LoraSource, Weight]]):
 
 __all__ = ["Lora", "LoraLayer", "LoraError", "MergeHandle", "read_lora", "merge", "apply_on_the_fly",
            "engine_with_loras", "lora_hash", "lora_hashes_infotext", "check_family", "check_components",
-           "resolve_targets", "find_lora", "lora_name"]
+           "check_denoiser", "resolve_targets", "find_lora", "lora_name"]

@@ -22,6 +22,13 @@ Formats (told apart by their keys, whatever the file's extension; safetensors or
   else equal to the rank (scale 1). The older diffusers spellings (``...attn1.processor.to_q_lora.down.weight``,
   ``...lora.down.weight``, ``...lora_linear_layer.down.weight``) are read too.
 
+* SD3 / SD3.5 (transformer): diffusers / PEFT ``transformer.<module>`` (diffusers' ``SD3Transformer2DModel`` paths,
+  ``transformer_blocks.0.attn.to_q``), the same paths underscored after ``lora_transformer_``, and kohya's
+  sd-scripts ``lora_unet_`` over the original MMDiT layout (``lora_unet_joint_blocks_0_x_block_attn_qkv``: q, k and
+  v in one layer, split to the model's three by :mod:`sdlite.adapters.lora_targets`); text encoders
+  ``text_encoder`` / ``lora_te1_`` (CLIP-L), ``text_encoder_2`` / ``lora_te2_`` (bigG), ``text_encoder_3`` /
+  ``lora_te3_`` (T5, in transformers' names).
+
 Scale of one layer: ``multiplier * alpha / rank`` (``alpha / sqrt(rank)`` for rsLoRA; 1 without alpha), as
 A1111, kohya and PEFT compute it.
 
@@ -35,7 +42,7 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -43,8 +50,11 @@ import torch
 
 from ..errors import SDLiteError
 
-COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
-TEXT_COMPONENTS = ("text_encoder", "text_encoder_2")
+COMPONENTS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
+TEXT_COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+DENOISERS = ("unet", "transformer")
+# the module paths of a UNet (diffusers' and the original LDM / SGM ones), told apart from a transformer's
+_UNET_PATH = re.compile(r"^(down_blocks|mid_block|up_blocks|input_blocks|middle_block|output_blocks)[._]")
 _MAX_LISTED = 5
 
 # widths that tell the family a LoRA was made for (SDXL's first text encoder is as wide as SD 1.x's)
@@ -68,7 +78,7 @@ _UNSUPPORTED = (
 )
 _UNSUPPORTED_PART = {part: name for parts, name in _UNSUPPORTED for part in parts}
 
-_KOHYA = re.compile(r"^lora_(unet|te|te1|te2)_([^.]+)\.(.+)$")
+_KOHYA = re.compile(r"^lora_(unet|transformer|te|te1|te2|te3)_([^.]+)\.(.+)$")
 # dotted (diffusers / PEFT) keys: module path, then the LoRA part
 _DOTTED_PARTS = (
     (re.compile(r"^(.+)\.lora_A(?:\.[^.]+)?\.weight$"), "down"),
@@ -89,7 +99,7 @@ _PROCESSOR_NAMES = {
     ("text_encoder_2", "to_out"): "out_proj",
 }
 _PEFT_PREFIXES = {"unet": "unet", "text_encoder": "text_encoder", "text_encoder_2": "text_encoder_2",
-                  "transformer": "transformer"}
+                  "text_encoder_3": "text_encoder_3", "transformer": "transformer"}
 METADATA_KEY = "lora_adapter_metadata"   # diffusers' JSON of each component's peft LoraConfig
 
 
@@ -120,7 +130,7 @@ class LoraLayer:
     ``down``: (r, in) or (r, in, kh, kw); ``up``: (out, r) or (out, r, 1, 1).
     """
 
-    component: str                 # "unet" | "text_encoder" (| "text_encoder_2": an SDXL file)
+    component: str                 # "unet" | "transformer" | "text_encoder" | "text_encoder_2" | "text_encoder_3"
     target: str
     key: str                       # the file's key of ``down`` (for messages)
     down: torch.Tensor
@@ -191,6 +201,22 @@ class Lora:
         return (any(layer.component == "text_encoder_2" or layer.key.startswith(("lora_te1_", "lora_te2_"))
                     or re.match(r"(add_embedding|label_emb)[._]", layer.target) for layer in self.layers)
                 or any(width in (2048, 1280) for width in self._widths("unet")))
+
+    @property
+    def made_for_unet(self) -> bool:
+        """Whether its denoiser layers are a UNet's (they name UNet blocks, in diffusers' or the LDM layout)."""
+        return any(layer.component == "unet" and _UNET_PATH.match(layer.target) for layer in self.layers)
+
+    def for_denoiser(self, denoiser: str) -> "Lora":
+        """This LoRA with its denoiser's layers under ``denoiser`` ("unet" or "transformer"): kohya's sd-scripts
+        call an SD3 or FLUX transformer's layers ``lora_unet_`` too, and PEFT's bare saves carry no prefix. Whether
+        the layers fit that denoiser is checked where they are matched to it."""
+        if denoiser == "unet" or not self.layers_of("unet"):
+            return self
+        layers = [replace(layer, component=denoiser) if layer.component == "unet" else layer
+                  for layer in self.layers]
+        return Lora(self.path, self.format, sorted(layers, key=lambda layer: (layer.component, layer.target)),
+                    self.metadata)
 
     def implied_family(self, component: str) -> tuple[str | None, int] | None:
         """(family, width) the LoRA's shapes imply for ``component``: the cross-attention width (UNet: the
@@ -289,7 +315,8 @@ def _kohya_layers(path: str, tensors: dict) -> list[LoraLayer]:
         if role is None:
             unknown.append(key)
             continue
-        component = {"unet": "unet", "te": "text_encoder", "te1": "text_encoder", "te2": "text_encoder_2"}[prefix]
+        component = {"unet": "unet", "transformer": "transformer", "te": "text_encoder", "te1": "text_encoder",
+                     "te2": "text_encoder_2", "te3": "text_encoder_3"}[prefix]
         groups.setdefault((component, target), {})[role] = (key, tensor)
     if unknown:
         raise LoraError(f"{len(unknown)} keys are not LoRA weights (lora_down/lora_up/alpha): {_listing(unknown)}",

@@ -2,13 +2,18 @@
 
 A file names a layer by its diffusers module path, dotted or with ``_`` for ``.`` (kohya), a text encoder's with or
 without transformers' ``text_model.``, or a UNet's by the original LDM / SGM layout (mapped through the checkpoint
-converter's own table, :func:`sdlite.weights.convert.unet_to_original`). Refused, with a :class:`LoraError`: a LoRA
+converter's own table, :func:`sdlite.weights.convert.unet_to_original`), an SD3 transformer's by Stability's MMDiT
+layout (:func:`sdlite.weights.mmdit_keys.mmdit_to_original`; its stacked q/k/v layers split into the model's three
+by :func:`split_fused`). Refused, with a :class:`LoraError`: a LoRA
 made for another family (SD 1.x, SD 2.x, SDXL, the SDXL refiner: told from its cross-attention or text-encoder
-width), one with layers of a network the model lacks, layers that match no layer of the model or whose shapes do
+width), a UNet's LoRA on a transformer and the other way round, one with layers of a network the model lacks, layers that match no layer of the model or whose shapes do
 not fit. Everything is re-exported by :mod:`sdlite.adapters.lora`.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
+import torch
 from torch import nn
 
 from ..engine.packing import PackedConv2d, PackedLinear
@@ -17,6 +22,7 @@ from .lora_keys import (
     _CROSS_ATTENTION_FAMILY,
     _TEXT_WIDTH_FAMILY,
     TEXT_COMPONENTS,
+    _UNET_PATH,
     Lora,
     LoraError,
     LoraLayer,
@@ -26,10 +32,12 @@ from .lora_keys import (
 _DENSE = (nn.Linear, nn.Conv2d)
 
 # a model's family (ModelSpec.family, "-inpaint" removed) as messages name it
-_SPEC_FAMILY = {"sd1": "SD 1.x", "sd2": "SD 2.x", "sdxl": "SDXL", "sdxl-refiner": "the SDXL refiner"}
+_SPEC_FAMILY = {"sd1": "SD 1.x", "sd2": "SD 2.x", "sdxl": "SDXL", "sdxl-refiner": "the SDXL refiner", "sd3": "SD3",
+                "sd3.5-medium": "SD3.5 Medium", "sd3.5-large": "SD3.5 Large"}
 # what a layer of each component is called in the two file formats (for messages)
-_COMPONENT_KEYS = {"unet": "lora_unet_ / unet.", "text_encoder": "lora_te_ or lora_te1_ / text_encoder.",
-                   "text_encoder_2": "lora_te2_ / text_encoder_2."}
+_COMPONENT_KEYS = {"unet": "lora_unet_ / unet.", "transformer": "lora_transformer_ / transformer.",
+                   "text_encoder": "lora_te_ or lora_te1_ / text_encoder.",
+                   "text_encoder_2": "lora_te2_ / text_encoder_2.", "text_encoder_3": "lora_te3_ / text_encoder_3."}
 
 
 def _layer_shape(layer: nn.Module) -> tuple[int, ...] | None:
@@ -43,9 +51,34 @@ def _layer_shape(layer: nn.Module) -> tuple[int, ...] | None:
     return None
 
 
+class _Fused(tuple):
+    """A layer of an original layout that is several of the model's, or one stored in another row order: ``(op,
+    module paths)``, op "cat" (the paths' rows stacked: SD3's ``attn.qkv``) or "swap_halves" (one path, its two
+    halves exchanged: SD3's (shift, scale) modulations)."""
+
+
+def _original_plan(module: nn.Module, component: str, weights: list[str]):
+    """The checkpoint converter's table from the model's names to the original layout's (LDM / SGM UNets, SD3's
+    MMDiT), or None where the network has no other layout."""
+    config = getattr(module, "config", None)
+    try:
+        if component == "unet" and config is not None and hasattr(config, "attention"):
+            from ..weights.convert import unet_to_original
+
+            return unet_to_original(weights, config, prefix="")
+        if component == "transformer" and type(config).__name__ == "MMDiTConfig":
+            from ..weights.mmdit_keys import mmdit_to_original
+
+            return mmdit_to_original(weights, prefix="")
+    except SDLiteError:
+        return None
+    return None
+
+
 def _lookup(module: nn.Module, component: str) -> dict[str, str]:
     """Every name a file may give a layer -> its module path: dotted and underscored (kohya), the text encoder's
-    without ``text_model.`` (transformers 5's naming), the UNet's in the original LDM layout."""
+    without ``text_model.`` (transformers 5's naming), the UNet's in the original LDM layout and the transformer's
+    in Stability's (a fused or reordered layer there -> a :class:`_Fused`)."""
     table: dict[str, str] = {}
     leaves = [(name, layer) for name, layer in module.named_modules()
               if name and not any(True for _ in layer.children())]
@@ -56,18 +89,43 @@ def _lookup(module: nn.Module, component: str) -> dict[str, str]:
         for alias in aliases:
             table.setdefault(alias, name)
             table.setdefault(alias.replace(".", "_"), name)
-    config = getattr(module, "config", None)
-    if component == "unet" and config is not None and hasattr(config, "attention"):
-        from ..weights.convert import unet_to_original
-
-        try:
-            plan = unet_to_original([f"{name}.weight" for name, _ in leaves], config, prefix="")
-        except SDLiteError:
-            plan = None
-        if plan is not None:
-            for original, entry in plan.entries.items():
-                table.setdefault(original.removesuffix(".weight").replace(".", "_"), entry.sources[0][:-7])
+    plan = _original_plan(module, component, [f"{name}.weight" for name, _ in leaves])
+    if plan is not None:
+        for original, entry in plan.entries.items():
+            if not original.endswith(".weight"):
+                continue
+            alias = original.removesuffix(".weight").replace(".", "_")
+            paths = tuple(source.removesuffix(".weight") for source in entry.sources)
+            op = entry.transform.op
+            table.setdefault(alias, paths[0] if op == "copy" else _Fused((op, paths)))
     return table
+
+
+def split_fused(lora: Lora, component: str, table: dict, module: nn.Module) -> Lora:
+    """``lora`` with each of its ``component`` layers that names a fused or reordered layer of an original layout
+    (``table`` from :func:`_lookup`) given as the model's layers: a stacked q/k/v layer's ``up`` split by rows
+    into the three projections (the same ``down``, rank and alpha), a swapped modulation's halves exchanged. A
+    layer whose rows do not add up is refused, naming the layers."""
+    layers, changed = [], False
+    for layer in lora.layers:
+        fused = table.get(layer.target) if layer.component == component else None
+        if not isinstance(fused, _Fused):
+            layers.append(layer)
+            continue
+        op, paths = fused
+        changed = True
+        up = layer.up
+        if op == "swap_halves":
+            half = up.shape[0] // 2
+            layers.append(replace(layer, target=paths[0], up=torch.cat([up[half:], up[:half]])))
+            continue
+        rows = [_layer_shape(module.get_submodule(path))[0] for path in paths]
+        if sum(rows) != up.shape[0]:
+            raise LoraError(f"{layer.key!r} does not fit {' + '.join(repr(p) for p in paths)}: the LoRA has "
+                            f"{up.shape[0]} outputs, the layers have {' + '.join(map(str, rows))}", lora.path)
+        layers.extend(replace(layer, target=path, up=part, key=f"{layer.key} ({path})")   # one key per layer
+                      for path, part in zip(paths, up.split(rows)))
+    return Lora(lora.path, lora.format, layers, lora.metadata) if changed else lora
 
 
 def _spec_family(spec) -> str | None:
@@ -93,7 +151,24 @@ def _model_family(component: str, module: nn.Module, spec=None) -> tuple[str | N
 
 
 def _model_components(spec) -> tuple[str, ...]:
-    return ("unet", *spec.text_encoders)
+    return (getattr(spec, "denoiser", "unet"), *spec.text_encoders)
+
+
+def check_denoiser(lora: Lora, spec) -> None:
+    """Refuse a UNet's LoRA on a model whose denoiser is a transformer (SD3), and a transformer's on a UNet model,
+    saying which (before the layers are matched: they would only "match nothing")."""
+    have = _model_components(spec)
+    name = _spec_family(spec)
+    this = f", this model is {name}" if name else ""
+    if have[0] == "unet" and lora.layers_of("transformer"):
+        raise LoraError(f"made for a transformer model such as SD3 (it has transformer layers: "
+                        f"{_COMPONENT_KEYS['transformer']}){this}, whose denoiser is a UNet", lora.path)
+    if have[0] == "transformer" and lora.made_for_unet:
+        implied = lora.implied_family("unet")
+        made = implied[0] if implied and implied[0] else "a UNet model"
+        raise LoraError(f"made for {made} (it has layers of UNet blocks: "
+                        f"{_listing([layer.key for layer in lora.layers_of('unet')], 2)}){this}, whose denoiser is "
+                        "a transformer", lora.path)
 
 
 def check_components(lora: Lora, spec) -> None:
@@ -102,6 +177,10 @@ def check_components(lora: Lora, spec) -> None:
     have = _model_components(spec)
     name = _spec_family(spec)
     this = f", this model is {name}" if name else ""
+    for component in ("text_encoder_3",):
+        if lora.layers_of(component) and component not in have:
+            raise LoraError(f"has layers of a third text encoder (T5: {_COMPONENT_KEYS[component]}){this}, which "
+                            "has none", lora.path)
     if lora.layers_of("text_encoder_2") and "text_encoder_2" not in have:
         raise LoraError(f"made for SDXL (it has layers of a second text encoder: {_COMPONENT_KEYS['text_encoder_2']})"
                         f"{this}, which has one text encoder", lora.path)

@@ -86,11 +86,6 @@ class SD3Family(Family):
             raise RequestError("ControlNet for SD3 is a model kind of its own (SD3ControlNetModel) that sdlite does "
                                "not run yet; the SD 1.x/SDXL ControlNets cannot steer an SD3 transformer")
 
-    def check_loras(self, paths: list) -> None:
-        names = ", ".join(str(getattr(p, "name", p)) for p in paths)
-        raise RequestError(f"LoRAs for SD3 are not supported yet (the transformer's and T5's layers have no LoRA "
-                           f"tables in sdlite): remove {names}")
-
     def info_lines(self) -> list[str]:
         lines = [f"defaults:    {self.sampling_defaults['steps']} steps, cfg {self.sampling_defaults['cfg']}, "
                  f"{self.sampling_defaults['sampler']} (flow matching)"]

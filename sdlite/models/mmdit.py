@@ -276,7 +276,7 @@ class MMDiT(nn.Module):
 
     def __init__(self, cfg: MMDiTConfig):
         super().__init__()
-        self.cfg = cfg
+        self.config = cfg
         dim = cfg.hidden
         self.pos_embed = PatchEmbed(cfg)
         self.time_text_embed = TimeTextEmbed(cfg)
@@ -301,7 +301,7 @@ class MMDiT(nn.Module):
         t = self._check(x, t, context, pooled_projections)
         skip = self._skip(skip_layers)
         b, _, hgt, wid = x.shape
-        p = self.cfg.patch_size
+        p = self.config.patch_size
         x = self.pos_embed(x.to(dtype))                                                  # (B, N, C)
         emb = F.silu(self.time_text_embed(t, pooled_projections.to(dtype)))               # (B, C)
         c = self.context_embedder(context.to(dtype))                                     # (B, M, C)
@@ -310,12 +310,12 @@ class MMDiT(nn.Module):
                 x, c = block(x, c, emb)
         scale, shift = self.norm_out(emb)
         x = self.proj_out(modulate(layer_norm(x), shift, scale))                         # (B, N, p*p*out)
-        x = x.view(b, hgt // p, wid // p, p, p, self.cfg.out_channels)
-        return x.permute(0, 5, 1, 3, 2, 4).reshape(b, self.cfg.out_channels, hgt, wid)  # (B, out, H, W)
+        x = x.view(b, hgt // p, wid // p, p, p, self.config.out_channels)
+        return x.permute(0, 5, 1, 3, 2, 4).reshape(b, self.config.out_channels, hgt, wid)  # (B, out, H, W)
 
     def _skip(self, skip_layers: Iterable[int] | None) -> frozenset[int]:
         given = list(skip_layers or ())
-        n = self.cfg.num_layers
+        n = self.config.num_layers
         try:
             skip = frozenset(operator.index(i) for i in given)
         except TypeError:
@@ -327,7 +327,7 @@ class MMDiT(nn.Module):
 
     def _check(self, x, t, context, pooled) -> torch.Tensor:
         """The inputs' shapes against the config (a clear error naming the input); the timesteps, one per sample."""
-        cfg = self.cfg
+        cfg = self.config
         if x.ndim != 4 or x.shape[1] != cfg.in_channels:
             raise RequestError(f"MMDiT latent has shape {list(x.shape)}: expected (batch, {cfg.in_channels}, "
                                "height, width)")

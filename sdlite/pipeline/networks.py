@@ -60,6 +60,10 @@ def prompt_networks(engine, r: Request) -> "PromptNetworks":
         rewrite = db.rewrite_tags if db is not None else rewrite_tags_without_db
         prompt, tags = extract_networks(rewrite(r.prompt))
         negative, negative_tags = extract_networks(rewrite(r.negative_prompt))
+        # a tag at either end leaves a space there: nothing to CLIP's tokenizer, but a token of its own to T5's
+        # (SD3, FLUX), so a prompt with a tag at its end would not give the image of the prompt without it
+        prompt = prompt.strip() if tags else prompt
+        negative = negative.strip() if negative_tags else negative
     except EmbeddingError as e:
         raise RequestError(str(e)) from None
     loras = [(path, float(weight)) for path, weight in r.loras]
