@@ -6,7 +6,8 @@ the partial image and the queued ones 503, and exits 0 within the grace + 5 s; 1
 `sdlite generate`'s pixels for their seeds and are spread over both replicas; the queue limit and /progress count
 across the cluster; interrupt and previews reach the replica running the job; killing a replica's actor mid-run
 loses no request (each completes or gets a clear 503, which then succeeds on retry) and Ray Serve restores the
-replica; a job past the job time limit is interrupted in its replica and answered with a warning.
+replica; a job past the job time limit is interrupted in its replica and answered with a warning; a ControlNet unit
+and an SD3 model run on replicas as in one process.
 
 Timeouts: a wait for generation work is derived from the work (the duration of one job, measured on the cluster just
 before, times the jobs ahead), with a wide margin, so that a machine busy with other work slows the test down
@@ -427,3 +428,34 @@ def test_controlnet_unit_runs_on_a_replica(cluster, engine, tmp_path):
     assert np.array_equal(pixels(r.json()["images"][0]), pixels(expected.images[0]))
     assert "Control Mode: ControlNet is more important" in json.loads(r.json()["info"])["infotexts"][0]
     assert len(r.json()["images"]) == 2   # and the control map, made at the ingress
+
+
+def test_sd3_model_runs_on_a_replica(cluster, tmp_path):
+    """A second application on the same Ray instance whose replica serves a (tiny, random) SD3.5 folder: its
+    txt2img under A1111's sampler name is the image the engine gives in this process (flow matching, the three text
+    encoders and the transformer behind the same ingress). Its replica takes no CPU reservation, as the module's
+    two replicas hold the instance's 2 CPUs."""
+    from tests.test_sd3_pipeline import NEGATIVE as SD3_NEGATIVE, SIZE, _pipeline
+
+    _pipeline(tmp_path).save_pretrained(tmp_path / "sd3")
+    config = ClusterConfig(model=str(tmp_path / "sd3"), replicas=1, threads=1, replica_cpus=0.0,
+                           app_name="sdlite-test-sd3", engine_options={"precision": "exact"})
+    payload = {"prompt": PROMPT, "negative_prompt": SD3_NEGATIVE, "steps": 3, "seed": 8, "cfg_scale": 4.0,
+               "sampler_name": "Euler", "width": SIZE, "height": SIZE}
+    try:
+        serve.run(application(config), name=config.app_name, route_prefix="/sd3")
+        api = cluster.api.replace("/sdapi/v1", "/sd3/sdapi/v1")
+        r = requests.post(f"{api}/txt2img", json=payload, timeout=STARTUP_S)
+        assert r.status_code == 200, r.text[:500]
+        assert "Steps: 3, Sampler: Euler" in json.loads(r.json()["info"])["infotexts"][0]
+    finally:
+        shutdown(config)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        expected = Engine.load(tmp_path / "sd3", precision="exact").generate(
+            Request(prompt=PROMPT, negative_prompt=SD3_NEGATIVE, steps=3, seed=8, cfg_scale=4.0, sampler="euler",
+                    width=SIZE, height=SIZE))
+    finally:
+        torch.set_num_threads(threads)
+    assert np.array_equal(pixels(r.json()["images"][0]), pixels(expected.images[0]))

@@ -181,6 +181,42 @@ def test_image_to_image_matches_diffusers(models):
     assert np.abs(_pixels(got.images) - expected).max() <= MAX_PIXEL_DIFF
 
 
+@pytest.mark.parametrize("upscaler", ["Latent", "Latent (bicubic antialiased)", "Lanczos"])
+def test_hires_fix_matches_the_diffusers_composition(models, upscaler):
+    """The hires fix on SD3 (sdlite.hires states the rule): StableDiffusion3Pipeline's first pass, the upscale (of
+    its latents, or of its images by the named upscaler), then StableDiffusion3Img2ImgPipeline at the denoising
+    strength with each image's seed; batch 2, 64 -> 128 px."""
+    from diffusers import StableDiffusion3Img2ImgPipeline
+
+    from sdlite.hires import LATENT_MODES, Hires
+    from sdlite.upscalers.registry import upscale_to
+
+    pipe, engine, _, _, _ = models
+    img2img = StableDiffusion3Img2ImgPipeline(**pipe.components)
+    img2img.set_progress_bar_config(disable=True)
+    seeds = lambda: [torch.Generator().manual_seed(s) for s in (3, 4)]   # noqa: E731
+    common = dict(prompt=[PROMPT] * 2, negative_prompt=[NEGATIVE] * 2, guidance_scale=4.0)
+    big = 2 * SIZE
+    if upscaler in LATENT_MODES:
+        latents = pipe(**common, height=SIZE, width=SIZE, num_inference_steps=4, generator=seeds(),
+                       output_type="latent").images
+        mode, antialias = LATENT_MODES[upscaler]
+        image = torch.nn.functional.interpolate(latents, size=(big // 8, big // 8), mode=mode, antialias=antialias)
+    else:
+        small = pipe(**common, height=SIZE, width=SIZE, num_inference_steps=4, generator=seeds(),
+                     output_type="pil").images
+        image = [upscale_to(im, upscaler, big, big) for im in small]
+    out = img2img(**common, image=image, strength=0.6, num_inference_steps=4, generator=seeds(), height=big,
+                  width=big, output_type="np").images
+    expected = np.round(np.clip(out, 0, 1) * 255).astype(np.int16)
+    got = engine.generate(Request(prompt=PROMPT, negative_prompt=NEGATIVE, width=SIZE, height=SIZE, steps=4,
+                                  cfg_scale=4.0, sampler="euler", seed=3, batch_size=2,
+                                  hires=Hires(scale=2, upscaler=upscaler, denoise=0.6)))
+    assert [im.size for im in got.images] == [(big, big)] * 2
+    assert np.abs(_pixels(got.images) - expected).max() <= MAX_PIXEL_DIFF
+    assert got.infotext["Hires upscaler"] == upscaler
+
+
 def test_skip_layer_guidance_matches_diffusers(models):
     """SD3.5's skip-layer guidance: diffusers' skip_guidance_layers with its start/stop window over the steps."""
     pipe, engine, _, _, _ = models
