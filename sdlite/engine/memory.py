@@ -28,6 +28,7 @@ from ..models.bert import BertEmbeddings, BertLayer
 from ..models.clip import Embeddings, EncoderLayer
 from ..models.layers import Downsample, ResnetBlock, Upsample
 from ..models.mmdit import JointBlock
+from ..config.t5 import T5Config
 from ..models.t5 import T5LayerFF
 from ..models.unet import TransformerBlock
 from .cpu import default_prepack
@@ -249,12 +250,14 @@ class ModelManager:
                  weight_dtype: torch.dtype | None = None, preloaded: StableDiffusion | None = None,
                  quantize: str = "none", prepack: bool | None = None, vae_dtype: torch.dtype | None = None,
                  winograd: bool | None = None, text_dtype: torch.dtype | None = None, channels_last: bool = False,
-                 compile: bool = False, fp32_kernels: bool = False):
+                 compile: bool = False, fp32_kernels: bool = False, t5_dtype: torch.dtype | None = None):
         self.ckpt, self.mode, self.dtype, self.device = ckpt, check_memory_mode(mode), dtype, torch.device(device)
         # the VAE's own compute dtype where it differs (SDXL's VAE decodes in fp32 under half-precision compute)
         self.vae_dtype = vae_dtype
-        # the text encoders' where it differs (the bf16 precision keeps them in fp32)
+        # the text encoders' where it differs (the bf16 precision keeps CLIP in fp32), and T5's where it differs again
+        # (bf16 under the bf16 precisions)
         self.text_dtype = text_dtype
+        self.t5_dtype = t5_dtype
         # the UNet's and VAE's weights channels-last, so that their convolutions (and everything between them) run
         # channels-last end to end (the bf16 precision, sdlite.engine.precision)
         self.channels_last = channels_last
@@ -334,9 +337,16 @@ class ModelManager:
         """The compute dtype of network ``name``."""
         if name == "vae" and self.vae_dtype is not None:
             return self.vae_dtype
+        if name in TEXT_ENCODERS and self.t5_dtype is not None and self._is_t5(name):
+            return self.t5_dtype
         if name in TEXT_ENCODERS and self.text_dtype is not None:
             return self.text_dtype
         return self.dtype
+
+    def _is_t5(self, name: str) -> bool:
+        spec = self.ckpt.spec if self.ckpt is not None else None
+        field = {"text_encoder": "text", "text_encoder_2": "text2", "text_encoder_3": "text3"}[name]
+        return spec is not None and isinstance(getattr(spec, field, None), T5Config)
 
     def _build(self, name: str) -> nn.Module:
         if self._streams_from_file(name):

@@ -15,8 +15,11 @@ OpenVINO's PERFORMANCE / ACCURACY execution modes:
   PyTorch's operations and F(2x2, 3x3)).
 * ``bf16`` -- the UNet and the VAE in bf16, channels-last, end to end (norms, attention -- sdlite's fused kernel
   on AVX512-BF16 CPUs (:mod:`sdlite.kernels.bf16`, ~3x PyTorch's flash kernel there), else PyTorch's -- and
-  activations too, no fp32 round trips between layers); the text encoders stay fp32 (one pass per generation,
-  0.5 s, and their output conditions every step). Needs native bf16 dot products to pay: ``avx512_bf16``,
+  activations too, no fp32 round trips between layers); the CLIP text encoders stay fp32 (one pass per generation,
+  0.5 s, and their output conditions every step). T5-XXL (SD3) computes in bf16, as it was trained: 4.7B
+  parameters, 19 GB in fp32 against 9.5 GB, and the larger part of an SD3 generation's text encoding (one
+  full-size layer on a CFG batch of 256 tokens: 1.38 s against 3.26 s in fp32 on a busy 2-core Xeon with AMX, its
+  output 2e-2 from fp32's, relative; BENCHMARKS.md, "SD3.5", gives the image's distance from exact). Needs native bf16 dot products to pay: ``avx512_bf16``,
   ``amx_bf16`` or ``avx_ne_convert``; with AVX-512 but none of them oneDNN emulates bf16 (2.5-3x slower than fp32,
   allowed with a warning); below AVX-512 it is refused.
 * ``bf16-int8`` -- ``bf16``, with the UNet's 3x3 convolutions (ResNet blocks, down/upsamplers) and its transformers'
@@ -66,7 +69,8 @@ PRECISIONS = {
     "exact": "fp32 everywhere: the diffusers-exact path",
     "fp32-fast": "fp32 everywhere, attention, GEGLU and Winograd F(4x4,3x3) convolutions on sdlite's AVX2 kernels "
                  "(not bit-exact: about fp32 rounding)",
-    "bf16": "UNet and VAE in bf16, channels-last end to end; text encoders fp32 (needs native bf16 on a CPU)",
+    "bf16": "UNet (or transformer) and VAE in bf16, channels-last end to end; CLIP fp32, T5 bf16 (needs native bf16 "
+            "on a CPU)",
     "int8": "UNet Linear/Conv2d in int8 (weights per channel, activations dynamic), the rest fp32",
     "int8-bf16": "UNet Linear in int8, its convolutions in bf16, the rest fp32",
     "bf16-int8": "bf16 (as bf16) with the UNet's 3x3 convolutions and transformer Linear layers in int8 "
@@ -105,6 +109,7 @@ class Precision:
     channels_last: bool = False   # UNet and VAE weights (and so their activations) channels-last
     reason: str = ""              # why (for auto: why this one on this device)
     fp32_kernels: bool = False    # attention and GEGLU on sdlite's fp32 kernels (fp32-fast)
+    t5_dtype: torch.dtype | None = None   # T5's, where it is not text_dtype (None: text_dtype)
 
     @property
     def label(self) -> str:
@@ -162,7 +167,7 @@ def whole_unet(plan: Precision, streams: bool) -> Precision:
     if not streams or plan.requested != "auto" or plan.name != "bf16-int8":
         return plan
     return Precision("bf16", "auto", plan.dtype, plan.vae_dtype, plan.text_dtype, channels_last=plan.channels_last,
-                     reason="the UNet is streamed block by block (memory mode 0), which int8 layers cannot be: bf16; "
+                     t5_dtype=torch.bfloat16, reason="the UNet is streamed block by block (memory mode 0), which int8 layers cannot be: bf16; "
                             + plan.reason)
 
 
@@ -213,7 +218,8 @@ def resolve(name: str = "auto", device: str | torch.device = "cpu", cpu: CPUInfo
     if chosen == "bf16":
         if device.type == "cpu":
             _check_bf16(cpu)
-        return Precision("bf16", requested, bf16, bf16, fp32, channels_last=device.type == "cpu", reason=reason)
+        return Precision("bf16", requested, bf16, bf16, fp32, channels_last=device.type == "cpu", reason=reason,
+                         t5_dtype=bf16)
     # int8 modes: the CPU's oneDNN kernels
     if spec is not None and spec.unet is None:
         raise PrecisionError(f"precision {chosen!r} quantizes a UNet's layers; this model's transformer "
@@ -223,7 +229,7 @@ def resolve(name: str = "auto", device: str | torch.device = "cpu", cpu: CPUInfo
     if chosen == "bf16-int8":
         _check_bf16_int8(cpu)
         return Precision("bf16-int8", requested, bf16, bf16, fp32, quantize="bf16-int8", channels_last=True,
-                         reason=reason)
+                         reason=reason, t5_dtype=bf16)
     if chosen == "int8-bf16":
         _check_bf16(cpu)
     return Precision(chosen, requested, fp32, fp32, fp32, quantize=chosen, reason=reason)

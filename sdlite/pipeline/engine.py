@@ -112,7 +112,8 @@ class Engine(LoadedModel):
                                                                     weight_dtype)
         manager = ModelManager(ckpt, memory_mode, dtype, device, weight_dtype=weight_dtype, quantize=quantize,
                                prepack=prepack, vae_dtype=vae_dtype, winograd=winograd, text_dtype=plan.text_dtype,
-                               channels_last=plan.channels_last, compile=compile, fp32_kernels=plan.fp32_kernels)
+                               channels_last=plan.channels_last, compile=compile, fp32_kernels=plan.fp32_kernels,
+                               t5_dtype=plan.t5_dtype)
         if memory_mode != 0:
             manager.get(ckpt.spec.denoiser)  # resident from the start: the load is part of getting ready
         if ckpt.prediction_source == "unresolved":
