@@ -357,3 +357,29 @@ def test_the_a1111_server_lists_switches_and_runs_sd3(models, tmp_path):
         assert np.array_equal(got, _pixels(expected.images)[0])
         refused = c.post(f"{api}/txt2img", json={"prompt": PROMPT, "steps": 2, "sampler_name": "DDIM"})
         assert refused.status_code == 422 and "flow-matching" in refused.text, refused.text
+
+
+def test_large_turbo_is_told_by_its_name_and_gets_its_defaults(models, tmp_path):
+    """SD3.5 Large Turbo has Large's network and scheduler; only the name it is published under tells it apart.
+    Under that name it gets its model card's settings (4 steps, no guidance) where the command line gives none,
+    and `sdlite info` says Turbo; the same folder under another name is Large, with Large's defaults."""
+    import argparse
+
+    from sdlite.cli.generate import _resolve_turbo_defaults
+    from sdlite.families import family_for
+    from sdlite.families.describe import family_name
+
+    pipe = models[0]
+    large = _transformer(6, dual_attention_layers=())   # qk norm without dual attention: SD3.5 Large's kind
+    pipe_large = type(pipe)(**{**pipe.components, "transformer": large})
+    pipe_large.save_pretrained(tmp_path / "stable-diffusion-3.5-large-turbo")
+    (tmp_path / "my-large").symlink_to(tmp_path / "stable-diffusion-3.5-large-turbo", target_is_directory=True)
+    for name, turbo, defaults in (("stable-diffusion-3.5-large-turbo", True, (4, 1.0)), ("my-large", False, (28, 3.5))):
+        spec = open_model(tmp_path / name).spec
+        assert (spec.family, spec.turbo) == ("sd3.5-large", turbo)
+        assert ("Turbo" in family_name(spec)) == turbo
+        args = argparse.Namespace(model=str(tmp_path / name), steps=None, cfg=None, sampler=None,
+                                  timestep_spacing=None, turbo=False, prediction_type=None, text_encoder=None)
+        _resolve_turbo_defaults(args)
+        assert (args.steps, args.cfg, args.sampler) == (*defaults, "euler")
+        assert family_for(spec).sampling_defaults["steps"] == defaults[0]

@@ -239,7 +239,7 @@ def _resolve_turbo_defaults(args):
         except SDLiteError:
             turbo = False
     for key in unset:
-        setattr(args, key, (TURBO_DEFAULTS if turbo else own or PLAIN_DEFAULTS)[key])
+        setattr(args, key, (own or (TURBO_DEFAULTS if turbo else PLAIN_DEFAULTS))[key])   # a family's own first
     return ckpt
 
 

@@ -16,7 +16,7 @@ FAMILY_NAMES = {
     "sd-x4-upscaler": "Stable Diffusion x4 upscaler",
     "sd3": "Stable Diffusion 3 (Medium)",
     "sd3.5-medium": "Stable Diffusion 3.5 Medium (MMDiT-X)",
-    "sd3.5-large": "Stable Diffusion 3.5 Large (or Large Turbo)",
+    "sd3.5-large": "Stable Diffusion 3.5 Large",
 }
 
 

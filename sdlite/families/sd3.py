@@ -97,7 +97,9 @@ class SD3Family(Family):
     def sampling_defaults(self) -> dict:
         """The settings a command line leaves unset get for this model: the published ones (diffusers'
         StableDiffusion3Pipeline: 28 steps, cfg 7; the SD3.5 model cards: Large 28 steps at 3.5, Medium 40 at
-        4.5), with FlowMatch Euler."""
+        4.5; Large Turbo 4 steps without guidance), with FlowMatch Euler."""
+        if self.spec.turbo:   # SD3.5 Large Turbo's model card: 4 steps, guidance 0 (diffusers' off: cfg 1 here)
+            return {"steps": 4, "cfg": 1.0, "sampler": "euler", "timestep_spacing": None}
         steps, cfg = {"sd3.5-large": (28, 3.5), "sd3.5-medium": (40, 4.5)}.get(self.spec.family, (28, 7.0))
         return {"steps": steps, "cfg": cfg, "sampler": "euler", "timestep_spacing": None}
 
