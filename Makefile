@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: setup setup-openvino test run bench clean
+.PHONY: setup setup-openvino setup-sdcpp test run bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -40,6 +40,18 @@ $(OV_VENV)/.installed:
 	touch $@
 
 setup-openvino: $(OV_VENV)/.installed
+
+# stable-diffusion.cpp for bench/sdcpp.py alone, in a virtualenv of its own: PyPI's stable-diffusion-cpp-python built
+# from source (cmake and a C++ compiler; about 15 minutes on 2 cores) with GGML_NATIVE, so ggml uses this CPU's ISA
+SDCPP_VENV := .venv-sdcpp
+$(SDCPP_VENV)/.installed:
+	$(PY) -m venv $(SDCPP_VENV)
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(SDCPP_VENV)/bin/pip install --quiet --no-binary stable-diffusion-cpp-python \
+		"stable-diffusion-cpp-python==0.4.7"
+	$(SDCPP_VENV)/bin/python -c "from stable_diffusion_cpp import StableDiffusion"
+	touch $@
+
+setup-sdcpp: $(SDCPP_VENV)/.installed
 
 # then the CPU-dependent tests again as an AVX2-only CPU runs them (no AVX-512, no VNNI: 7-bit int8
 # activations, no prepacking by default), by capping oneDNN's and PyTorch's kernels on this one; the Winograd
@@ -78,4 +90,4 @@ bench: setup setup-openvino
 	$(BIN)/python bench/controlnet.py all
 
 clean:
-	rm -rf $(VENV) $(OV_VENV) build *.egg-info
+	rm -rf $(VENV) $(OV_VENV) $(SDCPP_VENV) build *.egg-info
