@@ -88,6 +88,9 @@ bench: setup setup-openvino
 	# the hires fix and upscalers, then one ControlNet's cost per step beside diffusers and memory mode 0 with one
 	$(BIN)/python bench/hires.py all
 	$(BIN)/python bench/controlnet.py all
+	# the test suite's parity cases against diffusers at the real SD 1.5 / 2.1 shapes (the tests run them on tiny
+	# models); writes bench/parity.json and bench/parity.md, fails when a case is outside its bound
+	$(BIN)/python bench/parity.py
 
 clean:
 	rm -rf $(VENV) $(OV_VENV) $(SDCPP_VENV) build *.egg-info

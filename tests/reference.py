@@ -199,3 +199,55 @@ def use_scheduler(pipe, sampler: str, spacing: str | None = None):
         config["_use_default_values"] = [k for k in config.get("_use_default_values", []) if k != "timestep_spacing"]
     pipe.scheduler = getattr(diffusers, cls).from_config(config)
     return pipe
+
+
+# --- full-size folders ---------------------------------------------------------------------------------------
+
+def write_sd15_folder(folder):
+    """A full-size SD 1.5 diffusers folder at ``folder`` (fp32, random weights at the real shapes: PyTorch's default
+    initialisation after ``torch.manual_seed(0)``), written by sdlite. The tests' session fixture and
+    bench/parity.py build it alike."""
+    from pathlib import Path
+
+    from sdlite.config import SD15
+    from sdlite.export import save_diffusers
+    from sdlite.loader import StableDiffusion
+    from sdlite.models.clip import CLIPTextEncoder
+    from sdlite.models.unet import UNet
+    from sdlite.models.vae import AutoencoderKL
+    from sdlite.tokenizers.clip_bpe import CLIPTokenizer
+
+    folder = Path(folder)
+    torch.manual_seed(0)
+    model = StableDiffusion(spec=SD15, tokenizer=CLIPTokenizer.from_package(), text_encoder=CLIPTextEncoder(SD15.text),
+                            unet=UNet(SD15.unet), vae=AutoencoderKL(SD15.vae), scheduler_config=dict(SD15.scheduler))
+    save_diffusers(model, folder)
+    del model
+    return folder
+
+
+def write_sd15_inpaint_folder(sd15_folder, folder):
+    """A full-size SD 1.5 inpainting diffusers folder (9-channel UNet) at ``folder``, made from ``sd15_folder``: its
+    text encoder, VAE, tokenizer and scheduler are shared through symlinks, and its UNet is the same but for a
+    9-channel ``conv_in``, stored in fp16 (half the size to write; both readers up-cast)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    sd15_folder, folder = Path(sd15_folder), Path(folder)
+    folder.mkdir(parents=True)
+    for sub in ("text_encoder", "vae", "tokenizer", "scheduler"):
+        (folder / sub).symlink_to(sd15_folder.resolve() / sub, target_is_directory=True)
+    (folder / "model_index.json").write_text((sd15_folder / "model_index.json").read_text())
+    (folder / "unet").mkdir()
+    config = json.loads((sd15_folder / "unet" / "config.json").read_text())
+    (folder / "unet" / "config.json").write_text(json.dumps({**config, "in_channels": 9}))
+    state = load_file(sd15_folder / "unet" / "diffusion_pytorch_model.safetensors")
+    weight = state["conv_in.weight"]
+    extra = torch.randn(weight.shape[0], 5, *weight.shape[2:], generator=torch.Generator().manual_seed(9))
+    state["conv_in.weight"] = torch.cat([weight, extra * weight.std()], dim=1)
+    save_file({k: v.half().contiguous() for k, v in state.items()},
+              folder / "unet" / "diffusion_pytorch_model.safetensors", metadata={"format": "pt"})
+    del state
+    return folder

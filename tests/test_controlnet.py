@@ -2,7 +2,8 @@
 network against ControlNetModel, lllyasviel's layout against diffusers' own converter, generation against
 StableDiffusionControlNetPipeline (samplers, weights, guidance windows), two ControlNets against MultiControlNetModel,
 image to image against StableDiffusionControlNetImg2ImgPipeline, and A1111's soft-injection modes against a direct
-computation of the extension's formulas."""
+computation of the extension's formulas. The cases bench/parity.py runs at the real SD 1.5 shapes (``parity_*``: each
+layout, two units, image to image) run here on the tiny models through the same functions."""
 from __future__ import annotations
 
 import numpy as np
@@ -76,11 +77,16 @@ def tiny(tmp_path_factory):
         pipe.unet.conv_out.weight.mul_(8)
     pipe = saved_pipeline(pipe, tmp / "model")
     nets = [diffusers_controlnet(pipe.unet, 40 + i) for i in range(2)]
+    with torch.no_grad():   # fp16-representable, so that an fp16 file (as lllyasviel's releases are) holds the same
+        for p in nets[0].parameters():
+            p.copy_(p.half().float())
     folders = []
     for i, cn in enumerate(nets):
         cn.save_pretrained(tmp / f"cn{i}")
         folders.append(tmp / f"cn{i}")
     save_file(original_state(nets[0]), tmp / "control_tiny.safetensors")
+    save_file({"control_model." + k: v.half() for k, v in original_state(nets[0]).items()},
+              tmp / "control_v11p_tiny.safetensors")
     common = dict(vae=pipe.vae, text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer, unet=pipe.unet,
                   scheduler=pipe.scheduler, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
     one = StableDiffusionControlNetPipeline(controlnet=nets[0], **common)
@@ -89,7 +95,8 @@ def tiny(tmp_path_factory):
     for p in (one, two, img):
         p.set_progress_bar_config(disable=True)
     return {"one": one, "two": two, "img": img, "nets": nets, "folders": folders, "tmp": tmp,
-            "engine": Engine.load(tmp / "model", precision="exact"), "file": tmp / "control_tiny.safetensors"}
+            "engine": Engine.load(tmp / "model", precision="exact"), "file": tmp / "control_tiny.safetensors",
+            "layouts": {"folder": folders[0], "original": tmp / "control_v11p_tiny.safetensors"}}
 
 
 # --- the network and its files -------------------------------------------------------------------------------------
@@ -260,6 +267,72 @@ def test_img2img_matches_diffusers(tiny, sampler):
     unit = ControlUnit(tiny["folders"][0], control, weight=0.9, guidance_start=0.1, guidance_end=0.9,
                        resize_mode="just-resize")
     got, _ = generate(tiny["engine"], sampler, [unit], seed=9, steps=8, init_image=init, strength=0.6)
+    assert np.abs(got - expected).max() <= MAX_PIXEL_DIFF
+
+
+# --- the cases bench/parity.py runs at the real SD 1.5 shapes --------------------------------------------------------
+# (layout, sampler, weight, guidance start, guidance end) of one ControlNet: 4 steps, seed 21; "original" is
+# lllyasviel's single-file layout in fp16 under control_model., as the control_v11p_sd15_* releases are.
+PARITY_CASES = [("folder", "dpmpp_2m_karras", 1.0, 0.0, 1.0), ("original", "euler_a", 0.7, 0.25, 0.75)]
+
+
+def parity_case(pipe, engine, path, sampler, weight, start, end):
+    """One of ``PARITY_CASES`` with the ControlNet at ``path``: (sdlite's pixels, diffusers' pixels, sdlite's pixels
+    without the control)."""
+    image = control_image(1)
+    expected = reference(pipe, sampler, image, seed=21, steps=4, scale=weight, start=start, end=end, image=image)
+    unit = ControlUnit(path, image, weight=weight, guidance_start=start, guidance_end=end, resize_mode="just-resize")
+    got, _ = generate(engine, sampler, [unit], seed=21, steps=4)
+    plain, _ = generate(engine, sampler, [], seed=21, steps=4)
+    return got, expected, plain
+
+
+def parity_two(pipe, engine, path):
+    """Two units of the ControlNet at ``path`` (Euler, weights 0.6 and 1.1, the second from half way) against
+    MultiControlNetModel of that network twice: (sdlite's pixels, diffusers' pixels)."""
+    images = [control_image(2), control_image(3)]
+    expected = reference(pipe, "euler", images, seed=4, steps=4, scale=[0.6, 1.1], start=[0.0, 0.5], end=[1.0, 1.0],
+                         image=images)
+    units = [ControlUnit(path, images[0], weight=0.6, resize_mode="just-resize"),
+             ControlUnit(path, images[1], weight=1.1, guidance_start=0.5, resize_mode="just-resize")]
+    got, _ = generate(engine, "euler", units, seed=4, steps=4)
+    return got, expected
+
+
+def parity_img2img(pipe, engine, path):
+    """Image to image (DDIM, strength 0.7, 6 steps, weight 0.8) against StableDiffusionControlNetImg2ImgPipeline:
+    (sdlite's pixels, diffusers' pixels)."""
+    init = Image.fromarray(np.random.default_rng(5).integers(0, 255, (SIZE, SIZE, 3), dtype=np.uint8))
+    control = control_image(6)
+    expected = reference(pipe, "ddim", control, seed=8, steps=6, scale=0.8, image=init, control_image=control,
+                         strength=0.7)
+    unit = ControlUnit(path, control, weight=0.8, resize_mode="just-resize")
+    got, _ = generate(engine, "ddim", [unit], seed=8, steps=6, init_image=init, strength=0.7)
+    return got, expected
+
+
+@pytest.mark.parametrize("layout,sampler,weight,start,end", PARITY_CASES)
+def test_parity_cases_match_diffusers(tiny, layout, sampler, weight, start, end):
+    """Each layout as its own case against diffusers' pipeline (the fp16 single file holds the network's very
+    values), and the control changes the image."""
+    got, expected, plain = parity_case(tiny["one"], tiny["engine"], tiny["layouts"][layout], sampler, weight, start,
+                                       end)
+    assert np.abs(got - expected).max() <= MAX_PIXEL_DIFF
+    assert np.abs(plain - got).max() > 4 * MAX_PIXEL_DIFF
+
+
+def test_parity_two_units_of_one_controlnet_match_multicontrolnet(tiny):
+    """The same ControlNet given twice, as two units with their own maps, weights and windows."""
+    two = tiny["two"]
+    pipe = type(two)(**{**two.components, "controlnet": type(two.controlnet)([tiny["nets"][0]] * 2)})
+    pipe.set_progress_bar_config(disable=True)
+    got, expected = parity_two(pipe, tiny["engine"], tiny["layouts"]["folder"])
+    assert np.abs(got - expected).max() <= MAX_PIXEL_DIFF
+
+
+def test_parity_img2img_matches_diffusers(tiny):
+    """Image to image from a noise source with DDIM, the control over every step."""
+    got, expected = parity_img2img(tiny["img"], tiny["engine"], tiny["layouts"]["folder"])
     assert np.abs(got - expected).max() <= MAX_PIXEL_DIFF
 
 

@@ -1,11 +1,10 @@
 """The hires fix against the reference composition of diffusers' pipelines (sdlite.hires states the rule): the first
 pass by StableDiffusionPipeline (SDXL: StableDiffusionXLPipeline), the upscale, then StableDiffusionImg2ImgPipeline
 (StableDiffusionXLImg2ImgPipeline) on the upscaled latents or images with a generator seeded with each image's seed.
-Same PNG pixels within 2/255, on tiny models for every latent mode and several samplers, and at the real SD 1.5 shapes
-(random weights, 64 -> 128 px). Then A1111's target-size rule, the options, errors and the demo model."""
+Same PNG pixels within 2/255, on tiny models for every latent mode and several samplers, and for the cases
+bench/parity.py runs through the same functions at the real SD 1.5 shapes (random weights, 64 -> 128 px). Then
+A1111's target-size rule, the options, errors and the demo model."""
 from __future__ import annotations
-
-import gc
 
 import numpy as np
 import pytest
@@ -15,6 +14,8 @@ from sdlite.hires import LATENT_MODES, Hires, HiresError, target_size, validate
 from sdlite.pipeline import Engine, Request, RequestError
 from sdlite.upscalers.registry import upscale_to
 from tests.reference import diffusers_pipeline, saved_pipeline, use_scheduler, with_contrast
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPT = "a red circle on a blue background"
 NEGATIVE = "blurry, green"
@@ -132,6 +133,29 @@ def test_tiny_samplers_and_image_upscalers_match_diffusers(tiny, sampler, upscal
         assert "Hires sampler" in result.infotext
 
 
+# (sampler, upscaler, batch): 3 first-pass steps, 4 second-pass steps at denoise 0.6, seed 42, 64 -> 128 px, the
+# second pass on the first's sampler. The tiny model runs each below; bench/parity.py runs the same list at the real
+# SD 1.5 shapes.
+PARITY_CASES = [("euler_a", "Latent", 2), ("dpmpp_2m_karras", "Lanczos", 1)]
+
+
+def parity_case(pipes, engine, sampler, upscaler, batch):
+    """One case of ``PARITY_CASES``: (sdlite's pixels, diffusers' pixels); ``pipes``: (text to image, image to
+    image) pipelines sharing their components."""
+    kw = dict(upscaler=upscaler, seed=42, batch=batch, steps=3, hires_steps=4, denoise=0.6)
+    expected = reference_hires(*pipes, sampler, **kw)
+    got, _ = ours(engine, sampler, **kw)
+    return got, expected
+
+
+@pytest.mark.parametrize("sampler,upscaler,batch", PARITY_CASES)
+def test_tiny_parity_cases_match_diffusers(tiny, sampler, upscaler, batch):
+    """The cases bench/parity.py compares at the real SD 1.5 shapes, on the tiny model: a latent upscale at batch 2
+    with an ancestral sampler, an image upscale at batch 1 with DPM++ 2M Karras, more second-pass steps than first."""
+    got, expected = parity_case((tiny["txt"], tiny["img"]), tiny["engine"], sampler, upscaler, batch)
+    assert np.abs(got - expected).max() <= MAX_PIXEL_DIFF
+
+
 def test_each_image_regenerates_alone(tiny):
     hires = Hires(upscaler="Lanczos", denoise=0.5)
     both = tiny["engine"].generate(Request(PROMPT, width=64, height=64, steps=4, seed=30, batch_size=2, hires=hires))
@@ -173,30 +197,6 @@ def test_request_errors(tiny):
         engine.generate(Request(PROMPT, init_image=np.zeros((8, 8, 3)), hires=Hires()))
     with pytest.raises(RequestError, match="hires scale"):
         engine.generate(Request(PROMPT, hires=Hires(scale=20)))
-
-
-# --- the real SD 1.5 shapes --------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def sd15(sd15_folder):
-    from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionPipeline
-
-    txt = StableDiffusionPipeline.from_pretrained(sd15_folder, dtype=torch.float32, local_files_only=True,
-                                                  safety_checker=None, requires_safety_checker=False)
-    txt.set_progress_bar_config(disable=True)
-    img = StableDiffusionImg2ImgPipeline(**txt.components)
-    img.set_progress_bar_config(disable=True)
-    yield {"txt": txt, "img": img, "engine": Engine.load(sd15_folder, precision="exact")}
-    gc.collect()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("sampler,upscaler,batch", [("euler_a", "Latent", 2), ("dpmpp_2m_karras", "Lanczos", 1)])
-def test_full_size_hires_matches_diffusers(sd15, sampler, upscaler, batch):
-    kw = dict(upscaler=upscaler, seed=42, batch=batch, steps=3, hires_steps=4, denoise=0.6)
-    expected = reference_hires(sd15["txt"], sd15["img"], sampler, **kw)
-    got, _ = ours(sd15["engine"], sampler, **kw)
-    assert np.abs(got - expected).max() <= MAX_PIXEL_DIFF
 
 
 # --- a tiny SDXL -------------------------------------------------------------------------------------------------

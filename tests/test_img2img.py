@@ -1,11 +1,10 @@
 """Image to image and inpainting against diffusers' StableDiffusionImg2ImgPipeline and
-StableDiffusionInpaintPipeline: the same seeds give the same PNG pixels (at most 2/255 apart), at batch 2, for
-every sampler on a tiny model and at the real SD 1.5 shapes (random weights, 128x128, 4 steps) for the samplers
-and strengths people use most. Parity with diffusers is measured with no mask blur and no paste-back, which
-diffusers does not do."""
+StableDiffusionInpaintPipeline: the same seeds give the same PNG pixels (at most 2/255 apart), at batch 2, on a tiny
+model: every sampler, and the samplers and strengths people use most (``PARITY_CASES``), which bench/parity.py runs
+through the same functions at the real SD 1.5 shapes (random weights, 128x128). Parity with diffusers is measured
+with no mask blur and no paste-back, which diffusers does not do."""
 from __future__ import annotations
 
-import gc
 import json
 import os
 
@@ -17,6 +16,8 @@ from PIL import Image, ImageDraw
 from sdlite.pipeline import Engine, Request
 from tests.reference import (MORE_SCHEDULERS, SCHEDULERS, diffusers_pipeline, saved_pipeline, use_scheduler,
                              with_contrast)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPT = "a red circle on a blue background"
 NEGATIVE = "blurry, green"
@@ -88,7 +89,34 @@ def ours(engine, sampler, image, strength, *, steps, seed, batch=2, cfg=7.5, mas
     return as_uint8(result.images), result
 
 
-# --- tiny model: every sampler -------------------------------------------------------------------------------
+# The samplers and strengths people use most: (sampler, strength) per mode, 4 steps. The tiny model runs each
+# below; bench/parity.py runs the same list at the real SD 1.5 shapes (the 9-channel UNet from an inpainting
+# folder, the 4-channel one from the plain model).
+PARITY_CASES = {
+    "img2img": [(sampler, strength) for sampler in ("euler", "euler_a", "dpmpp_2m_karras", "ddim")
+                for strength in (0.3, 0.75, 1.0)],
+    "inpaint_4ch": [("euler_a", 0.75), ("dpmpp_2m_karras", 1.0)],
+    "inpaint_9ch": [("euler", 1.0), ("euler_a", 0.75), ("dpmpp_2m_karras", 0.75)],
+}
+PARITY_STEPS = 4
+PARITY_SEEDS = {"img2img": 42, "inpaint_4ch": 7, "inpaint_9ch": 5}
+
+
+def parity_case(pipes, engines, mode, sampler, strength, *, size):
+    """One case of ``PARITY_CASES``: (sdlite's pixels, diffusers' pixels) at batch 2. ``pipes`` / ``engines``: the
+    diffusers pipeline and the sdlite engine by mode ("img2img", "inpaint_4ch", "inpaint_9ch")."""
+    image, seed = source_image(size), PARITY_SEEDS[mode]
+    if mode == "img2img":
+        expected = reference_img2img(pipes[mode], sampler, image, strength, steps=PARITY_STEPS, seed=seed)
+        got, _ = ours(engines[mode], sampler, image, strength, steps=PARITY_STEPS, seed=seed)
+    else:
+        mask = square_mask(size)
+        expected = reference_inpaint(pipes[mode], sampler, image, mask, strength, steps=PARITY_STEPS, seed=seed)
+        got, _ = ours(engines[mode], sampler, image, strength, steps=PARITY_STEPS, seed=seed, mask=mask)
+    return got, expected
+
+
+# --- tiny model -----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
@@ -138,6 +166,17 @@ def test_tiny_inpaint_9ch_matches_diffusers(tiny, sampler, strength):
     assert max_pixel_diff(got, expected) <= 2
 
 
+@pytest.mark.parametrize("mode,sampler,strength", [(mode, *case) for mode, cases in PARITY_CASES.items()
+                                                    for case in cases])
+def test_tiny_parity_cases_match_diffusers(tiny, mode, sampler, strength):
+    """The cases bench/parity.py compares at the real SD 1.5 shapes, on the tiny model: low strengths (0.3 runs
+    one of the 4 steps) to full repainting, with both inpainting UNets."""
+    pipes = {"img2img": tiny["img2img"], "inpaint_4ch": tiny["inpaint_4ch"], "inpaint_9ch": tiny["inpaint"]}
+    engines = {"img2img": tiny["engine"], "inpaint_4ch": tiny["engine"], "inpaint_9ch": tiny["inpaint_engine"]}
+    got, expected = parity_case(pipes, engines, mode, sampler, strength, size=64)
+    assert max_pixel_diff(got, expected) <= 2
+
+
 def test_img2img_image_regenerates_alone_from_its_seed(tiny):
     image = source_image(64)
     batch, _ = ours(tiny["engine"], "euler_a", image, 0.7, steps=5, seed=40, batch=2)
@@ -169,77 +208,3 @@ def test_inpainting_model_does_text_to_image_with_a_full_mask(tiny):
     result = tiny["inpaint_engine"].generate(Request(prompt=PROMPT, negative_prompt=NEGATIVE, steps=4,
                                                      sampler="euler", seed=3, width=64, height=64))
     assert max_pixel_diff(as_uint8(result.images), expected) <= 2
-
-
-# --- the real SD 1.5 shapes ----------------------------------------------------------------------------------
-
-# the full-size pipelines and engines (about 8 GB a set): one set alive at a time
-_FULL: dict = {}
-
-
-def _full_set(name, build) -> dict:
-    if name not in _FULL:
-        _FULL.clear()
-        gc.collect()
-        _FULL[name] = build()
-    return _FULL[name]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _free_full_sets():
-    yield
-    _FULL.clear()
-    gc.collect()
-
-
-@pytest.fixture
-def sd15(sd15_folder):
-    from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline
-
-    def build():
-        pipe = StableDiffusionImg2ImgPipeline.from_pretrained(sd15_folder, dtype=torch.float32,
-                                                              local_files_only=True, safety_checker=None,
-                                                              requires_safety_checker=False)
-        return {"img2img": pipe, "inpaint_4ch": StableDiffusionInpaintPipeline(**pipe.components),
-                "engine": Engine.load(sd15_folder, precision="exact")}
-    return _full_set("sd15", build)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("sampler", ["euler", "euler_a", "dpmpp_2m_karras", "ddim"])
-@pytest.mark.parametrize("strength", [0.3, 0.75, 1.0])
-def test_full_size_img2img_matches_diffusers(sd15, sampler, strength):
-    image = source_image(128)
-    expected = reference_img2img(sd15["img2img"], sampler, image, strength, steps=4, seed=42)
-    got, _ = ours(sd15["engine"], sampler, image, strength, steps=4, seed=42)
-    assert max_pixel_diff(got, expected) <= 2
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("sampler,strength", [("euler_a", 0.75), ("dpmpp_2m_karras", 1.0)])
-def test_full_size_inpaint_4ch_matches_diffusers(sd15, sampler, strength):
-    image, mask = source_image(128), square_mask(128)
-    expected = reference_inpaint(sd15["inpaint_4ch"], sampler, image, mask, strength, steps=4, seed=7)
-    got, _ = ours(sd15["engine"], sampler, image, strength, steps=4, seed=7, mask=mask)
-    assert max_pixel_diff(got, expected) <= 2
-
-
-@pytest.fixture
-def sd15_inpaint(sd15_inpaint_folder):
-    from diffusers import StableDiffusionInpaintPipeline
-
-    def build():
-        pipe = StableDiffusionInpaintPipeline.from_pretrained(sd15_inpaint_folder, dtype=torch.float32,
-                                                              local_files_only=True, safety_checker=None,
-                                                              requires_safety_checker=False)
-        return {"inpaint": pipe, "engine": Engine.load(sd15_inpaint_folder, precision="exact")}
-    return _full_set("sd15_inpaint", build)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("sampler,strength", [("euler", 1.0), ("euler_a", 0.75), ("dpmpp_2m_karras", 0.75)])
-def test_full_size_inpaint_9ch_matches_diffusers(sd15_inpaint, sampler, strength):
-    image, mask = source_image(128), square_mask(128)
-    expected = reference_inpaint(sd15_inpaint["inpaint"], sampler, image, mask, strength, steps=4, seed=5)
-    got, _ = ours(sd15_inpaint["engine"], sampler, image, strength, steps=4, seed=5, mask=mask)
-    assert max_pixel_diff(got, expected) <= 2

@@ -1,8 +1,10 @@
 """LoRA (sdlite.adapters.lora): kohya/A1111 and diffusers/PEFT files, merged or applied on the fly, against diffusers'
 ``load_lora_weights`` + ``fuse_lora``; exact un-merging; refusals that name the file and the reason.
 
-The broad coverage runs on the tiny model; the full-size SD 1.5 shapes get four LoRA cases (each one diffusers
-run and one sdlite run at 128x128, 3 Euler steps) and one un-merge check."""
+The coverage runs on the tiny model. Four LoRA cases (``PARITY_CASES``: kohya and PEFT, with and without LoCon
+convolutions, alphas stored or implied, fp16 factors) also run as whole generations against diffusers' pipeline,
+on the tiny model here and at the real SD 1.5 shapes in bench/parity.py, through the same functions; at the real
+shapes the tests check on the meta device which layers each case's file reaches."""
 from __future__ import annotations
 
 import hashlib
@@ -19,6 +21,8 @@ from sdlite.engine.packing import PackedConv2d, PackedLinear, prepack_available
 from sdlite.loader import open_model
 from sdlite.pipeline import Engine, Request
 from tests.reference import diffusers_pipeline, saved_pipeline, use_scheduler, with_contrast
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPT = "a red circle on a blue background"
 NEGATIVE = "blurry, green"
@@ -245,6 +249,49 @@ def _tiny_case(case, tiny, tmp_path):
     raise AssertionError(case)
 
 
+# The LoRA files of whole-generation parity, for the layers of any SD 1.x network (the tiny model's here, SD 1.5's
+# in bench/parity.py and on the meta device below): (file, multiplier) lists by case.
+PARITY_CASES = ["kohya-r4", "kohya-locon-r8-fp16", "peft-r8-alpha", "peft-r4-conv-implied-alpha"]
+
+
+def parity_files(unet_shapes, te_shapes, folder) -> dict[str, list]:
+    """``unet_shapes`` / ``te_shapes``: :func:`layer_shapes` of the model's networks; the files go to ``folder``.
+    kohya rank 4 with alpha on attention; kohya LoCon rank 8, fp16, also on the ResBlocks' convolutions;
+    PEFT rank 8 with alphas in diffusers' metadata and text-encoder keys without ``text_model.``; PEFT rank 4 with
+    implied alphas on every other attention layer and the ResBlocks."""
+    us, ts = unet_shapes, te_shapes
+    every_other = dict(list(targets(us, ATTENTION).items())[::2])
+    return {
+        "kohya-r4": [(write_kohya(folder / "k4.safetensors", random_factors(targets(us, ATTENTION), 4, 1),
+                                  random_factors(targets(ts, TEXT), 4, 2), alpha=2), 1.0)],
+        "kohya-locon-r8-fp16": [(write_kohya(folder / "k8.safetensors",
+                                             random_factors(targets(us, ATTENTION + CONVS), 8, 3),
+                                             random_factors(targets(ts, TEXT), 8, 4), alpha=8,
+                                             dtype=torch.float16), 0.5)],
+        "peft-r8-alpha": [(write_peft(folder / "p8.safetensors", random_factors(targets(us, ATTENTION), 8, 5),
+                                      random_factors(targets(ts, TEXT), 8, 6), alpha=4, te_alpha=8,
+                                      text_model_prefix=False), 1.0)],
+        "peft-r4-conv-implied-alpha": [(write_peft(folder / "p4.safetensors",
+                                                   random_factors({**every_other, **targets(us, CONVS)}, 4, 7),
+                                                   random_factors(targets(ts, TEXT), 4, 8)), 0.5)],
+    }
+
+
+def parity_request(size: int) -> Request:
+    """3 Euler steps at ``size`` x ``size``, seed 42."""
+    return request(size, 3, 42, "euler")
+
+
+def parity_case(engine, pipe, files, size):
+    """(sdlite's pixels, diffusers' pixels) of one generation with ``files``: ``engine_with_loras`` against
+    diffusers' ``load_lora_weights`` + ``fuse_lora``."""
+    r = parity_request(size)
+    expected = reference_with_lora(pipe, files, r)
+    with L.engine_with_loras(engine, files):
+        got = pixels(engine.generate(r))
+    return got, expected
+
+
 TINY_CASES = ["kohya-r4", "kohya-locon-r8-fp16", "peft-r8-alpha", "peft-r4-conv-implied-alpha", "two-loras"]
 
 
@@ -270,6 +317,34 @@ def test_merged_networks_match_diffusers(tiny, tiny_nets, tmp_path, case):
     assert all(after[k] is before[k] for k in before)
     again_unet, again_te = our_outputs(unet, te, inputs, ids)
     assert torch.equal(again_unet, base_unet) and torch.equal(again_te, base_te)
+
+
+@pytest.fixture(scope="module")
+def tiny_parity(tiny, tmp_path_factory):
+    """The tiny model with a UNet whose prediction matters to the image (its output layer x20; else the few steps'
+    images are mostly the starting noise and a LoRA moves them by about one level), diffusers' pipeline and the
+    engine as loaded by default (prepacked where this CPU gains from it) on it, its no-LoRA image, and the parity
+    cases' files for its layers."""
+    tmp = tmp_path_factory.mktemp("lora_parity")
+    pipe = with_contrast(diffusers_pipeline("sd1", tmp))
+    with torch.no_grad():
+        pipe.unet.conv_out.weight.mul_(20)
+    pipe = saved_pipeline(pipe, tmp / "model")
+    engine = Engine.load(tmp / "model", precision="exact")
+    base = pixels(engine.generate(parity_request(64)))
+    return pipe, engine, base, parity_files(tiny[4], tiny[5], tmp)
+
+
+@pytest.mark.parametrize("case", PARITY_CASES)
+def test_engine_image_matches_diffusers(tiny_parity, case):
+    """A whole generation (64x64, 3 Euler steps) with the LoRA: PNG pixels within 2/255 of diffusers'
+    load_lora_weights + fuse_lora, clearly another image than without it; after the block the same engine gives
+    the no-LoRA image bit for bit."""
+    pipe, engine, base, files = tiny_parity
+    got, expected = parity_case(engine, pipe, files[case], 64)
+    assert diff(got, expected) <= 2
+    assert np.abs(got - base).mean() > 8, "the LoRA should change the image clearly"
+    assert np.array_equal(pixels(engine.generate(parity_request(64))), base)
 
 
 def test_legacy_diffusers_keys_equal_peft(tiny, tiny_nets, tmp_path):
@@ -357,6 +432,35 @@ def test_ldm_names_at_the_sd15_structure():
                                   torch.zeros(2, *shape[1:]), torch.zeros(shape[0], 2, *([1, 1] if len(shape) == 4 else []))))
     got = L.resolve_targets(unet, L.Lora("x.safetensors", "kohya", layers), "unet")
     assert {k.split(".")[0].removeprefix("lora_unet_"): v for k, v in got.items()} == expected
+
+
+# layers each parity case reaches in SD 1.5: (UNet, text encoder); of the UNet's, how many are 3x3 convolutions.
+# SD 1.5 has 16 transformers (10 attention and feed-forward layers each, and a proj_in and proj_out), 22 ResBlocks
+# (two 3x3 convolutions and a time projection each, 14 with a 1x1 shortcut) and 12 text-encoder layers (6 each).
+SD15_PARITY_LAYERS = {"kohya-r4": (192, 72, 0), "kohya-locon-r8-fp16": (272, 72, 44),
+                      "peft-r8-alpha": (192, 72, 0), "peft-r4-conv-implied-alpha": (176, 72, 44)}
+
+
+def test_parity_cases_at_the_sd15_structure(sd15_meta, tmp_path):
+    """The parity cases' files as bench/parity.py builds them for SD 1.5 (real shapes, from the meta device) read
+    back with every layer, each resolved to the SD 1.5 module it was made for and fitting its shape (what the
+    engine checks before merging): the layers, and how many, that each case changes at full size."""
+    unet, te = sd15_meta
+    us, ts = layer_shapes(unet), layer_shapes(te)
+    for case, [(path, _)] in parity_files(us, ts, tmp_path).items():
+        lora = L.read_lora(path)
+        counts = []
+        for component, network, shapes in (("unet", unet, us), ("text_encoder", te, ts)):
+            layers = lora.layers_of(component)
+            resolved = L.resolve_targets(network, lora, component)
+            assert len(set(resolved.values())) == len(layers), (case, component)
+            for layer in layers:
+                shape = shapes[resolved[layer.key]]
+                assert (layer.out_features, layer.in_features, layer.kernel) == \
+                    (shape[0], shape[1], tuple(shape[2:]) or (1, 1)), (case, layer.key)
+            counts.append(len(layers))
+        counts.append(sum(layer.kernel == (3, 3) for layer in lora.layers_of("unet")))
+        assert tuple(counts) == SD15_PARITY_LAYERS[case], case
 
 
 # --- on the fly, memory modes, prepacking ----------------------------------------------------------------------
@@ -736,61 +840,3 @@ def test_lora_hash_is_a1111s(tmp_path):
         f"mystylev2: {expected[:12]}, b: {expected[:12]}"
     with pytest.raises(L.LoraError, match=r"nope\.safetensors: cannot read the file"):
         L.lora_hash(tmp_path / "nope.safetensors")
-
-
-# --- full size (SD 1.5 shapes) ---------------------------------------------------------------------------------
-
-FULL_REQUEST = request(128, 3, 42, "euler")
-FULL_CASES = ["kohya-r4", "kohya-locon-r8-fp16", "peft-r8-alpha", "peft-r4-conv-implied-alpha"]
-
-
-@pytest.fixture(scope="module")
-def full(sd15_folder, sd15_meta, tmp_path_factory):
-    """Our engine (memory mode 1, prepacked where this CPU gains from it) and diffusers' pipeline on the full-size
-    SD 1.5 folder, the no-LoRA image, and the LoRA files of the four cases."""
-    from diffusers import StableDiffusionPipeline
-
-    pytest.importorskip("peft", reason="diffusers' load_lora_weights needs the PEFT backend (pip install peft)")
-    tmp = tmp_path_factory.mktemp("lora_full")
-    us, ts = layer_shapes(sd15_meta[0]), layer_shapes(sd15_meta[1])
-    every_other = dict(list(targets(us, ATTENTION).items())[::2])
-    files = {
-        "kohya-r4": [(write_kohya(tmp / "k4.safetensors", random_factors(targets(us, ATTENTION), 4, 1),
-                                  random_factors(targets(ts, TEXT), 4, 2), alpha=2), 1.0)],
-        "kohya-locon-r8-fp16": [(write_kohya(tmp / "k8.safetensors",
-                                             random_factors(targets(us, ATTENTION + CONVS), 8, 3),
-                                             random_factors(targets(ts, TEXT), 8, 4), alpha=8,
-                                             dtype=torch.float16), 0.5)],
-        "peft-r8-alpha": [(write_peft(tmp / "p8.safetensors", random_factors(targets(us, ATTENTION), 8, 5),
-                                      random_factors(targets(ts, TEXT), 8, 6), alpha=4, te_alpha=8,
-                                      text_model_prefix=False), 1.0)],
-        "peft-r4-conv-implied-alpha": [(write_peft(tmp / "p4.safetensors",
-                                                   random_factors({**every_other, **targets(us, CONVS)}, 4, 7),
-                                                   random_factors(targets(ts, TEXT), 4, 8)), 0.5)],
-    }
-    engine = Engine.load(sd15_folder, precision="exact")
-    pipe = StableDiffusionPipeline.from_pretrained(sd15_folder, dtype=torch.float32, local_files_only=True,
-                                                   safety_checker=None, requires_safety_checker=False)
-    base = pixels(engine.generate(FULL_REQUEST))
-    yield engine, pipe, base, files
-    del engine, pipe
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", FULL_CASES)
-def test_full_size_sd15_matches_diffusers(full, case):
-    """The real SD 1.5 shapes (random weights), 128x128, 3 Euler steps: PNG pixels within 2/255 of diffusers'
-    load_lora_weights + fuse_lora, and clearly another image than without the LoRA."""
-    engine, pipe, base, files = full
-    expected = reference_with_lora(pipe, files[case], FULL_REQUEST)
-    with L.engine_with_loras(engine, files[case]):
-        got = pixels(engine.generate(FULL_REQUEST))
-    assert diff(got, expected) <= 2
-    assert np.abs(got - base).mean() > 8, "the LoRA should change the image clearly"
-
-
-@pytest.mark.slow
-def test_full_size_unmerge_gives_the_no_lora_image(full):
-    """After the LoRA cases above, the same engine gives the no-LoRA image bit for bit."""
-    engine, _, base, _ = full
-    assert np.array_equal(pixels(engine.generate(FULL_REQUEST)), base)

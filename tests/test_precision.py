@@ -271,7 +271,9 @@ def test_lora_on_bf16_channels_last_weights(demo_engines):
 def test_default_stays_inside_the_bound_on_full_size_sd15(sd15_folder):
     """The full-size SD 1.5 (random weights, PyTorch's default init): auto against exact, 2 seeds of a short
     generation at 128x128, PSNR >= 40 dB (the issue's bound; bench/precision.py measures 8 seeds at 256^2, 20 steps).
-    Where auto is exact the images are the same."""
+    Where auto is exact the images are the same. Kept at full size in the tests: what auto picks depends on the
+    model's size (it keeps small models, the tiny ones and the demo, exact), and the reduced precision's error on
+    the real shapes' widths and depths is the bound's subject, which no tiny model shows."""
     exact = Engine.load(sd15_folder, precision="exact")
     auto = Engine.load(sd15_folder)
     assert auto.precision.name == auto_choice("cpu")[0]
