@@ -18,12 +18,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .config import (PRESETS, X4_FAMILY, X4_LOW_RES_SCHEDULER, X4_MAX_NOISE_LEVEL, X4_SCALING_FACTOR, BertTextConfig,
+from .config import (PRESETS, SD3_FAMILIES, X4_FAMILY, X4_LOW_RES_SCHEDULER, X4_MAX_NOISE_LEVEL, X4_SCALING_FACTOR, BertTextConfig,
                      ConfigError, ModelSpec, TextEncoderConfig, UNetConfig, VAEConfig, explicit_spacing, is_bert,
                      published_scheduler)
+from .config.flux import FluxConfig
 from .errors import CheckpointError
 from .models.bert import BertTextEncoder
 from .models.clip import CLIPTextEncoder
+from .models.flux import Flux
 from .models.mmdit import MMDiT
 from .models.t5 import T5Encoder
 from .models.unet import UNet
@@ -37,6 +39,7 @@ from .weights.folders import (component_store as _component_store, folder_tokeni
                               read_json as _read_json, storage_dtype as _storage_dtype,
                               text_architecture as _text_architecture)
 from .weights.io import open_checkpoint
+from .weights.flux import FLUX_PIPELINES, is_flux_file, open_flux_file, open_flux_folder
 from .weights.sd3 import SD3_PIPELINES, is_sd3_file, open_sd3_file, open_sd3_folder
 from .weights.store import ComponentSource, TensorStore
 from .weights.text_keys import normalize_bert_keys
@@ -64,8 +67,10 @@ def build_network(component: str, spec: ModelSpec) -> nn.Module:
         return BertTextEncoder(spec.text)
     if component == "text_encoder_2":   # SDXL's OpenCLIP bigG, whose projection makes the pooled text embedding
         return CLIPTextEncoder(spec.text2, projection=True)
-    if component == "text_encoder" and spec.transformer is not None:   # SD3's CLIP-L: its pooled output too
+    if component == "text_encoder" and spec.family in SD3_FAMILIES:   # SD3's CLIP-L: its pooled output too
         return CLIPTextEncoder(spec.text, projection=True)
+    if component == "transformer" and isinstance(spec.transformer, FluxConfig):
+        return Flux(spec.transformer)
     return _BUILDERS[component](getattr(spec, _SPEC_FIELD[component]))
 
 
@@ -324,7 +329,7 @@ def open_model(path: str | os.PathLike, prediction_type: str | None = None, use_
         raise
     if prediction_type is not None:
         if ckpt.spec.transformer is not None:
-            raise ConfigError(f"prediction type {prediction_type!r}: an SD3 model is flow matching, always")
+            raise ConfigError(f"prediction type {prediction_type!r}: an SD3 or FLUX model is flow matching, always")
         _set_prediction(ckpt, prediction_type, "given by the user")
     return ckpt
 
@@ -365,10 +370,12 @@ def _open_diffusers_folder(folder: Path) -> Checkpoint:
         return _open_sdxl_folder(folder, index, index_file)
     if cls in SD3_PIPELINES:
         return Checkpoint(**open_sd3_folder(folder, index, index_file))
+    if cls in FLUX_PIPELINES:
+        return Checkpoint(**open_flux_folder(folder, index, index_file))
     if cls and cls not in SD_PIPELINES + X4_PIPELINES:
         raise CheckpointError(f"pipeline class {cls!r} is not a pipeline sdlite runs (Stable Diffusion 1.x/2.x: "
                               f"{', '.join(SD_PIPELINES)}; SDXL: {', '.join(SDXL_PIPELINES)}; SD3: "
-                              f"{', '.join(SD3_PIPELINES)}; the x4 upscaler: {', '.join(X4_PIPELINES)})", index_file)
+                              f"{', '.join(SD3_PIPELINES)}; FLUX.1: {', '.join(FLUX_PIPELINES)}; the x4 upscaler: {', '.join(X4_PIPELINES)})", index_file)
     where = _component_folders(folder, index, index_file)
     stores: list[TensorStore] = []
     sources: dict[str, ComponentSource] = {}
@@ -602,10 +609,12 @@ def _open_single_file(path: Path, use_ema: bool, text_encoders=()) -> Checkpoint
     store = open_checkpoint(path)
     if is_sd3_file(store.keys()):
         return Checkpoint(**open_sd3_file(path, store, text_encoders))
+    if is_flux_file(store.keys()):
+        return Checkpoint(**open_flux_file(path, store, text_encoders))
     if text_encoders:
         store.close()
-        raise CheckpointError("separate text-encoder files (--text-encoder) go with SD3 models; this file is not "
-                              "one", path)
+        raise CheckpointError("separate text-encoder files (--text-encoder) go with SD3 and FLUX models; this file "
+                              "is not one", path)
     try:
         shapes = _shapes(store)
         detection = detect(shapes, store.metadata)

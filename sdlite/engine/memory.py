@@ -27,6 +27,7 @@ from ..loader import TEXT_ENCODERS, Checkpoint, StableDiffusion
 from ..models.bert import BertEmbeddings, BertLayer
 from ..models.clip import Embeddings, EncoderLayer
 from ..models.layers import Downsample, ResnetBlock, Upsample
+from ..models.flux import DoubleBlock, SingleBlock
 from ..models.mmdit import JointBlock
 from ..config.t5 import T5Config
 from ..models.t5 import T5LayerFF
@@ -47,7 +48,7 @@ MEMORY_MODES = {
 # SD3's transformer one joint block at a time, T5 one feed-forward at a time (its attention's Linears are units of their
 # own: block 0's relative-position table is read before that block runs)
 _UNIT_TYPES = (ResnetBlock, TransformerBlock, Downsample, Upsample, Embeddings, EncoderLayer, BertEmbeddings,
-               BertLayer, JointBlock, T5LayerFF)
+               BertLayer, JointBlock, DoubleBlock, SingleBlock, T5LayerFF)
 
 
 class MemoryModeError(SDLiteError, ValueError):

@@ -4,13 +4,14 @@ spec's family; adding one is a module here, listed in :data:`FAMILIES`."""
 from __future__ import annotations
 
 from .base import Family
+from .flux import FluxFamily
 from .sd import SDFamily
 from .sd3 import SD3Family
 from .sdxl import SDXLFamily
 from .x4 import X4Family
 
 # most specific first: the first family that takes a spec runs it
-FAMILIES: tuple[type[Family], ...] = (SD3Family, X4Family, SDXLFamily, SDFamily)
+FAMILIES: tuple[type[Family], ...] = (FluxFamily, SD3Family, X4Family, SDXLFamily, SDFamily)
 
 
 def family_for(spec) -> Family:
@@ -22,4 +23,4 @@ def family_for(spec) -> Family:
                      f"{', '.join(f.name for f in FAMILIES)})")
 
 
-__all__ = ["FAMILIES", "Family", "SD3Family", "SDFamily", "SDXLFamily", "X4Family", "family_for"]
+__all__ = ["FAMILIES", "Family", "FluxFamily", "SD3Family", "SDFamily", "SDXLFamily", "X4Family", "family_for"]

@@ -103,6 +103,9 @@ class ScheduledConditioning:
     # the network's keyword for the pooled embedding: SDXL's UNet reads it with the time ids as ``text_embeds``,
     # SD3's transformer alone as ``pooled_projections``
     pooled_key: str = "text_embeds"
+    # further network arguments, one value per image, the same for the prompt and the negative prompt (FLUX.1 dev's
+    # distilled guidance scale): name -> (1,) tensor
+    constants: dict[str, torch.Tensor] | None = None
 
     @property
     def changes(self) -> bool:
@@ -129,13 +132,14 @@ class ScheduledConditioning:
         extra = {"context": context, "uncond": uncond}
         if self.pooled is None:
             return extra
+        constants = {k: v.expand(batch) for k, v in (self.constants or {}).items()}
         pooled = self.pooled[text_at_step(self.prompt, step)]
-        extra["added"] = {self.pooled_key: pooled.expand(batch, -1)}
+        extra["added"] = {self.pooled_key: pooled.expand(batch, -1), **constants}
         if self.time_ids is not None:
             extra["added"]["time_ids"] = self.time_ids[0].expand(batch, -1)
         if self.negative is not None:
             neg = torch.zeros_like(pooled) if self.zero_negative else self.pooled[text_at_step(self.negative, step)]
-            extra["uncond_added"] = {self.pooled_key: neg.expand(batch, -1)}
+            extra["uncond_added"] = {self.pooled_key: neg.expand(batch, -1), **constants}
             if self.time_ids is not None:
                 extra["uncond_added"]["time_ids"] = self.time_ids[1].expand(batch, -1)
         return extra
@@ -166,6 +170,11 @@ class Family:
     def noise_schedule(self, scheduler_config: dict):
         """The training noise schedule the samplers walk, from the model's scheduler config."""
         return NoiseSchedule.from_config(scheduler_config)
+
+    def schedule_for(self, schedule, width: int, height: int):
+        """The model's noise schedule for a ``width`` x ``height`` image (a resolution-dependent shift sets it
+        here); by default the schedule itself."""
+        return schedule
 
     def denoiser(self, model, schedule, dtype: torch.dtype | None):
         """The denoiser (:mod:`sdlite.sampling.denoisers`) over network ``model`` run in ``dtype``: what turns its

@@ -56,6 +56,11 @@ class LoadedModel:
         # what each network computes in (sdlite.engine.precision; Engine.load sets it); recorded in the PNG
         self.precision: Precision = resolve_precision("exact" if self.device.type == "cpu" else "fp16", self.device)
 
+    def schedule_for(self, r):
+        """The noise schedule of request ``r`` (FLUX's shift depends on the image's size; other families': the
+        model's schedule as it is)."""
+        return self.family.schedule_for(self.schedule, r.width, r.height)
+
     # -- decoders ----------------------------------------------------------------------------------------------------
 
     def set_vae_decoder(self, taesd) -> None:

@@ -55,6 +55,7 @@ class SD3Family(Family):
 
     name = "sd3"
     preview_rgb = CHEAP_RGB_SD3
+    t5_tokens = T5_TOKENS    # the T5 row's length (padding included)
 
     @classmethod
     def takes(cls, spec) -> bool:
@@ -156,18 +157,20 @@ class SD3Family(Family):
         return contexts, pooled
 
     def _t5(self, model, texts: list[str], notes: list[str]) -> list[torch.Tensor]:
-        """Each text's (1, 256, 4096) T5 encoding, its tokens weighted by the prompt's emphasis; zeros without T5."""
+        """Each text's (1, t5_tokens, 4096) T5 encoding, its tokens weighted by the prompt's emphasis; zeros without
+        T5."""
         width = self.spec.transformer.joint_attention_dim
+        length = self.t5_tokens
         if self.spec.text3 is None:
             _note(notes, NO_T5_WARNING)
-            return [torch.zeros(1, T5_TOKENS, width, device=model.device) for _ in texts]
+            return [torch.zeros(1, length, width, device=model.device) for _ in texts]
         tokenizer = model.tokenizers["text_encoder_3"]
-        length = T5_TOKENS
         rows, weights = [], []
         for t in texts:
             ids, w, cut = tokenizer.encode_weighted(parse_attention(t), max_length=length)
             if cut:
-                _note(notes, f"T5 reads {length} tokens for SD3: the prompt's last {cut} tokens were cut")
+                _note(notes, f"T5 reads {length} tokens for {self.spec.family}: the prompt's last {cut} tokens were "
+                             "cut")
             rows.append(ids)
             weights.append(w)
         with torch.no_grad(), model.models.use("text_encoder_3") as encoder:

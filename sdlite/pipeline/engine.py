@@ -223,11 +223,12 @@ class Engine(LoadedModel):
         # (stochastic samplers) its per-step noise: the reference's order
         generators = [torch.Generator().manual_seed(s) for s in seeds]
         concat, start, noised, blend = None, 0, False, None
+        schedule = self.schedule_for(r)
         if start_latents is not None:   # image to image from latents: diffusers' img2img on 4-channel "images"
             x0, generators = start_latents
-            start = img2img_start(r.steps, r.strength, self.schedule)
-            p = plan(r.sampler, self.schedule, r.steps, r.schedule, r.timestep_spacing)
-            x = self.schedule.noised(x0, initial_noise(generators, shape).to(x0.device), p.sigmas[start])
+            start = img2img_start(r.steps, r.strength, schedule)
+            p = plan(r.sampler, schedule, r.steps, r.schedule, r.timestep_spacing)
+            x = schedule.noised(x0, initial_noise(generators, shape).to(x0.device), p.sigmas[start])
             x = x.to(self.device)
             noised = True
         elif source is None and not inpaint_model:
@@ -274,12 +275,13 @@ class Engine(LoadedModel):
                     from ..control.apply import ControlledUNet
 
                     model = controlled = ControlledUNet(unet, controls, use_cfg, r.steps - start, st.start - start)
-                guided = CFGDenoiser(engine.family.denoiser(model, engine.schedule, unet.dtype),
+                stage_schedule = engine.schedule_for(r)
+                guided = CFGDenoiser(engine.family.denoiser(model, stage_schedule, unet.dtype),
                                      r.cfg_scale if use_cfg else 1.0, **engine.skip_layer_guidance(r))
                 denoised = Recorded(Pieces(guided, unet_piece, r.batch_size) if unet_piece < r.batch_size
                                      else guided)
                 try:
-                    x = sample(r.sampler, denoised, x, engine.schedule, r.steps, r.schedule, generator=generators,
+                    x = sample(r.sampler, denoised, x, stage_schedule, r.steps, r.schedule, generator=generators,
                                spacing=r.timestep_spacing, eta=r.eta, callback=on_step, extra_args=extra,
                                start=st.start, noised=noised or st.start > start, end=st.end)
                 except StopSampling:  # raised by a step callback, so after at least one denoiser call
@@ -317,7 +319,7 @@ class Engine(LoadedModel):
         diffusers' StableDiffusion3Pipeline picks them (the family has checked that its network has the blocks)."""
         if not r.slg_layers:
             return {}
-        p = plan(r.sampler, self.schedule, r.steps, r.schedule, r.timestep_spacing)
+        p = plan(r.sampler, self.schedule_for(r), r.steps, r.schedule, r.timestep_spacing)
         active = frozenset(float(p.sigmas[i]) for i in range(r.steps)
                            if r.steps * r.slg_start < i < r.steps * r.slg_stop)
         return {"skip_layers": tuple(r.slg_layers), "skip_scale": float(r.slg_scale), "skip_sigmas": active}
@@ -342,9 +344,10 @@ class Engine(LoadedModel):
             pixels = image_to_tensor(source.image)
             mask = None if source.mask is None else mask_to_tensor(source.mask)
         strength = r.strength if source is not None else 1.0
-        start = img2img_start(r.steps, strength, self.schedule)
+        schedule = self.schedule_for(r)
+        start = img2img_start(r.steps, strength, schedule)
         strength_max = strength == 1.0
-        p = plan(r.sampler, self.schedule, r.steps, r.schedule, r.timestep_spacing)
+        p = plan(r.sampler, schedule, r.steps, r.schedule, r.timestep_spacing)
         sigmas = p.sigmas[start:]
         is_inpaint = mask is not None
         # diffusers' inpainting pipeline starts from pure noise at strength 1 and needs no source latents then,
@@ -367,10 +370,10 @@ class Engine(LoadedModel):
                 x0 = x0 * (1 - lat_mask) + fill * lat_mask
             if not inpaint_model:
                 blend = Blend(x0.to(self.device), noise.to(self.device), lat_mask.to(self.device), sigmas,
-                              self.schedule)
+                              schedule)
         if is_inpaint and strength_max:
             return noise.to(self.device), start, False, on_device(concat, self.device), blend
-        x = self.schedule.noised(x0, noise, sigmas[0])
+        x = schedule.noised(x0, noise, sigmas[0])
         return x.to(self.device), start, True, on_device(concat, self.device), blend
 
 

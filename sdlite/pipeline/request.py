@@ -71,6 +71,10 @@ class Request:
     slg_scale: float = 2.8
     slg_start: float = 0.01
     slg_stop: float = 0.2
+    # FLUX.1 dev's distilled guidance scale (diffusers' guidance_scale for FluxPipeline, Forge's "Distilled CFG
+    # Scale"), embedded by the transformer: not classifier-free guidance, which cfg_scale is. None: the model's
+    # default (3.5); models without a guidance embedding refuse a value
+    guidance: float | None = None
 
     @property
     def is_img2img(self) -> bool:
@@ -194,6 +198,10 @@ def validate(request: Request, native_size: int = 512) -> Request:
         raise RequestError(f"seed {seed} + batch {r.batch_size} runs past the largest seed {MAX_SEED}")
     _validate_sdxl_options(r)
     _validate_slg(r)
+    if r.guidance is not None and (isinstance(r.guidance, bool) or not isinstance(r.guidance, (int, float))
+                                   or not 0.0 <= float(r.guidance) <= 100.0):
+        raise RequestError(f"distilled guidance scale {r.guidance!r} is not valid: expected a number from 0 to 100 "
+                           "(FLUX.1 dev: 3.5 by default)")
     hires = _validate_hires(r, width, height)
     return _validate_image_options(r).replace(width=width, height=height, sampler=sampler, schedule=schedule,
                                               seed=seed, cfg_scale=float(r.cfg_scale), hires=hires,

@@ -48,7 +48,9 @@ class Transform:
 
     ``op`` is one of ``copy`` (one source, unchanged), ``to_linear`` (1x1 conv weight ``[O, I, 1, 1]`` ->
     Linear ``[O, I]``; a 2-D source passes unchanged), ``to_conv`` (Linear ``[O, I]`` -> ``[O, I, 1, 1]``),
-    ``chunk`` (``args=(index, parts)``: part ``index`` of ``parts`` equal slices along dim 0), ``cat``
+    ``chunk`` (``args=(index, parts)``: part ``index`` of ``parts`` equal slices along dim 0), ``split``
+    (``args=(index, sizes)``: part ``index`` of slices along dim 0 in the proportions ``sizes``, e.g. ``(1, 1, 1, 4)``
+    for FLUX's fused q, k, v and MLP rows), ``cat``
     (the sources concatenated along dim 0) and ``transpose`` (a 2-D matrix transposed, as a view).
     """
 
@@ -56,7 +58,7 @@ class Transform:
     args: tuple = ()
 
     def __post_init__(self):
-        if self.op not in ("copy", "to_linear", "to_conv", "chunk", "cat", "transpose"):
+        if self.op not in ("copy", "to_linear", "to_conv", "chunk", "split", "cat", "transpose"):
             raise ValueError(f"unknown transform {self.op!r}")
 
     def apply(self, tensors: Sequence[Any], key: str = "?") -> Any:
@@ -69,10 +71,10 @@ class Transform:
             return t.reshape(t.shape[0], t.shape[1]) if t.ndim != 2 else t
         if self.op == "to_conv":
             return t.reshape(t.shape[0], t.shape[1], 1, 1) if t.ndim == 2 else t
-        if self.op == "chunk":
-            index, parts = self.args
-            n = t.shape[0] // parts
-            return t[index * n:(index + 1) * n]
+        if self.op in ("chunk", "split"):
+            start, stop = self._rows(t.shape[0])
+            # a tensor that stays quantized (sdlite.weights.quants) splits by whole rows without dequantizing
+            return t.rows(start, stop) if hasattr(t, "rows") else t[start:stop]
         if self.op == "transpose":
             return t.t()
         import torch
@@ -90,8 +92,9 @@ class Transform:
             return s[:2]
         if self.op == "to_conv":
             return s + (1, 1) if len(s) == 2 else s
-        if self.op == "chunk":
-            return (s[0] // self.args[1],) + s[1:]
+        if self.op in ("chunk", "split"):
+            start, stop = self._rows(s[0])
+            return (stop - start,) + s[1:]
         if self.op == "transpose":
             return s[::-1]
         return (sum(x[0] for x in shapes),) + s[1:]
@@ -108,11 +111,23 @@ class Transform:
         if self.op == "chunk" and (not s or s[0] % self.args[1]):
             raise ConversionError(
                 f"cannot split shape {list(s)} into {self.args[1]} equal parts along dim 0", key=key)
+        if self.op == "split" and (not s or s[0] % sum(self.args[1])):
+            raise ConversionError(f"cannot split shape {list(s)} along dim 0 in the proportions "
+                                  f"{list(self.args[1])}", key=key)
         if self.op == "transpose" and len(s) != 2:
             raise ConversionError(f"expected a 2-D matrix to transpose, got shape {list(s)}", key=key)
         if self.op == "cat" and any(x[1:] != s[1:] for x in shapes):
             raise ConversionError(
                 f"cannot concatenate shapes {[list(x) for x in shapes]} along dim 0", key=key)
+
+
+    def _rows(self, n: int) -> tuple[int, int]:
+        """The rows [start, stop) of an ``n``-row source that a chunk or split takes."""
+        index, parts = self.args
+        sizes = (1,) * parts if self.op == "chunk" else tuple(parts)
+        unit = n // sum(sizes)
+        start = unit * sum(sizes[:index])
+        return start, start + unit * sizes[index]
 
 
 COPY = Transform("copy")

@@ -1,0 +1,146 @@
+"""FLUX.1 dev and schnell: a rectified-flow transformer (:mod:`sdlite.models.flux`) on SD3's kind of 16-channel
+latents, conditioned on T5-XXL's states and CLIP-L's pooled output.
+
+Conditioning, as diffusers' ``FluxPipeline`` builds it:
+
+* T5-XXL's last hidden state over a fixed row of tokens (the prompt, its end token, padding; no attention mask):
+  512 for dev, 256 for schnell (the length each model card runs; diffusers' pipeline argument
+  ``max_sequence_length``); this is the whole token context;
+* CLIP-L's pooled output (the final-normalised state at the end token, no projection) over one 77-token chunk, as the
+  added input ``pooled_projections``; a longer prompt is cut there for CLIP, with a warning;
+* dev only: the distilled guidance scale (``Request.guidance``, 3.5 by default; Forge's "Distilled CFG Scale"),
+  embedded by the transformer like a second timestep. It is not classifier-free guidance: the default cfg scale is 1
+  (off). A cfg scale above 1 runs true CFG with the negative prompt (diffusers' ``true_cfg_scale`` with a
+  ``negative_prompt``), the negative computed in the same batch;
+* A1111's emphasis weights T5's tokens as for SD3; prompt editing and alternation schedule the texts.
+
+The latents: the VAE's 16 channels less 0.1159, times 0.3611. The schedule: FlowMatchEulerDiscreteScheduler's, with
+FLUX's pipeline sigmas ``linspace(1, 1/steps, steps)``; dev shifts them by ``mu`` from the image's token count (2x2
+latent patches), schnell not at all.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..config.flux import FLUX_FAMILIES
+from ..conditioning import CHUNK_LENGTH, chunk_prompt, encode_chunks
+from ..errors import RequestError
+from ..sampling.denoisers import FlowDenoiser
+from ..sampling.flow import FlowSchedule
+from .base import ScheduledConditioning
+from .sd3 import _BREAK, SD3Family, _note
+
+# latent -> RGB of FLUX's VAE for the cheap preview, one row per channel (the factors ComfyUI's Flux latent format
+# uses)
+CHEAP_RGB_FLUX = (
+    (-0.0404, 0.0159, 0.0609), (0.0043, 0.0298, 0.0850), (0.0328, -0.0749, -0.0503), (-0.0245, 0.0085, 0.0549),
+    (0.0966, 0.0894, 0.0530), (0.0035, 0.0399, 0.0123), (0.0583, 0.1184, 0.1262), (-0.0191, -0.0206, -0.0306),
+    (-0.0324, 0.0055, 0.1001), (0.0955, 0.0659, -0.0545), (-0.0504, 0.0231, -0.0013), (0.0500, -0.0008, -0.0088),
+    (0.0982, 0.0941, 0.0976), (-0.1233, -0.0280, -0.0897), (-0.0005, -0.0530, -0.0020), (-0.1273, -0.0932, -0.0680),
+)
+DEFAULT_GUIDANCE = 3.5        # FluxPipeline's guidance_scale default, the dev model card's
+T5_TOKENS = {"flux-dev": 512, "flux-schnell": 256}
+
+
+class FluxFamily(SD3Family):
+    """FLUX.1: T5 context, CLIP-L pooled projections, (dev) the distilled guidance scale; flow matching."""
+
+    name = "flux"
+    preview_rgb = CHEAP_RGB_FLUX
+
+    @classmethod
+    def takes(cls, spec) -> bool:
+        return spec.transformer is not None and spec.family in FLUX_FAMILIES
+
+    @property
+    def t5_tokens(self) -> int:
+        return T5_TOKENS[self.spec.family]
+
+    @property
+    def guidance_embedded(self) -> bool:
+        return self.spec.transformer.guidance_embeds
+
+    def noise_schedule(self, scheduler_config: dict):
+        return dataclasses.replace(FlowSchedule.from_config(scheduler_config), sigma_spacing="linear")
+
+    def schedule_for(self, schedule, width: int, height: int):
+        """mu (dev's dynamic shift) from the image's token count: one token per 2x2 patch of the latent."""
+        return schedule.for_image((height // 16) * (width // 16))
+
+    def denoiser(self, model, schedule, dtype: torch.dtype | None):
+        return FlowDenoiser(model, schedule, dtype=dtype, multiplier=1.0)   # the network takes sigma itself
+
+    def check_request(self, r) -> None:
+        if r.slg_layers:
+            raise RequestError("skip-layer guidance is SD3.5's; FLUX.1 has no such option")
+        if r.controls:
+            raise RequestError("ControlNet for FLUX is a model kind of its own (FluxControlNetModel) that sdlite does "
+                               "not run yet; the SD 1.x/SDXL ControlNets cannot steer a FLUX transformer")
+        if r.guidance is not None and not self.guidance_embedded:
+            raise RequestError("FLUX.1 schnell has no distilled guidance (--guidance is dev's): leave it out")
+        if r.width % 16 or r.height % 16:
+            raise RequestError(f"FLUX draws images whose sides are multiples of 16 pixels (2x2 latent patches); "
+                               f"{r.width}x{r.height} is not")
+
+    def info_lines(self) -> list[str]:
+        d = self.sampling_defaults
+        lines = [f"defaults:    {d['steps']} steps, cfg {d['cfg']} (off), {d['sampler']} (flow matching)"]
+        if self.guidance_embedded:
+            lines.append(f"guidance:    distilled, {DEFAULT_GUIDANCE} by default (--guidance)")
+        lines.append(f"T5:          {self.t5_tokens} tokens")
+        return lines
+
+    @property
+    def sampling_defaults(self) -> dict:
+        """The model cards' settings: dev 28 steps (guidance 3.5), schnell 4 steps; no CFG (cfg 1); Euler."""
+        steps = 28 if self.guidance_embedded else 4
+        return {"steps": steps, "cfg": 1.0, "sampler": "euler", "timestep_spacing": None}
+
+    def text_encoder_note(self, name: str) -> str:
+        if name == "text_encoder_3":
+            return f", last hidden state over {self.t5_tokens} tokens"
+        return ", pooled output"
+
+    # -- conditioning ------------------------------------------------------------------------------------------------
+
+    def encode_texts(self, model, texts: list[str], clip_skip: int, embeddings,
+                     warnings: list[str] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each text's (1, t5_tokens, 4096) T5 context and (1, 768) CLIP-L pooled output."""
+        if embeddings is not None and embeddings.embeddings:
+            raise RequestError("textual-inversion embeddings for FLUX are not supported; remove embeddings_dir / "
+                               "--embeddings for this model")
+        if clip_skip != 1:
+            raise RequestError("clip skip has no meaning for FLUX: it reads CLIP-L's pooled output, after the last "
+                               "layer")
+        notes: list[str] = []
+        texts_in = []
+        for t in texts:
+            if _BREAK.search(t):
+                _note(notes, "BREAK has no meaning for FLUX's text encoders (CLIP reads one chunk, T5 one row): "
+                             "ignored")
+                t = _BREAK.sub(",", t)
+            texts_in.append(t)
+        chunk_lists = []
+        for t in texts_in:
+            chunks, count = chunk_prompt(model.tokenizers["text_encoder"], t, None)
+            if len(chunks) > 1:
+                _note(notes, f"CLIP reads the first {CHUNK_LENGTH} tokens of a prompt for FLUX, as diffusers does; "
+                             f"the rest ({count - CHUNK_LENGTH} tokens) reaches the model through T5 only")
+            chunk_lists.append(chunks[:1])
+        with torch.no_grad(), model.models.use("text_encoder") as encoder:
+            _, pooled = encode_chunks(encoder, chunk_lists, 1, model.device, sdxl=True, pooled=True)
+        contexts = self._t5(model, texts_in, notes)
+        if warnings is not None:
+            warnings += [n for n in notes if n not in warnings]
+        return contexts, [pooled[i] for i in range(len(texts_in))]
+
+    def scheduled(self, model, r, use_cfg, schedules, texts, contexts, pooled, warnings) -> ScheduledConditioning:
+        constants = None
+        if self.guidance_embedded:
+            g = DEFAULT_GUIDANCE if r.guidance is None else float(r.guidance)
+            constants = {"guidance": torch.tensor([g], dtype=torch.float32, device=model.device)}
+        return ScheduledConditioning(schedules[0], schedules[1] if use_cfg else None, dict(zip(texts, contexts)),
+                                     warnings, pooled=dict(zip(texts, pooled)), pooled_key="pooled_projections",
+                                     constants=constants)

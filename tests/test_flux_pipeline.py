@@ -1,0 +1,134 @@
+"""FLUX.1 end to end against diffusers' FluxPipeline on tiny random models saved as diffusers folders: CLIP-L's pooled
+output, T5's context over the model's token row, the transformer (double and single blocks, rotary ids, dev's guidance
+embedding), flow matching with FLUX's sigmas and (dev) the resolution-dependent shift, the 16-channel VAE's shift and
+scale; dev and schnell, batch 2, true CFG with a negative prompt; and what the family refuses."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import sdlite
+from sdlite.config import TextEncoderConfig, VAEConfig
+from sdlite.pipeline import Engine, Request, RequestError
+from tests.reference import diffusers_vae, seed_all, write_hf_tokenizer_files
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MAX_PIXEL_DIFF = 2   # /255, the issue's bar
+SIZE = 64            # 8x8 latents, 16 image tokens
+T5_JSON = Path(sdlite.__file__).parent / "data" / "t5" / "tokenizer.json"
+TEXT_L = TextEncoderConfig(width=32, layers=3, heads=4, mlp_width=37, projection_dim=32)
+T5_WIDTH = 48
+TRANSFORMER = dict(patch_size=1, in_channels=64, num_layers=2, num_single_layers=2, attention_head_dim=16,
+                   num_attention_heads=2, joint_attention_dim=T5_WIDTH, pooled_projection_dim=32,
+                   axes_dims_rope=(4, 6, 6))
+VAE = VAEConfig(latent_channels=16, block_channels=(32, 64, 64, 64), layers_per_block=1, scaling_factor=0.3611,
+                shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False, sample_size=SIZE)
+PROMPT, NEGATIVE = "a red circle on a blue background", "green, blurry"
+T5_TOKENS = {"dev": 512, "schnell": 256}
+
+
+def _clip(seed: int):
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    d = TEXT_L.to_diffusers()
+    for k in ("architectures", "model_type", "torch_dtype"):
+        d.pop(k)
+    return seed_all(CLIPTextModel(CLIPTextConfig(**d, attn_implementation="eager")).eval(), seed, scale=0.2)
+
+
+def _t5(seed: int):
+    from transformers import T5Config, T5EncoderModel
+
+    cfg = T5Config(vocab_size=32128, d_model=T5_WIDTH, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                   relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                   feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False)
+    return seed_all(T5EncoderModel(cfg).eval(), seed, scale=0.2)
+
+
+def _pipeline(tmp: Path, kind: str):
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTokenizer, T5TokenizerFast
+
+    from sdlite.config.flux import FLUX_DEV_SCHEDULER, FLUX_SCHNELL_SCHEDULER
+
+    vae = seed_all(diffusers_vae(VAE), 1, scale=0.05)
+    with torch.no_grad():   # contrast enough that 2/255 means something (tests.reference.with_contrast)
+        vae.decoder.conv_out.weight.mul_(30.0)
+    transformer = seed_all(FluxTransformer2DModel(**TRANSFORMER, guidance_embeds=kind == "dev").eval(), 4, scale=0.15)
+    sched = FLUX_DEV_SCHEDULER if kind == "dev" else FLUX_SCHNELL_SCHEDULER
+    pipe = FluxPipeline(
+        transformer=transformer, vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(**{k: v for k, v in sched.items() if not k.startswith("_")}),
+        text_encoder=_clip(2), tokenizer=CLIPTokenizer.from_pretrained(str(write_hf_tokenizer_files(tmp / "l"))),
+        text_encoder_2=_t5(5), tokenizer_2=T5TokenizerFast(tokenizer_file=str(T5_JSON)))
+    pipe.set_progress_bar_config(disable=True)
+    pipe.save_pretrained(tmp / kind)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("flux")
+    out = {}
+    for kind in ("dev", "schnell"):
+        pipe = _pipeline(tmp, kind)
+        out[kind] = (pipe, Engine.load(tmp / kind, precision="exact"))
+    return out
+
+
+def _pixels(images) -> np.ndarray:
+    return np.stack([np.asarray(im, dtype=np.int16) for im in images])
+
+
+def _reference(pipe, kind, size=SIZE, **kw) -> np.ndarray:
+    out = pipe(height=size, width=size, output_type="np", max_sequence_length=T5_TOKENS[kind], **kw).images
+    return np.round(np.clip(out, 0, 1) * 255).astype(np.int16)
+
+
+def test_folders_open_as_dev_and_schnell(models):
+    for kind in ("dev", "schnell"):
+        spec = models[kind][1].spec
+        assert spec.family == f"flux-{kind}" and spec.denoiser == "transformer"
+        assert spec.text_encoders == ("text_encoder", "text_encoder_3")
+        assert spec.vae.shift_factor == pytest.approx(0.1159) and spec.vae.scaling_factor == pytest.approx(0.3611)
+        assert spec.transformer.guidance_embeds == (kind == "dev")
+    assert models["dev"][1].family.sampling_defaults["steps"] == 28
+    assert models["schnell"][1].family.sampling_defaults["steps"] == 4
+
+
+@pytest.mark.parametrize("kind,steps,guidance,size", [("dev", 4, 3.5, 64), ("dev", 3, 5.0, 96),
+                                                      ("schnell", 4, None, 64)])
+def test_txt2img_matches_fluxpipeline(models, kind, steps, guidance, size):
+    """Batch 2, FlowMatch Euler; dev with its guidance scale at two sizes (mu follows the token count)."""
+    pipe, engine = models[kind]
+    kw = {} if guidance is None else {"guidance_scale": guidance}
+    expected = _reference(pipe, kind, size, prompt=PROMPT, num_inference_steps=steps, num_images_per_prompt=2,
+                          generator=[torch.Generator().manual_seed(s) for s in (7, 8)], **kw)
+    got = _pixels(engine.generate(Request(prompt=PROMPT, steps=steps, cfg_scale=1.0, seed=7, batch_size=2,
+                                          width=size, height=size, sampler="euler", guidance=guidance)).images)
+    assert np.abs(got - expected).max() <= MAX_PIXEL_DIFF
+    assert got.std() > 10, "the images should not be flat"
+
+
+def test_true_cfg_with_a_negative_prompt(models):
+    """cfg > 1 with a negative prompt is diffusers' true CFG (true_cfg_scale, negative_prompt)."""
+    pipe, engine = models["dev"]
+    expected = _reference(pipe, "dev", prompt=PROMPT, negative_prompt=NEGATIVE, true_cfg_scale=4.0,
+                          num_inference_steps=3, generator=torch.Generator().manual_seed(3))
+    got = _pixels(engine.generate(Request(prompt=PROMPT, negative_prompt=NEGATIVE, steps=3, cfg_scale=4.0, seed=3,
+                                          width=SIZE, height=SIZE, sampler="euler")).images)
+    assert np.abs(got - expected).max() <= MAX_PIXEL_DIFF
+
+
+def test_refusals_name_the_problem(models):
+    engine = models["schnell"][1]
+    with pytest.raises(RequestError, match="schnell has no distilled guidance"):
+        engine.generate(Request(prompt=PROMPT, steps=1, width=SIZE, height=SIZE, guidance=3.0))
+    with pytest.raises(RequestError, match="multiples of 16"):
+        engine.generate(Request(prompt=PROMPT, steps=1, width=72, height=SIZE))
+    with pytest.raises(RequestError, match="distilled guidance scale"):
+        models["dev"][1].generate(Request(prompt=PROMPT, steps=1, width=SIZE, height=SIZE, guidance=-1.0))
