@@ -74,6 +74,7 @@ def infotext(request, seed: int, model_hash: str | None = None, model_name: str 
         "Sampler": _A1111_BY_SAMPLER.get(request.sampler, request.sampler),
         "Schedule type": _SCHEDULE_NAMES.get(request.schedule, request.schedule),
         "CFG scale": f"{request.cfg_scale:g}",
+        "Distilled CFG Scale": None if getattr(request, "guidance", None) is None else f"{request.guidance:g}",
         "Seed": seed,
         "Size": f"{request.width}x{request.height}",
         "Model hash": model_hash,

@@ -77,6 +77,7 @@ def models(tmp_path_factory):
     for kind in ("dev", "schnell"):
         pipe = _pipeline(tmp, kind)
         out[kind] = (pipe, Engine.load(tmp / kind, precision="exact"))
+    out["folder"] = tmp
     return out
 
 
@@ -126,9 +127,119 @@ def test_true_cfg_with_a_negative_prompt(models):
 
 def test_refusals_name_the_problem(models):
     engine = models["schnell"][1]
-    with pytest.raises(RequestError, match="schnell has no distilled guidance"):
-        engine.generate(Request(prompt=PROMPT, steps=1, width=SIZE, height=SIZE, guidance=3.0))
     with pytest.raises(RequestError, match="multiples of 16"):
-        engine.generate(Request(prompt=PROMPT, steps=1, width=72, height=SIZE))
+        engine.generate(Request(prompt=PROMPT, steps=1, width=72, height=SIZE, sampler="euler"))
     with pytest.raises(RequestError, match="distilled guidance scale"):
-        models["dev"][1].generate(Request(prompt=PROMPT, steps=1, width=SIZE, height=SIZE, guidance=-1.0))
+        models["dev"][1].generate(Request(prompt=PROMPT, steps=1, width=SIZE, height=SIZE, guidance=-1.0,
+                                          sampler="euler"))
+    with pytest.raises(RequestError, match="clip skip has no meaning"):
+        engine.generate(Request(prompt=PROMPT, steps=1, width=SIZE, height=SIZE, clip_skip=2, sampler="euler"))
+    with pytest.raises(RequestError, match="skip-layer guidance is SD3.5's"):
+        engine.generate(Request(prompt=PROMPT, steps=1, width=SIZE, height=SIZE, cfg_scale=2.0, slg_layers=(1,),
+                                sampler="euler"))
+
+
+def _source(seed: int):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8))
+
+
+def test_image_to_image_matches_fluximg2imgpipeline(models):
+    """dev, strength 0.6 (mu from the source's size), guidance 4."""
+    from diffusers import FluxImg2ImgPipeline
+
+    pipe, engine = models["dev"]
+    img2img = FluxImg2ImgPipeline(**pipe.components)
+    img2img.set_progress_bar_config(disable=True)
+    source = _source(0)
+    out = img2img(prompt=PROMPT, image=source, strength=0.6, num_inference_steps=5, guidance_scale=4.0, height=SIZE,
+                  width=SIZE,
+                  max_sequence_length=512, generator=torch.Generator().manual_seed(9), output_type="np").images
+    expected = np.round(np.clip(out, 0, 1) * 255).astype(np.int16)
+    got = engine.generate(Request(prompt=PROMPT, init_image=source, strength=0.6, steps=5, guidance=4.0,
+                                  sampler="euler", seed=9, cfg_scale=1.0))
+    assert np.abs(_pixels(got.images) - expected).max() <= MAX_PIXEL_DIFF
+
+
+def test_inpainting_matches_fluxinpaintpipeline(models):
+    """schnell, the unmasked region re-imposed after each step as FluxInpaintPipeline does."""
+    from diffusers import FluxInpaintPipeline
+    from PIL import Image
+
+    pipe, engine = models["schnell"]
+    inpaint = FluxInpaintPipeline(**pipe.components)
+    inpaint.set_progress_bar_config(disable=True)
+    source = _source(1)
+    mask = Image.new("L", (SIZE, SIZE), 0)
+    mask.paste(255, (16, 16, 48, 48))
+    out = inpaint(prompt=PROMPT, image=source, mask_image=mask, strength=0.8, num_inference_steps=4, height=SIZE,
+                  width=SIZE, max_sequence_length=256, generator=torch.Generator().manual_seed(4),
+                  output_type="np").images
+    expected = np.round(np.clip(out, 0, 1) * 255).astype(np.int16)
+    got = engine.generate(Request(prompt=PROMPT, init_image=source, mask=mask, strength=0.8, steps=4,
+                                  sampler="euler", seed=4, mask_blur=0, overlay=False, cfg_scale=1.0))
+    assert np.abs(_pixels(got.images) - expected).max() <= MAX_PIXEL_DIFF
+
+
+def test_hires_fix_matches_the_diffusers_composition(models):
+    """FluxPipeline's first pass, its latents upscaled (A1111's "Latent": bilinear), then FluxImg2ImgPipeline at the
+    denoising strength with each image's seed (mu of the larger size); batch 2, 64 -> 128 px."""
+    from diffusers import FluxImg2ImgPipeline, FluxPipeline
+
+    from sdlite.hires import LATENT_MODES, Hires
+
+    pipe, engine = models["dev"]
+    img2img = FluxImg2ImgPipeline(**pipe.components)
+    img2img.set_progress_bar_config(disable=True)
+    seeds = lambda: [torch.Generator().manual_seed(s) for s in (3, 4)]   # noqa: E731
+    common = dict(prompt=[PROMPT] * 2, guidance_scale=3.5, max_sequence_length=512)
+    big = 2 * SIZE
+    packed = pipe(**common, height=SIZE, width=SIZE, num_inference_steps=4, generator=seeds(),
+                  output_type="latent").images
+    latents = FluxPipeline._unpack_latents(packed, SIZE, SIZE, 8)   # the sampler's latents, which img2img takes
+    mode, antialias = LATENT_MODES["Latent"]
+    image = torch.nn.functional.interpolate(latents, size=(big // 8, big // 8), mode=mode, antialias=antialias)
+    out = img2img(**common, image=image, strength=0.6, num_inference_steps=4, generator=seeds(), height=big,
+                  width=big, output_type="np").images
+    expected = np.round(np.clip(out, 0, 1) * 255).astype(np.int16)
+    got = engine.generate(Request(prompt=PROMPT, width=SIZE, height=SIZE, steps=4, sampler="euler", seed=3,
+                                  cfg_scale=1.0, batch_size=2, hires=Hires(scale=2, upscaler="Latent", denoise=0.6)))
+    assert [im.size for im in got.images] == [(big, big)] * 2
+    assert np.abs(_pixels(got.images) - expected).max() <= MAX_PIXEL_DIFF
+
+
+def test_low_memory_mode_gives_the_same_images(models):
+    """Memory mode 0 streams the transformer (block by block) and T5: the same images as mode 1."""
+    pipe, engine = models["dev"]
+    low = Engine.load(models["folder"] / "dev", precision="exact", memory_mode=0)
+    r = Request(prompt=PROMPT, negative_prompt=NEGATIVE, steps=2, cfg_scale=2.0, sampler="euler", seed=5,
+                width=SIZE, height=SIZE)
+    assert np.array_equal(_pixels(low.generate(r).images), _pixels(engine.generate(r).images))
+
+
+def test_cli_png_parameters_and_ignored_guidance(models, tmp_path):
+    """`sdlite generate` on the dev folder: the engine's image, "Distilled CFG Scale" in the PNG parameters; schnell
+    ignores a guidance scale with a warning."""
+    from PIL import Image
+
+    from sdlite.cli import main
+    from sdlite.images import read_parameters
+
+    pipe, engine = models["dev"]
+    out = tmp_path / "flux.png"
+    main(["generate", PROMPT, "-m", str(models["folder"] / "dev"), "--steps", "3", "--guidance", "4.5",
+          "--seed", "11", "--width", str(SIZE), "--height", str(SIZE), "--precision", "exact", "-o", str(out)])
+    got = np.asarray(Image.open(out).convert("RGB"), np.int16)
+    expected = engine.generate(Request(prompt=PROMPT, steps=3, guidance=4.5, seed=11, width=SIZE, height=SIZE,
+                                       sampler="euler", cfg_scale=1.0))
+    assert np.array_equal(got, _pixels(expected.images)[0])
+    params = read_parameters(out)
+    assert "Distilled CFG Scale: 4.5" in params and "CFG scale: 1," in params and "Steps: 3" in params
+    plain = models["dev"][1].generate(Request(prompt=PROMPT, steps=1, width=SIZE, height=SIZE, seed=1,
+                                              sampler="euler", cfg_scale=1.0))
+    assert plain.request.guidance == 3.5
+    ignored = models["schnell"][1].generate(Request(prompt=PROMPT, steps=1, width=SIZE, height=SIZE, seed=1,
+                                                    guidance=3.0, sampler="euler", cfg_scale=1.0))
+    assert any("has none: ignored" in w for w in ignored.warnings)

@@ -87,7 +87,7 @@ def cmd_generate(args) -> int:
                       embeddings_dir=args.embeddings, controls=control_units(args),
                       refiner_switch_at=(args.refiner_switch or DEFAULT_REFINER_SWITCH) if args.refiner else None,
                       slg_layers=_parse_layers(args.slg), slg_scale=args.slg_scale, slg_start=args.slg_start,
-                      slg_stop=args.slg_stop,
+                      slg_stop=args.slg_stop, guidance=args.guidance,
                       **{name: value for name, value in (("aesthetic_score", args.aesthetic_score),
                                                          ("negative_aesthetic_score", args.negative_aesthetic_score))
                          if value is not None})
@@ -250,9 +250,10 @@ def add_parser(sub) -> None:
                    help="a diffusers folder or a .safetensors/.ckpt single file, or demo / demo-zh (default: the "
                         "shipped demo model; demo-zh, its Chinese text encoder, when the prompt has Chinese characters)")
     g.add_argument("--text-encoder", action="append", metavar="PATH", default=None,
-                   help="a text encoder a single-file SD3 model lacks (repeatable): ComfyUI's clip_l.safetensors, "
-                        "clip_g.safetensors, t5xxl_fp16.safetensors or t5xxl_fp8_e4m3fn.safetensors; found beside "
-                        "the model (its folder, text_encoders/, ComfyUI's models/text_encoders) when not given")
+                   help="a part a single-file SD3 or FLUX model lacks (repeatable): ComfyUI's clip_l.safetensors, "
+                        "clip_g.safetensors (SD3), t5xxl_fp16.safetensors or t5xxl_fp8_e4m3fn.safetensors, and "
+                        "FLUX's ae.safetensors; found beside the model (its folder, text_encoders/, vae/, ComfyUI's "
+                        "models/text_encoders, models/clip, models/vae) when not given")
     g.add_argument("--negative", "-n", default="", help="negative prompt")
     g.add_argument("--slg", default=None, metavar="LAYERS",
                    help="skip-layer guidance (SD3.5): the transformer blocks an extra pass skips, e.g. 7,8,9 (SD3.5 "
@@ -260,6 +261,9 @@ def add_parser(sub) -> None:
     g.add_argument("--slg-scale", type=float, default=2.8, help="skip-layer guidance scale (default 2.8)")
     g.add_argument("--slg-start", type=float, default=0.01, help="fraction of the steps where it starts (0.01)")
     g.add_argument("--slg-stop", type=float, default=0.2, help="fraction of the steps where it stops (0.2)")
+    g.add_argument("--guidance", type=float, default=None,
+                   help="FLUX.1 dev's distilled guidance scale (Forge's \"Distilled CFG Scale\"; default 3.5); not "
+                        "CFG, which --cfg is and which FLUX runs without (cfg 1)")
     g.add_argument("--steps", type=int, default=None, help="default 20 (Turbo models: 1; SD3: 28, SD3.5 Medium 40)")
     g.add_argument("--cfg", type=float, default=None,
                    help="classifier-free guidance scale (1 = off; default 7.5, Turbo models 1, SD3 7, SD3.5 Large 3.5, "

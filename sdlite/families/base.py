@@ -176,6 +176,11 @@ class Family:
         here); by default the schedule itself."""
         return schedule
 
+    def resolve(self, r):
+        """The validated request ``r`` with this family's own defaults filled in (FLUX.1 dev's guidance scale) and
+        the options it has no use for cleared (a distilled guidance scale, which only FLUX.1 dev embeds)."""
+        return r.replace(guidance=None) if r.guidance is not None else r
+
     def denoiser(self, model, schedule, dtype: torch.dtype | None):
         """The denoiser (:mod:`sdlite.sampling.denoisers`) over network ``model`` run in ``dtype``: what turns its
         output (eps, v) into the estimate of the clean latent."""

@@ -69,6 +69,12 @@ class FluxFamily(SD3Family):
         """mu (dev's dynamic shift) from the image's token count: one token per 2x2 patch of the latent."""
         return schedule.for_image((height // 16) * (width // 16))
 
+    def resolve(self, r):
+        """dev: the guidance scale 3.5 where the request leaves it unset; schnell: none."""
+        if not self.guidance_embedded:
+            return super().resolve(r)
+        return r if r.guidance is not None else r.replace(guidance=DEFAULT_GUIDANCE)
+
     def denoiser(self, model, schedule, dtype: torch.dtype | None):
         return FlowDenoiser(model, schedule, dtype=dtype, multiplier=1.0)   # the network takes sigma itself
 
@@ -78,9 +84,7 @@ class FluxFamily(SD3Family):
         if r.controls:
             raise RequestError("ControlNet for FLUX is a model kind of its own (FluxControlNetModel) that sdlite does "
                                "not run yet; the SD 1.x/SDXL ControlNets cannot steer a FLUX transformer")
-        if r.guidance is not None and not self.guidance_embedded:
-            raise RequestError("FLUX.1 schnell has no distilled guidance (--guidance is dev's): leave it out")
-        if r.width % 16 or r.height % 16:
+        if (r.width or 0) % 16 or (r.height or 0) % 16:   # (image to image: the source's size, checked later)
             raise RequestError(f"FLUX draws images whose sides are multiples of 16 pixels (2x2 latent patches); "
                                f"{r.width}x{r.height} is not")
 
@@ -139,7 +143,7 @@ class FluxFamily(SD3Family):
     def scheduled(self, model, r, use_cfg, schedules, texts, contexts, pooled, warnings) -> ScheduledConditioning:
         constants = None
         if self.guidance_embedded:
-            g = DEFAULT_GUIDANCE if r.guidance is None else float(r.guidance)
+            g = DEFAULT_GUIDANCE if r.guidance is None else float(r.guidance)   # (resolve has set it)
             constants = {"guidance": torch.tensor([g], dtype=torch.float32, device=model.device)}
         return ScheduledConditioning(schedules[0], schedules[1] if use_cfg else None, dict(zip(texts, contexts)),
                                      warnings, pooled=dict(zip(texts, pooled)), pooled_key="pooled_projections",

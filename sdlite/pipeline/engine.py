@@ -133,6 +133,10 @@ class Engine(LoadedModel):
         self.family.check_generate(request)
         r = validate(request, self.family.default_size)
         self.family.check_request(r)
+        r = self.family.resolve(r)
+        ignored = [] if request.guidance is None or r.guidance is not None else [
+            "a distilled guidance scale is FLUX.1 dev's (--guidance, Forge's distilled_cfg_scale); this model "
+            f"({self.spec.family}) has none: ignored"]
         inpaint_model = self.family.inpainting
         if r.refiner_switch_at is not None:
             if self.refiner is None:
@@ -146,7 +150,9 @@ class Engine(LoadedModel):
             if inpaint_model:
                 raise RequestError(f"{self.spec.family} is an inpainting model: the hires fix runs on text-to-image "
                                    "models (load the base model for it)")
-            return generate_hires(self, r, callback, on_latents, t0)
+            result = generate_hires(self, r, callback, on_latents, t0)
+            result.warnings += ignored
+            return result
         source = self.prepare_source(r) if r.is_img2img else None
         if source is not None:
             r = r.replace(width=source.width, height=source.height)
@@ -161,6 +167,7 @@ class Engine(LoadedModel):
         result.control_maps = [c.map for c in controls]
         if self.vae_decoder is not None:
             result.infotext["VAE decoder"] = self.vae_decoder.name
+        result.warnings += ignored
         return result
 
     # -- ControlNet ------------------------------------------------------------------------------------------------

@@ -59,6 +59,8 @@ class Txt2ImgRequest(_Lenient):
     n_iter: int | None = None
     steps: int | None = None
     cfg_scale: float | None = None
+    # Forge's FLUX.1 dev field (its UI sends it for every model; other models ignore it with a warning)
+    distilled_cfg_scale: float | None = None
     width: int | None = None
     height: int | None = None
     restore_faces: bool | None = None
@@ -204,7 +206,8 @@ NO_REFINER = ("", "none")      # refiner_checkpoint values that mean no refiner,
 DEFAULTS: dict[str, Any] = {
     "prompt": "", "negative_prompt": "", "styles": [], "seed": -1, "subseed": -1, "subseed_strength": 0.0,
     "seed_resize_from_h": -1, "seed_resize_from_w": -1, "sampler_name": None, "sampler_index": "Euler",
-    "scheduler": None, "batch_size": 1, "n_iter": 1, "steps": 50, "cfg_scale": 7.0, "width": None, "height": None,
+    "scheduler": None, "batch_size": 1, "n_iter": 1, "steps": 50, "cfg_scale": 7.0, "distilled_cfg_scale": None,
+    "width": None, "height": None,
     "restore_faces": False, "tiling": False, "do_not_save_samples": False, "do_not_save_grid": False, "eta": None,
     "denoising_strength": 0.75, "s_min_uncond": 0.0, "s_churn": 0.0, "s_tmax": None, "s_tmin": 0.0,
     "s_noise": 1.0, "override_settings": {}, "override_settings_restore_afterwards": True,
@@ -566,7 +569,8 @@ def build_plan(req: Txt2ImgRequest, options: dict, *, max_image_bytes: int, lora
         raise RequestError(f"seed {seed} is not valid: it must be -1 (random) or 0..{MAX_SEED} with room for the "
                            f"{batch * n_iter} images")
     common = dict(prompt=p["prompt"], negative_prompt=p["negative_prompt"], width=p["width"], height=p["height"],
-                  steps=p["steps"], cfg_scale=p["cfg_scale"], sampler=sampler.sampler, schedule=sampler.schedule,
+                  steps=p["steps"], cfg_scale=p["cfg_scale"], guidance=p["distilled_cfg_scale"],
+                  sampler=sampler.sampler, schedule=sampler.schedule,
                   batch_size=batch, clip_skip=opts["CLIP_stop_at_last_layers"], eta=eta, lora_dir=lora_dir,
                   embeddings_dir=embeddings_dir)
     refiner, switch = _refiner_fields(p, img2img)
