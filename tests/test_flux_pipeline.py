@@ -31,10 +31,10 @@ PROMPT, NEGATIVE = "a red circle on a blue background", "green, blurry"
 T5_TOKENS = {"dev": 512, "schnell": 256}
 
 
-def _clip(seed: int):
+def _clip(seed: int, cfg: TextEncoderConfig = TEXT_L):
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    d = TEXT_L.to_diffusers()
+    d = cfg.to_diffusers()
     for k in ("architectures", "model_type", "torch_dtype"):
         d.pop(k)
     return seed_all(CLIPTextModel(CLIPTextConfig(**d, attn_implementation="eager")).eval(), seed, scale=0.2)
@@ -49,7 +49,9 @@ def _t5(seed: int):
     return seed_all(T5EncoderModel(cfg).eval(), seed, scale=0.2)
 
 
-def _pipeline(tmp: Path, kind: str):
+def _pipeline(tmp: Path, kind: str, text_l: TextEncoderConfig = TEXT_L, save: bool = True, **transformer):
+    """A tiny FluxPipeline (dev: with the guidance embedding), saved as ``tmp / kind``; its CLIP tower and
+    transformer may be others than this module's (a single file's tests need heads as wide as the releases')."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTokenizer, T5TokenizerFast
 
@@ -58,15 +60,17 @@ def _pipeline(tmp: Path, kind: str):
     vae = seed_all(diffusers_vae(VAE), 1, scale=0.05)
     with torch.no_grad():   # contrast enough that 2/255 means something (tests.reference.with_contrast)
         vae.decoder.conv_out.weight.mul_(30.0)
-    transformer = seed_all(FluxTransformer2DModel(**TRANSFORMER, guidance_embeds=kind == "dev").eval(), 4, scale=0.15)
+    transformer = seed_all(FluxTransformer2DModel(**{**TRANSFORMER, **transformer}, guidance_embeds=kind == "dev")
+                           .eval(), 4, scale=0.15)
     sched = FLUX_DEV_SCHEDULER if kind == "dev" else FLUX_SCHNELL_SCHEDULER
     pipe = FluxPipeline(
         transformer=transformer, vae=vae,
         scheduler=FlowMatchEulerDiscreteScheduler(**{k: v for k, v in sched.items() if not k.startswith("_")}),
-        text_encoder=_clip(2), tokenizer=CLIPTokenizer.from_pretrained(str(write_hf_tokenizer_files(tmp / "l"))),
+        text_encoder=_clip(2, text_l), tokenizer=CLIPTokenizer.from_pretrained(str(write_hf_tokenizer_files(tmp / "l"))),
         text_encoder_2=_t5(5), tokenizer_2=T5TokenizerFast(tokenizer_file=str(T5_JSON)))
     pipe.set_progress_bar_config(disable=True)
-    pipe.save_pretrained(tmp / kind)
+    if save:
+        pipe.save_pretrained(tmp / kind)
     return pipe
 
 

@@ -29,7 +29,7 @@ from ..config.flux import FLUX_TEXT_L, FLUX_VAE, FluxConfig, flux_spec
 from ..errors import CheckpointError
 from .convert import normalize_diffusers_keys
 from .detect import Detection
-from .flux_keys import flux_layout, flux_plan, infer_flux_config, is_flux
+from .flux_keys import flux_layout, flux_plan, infer_flux_config, is_flux, original_names
 from .folders import component_store, folder_tokenizer, read_json, storage_dtype, text_architecture
 from .io import open_checkpoint
 from .plan import ComponentPlan, UnsupportedModelError
@@ -142,8 +142,6 @@ def _clip(keys: list[str], shapes: dict, prefix: str, where) -> tuple[ComponentP
     plan.unexpected = [k for k in plan.unexpected if not k.endswith("text_projection.weight")]
     info = infer_text_encoder(plan.shapes(shapes), "diffusers")
     cfg = TextEncoderConfig(**{**info.config_kwargs(), "projection_dim": FLUX_TEXT_L.projection_dim})
-    if cfg.width != FLUX_TEXT_L.width:
-        raise CheckpointError(f"a CLIP text encoder {cfg.width} wide: FLUX takes CLIP-L (768)", where)
     return plan, dataclasses.replace(cfg, pad_token_id=FLUX_TEXT_L.pad_token_id,
                                      eos_token_id=FLUX_TEXT_L.eos_token_id)
 
@@ -165,7 +163,7 @@ def _file_kind(keys: list[str], shapes: dict, where) -> tuple[str, str]:
     if t5 is not None:
         return "text_encoder_3", t5
     for prefix in ("", CLIP_L_PREFIX):
-        if any(k.startswith(prefix + "text_model.") for k in keys):
+        if any(k.startswith((prefix + "text_model.", prefix + "embeddings.token_embedding.")) for k in keys):
             return "text_encoder", prefix
     for prefix in ("", *_VAE_PREFIXES):
         if f"{prefix}decoder.conv_in.weight" in shapes and f"{prefix}encoder.conv_in.weight" in shapes:
@@ -191,6 +189,22 @@ def _find_beside(model: Path, missing: list[str]) -> dict[str, Path]:
     return found
 
 
+def _check_complete(transformer: FluxConfig, source: ComponentSource, prefix: str, path) -> None:
+    """Every tensor of the transformer its shapes describe is in the file: the missing ones are named as the file
+    names them (a fused tensor by its own name)."""
+    import torch
+
+    from ..models.flux import Flux
+
+    with torch.device("meta"):
+        expected = Flux(transformer).state_dict().keys()
+    missing = [k for k in expected if k not in source.shapes]
+    if missing:
+        names = original_names(missing, prefix)
+        raise CheckpointError(f"{len(names)} FLUX transformer tensors are missing from the file, first few: "
+                              + ", ".join(repr(n) for n in names[:5]), path, names[0])
+
+
 def open_flux_file(path: Path, store: TensorStore, text_encoders=()) -> dict:
     """The :class:`~sdlite.loader.Checkpoint` fields of a FLUX single file (``store``, already open) with the parts it
     lacks from ``text_encoders`` (paths: CLIP-L, T5 and the VAE) or found beside it."""
@@ -207,6 +221,7 @@ def open_flux_file(path: Path, store: TensorStore, text_encoders=()) -> dict:
             [k for k in keys if not k.startswith(("text_encoders.", *_VAE_PREFIXES))]
         sources["transformer"] = ComponentSource.from_plan(flux_plan(inside), store, (str(path),))
         transformer = infer_flux_config(sources["transformer"].shapes)
+        _check_complete(transformer, sources["transformer"], prefix, path)
         for vprefix in _VAE_PREFIXES:
             if any(k.startswith(vprefix + "decoder.") for k in keys):
                 sources["vae"], vae = _vae(keys, vprefix, store, path)

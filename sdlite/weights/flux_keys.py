@@ -33,7 +33,8 @@ from .plan import (
 )
 
 __all__ = ["FLUX_PREFIX", "flux_layout", "flux_from_original", "flux_to_original", "flux_from_diffusers",
-           "flux_plan", "canonical_shapes", "infer_flux_config", "load_flux", "is_flux"]
+           "flux_plan", "canonical_shapes", "infer_flux_config", "load_flux", "is_flux",
+           "original_names"]
 
 FLUX_PREFIX = "model.diffusion_model."   # ComfyUI's all-in-one checkpoints; BFL's files have none
 COMPONENT = "transformer"
@@ -297,7 +298,7 @@ def load_flux(model, source: Mapping[str, Any]):
     plan = flux_plan(keys, expected=expected)
     layout, prefix = flux_layout(keys)
     if plan.missing:
-        names = plan.missing if layout == "diffusers" else _original_names(plan.missing, prefix)
+        names = plan.missing if layout == "diffusers" else original_names(plan.missing, prefix)
         raise ConversionError(f"{len(names)} {COMPONENT} keys are missing from the weights, first few: "
                               + ", ".join(repr(n) for n in names[:5]), key=names[0])
     if plan.unexpected:
@@ -316,7 +317,7 @@ def load_flux(model, source: Mapping[str, Any]):
     return model
 
 
-def _original_names(canonical: list[str], prefix: str) -> list[str]:
+def original_names(canonical: list[str], prefix: str) -> list[str]:
     """The BFL names that canonical keys have (a fused part: the fused tensor's), for error messages."""
     names = []
     for key in canonical:
