@@ -28,6 +28,11 @@ Formats (told apart by their keys, whatever the file's extension; safetensors or
   v in one layer, split to the model's three by :mod:`sdlite.adapters.lora_targets`); text encoders
   ``text_encoder`` / ``lora_te1_`` (CLIP-L), ``text_encoder_2`` / ``lora_te2_`` (bigG), ``text_encoder_3`` /
   ``lora_te3_`` (T5, in transformers' names).
+* FLUX.1 (transformer): the same three layouts over FLUX's names: diffusers / PEFT ``transformer.<module>`` (also
+  what ai-toolkit writes), ``lora_transformer_``, and kohya's sd-scripts ``lora_unet_`` over BFL's layout
+  (``lora_unet_double_blocks_0_img_attn_qkv``, ``lora_unet_single_blocks_0_linear1``: q, k, v (and the single blocks'
+  MLP input) in one layer, split to the model's by :mod:`sdlite.adapters.lora_targets`); CLIP-L as ``text_encoder`` /
+  ``lora_te1_``, T5 as ``lora_te3_``.
 
 Scale of one layer: ``multiplier * alpha / rank`` (``alpha / sqrt(rank)`` for rsLoRA; 1 without alpha), as
 A1111, kohya and PEFT compute it.

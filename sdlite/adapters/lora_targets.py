@@ -4,7 +4,8 @@ A file names a layer by its diffusers module path, dotted or with ``_`` for ``.`
 without transformers' ``text_model.``, or a UNet's by the original LDM / SGM layout (mapped through the checkpoint
 converter's own table, :func:`sdlite.weights.convert.unet_to_original`), an SD3 transformer's by Stability's MMDiT
 layout (:func:`sdlite.weights.mmdit_keys.mmdit_to_original`; its stacked q/k/v layers split into the model's three
-by :func:`split_fused`). Refused, with a :class:`LoraError`: a LoRA
+by :func:`split_fused`), a FLUX transformer's by BFL's (:func:`sdlite.weights.flux_keys.flux_to_original`, split
+likewise). Refused, with a :class:`LoraError`: a LoRA
 made for another family (SD 1.x, SD 2.x, SDXL, the SDXL refiner: told from its cross-attention or text-encoder
 width), a UNet's LoRA on a transformer and the other way round, one with layers of a network the model lacks, layers that match no layer of the model or whose shapes do
 not fit. Everything is re-exported by :mod:`sdlite.adapters.lora`.
@@ -33,7 +34,8 @@ _DENSE = (nn.Linear, nn.Conv2d)
 
 # a model's family (ModelSpec.family, "-inpaint" removed) as messages name it
 _SPEC_FAMILY = {"sd1": "SD 1.x", "sd2": "SD 2.x", "sdxl": "SDXL", "sdxl-refiner": "the SDXL refiner", "sd3": "SD3",
-                "sd3.5-medium": "SD3.5 Medium", "sd3.5-large": "SD3.5 Large"}
+                "sd3.5-medium": "SD3.5 Medium", "sd3.5-large": "SD3.5 Large", "flux-dev": "FLUX.1 dev",
+                "flux-schnell": "FLUX.1 schnell"}
 # what a layer of each component is called in the two file formats (for messages)
 _COMPONENT_KEYS = {"unet": "lora_unet_ / unet.", "transformer": "lora_transformer_ / transformer.",
                    "text_encoder": "lora_te_ or lora_te1_ / text_encoder.",
@@ -70,6 +72,10 @@ def _original_plan(module: nn.Module, component: str, weights: list[str]):
             from ..weights.mmdit_keys import mmdit_to_original
 
             return mmdit_to_original(weights, prefix="")
+        if component == "transformer" and type(config).__name__ == "FluxConfig":
+            from ..weights.flux_keys import flux_to_original
+
+            return flux_to_original(weights, prefix="")
     except SDLiteError:
         return None
     return None
