@@ -247,3 +247,15 @@ def test_cli_png_parameters_and_ignored_guidance(models, tmp_path):
     ignored = models["schnell"][1].generate(Request(prompt=PROMPT, steps=1, width=SIZE, height=SIZE, seed=1,
                                                     guidance=3.0, sampler="euler", cfg_scale=1.0))
     assert any("has none: ignored" in w for w in ignored.warnings)
+
+
+def test_info_describes_flux(models, capsys):
+    from sdlite.cli import main
+
+    main(["info", str(models["folder"] / "dev")])
+    out = capsys.readouterr().out
+    assert "FLUX.1 dev" in out and "FLUX transformer: 2 double and 2 single blocks" in out
+    assert "guidance embedding" in out and "distilled, 3.5 by default" in out and "over 512 tokens" in out
+    main(["info", str(models["folder"] / "schnell")])
+    out = capsys.readouterr().out
+    assert "FLUX.1 schnell" in out and "guidance embedding" not in out and "4 steps" in out

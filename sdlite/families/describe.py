@@ -17,6 +17,8 @@ FAMILY_NAMES = {
     "sd3": "Stable Diffusion 3 (Medium)",
     "sd3.5-medium": "Stable Diffusion 3.5 Medium (MMDiT-X)",
     "sd3.5-large": "Stable Diffusion 3.5 Large",
+    "flux-dev": "FLUX.1 dev (guidance-distilled)",
+    "flux-schnell": "FLUX.1 schnell (timestep-distilled: 1-4 steps)",
 }
 
 
@@ -47,6 +49,12 @@ def describe_component(name: str, spec) -> str:
         t = spec.text3
         return (f"T5 encoder (v1.1): {t.num_layers} layers, width {t.d_model}, {t.num_heads} heads, feed-forward "
                 f"{t.d_ff} {t.feed_forward_proj}{family_for(spec).text_encoder_note(name)}")
+    if name == "transformer" and hasattr(t := spec.transformer, "num_single_layers"):
+        return (f"FLUX transformer: {t.num_layers} double and {t.num_single_layers} single blocks, width {t.hidden} "
+                f"({t.num_attention_heads} heads of {t.attention_head_dim}, rotary axes "
+                f"{'/'.join(map(str, t.axes_dims_rope))}), {t.latent_channels} latent channels in 2x2 patches, text "
+                f"context {t.joint_attention_dim}, pooled {t.pooled_projection_dim}"
+                + (", guidance embedding" if t.guidance_embeds else ""))
     if name == "transformer":
         t = spec.transformer
         return (f"MMDiT: {t.num_layers} joint blocks, width {t.hidden} ({t.num_attention_heads} heads of "
