@@ -259,3 +259,36 @@ def test_info_describes_flux(models, capsys):
     main(["info", str(models["folder"] / "schnell")])
     out = capsys.readouterr().out
     assert "FLUX.1 schnell" in out and "guidance embedding" not in out and "4 steps" in out
+
+
+def test_the_a1111_server_runs_flux_with_forges_field(models, tmp_path):
+    """`sdlite serve` over a models folder holding the dev folder: listed, switched to, its txt2img with Forge's
+    distilled_cfg_scale the engine's image at that guidance, recorded in the infotext."""
+    import base64
+    import io
+    import json
+
+    from fastapi.testclient import TestClient
+    from PIL import Image
+
+    from sdlite.server.app import create_app
+    from tests.loopback import wait_for
+
+    engine = models["dev"][1]
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "flux-dev").symlink_to(models["folder"] / "dev", target_is_directory=True)
+    api = "/sdapi/v1"
+    with TestClient(create_app(models_dir=folder, engine_options={"precision": "exact"})) as c:
+        wait_for(lambda: c.get(f"{api}/progress").json()["state"]["job_count"] == 0, timeout=120, every=0.1)
+        assert [m["model_name"] for m in c.get(f"{api}/sd-models").json()] == ["flux-dev"]
+        assert c.post(f"{api}/options", json={"sd_model_checkpoint": "flux-dev"}).json() == {}
+        r = c.post(f"{api}/txt2img", json={"prompt": PROMPT, "steps": 3, "seed": 8, "cfg_scale": 1.0,
+                                           "distilled_cfg_scale": 5.0, "sampler_name": "Euler", "width": SIZE,
+                                           "height": SIZE})
+        assert r.status_code == 200, r.text
+        got = np.asarray(Image.open(io.BytesIO(base64.b64decode(r.json()["images"][0]))).convert("RGB"), np.int16)
+        expected = engine.generate(Request(prompt=PROMPT, steps=3, seed=8, cfg_scale=1.0, guidance=5.0,
+                                           sampler="euler", width=SIZE, height=SIZE))
+        assert np.array_equal(got, _pixels(expected.images)[0])
+        assert "Distilled CFG Scale: 5" in json.loads(r.json()["info"])["infotexts"][0]
