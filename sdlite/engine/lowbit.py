@@ -1,0 +1,118 @@
+"""Linear layers whose weights stay in a ggml block format (GGUF files) and are dequantised at call time.
+
+:class:`LowBitLinear` holds a :class:`~sdlite.weights.quants.QuantizedTensor` weight (Q8_0, Q4_K, ...) as its raw
+bytes and, on each call, dequantises it into the input's dtype and runs ``F.linear``: one layer's dense weight
+exists at a time, for the duration of its matmul, as city96's ComfyUI-GGUF ``ops.py`` does. The network code
+does not change: :func:`replace_linears` swaps a network's ``nn.Linear`` layers for LowBitLinears in place, under
+the same names, so the module's ``state_dict`` keys stay the canonical checkpoint keys.
+
+The bytes are a ``uint8`` buffer named ``weight`` (1-D, :attr:`LowBitLinear.nbytes` long), so ``module.to(dtype)``,
+``.half()`` and ``.float()`` leave it as it is (they convert floating-point tensors only), ``.to(device)`` moves it,
+and ``state_dict`` holds the quantised bytes, never a dequantised copy. The bias is an ordinary parameter.
+
+Why not a fused int8 kernel for Q8_0: ``torch._weight_int8pack_mm(x, w_int8, scales)`` multiplies by an int8
+weight with one scale per *output channel*, while Q8_0 has one fp16 scale per 32 inputs of each output. It cannot
+compute the Q8_0 product exactly (one call per block of 32 inputs would: 96 calls for 3072 inputs); requantised to
+per-channel scales its result is 6e-3 (relative) off the Q8_0 product. And even in that best case it is slower:
+measured by ``bench/lowbit.py`` at FLUX's MLP shape (x: 4096 tokens x 3072, weight 12288 x 3072 in Q8_0, random
+values; median of 3, the int8 kernel one run after a warm-up; a 2-core Xeon with AVX512-BF16 and AMX, torch 2.13 CPU):
+
+=======================================  ===============  ===============  ===============  ===============
+                                          bf16, 2 threads  bf16, 1 thread   fp32, 2 threads  fp32, 1 thread
+=======================================  ===============  ===============  ===============  ===============
+dequantise Q8_0 weight (37.7 M values)    0.30 s           0.08 s           0.08 s           0.13 s
+dequantise Q4_K weight                    0.99 s           0.16 s           0.21 s           0.19 s
+F.linear with the dense weight            0.48 s           0.43 s           2.79 s           2.20 s
+LowBitLinear (dequantise + F.linear)      0.88 s           0.50 s           3.63 s           2.27 s
+_weight_int8pack_mm, per-channel int8     7.95 s           5.4 s (*)        197 s (*)        200 s (*)
+=======================================  ===============  ===============  ===============  ===============
+
+(*) run on 512, 256 and 128 tokens and scaled to 4096 (the kernel works a token row at a time: its time is linear
+in the tokens). The 2-thread columns ran while a test suite used both cores (load average 3): the short
+multi-threaded dequantising ops suffer most from that, hence 1 thread's lower numbers. The int8 kernel is 9-90x
+slower than dequantise-then-matmul, so it is not used; dequantising is a small part of a layer's time in fp32 and
+15-50 % of it in bf16, whose AMX matmul is fast.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..weights.quants import QuantizedTensor, QuantizedTensorError, ggml_type
+
+__all__ = ["LowBitLinear", "replace_linears", "lowbit_bytes"]
+
+
+class LowBitLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` kept quantised (``weight``: its raw bytes) and dequantised per call into
+    ``x``'s dtype."""
+
+    def __init__(self, weight: QuantizedTensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        if not isinstance(weight, QuantizedTensor) or weight.ndim != 2:
+            raise QuantizedTensorError(f"a LowBitLinear needs a 2-D quantised weight (out_features, in_features), "
+                                       f"got {weight!r}")
+        self.out_features, self.in_features = (int(d) for d in weight.shape)
+        self.qtype = weight.qtype
+        self.register_buffer("weight", weight.data)
+        if bias is not None and tuple(bias.shape) != (self.out_features,):
+            raise QuantizedTensorError(f"bias of shape {list(bias.shape)} does not fit {self.out_features} outputs")
+        if bias is None or isinstance(bias, nn.Parameter):
+            self.bias = bias
+        else:
+            self.bias = nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def quantized(self) -> QuantizedTensor:
+        """The weight as a QuantizedTensor over this module's bytes (wherever ``.to()`` moved them)."""
+        return QuantizedTensor(self.weight, ggml_type(self.qtype), (self.out_features, self.in_features))
+
+    @property
+    def nbytes(self) -> int:
+        """The weight's bytes in memory (the quantised size)."""
+        return self.weight.numel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.quantized.dequantize(x.dtype)  # (out, in): this call's only dense copy
+        bias = self.bias
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
+        return F.linear(x, w, bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}, "
+                f"bias={self.bias is not None}")
+
+
+def replace_linears(module: nn.Module, weights: dict[str, QuantizedTensor]) -> list[str]:
+    """Swap, in place, each ``nn.Linear`` of ``module`` named in ``weights`` for a :class:`LowBitLinear` over its
+    quantised weight; returns the names swapped.
+
+    A name is a module path (``double_blocks.0.img_attn.qkv``) or its weight's key
+    (``double_blocks.0.img_attn.qkv.weight``). The Linear's bias (parameter or meta tensor) is kept as it is, for
+    the loader to fill like any other key. A name that is not a Linear of ``module``, or whose weight has another
+    shape, is a :class:`QuantizedTensorError` naming it.
+    """
+    swapped = []
+    for name, weight in weights.items():
+        path = name[:-len(".weight")] if name.endswith(".weight") else name
+        try:
+            layer = module.get_submodule(path)
+        except AttributeError:
+            raise QuantizedTensorError(f"{path!r} is not a module of the {type(module).__name__}") from None
+        if not isinstance(layer, nn.Linear):
+            raise QuantizedTensorError(f"{path!r} is a {type(layer).__name__}, not an nn.Linear")
+        if tuple(weight.shape) != (layer.out_features, layer.in_features):
+            raise QuantizedTensorError(f"{path!r}: quantised weight of shape {list(weight.shape)} does not fit a "
+                                       f"Linear of shape {[layer.out_features, layer.in_features]}")
+        new = LowBitLinear(weight, layer.bias)
+        parent, _, child = path.rpartition(".")
+        setattr(module.get_submodule(parent) if parent else module, child, new)
+        swapped.append(path)
+    return swapped
+
+
+def lowbit_bytes(module: nn.Module) -> int:
+    """The bytes of all LowBitLinear weights in ``module`` (quantised, as held in memory)."""
+    return sum(m.nbytes for m in module.modules() if isinstance(m, LowBitLinear))
