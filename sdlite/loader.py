@@ -39,6 +39,7 @@ from .weights.folders import (component_store as _component_store, folder_tokeni
                               read_json as _read_json, storage_dtype as _storage_dtype,
                               text_architecture as _text_architecture)
 from .weights.io import open_checkpoint
+from .weights.quants import QuantizedTensor
 from .weights.flux import FLUX_PIPELINES, is_flux_file, open_flux_file, open_flux_folder
 from .weights.sd3 import SD3_PIPELINES, is_sd3_file, open_sd3_file, open_sd3_folder
 from .weights.store import ComponentSource, TensorStore
@@ -177,6 +178,8 @@ class Checkpoint:
                 state[key] = torch.empty(expected[key], device="meta")
                 continue
             tensor = self.tensor(component, key)
+            if isinstance(tensor, QuantizedTensor):   # a GGUF block format, dequantised here (see engine.lowbit)
+                tensor = tensor.dequantize(dtype)
             target = dtype if tensor.is_floating_point() else tensor.dtype
             if tensor.dtype != target or torch.device(device).type != "cpu":
                 converted += tensor.numel() * tensor.element_size()

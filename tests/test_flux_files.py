@@ -134,3 +134,96 @@ def test_what_is_missing_or_wrong_is_named(files, tmp_path):
         (tmp_path / name).symlink_to(b / name)
     with pytest.raises(CheckpointError, match=r"single_blocks\.0\.linear1\.weight"):
         Engine.load(tmp_path / "broken.safetensors", precision="exact")
+
+
+# --- GGUF (city96's layout: BFL's names, 2-D weights in a block format, the rest F32) ------------------------------
+
+def _k_blocks(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random Q4_K blocks (144 bytes per 256 values) with small fp16 scales (d, dmin ~ 1e-4), so the weights are of
+    the size a trained layer's are."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * cols // 256, 144), dtype=np.uint8)
+    for at in (0, 2):
+        blocks[:, at:at + 2] = (rng.uniform(0.5, 1.5, blocks.shape[0]) * 1e-4).astype(np.float16) \
+            .view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def _write_gguf(path, tensors: dict, arch: str) -> dict:
+    """``tensors`` (name -> float tensor) written with gguf.GGUFWriter as city96's converter lays them out: a 2-D
+    weight whose rows are whole blocks in Q4_K (if 256 values long) or Q8_0 (32), everything else F32. Returns the
+    values each tensor holds in the file (the gguf package's own dequantisation)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    stored = {}
+    for i, (name, t) in enumerate(tensors.items()):
+        a = t.float().numpy()
+        if a.ndim == 2 and a.shape[1] % 256 == 0 and ("mlp" in name or "ffn" in name):
+            qtype, raw = gguf.GGMLQuantizationType.Q4_K, _k_blocks(*a.shape, seed=i)
+        elif a.ndim == 2 and a.shape[1] % 32 == 0 and name not in ("token_embd.weight",):
+            qtype = gguf.GGMLQuantizationType.Q8_0
+            raw = gguf.quants.quantize(a, qtype)
+        else:
+            writer.add_tensor(name, a)
+            stored[name] = t.float()
+            continue
+        writer.add_tensor(name, raw, raw_dtype=qtype)
+        stored[name] = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, qtype))).reshape(a.shape)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return stored
+
+
+@pytest.fixture(scope="module")
+def gguf_files(files):
+    """flux1-dev-Q.gguf (transformer: Q8_0 and Q4_K) and t5-Q8_0.gguf (T5 in llama.cpp's names) beside ae and
+    clip_l; the pipeline given the values the files hold."""
+    import gguf
+
+    pipe, parts, tmp, _ = files
+    folder = tmp / "gguf"
+    folder.mkdir()
+    stored = _write_gguf(folder / "flux1-dev-Q.gguf", parts["transformer"], "flux")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.T5ENCODER, 8)
+    gguf_name = {k: names.get_name(k.removesuffix(".weight")) + ".weight" for k in parts["t5"]}
+    t5_stored = _write_gguf(folder / "t5-v1_1-xxl-encoder-Q8_0.gguf",
+                            {gguf_name[k]: v for k, v in parts["t5"].items()}, "t5encoder")
+    for name in ("ae.safetensors", "clip_l.safetensors"):
+        (folder / name).symlink_to(tmp / "beside" / name)
+    from sdlite.weights.flux_keys import flux_from_original
+
+    transformer = flux_from_original(stored.keys()).materialize(stored)
+    with torch.no_grad():
+        for k, p in pipe.transformer.named_parameters():
+            p.copy_(transformer[k])
+        for k, p in pipe.text_encoder_2.named_parameters():
+            p.copy_(t5_stored[gguf_name[k]])
+    expected = _reference(pipe, "dev", prompt=PROMPT, num_inference_steps=3, guidance_scale=3.5,
+                          generator=torch.Generator().manual_seed(6))
+    return folder, expected
+
+
+def test_gguf_transformer_and_t5(gguf_files):
+    """A GGUF transformer (Q8_0, Q4_K) and a GGUF T5 beside it: the image of the values they hold; the transformer's
+    quantised Linear layers stay quantised in memory (dequantised as they run)."""
+    from sdlite.engine.lowbit import LowBitLinear, lowbit_bytes
+
+    folder, expected = gguf_files
+    ckpt = open_model(folder / "flux1-dev-Q.gguf")
+    assert ckpt.spec.family == "flux-dev" and sum("found beside" in n for n in ckpt.notes) == 3
+    engine = Engine.load(folder / "flux1-dev-Q.gguf", precision="exact")
+    got = _pixels(engine.generate(Request(prompt=PROMPT, steps=3, cfg_scale=1.0, sampler="euler", seed=6,
+                                          width=SIZE, height=SIZE)).images)
+    assert np.abs(got - expected).max() <= MAX_PIXEL_DIFF
+    with engine.models.use("transformer") as transformer:
+        low = [m for m in transformer.modules() if isinstance(m, LowBitLinear)]
+        assert {m.qtype for m in low} == {"Q8_0", "Q4_K"} and len(low) > 20
+        dense = sum(m.in_features * m.out_features * 4 for m in low)
+        assert lowbit_bytes(transformer) < dense / 3
+    low_memory = Engine.load(folder / "flux1-dev-Q.gguf", precision="exact", memory_mode=0)
+    again = _pixels(low_memory.generate(Request(prompt=PROMPT, steps=3, cfg_scale=1.0, sampler="euler", seed=6,
+                                                width=SIZE, height=SIZE)).images)
+    assert np.array_equal(again, got)

@@ -41,7 +41,7 @@ from torch import nn
 
 from ..weights.quants import QuantizedTensor, QuantizedTensorError, ggml_type
 
-__all__ = ["LowBitLinear", "replace_linears", "lowbit_bytes"]
+__all__ = ["LowBitLinear", "replace_linears", "lowbit_bytes", "quantized_linears", "load_low_bit"]
 
 
 class LowBitLinear(nn.Module):
@@ -116,3 +116,29 @@ def replace_linears(module: nn.Module, weights: dict[str, QuantizedTensor]) -> l
 def lowbit_bytes(module: nn.Module) -> int:
     """The bytes of all LowBitLinear weights in ``module`` (quantised, as held in memory)."""
     return sum(m.nbytes for m in module.modules() if isinstance(m, LowBitLinear))
+
+
+def quantized_linears(ckpt, component: str) -> dict[str, QuantizedTensor]:
+    """``{weight key: QuantizedTensor}`` of the ``nn.Linear`` layers of ``component`` whose weights the checkpoint
+    stores in a ggml block format (a GGUF file; empty for every other file), read from the names and headers only."""
+    source = ckpt.sources.get(component)
+    if source is None or not hasattr(getattr(source.view, "source", None), "is_quantized"):   # not a GGUF store
+        return {}
+    module = ckpt.build_empty(component)
+    linears = {name for name, layer in module.named_modules() if isinstance(layer, nn.Linear)}
+    found = {}
+    for key in module.state_dict():
+        if key.endswith(".weight") and key[:-len(".weight")] in linears:
+            tensor = ckpt.tensor(component, key)
+            if isinstance(tensor, QuantizedTensor):
+                found[key] = tensor
+    return found
+
+
+def load_low_bit(ckpt, component: str, dtype: torch.dtype, device, weights: dict[str, QuantizedTensor]):
+    """``component`` loaded with the Linear layers of ``weights`` (:func:`quantized_linears`) as
+    :class:`LowBitLinear` over the file's quantised bytes, everything else converted to ``dtype`` as usual."""
+    module = ckpt.build_empty(component)
+    module = ckpt.load_into(module, component, dtype, device, defer=frozenset(weights))
+    replace_linears(module, {k: w.to(device) for k, w in weights.items()})
+    return module.eval().requires_grad_(False)

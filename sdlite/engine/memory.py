@@ -28,6 +28,8 @@ from ..models.bert import BertEmbeddings, BertLayer
 from ..models.clip import Embeddings, EncoderLayer
 from ..models.layers import Downsample, ResnetBlock, Upsample
 from ..models.flux import DoubleBlock, SingleBlock
+from ..weights.quants import QuantizedTensor
+from .lowbit import load_low_bit, quantized_linears
 from ..models.mmdit import JointBlock
 from ..config.t5 import T5Config
 from ..models.t5 import T5LayerFF
@@ -187,7 +189,10 @@ class WeightStreamer:
         def hook(module, args):
             for key, local in names:
                 owner, leaf = self._owner(unit, local)
-                tensor = self.provider(key).to(device=self.device, dtype=self.dtype)
+                tensor = self.provider(key)
+                if isinstance(tensor, QuantizedTensor):   # a GGUF block format: dense for this block's run
+                    tensor = tensor.dequantize(self.dtype)
+                tensor = tensor.to(device=self.device, dtype=self.dtype)
                 owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
         return hook
 
@@ -225,7 +230,8 @@ def streamed_model(ckpt: Checkpoint, component: str, dtype: torch.dtype, device=
         stored = {}
         for key in dict(module.named_parameters()):
             t = source.view[key]
-            stored[key] = t if weight_dtype is None or t.dtype == weight_dtype else t.to(weight_dtype)
+            stored[key] = t if weight_dtype is None or isinstance(t, QuantizedTensor) or t.dtype == weight_dtype \
+                else t.to(weight_dtype)
         provider = stored.__getitem__
         release = None
     else:
@@ -370,6 +376,9 @@ class ModelManager:
         if self._prepacks(name) and not quantized:
             # the same as loading and then prepacking, in one pass
             return self._kernels(name, load_prepacked(self.ckpt, name, winograd=winograd))
+        low_bit = quantized_linears(self.ckpt, name)
+        if low_bit:   # GGUF weights in a block format stay in it: dequantised layer by layer as they run
+            return self._kernels(name, load_low_bit(self.ckpt, name, self.dtype_of(name), self.device, low_bit))
         module = self.ckpt.load(name, self.dtype_of(name), self.device)
         if quantized:
             module = quantize_model(module, self.quantize)

@@ -223,8 +223,9 @@ class Flux(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The compute dtype (that of its weights)."""
-        return self.proj_out.weight.dtype
+        """The compute dtype (that of its weights; of the output layer's bias, which a weight kept in a GGUF block
+        format leaves in it)."""
+        return self.proj_out.bias.dtype
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, pooled_projections: torch.Tensor,
                 guidance: torch.Tensor | float | None = None) -> torch.Tensor:

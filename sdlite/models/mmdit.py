@@ -289,15 +289,16 @@ class MMDiT(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The compute dtype (that of its weights)."""
-        return self.proj_out.weight.dtype
+        """The compute dtype (that of its weights; of the output layer's bias, which a weight kept in a GGUF block
+        format leaves in it)."""
+        return self.proj_out.bias.dtype
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, pooled_projections: torch.Tensor,
                 skip_layers: Iterable[int] | None = None) -> torch.Tensor:
         """x (B, in_channels, H, W) latent; t (B,) timesteps (sigma x 1000; a single value serves the batch);
         context (B, M, joint_attention_dim) text embeddings; pooled_projections (B, pooled_projection_dim).
         ``skip_layers``: indices of blocks not run (SD3.5's skip-layer guidance). Returns (B, out_channels, H, W)."""
-        dtype = self.proj_out.weight.dtype
+        dtype = self.dtype
         t = self._check(x, t, context, pooled_projections)
         skip = self._skip(skip_layers)
         b, _, hgt, wid = x.shape

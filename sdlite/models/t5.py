@@ -151,7 +151,15 @@ class T5DenseGatedGelu(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = gelu_tanh(self.wi_0(x)) * self.wi_1(x)                        # (B, N, d_ff)
-        return self.wo(h.to(self.wo.weight.dtype))                        # (B, N, d_model)
+        return self.wo(h.to(_wo_dtype(self.wo, h)))                        # (B, N, d_model)
+
+
+def _wo_dtype(wo: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The dtype ``wo`` takes its input in: its weight's (float32 under fp16, :func:`param_dtype`); for a weight kept
+    in a GGUF block format (dequantised per call into its input's dtype) the same rule, float32 under fp16."""
+    if wo.weight.is_floating_point():
+        return wo.weight.dtype
+    return torch.float32 if h.dtype == torch.float16 else h.dtype
 
 
 class T5DenseRelu(nn.Module):
@@ -164,7 +172,7 @@ class T5DenseRelu(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.relu(self.wi(x))                                            # (B, N, d_ff)
-        return self.wo(h.to(self.wo.weight.dtype))
+        return self.wo(h.to(_wo_dtype(self.wo, h)))
 
 
 class T5LayerFF(nn.Module):

@@ -48,7 +48,7 @@ _VAE_PREFIXES = ("vae.", "first_stage_model.")
 _NAMES = {"text_encoder": "CLIP-L", "text_encoder_3": "T5-XXL", "vae": "VAE (ae.safetensors)"}
 # the names the separate files go by, tried beside a model that lacks them
 _BESIDE = (("text_encoder", ("clip_l*.safetensors",)),
-           ("text_encoder_3", ("t5xxl_fp16*.safetensors", "t5xxl*.safetensors", "t5*.safetensors")),
+           ("text_encoder_3", ("t5xxl_fp16*.safetensors", "t5xxl*.safetensors", "t5*.safetensors", "t5*.gguf")),
            ("vae", ("ae.safetensors", "ae*.safetensors", "flux*vae*.safetensors")))
 
 

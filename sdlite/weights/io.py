@@ -11,6 +11,10 @@ tensor is asked for. One reader per format:
   (``torch.save`` since PyTorch 1.6) whose storages are memory-mapped in place, the older PyTorch format and plain
   pickles, all read through an allow-list unpickler that never imports or calls anything else.
 
+* GGUF (:mod:`sdlite.weights.gguf`; ``.gguf``, recognised by its magic) -- city96's and stable-diffusion.cpp's
+  files: plain tensors zero-copy, tensors in ggml's block formats as :class:`~sdlite.weights.quants.QuantizedTensor`
+  (they stay quantised until dequantised).
+
 A sharded model (``*.index.json``) opens as one store over its shards (:func:`open_sharded`).
 
 Memory-mapped tensors are copy-on-write views of the file: nothing a caller does to a tensor is
@@ -25,6 +29,7 @@ import stat
 import struct
 
 from ..errors import CheckpointError
+from .gguf import is_gguf, open_gguf
 from .safetensors import MAX_HEADER, SAFETENSORS_DTYPES, open_safetensors, save_safetensors
 from .store import MissingTensorError, TensorStore, merge_stores
 from .torchfile import open_pickle_file, open_torch_zip
@@ -72,6 +77,8 @@ def open_checkpoint(path: str | os.PathLike) -> TensorStore:
     with f:
         head = f.read(512)
         kind = _sniff(head, size)
+        if is_gguf(head):
+            return open_gguf(p)
         if kind == "safetensors":
             return open_safetensors(p, f, size)
         if kind == "zip":
@@ -96,7 +103,7 @@ def open_checkpoint(path: str | os.PathLike) -> TensorStore:
                 p,
             )
         raise CheckpointError(
-            f"is not a checkpoint format sdlite knows (safetensors, PyTorch zip or pickle); "
+            f"is not a checkpoint format sdlite knows (safetensors, GGUF, PyTorch zip or pickle); "
             f"it starts with bytes {head[:16].hex(' ')}",
             p,
         )

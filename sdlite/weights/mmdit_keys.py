@@ -57,8 +57,11 @@ class _SwapHalves(Transform):
         self.shape([t.shape for t in tensors], key)
         import torch
 
-        half = tensors[0].shape[0] // 2
-        return torch.cat([tensors[0][half:], tensors[0][:half]], dim=0)
+        t = tensors[0]
+        if hasattr(t, "dequantize") and not torch.is_tensor(t):   # a GGUF block format: halves as float32
+            t = t.dequantize(torch.float32)
+        half = t.shape[0] // 2
+        return torch.cat([t[half:], t[:half]], dim=0)
 
     def shape(self, shapes, key: str = "?") -> tuple[int, ...]:
         shapes = [tuple(int(d) for d in s) for s in shapes]

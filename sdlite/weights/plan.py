@@ -151,6 +151,11 @@ class ConvertedMapping(Mapping):
         self._entries = entries
         self._source = source
 
+    @property
+    def source(self) -> Mapping:
+        """The mapping the view reads (a TensorStore)."""
+        return self._source
+
     def __getitem__(self, key: str):
         entry = self._entries[key]
         try:

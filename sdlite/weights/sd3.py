@@ -162,7 +162,7 @@ _CLIP_WIDTHS = {768: "text_encoder", 1280: "text_encoder_2"}
 _ENCODER_NAMES = {"text_encoder": "CLIP-L", "text_encoder_2": "CLIP-G (OpenCLIP bigG)", "text_encoder_3": "T5-XXL"}
 # the names ComfyUI and Stability give the separate files, tried beside a model that lacks its encoders
 _BESIDE = (("text_encoder", ("clip_l*.safetensors",)), ("text_encoder_2", ("clip_g*.safetensors",)),
-           ("text_encoder_3", ("t5xxl_fp16*.safetensors", "t5xxl*.safetensors", "t5*.safetensors")))
+           ("text_encoder_3", ("t5xxl_fp16*.safetensors", "t5xxl*.safetensors", "t5*.safetensors", "t5*.gguf")))
 
 
 def is_sd3_file(keys) -> bool:

@@ -16,6 +16,10 @@ and every layout uses them, under a prefix or none:
   input scales and the marker are ignored.
 * **Stability's SD3 / 3.5 single files** (and ComfyUI's SD3 and FLUX checkpoints): under
   ``text_encoders.t5xxl.transformer.`` (:data:`SINGLE_FILE_PREFIX`).
+* **GGUF encoders** (city96's ``t5-v1_1-xxl-encoder-Q8_0.gguf`` and the like, read by ComfyUI-GGUF and
+  stable-diffusion.cpp) in llama.cpp's names: ``token_embd`` (``shared``), ``enc.blk.N.attn_norm`` /
+  ``attn_q`` / ``attn_k`` / ``attn_v`` / ``attn_o`` / ``attn_rel_b`` (the relative-position bias), ``ffn_norm``,
+  ``ffn_gate`` / ``ffn_up`` / ``ffn_down`` (``wi_0`` / ``wi_1`` / ``wo``) and ``enc.output_norm``.
 
 The decoder of a whole T5 (``decoder.*``, ``lm_head.weight``) is ignored, as transformers' ``T5EncoderModel`` does.
 fp8 tensors (``float8_e4m3fn``, ``float8_e5m2``) convert to bf16, fp16 and fp32 exactly; :func:`dequantize` is
@@ -55,6 +59,24 @@ _CANONICAL = re.compile(
     r"|encoder\.block\.0\.layer\.0\.SelfAttention\.relative_attention_bias\.weight"
     r"|encoder\.block\.\d+\.layer\.1\.(DenseReluDense\.(wi_0|wi_1|wi|wo)|layer_norm)\.weight")
 _BLOCK = re.compile(r"encoder\.block\.(\d+)\.")
+# llama.cpp's T5 encoder names (GGUF files) -> transformers'
+_LLAMA_TOP = {"token_embd.weight": "shared.weight", "enc.output_norm.weight": "encoder.final_layer_norm.weight"}
+_LLAMA_BLOCK = {"attn_norm": "layer.0.layer_norm", "attn_q": "layer.0.SelfAttention.q",
+                "attn_k": "layer.0.SelfAttention.k", "attn_v": "layer.0.SelfAttention.v",
+                "attn_o": "layer.0.SelfAttention.o", "attn_rel_b": "layer.0.SelfAttention.relative_attention_bias",
+                "ffn_norm": "layer.1.layer_norm", "ffn_gate": "layer.1.DenseReluDense.wi_0",
+                "ffn_up": "layer.1.DenseReluDense.wi_1", "ffn_down": "layer.1.DenseReluDense.wo"}
+_LLAMA = re.compile(r"enc\.blk\.(\d+)\.(\w+)\.weight")
+
+
+def _from_llama(name: str) -> str | None:
+    """transformers' name of a llama.cpp T5 tensor name (None: not one)."""
+    if name in _LLAMA_TOP:
+        return _LLAMA_TOP[name]
+    m = _LLAMA.fullmatch(name)
+    if m and m.group(2) in _LLAMA_BLOCK:
+        return f"encoder.block.{m.group(1)}.{_LLAMA_BLOCK[m.group(2)]}.weight"
+    return None
 _COMPONENT = "T5 text encoder"
 
 
@@ -103,6 +125,8 @@ def find_t5_prefix(keys: Iterable[str]) -> str | None:
     for prefix in ("", SINGLE_FILE_PREFIX):
         if f"{prefix}encoder.block.0.layer.0.SelfAttention.q.weight" in keys:
             return prefix
+    if "enc.blk.0.attn_q.weight" in keys:   # a GGUF encoder in llama.cpp's names
+        return ""
     return None
 
 
@@ -132,7 +156,7 @@ def t5_plan(keys: Iterable[str], *, prefix: str = "", expected: Iterable[str] | 
             if weight not in names:
                 plan.unexpected.append(key)   # a scale without its weight
             continue
-        target = "shared.weight" if name == _EMBED_COPY else name
+        target = "shared.weight" if name == _EMBED_COPY else (_from_llama(name) or name)
         if not _CANONICAL.fullmatch(target):
             plan.unexpected.append(key)
             continue
