@@ -203,6 +203,7 @@ def gguf_files(files):
             p.copy_(t5_stored[gguf_name[k]])
     expected = _reference(pipe, "dev", prompt=PROMPT, num_inference_steps=3, guidance_scale=3.5,
                           generator=torch.Generator().manual_seed(6))
+    save_file({k: v.contiguous() for k, v in stored.items()}, folder / "flux1-dev-dense.safetensors")
     return folder, expected
 
 
@@ -227,3 +228,23 @@ def test_gguf_transformer_and_t5(gguf_files):
     again = _pixels(low_memory.generate(Request(prompt=PROMPT, steps=3, cfg_scale=1.0, sampler="euler", seed=6,
                                                 width=SIZE, height=SIZE)).images)
     assert np.array_equal(again, got)
+
+
+def test_lora_on_gguf_weights(files, gguf_files):
+    """A LoRA (sd-scripts' BFL layout) on the GGUF transformer merges per call into each dequantised weight: the
+    image a dense file of the same values gives with it, in memory modes 1 and 0."""
+    from tests.test_flux_lora import TRANSFORMER_TARGETS, WEIGHT, _bfl, _factors, _linears, _write
+
+    pipe = files[0]
+    folder, _ = gguf_files
+    lora = _write(folder / "style.safetensors", _bfl(_factors(_linears(pipe.transformer, TRANSFORMER_TARGETS), 5)),
+                  kohya=True)
+    r = Request(prompt=PROMPT, steps=2, cfg_scale=1.0, sampler="euler", seed=3, width=SIZE, height=SIZE,
+                loras=((lora, WEIGHT),))
+    dense = _pixels(Engine.load(folder / "flux1-dev-dense.safetensors", precision="exact").generate(r).images)
+    engine = Engine.load(folder / "flux1-dev-Q.gguf", precision="exact")
+    assert np.array_equal(_pixels(engine.generate(r).images), dense)
+    plain = _pixels(engine.generate(r.replace(loras=())).images)
+    assert np.abs(plain - dense).mean() > 4, "the LoRA should change the image"
+    low = Engine.load(folder / "flux1-dev-Q.gguf", precision="exact", memory_mode=0)
+    assert np.array_equal(_pixels(low.generate(r).images), dense)

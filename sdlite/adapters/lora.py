@@ -52,7 +52,9 @@ from typing import Mapping, Sequence, Union
 import torch
 from torch import nn
 
+from ..engine.lowbit import LowBitLinear
 from ..engine.packing import PackedConv2d, PackedLinear
+from ..weights.quants import QuantizedTensor
 from .lora_files import (  # noqa: F401  (the public names of lora_files, lora_keys and lora_targets are re-exported)
     EXTENSIONS,
     SHIPPED_DIR,
@@ -231,6 +233,12 @@ def merge(module: nn.Module, loras: Sequence[tuple[LoraSource, Weight]], compone
 
 
 def _merge_layer(layer: nn.Module, updates: Sequence[_Update], handle: MergeHandle, keep: bool) -> None:
+    if isinstance(layer, LowBitLinear):   # weights kept in a GGUF block format: merged per call, as they are read
+        previous = layer.weight_update
+        layer.weight_update = lambda w: _add_updates(w if previous is None else previous(w), updates)
+        if keep:
+            handle._undo.append(lambda: setattr(layer, "weight_update", previous))
+        return
     if isinstance(layer, _PACKED):
         original = layer.packed
         layer.packed = _repack(layer, _add_updates(original.to_dense(), updates))   # to_dense(): a fresh copy
@@ -267,6 +275,8 @@ def apply_on_the_fly(module: nn.Module, loras: Sequence[tuple[LoraSource, Weight
         updates = by_key.get(key)
         if updates is None:
             return stored
+        if isinstance(stored, QuantizedTensor):   # a GGUF block format
+            stored = stored.dequantize(torch.float32)
         with torch.no_grad():
             return _add_updates(stored.to(device=device, dtype=torch.float32, copy=True), updates)
 

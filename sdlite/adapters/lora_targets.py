@@ -17,6 +17,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from ..engine.lowbit import LowBitLinear
 from ..engine.packing import PackedConv2d, PackedLinear
 from ..errors import SDLiteError
 from .lora_keys import (
@@ -44,7 +45,7 @@ _COMPONENT_KEYS = {"unet": "lora_unet_ / unet.", "transformer": "lora_transforme
 
 def _layer_shape(layer: nn.Module) -> tuple[int, ...] | None:
     """(out, in) or (out, in/groups, kh, kw) of a Linear/Conv2d, plain or prepacked; None for other modules."""
-    if isinstance(layer, PackedLinear):
+    if isinstance(layer, (PackedLinear, LowBitLinear)):
         return (layer.out_features, layer.in_features)
     if isinstance(layer, PackedConv2d):
         return (layer.out_channels, layer.in_channels // layer.groups, *layer.kernel_size)

@@ -55,6 +55,9 @@ class LowBitLinear(nn.Module):
                                        f"got {weight!r}")
         self.out_features, self.in_features = (int(d) for d in weight.shape)
         self.qtype = weight.qtype
+        # a LoRA's change to the weight (sdlite.adapters.lora): a function of the dequantised fp32 weight, applied
+        # per call before the weight is rounded to the input's dtype (None: none)
+        self.weight_update = None
         self.register_buffer("weight", weight.data)
         if bias is not None and tuple(bias.shape) != (self.out_features,):
             raise QuantizedTensorError(f"bias of shape {list(bias.shape)} does not fit {self.out_features} outputs")
@@ -74,7 +77,10 @@ class LowBitLinear(nn.Module):
         return self.weight.numel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.quantized.dequantize(x.dtype)  # (out, in): this call's only dense copy
+        if self.weight_update is None:
+            w = self.quantized.dequantize(x.dtype)  # (out, in): this call's only dense copy
+        else:   # a LoRA: merged in fp32 as a resident weight would be, then rounded once
+            w = self.weight_update(self.quantized.dequantize(torch.float32)).to(x.dtype)
         bias = self.bias
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
