@@ -248,6 +248,8 @@ def streamed_model(ckpt: Checkpoint, component: str, dtype: torch.dtype, device=
 # would reorder its weight once either way, and the 72 reorders (about 10 ms each: oneDNN sets up a primitive for
 # each) only delay the first text encoding.
 PREPACKED = ("unet", "vae")
+# the networks whose GGUF block-format weights stay quantised in memory (engine.lowbit)
+LOW_BIT_NETWORKS = ("transformer", "text_encoder_3")
 
 
 class ModelManager:
@@ -371,14 +373,16 @@ class ModelManager:
         return module
 
     def _load_whole(self, name: str) -> nn.Module:
+        # GGUF weights in a block format stay in it where the dense network would be large (a transformer, T5):
+        # dequantised layer by layer as they run. Other networks' are dequantised as they load (and prepacked)
+        low_bit = quantized_linears(self.ckpt, name) if name in LOW_BIT_NETWORKS else {}
+        if low_bit:
+            return self._kernels(name, load_low_bit(self.ckpt, name, self.dtype_of(name), self.device, low_bit))
         quantized = name == "unet" and self.quantize != "none"
         winograd = self.winograd and name in PREPACKED and not quantized and self.dtype_of(name) == torch.float32
         if self._prepacks(name) and not quantized:
             # the same as loading and then prepacking, in one pass
             return self._kernels(name, load_prepacked(self.ckpt, name, winograd=winograd))
-        low_bit = quantized_linears(self.ckpt, name)
-        if low_bit:   # GGUF weights in a block format stay in it: dequantised layer by layer as they run
-            return self._kernels(name, load_low_bit(self.ckpt, name, self.dtype_of(name), self.device, low_bit))
         module = self.ckpt.load(name, self.dtype_of(name), self.device)
         if quantized:
             module = quantize_model(module, self.quantize)

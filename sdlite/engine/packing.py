@@ -143,6 +143,8 @@ def load_prepacked(ckpt, component: str, winograd: bool = False) -> nn.Module:
     read = 0
     for name, layer in layers:
         stored = ckpt.tensor(component, f"{name}.weight")
+        if hasattr(stored, "dequantize") and not torch.is_tensor(stored):   # a GGUF block format
+            stored = stored.dequantize(torch.float32)
         weight = buffer[:stored.numel()].view(stored.shape).copy_(stored)
         module.set_submodule(name, (PackedConv2d if type(layer) is nn.Conv2d else PackedLinear)(layer, weight))
         read += stored.numel() * stored.element_size()
