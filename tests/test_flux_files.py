@@ -78,6 +78,10 @@ def test_bfl_file_with_its_parts_beside(files):
     assert ckpt.spec.family == "flux-dev" and ckpt.layout == "original"
     assert sum("found beside the model" in n for n in ckpt.notes) == 3
     assert np.abs(_run(tmp / "beside" / "flux1-dev.safetensors") - expected).max() <= MAX_PIXEL_DIFF
+    b = tmp / "beside"   # the same files given as well as beside: taken once, as given
+    given = open_model(b / "flux1-dev.safetensors",
+                       text_encoders=[b / "t5xxl_fp16.safetensors", b / "clip_l.safetensors", b / "ae.safetensors"])
+    assert not given.notes and given.spec.family == "flux-dev"
 
 
 def test_bfl_file_with_its_parts_given(files):

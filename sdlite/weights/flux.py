@@ -237,7 +237,8 @@ def open_flux_file(path: Path, store: TensorStore, text_encoders=()) -> dict:
                 raise CheckpointError("no such file (given beside the FLUX model)", extra)
         missing = [c for c in ("text_encoder", "text_encoder_3", "vae") if c not in sources]
         beside = _find_beside(path, missing)
-        for extra in [*given, *(p for c, p in beside.items() if c in missing)]:
+        resolved = {p.resolve() for p in given}
+        for extra in [*given, *(p for p in beside.values() if p.resolve() not in resolved)]:
             estore = open_checkpoint(extra)
             stores.append(estore)
             ekeys = list(estore.keys())
