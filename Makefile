@@ -41,7 +41,7 @@ $(OV_VENV)/.installed:
 
 setup-openvino: $(OV_VENV)/.installed
 
-# stable-diffusion.cpp for bench/sdcpp.py alone, in a virtualenv of its own: PyPI's stable-diffusion-cpp-python built
+# stable-diffusion.cpp for bench/sdcpp.py and bench/flux.py alone, in a virtualenv of its own: PyPI's stable-diffusion-cpp-python built
 # from source (cmake and a C++ compiler; about 15 minutes on 2 cores) with GGML_NATIVE, so ggml uses this CPU's ISA
 SDCPP_VENV := .venv-sdcpp
 $(SDCPP_VENV)/.installed:
