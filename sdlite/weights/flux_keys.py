@@ -28,8 +28,8 @@ from ..config import ConfigError
 from ..config.flux import FluxConfig
 from .mmdit_keys import SWAP_HALVES
 from .plan import (
-    CAT, COPY, ComponentPlan, ConversionError, PlanEntry, Transform, UnsupportedModelError, add_entry,
-    check_expected, need_shape, shape_of,
+    CAT, COPY, ComponentPlan, PlanEntry, Transform, UnsupportedModelError, add_entry, check_expected, load_planned,
+    need_shape, shape_of,
 )
 
 __all__ = ["FLUX_PREFIX", "flux_layout", "flux_from_original", "flux_to_original", "flux_from_diffusers",
@@ -283,38 +283,15 @@ def infer_flux_config(shapes, axes_dims_rope: tuple[int, ...] | None = None) -> 
 # --- loading -----------------------------------------------------------------------------------------------
 
 
-def _shape_in(source: Mapping, key: str) -> tuple[int, ...]:
-    shape = getattr(source, "shape", None)
-    return tuple(shape(key)) if callable(shape) else shape_of(source[key])
-
-
 def load_flux(model, source: Mapping[str, Any]):
     """Load FLUX weights of either layout (a name -> tensor Mapping) into ``model``, a :class:`sdlite.models.flux.Flux`,
-    key for key; it keeps its dtype and device (a model built on the meta device gets the tensors, converted to its
-    dtype). Every check comes before any tensor is read: missing keys, keys with no place and shape mismatches are a
-    :class:`~sdlite.weights.plan.ConversionError` naming the key in the source's own layout. Returns the model."""
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    key for key (:func:`~sdlite.weights.plan.load_planned`: every check before any tensor is read, a missing key
+    named in the source's own layout). Returns the model."""
     keys = list(source.keys())
-    plan = flux_plan(keys, expected=expected)
+    plan = flux_plan(keys, expected=model.state_dict().keys())
     layout, prefix = flux_layout(keys)
-    if plan.missing:
-        names = plan.missing if layout == "diffusers" else original_names(plan.missing, prefix)
-        raise ConversionError(f"{len(names)} {COMPONENT} keys are missing from the weights, first few: "
-                              + ", ".join(repr(n) for n in names[:5]), key=names[0])
-    if plan.unexpected:
-        raise ConversionError(f"{len(plan.unexpected)} keys of the weights have no place in the {COMPONENT}, first "
-                              "few: " + ", ".join(repr(n) for n in plan.unexpected[:5]), key=plan.unexpected[0])
-    for key, entry in plan.entries.items():
-        got = entry.transform.shape([_shape_in(source, s) for s in entry.sources], entry.sources[0])
-        if got != expected[key]:
-            raise ConversionError(f"shape {list(_shape_in(source, entry.sources[0]))} gives {list(got)} for the "
-                                  f"{COMPONENT}'s {key!r}, which needs {list(expected[key])}", key=entry.sources[0])
-    view = plan.apply(source)
-    current = model.state_dict()
-    meta = any(t.is_meta for t in current.values())
-    state = {k: view[k].to(dtype=current[k].dtype) if meta else view[k] for k in expected}
-    model.load_state_dict(state, strict=True, assign=meta)
-    return model
+    return load_planned(model, source, plan,
+                        lambda missing: missing if layout == "diffusers" else original_names(missing, prefix))
 
 
 def original_names(canonical: list[str], prefix: str) -> list[str]:

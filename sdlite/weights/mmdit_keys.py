@@ -30,7 +30,7 @@ from ..config import ConfigError
 from ..config.mmdit import TIME_EMBED_CHANNELS, MMDiTConfig
 from .plan import (
     CAT, COPY, ComponentPlan, ConversionError, PlanEntry, Rule, RuleSet, Shapes, Transform, UnsupportedModelError,
-    add_entry, build_plan, check_expected, need_shape, shape_of,
+    add_entry, build_plan, check_expected, load_planned, need_shape, shape_of,
 )
 
 __all__ = [
@@ -302,12 +302,6 @@ def infer_mmdit_config(shapes: Shapes, sample_size: int = 128, head_dim: int | N
 # --- loading -----------------------------------------------------------------------------------------------
 
 
-def _shape_in(source: Mapping, key: str) -> tuple[int, ...]:
-    """A source tensor's shape without reading its data where the source can tell (a TensorStore)."""
-    shape = getattr(source, "shape", None)
-    return tuple(shape(key)) if callable(shape) else shape_of(source[key])
-
-
 def load_mmdit(model, source: Mapping[str, Any]):
     """Load MMDiT weights of either layout (a name -> tensor Mapping: a state dict, a TensorStore) into ``model``, an
     :class:`sdlite.models.mmdit.MMDiT`, key for key; it keeps its dtype and device (a model built on the meta device
@@ -315,29 +309,11 @@ def load_mmdit(model, source: Mapping[str, Any]):
 
     Every check comes before any tensor is read: keys the model needs and the source lacks, source keys the model
     has no place for, and shape mismatches are a :class:`~sdlite.weights.plan.ConversionError` naming the key in the
-    source's own layout."""
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    source's own layout (:func:`~sdlite.weights.plan.load_planned`)."""
     keys = list(source.keys())
-    plan = mmdit_plan(keys, expected=expected)
+    plan = mmdit_plan(keys, expected={k: tuple(v.shape) for k, v in model.state_dict().items()})
     layout, prefix = mmdit_layout(keys)
-    if plan.missing:
-        names = _source_names(plan.missing, layout, prefix)
-        raise ConversionError(f"{len(names)} {COMPONENT} keys are missing from the weights, first few: "
-                              + ", ".join(repr(n) for n in names[:5]), key=names[0])
-    if plan.unexpected:
-        raise ConversionError(f"{len(plan.unexpected)} keys of the weights have no place in the {COMPONENT}, first "
-                              f"few: " + ", ".join(repr(n) for n in plan.unexpected[:5]), key=plan.unexpected[0])
-    for key, entry in plan.entries.items():
-        got = entry.transform.shape([_shape_in(source, s) for s in entry.sources], entry.sources[0])
-        if got != expected[key]:
-            raise ConversionError(f"shape {list(_shape_in(source, entry.sources[0]))} gives {list(got)} for the "
-                                  f"{COMPONENT}'s {key!r}, which needs {list(expected[key])}", key=entry.sources[0])
-    view = plan.apply(source)
-    current = model.state_dict()
-    meta = any(t.is_meta for t in current.values())
-    state = {k: view[k].to(dtype=current[k].dtype) if meta else view[k] for k in expected}
-    model.load_state_dict(state, strict=True, assign=meta)
-    return model
+    return load_planned(model, source, plan, lambda missing: _source_names(missing, layout, prefix))
 
 
 def _source_names(canonical: list[str], layout: str, prefix: str) -> list[str]:

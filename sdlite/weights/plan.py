@@ -23,7 +23,7 @@ from ..errors import CheckpointError
 __all__ = [
     "ConversionError", "UnsupportedModelError", "Transform", "COPY", "TO_LINEAR", "TO_CONV", "CAT", "TRANSPOSE",
     "PlanEntry", "ConvertedMapping", "apply_plan", "ComponentPlan", "CheckpointPlan", "Rule", "RuleSet",
-    "build_plan", "add_entry", "check_expected", "Shapes", "shape_of", "need_shape",
+    "build_plan", "add_entry", "check_expected", "Shapes", "shape_of", "need_shape", "load_planned",
 ]
 
 Shapes = Mapping[str, Sequence[int]]
@@ -431,3 +431,37 @@ def check_expected(plan: ComponentPlan, expected: Iterable[str] | None) -> None:
                 plan.unexpected.append(source)
     plan.missing.extend(k for k in expected if k not in plan.entries)
 
+
+
+def _shape_in(source: Mapping, key: str) -> tuple[int, ...]:
+    """A source tensor's shape without reading its data where the source can tell (a TensorStore)."""
+    shape = getattr(source, "shape", None)
+    return tuple(shape(key)) if callable(shape) else shape_of(source[key])
+
+
+def load_planned(model, source: Mapping, plan: ComponentPlan, source_names) -> Any:
+    """Load ``source`` (a name -> tensor Mapping) into ``model`` through ``plan`` (built with the model's keys as
+    ``expected``), key for key; the model keeps its dtype and device (one built on the meta device gets the tensors,
+    converted to its dtype). Every check comes before any tensor is read: missing keys (named in the source's layout
+    by ``source_names(canonical keys)``), keys with no place and shape mismatches are a :class:`ConversionError`.
+    Returns the model."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    what = plan.component
+    if plan.missing:
+        names = source_names(plan.missing)
+        raise ConversionError(f"{len(names)} {what} keys are missing from the weights, first few: "
+                              + ", ".join(repr(n) for n in names[:5]), key=names[0])
+    if plan.unexpected:
+        raise ConversionError(f"{len(plan.unexpected)} keys of the weights have no place in the {what}, first "
+                              "few: " + ", ".join(repr(n) for n in plan.unexpected[:5]), key=plan.unexpected[0])
+    for key, entry in plan.entries.items():
+        got = entry.transform.shape([_shape_in(source, s) for s in entry.sources], entry.sources[0])
+        if got != expected[key]:
+            raise ConversionError(f"shape {list(_shape_in(source, entry.sources[0]))} gives {list(got)} for the "
+                                  f"{what}'s {key!r}, which needs {list(expected[key])}", key=entry.sources[0])
+    view = plan.apply(source)
+    current = model.state_dict()
+    meta = any(t.is_meta for t in current.values())
+    state = {k: view[k].to(dtype=current[k].dtype) if meta else view[k] for k in expected}
+    model.load_state_dict(state, strict=True, assign=meta)
+    return model
