@@ -45,7 +45,9 @@ class FakeUNet:
         return 0.7 * torch.tanh(1.5 * x) * torch.cos(2 * t) - 0.4 * t * x + 0.1 * torch.sin(3 * x)
 
 
-def _diffusers_loop(cls_name, config, prediction_type, steps, noise, step_kwargs=None, sched_kwargs=None):
+def _diffusers_loop(cls_name, config, prediction_type, steps, noise, step_kwargs=None, sched_kwargs=None,
+                    set_kwargs=None):
+    """``set_kwargs``: what ``set_timesteps`` is given instead of ``steps`` (explicit ``timesteps=`` / ``sigmas=``)."""
     cls = getattr(diffusers, cls_name)
     model = FakeUNet(prediction_type)
     if cls_name == "PNDMScheduler" and prediction_type == "v_prediction":
@@ -62,7 +64,7 @@ def _diffusers_loop(cls_name, config, prediction_type, steps, noise, step_kwargs
 
         model.timesteps = v_model.timesteps
     sched = cls.from_config({**config, "prediction_type": prediction_type, **(sched_kwargs or {})})
-    sched.set_timesteps(steps)
+    sched.set_timesteps(**(set_kwargs or {"num_inference_steps": steps}))
     generator = torch.Generator().manual_seed(SEED)
     takes_generator = "generator" in inspect.signature(sched.step).parameters
     x = noise * sched.init_noise_sigma

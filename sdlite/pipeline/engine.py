@@ -35,6 +35,7 @@ from ..loader import Checkpoint, open_model, resolve_prediction_type
 from ..machine import check_device
 from ..sampling.denoisers import CFGDenoiser, Recorded
 from ..sampling.samplers import img2img_start, plan, sample
+from ..sampling.schedules import ScheduleError
 from ..sources import Source, image_to_tensor, mask_to_tensor
 from . import controls
 from .hires import generate_hires, hires_engine
@@ -134,6 +135,11 @@ class Engine(LoadedModel):
         r = validate(request, self.family.default_size)
         self.family.check_request(r)
         r = self.family.resolve(r)
+        if r.timesteps is not None or r.sigmas is not None:   # what the lists allow is the model schedule's to say
+            try:
+                plan(r.sampler, self.schedule_for(r), r.steps, r.schedule, r.timestep_spacing)
+            except ScheduleError as e:
+                raise RequestError(str(e)) from None
         ignored = [] if request.guidance is None or r.guidance is not None else [
             "a distilled guidance scale is FLUX.1 dev's (--guidance, Forge's distilled_cfg_scale); this model "
             f"({self.spec.family}) has none: ignored"]
@@ -335,7 +341,7 @@ class Engine(LoadedModel):
         """How many planned steps the base runs before the refiner takes over at ``r.refiner_switch_at``: the
         planned timesteps at or above ``round(T * (1 - switch))`` (T = 1000 training steps), the rule of diffusers'
         ``denoising_end`` / ``denoising_start``."""
-        p = plan(r.sampler, self.schedule, r.steps, r.schedule, r.timestep_spacing)
+        p = plan(r.sampler, self.schedule_for(r), r.steps, r.schedule, r.timestep_spacing)
         cutoff = round(self.schedule.num_train_timesteps * (1 - r.refiner_switch_at))
         return int((p.timesteps >= cutoff).sum())
 

@@ -32,6 +32,11 @@ class Request:
     clip_skip: int = 1                # A1111 numbering: 1 = last layer
     eta: float | None = None          # DDIM / ancestral / SDE noise amount; None: the sampler's default
     timestep_spacing: str | None = None  # leading | linspace | trailing; None: what the model's scheduler says
+    # explicit noise levels replacing the sampler's schedule (diffusers' timesteps= / sigmas=), one or the other:
+    # integer training timesteps, descending (DMD2's 999,749,499,249), or sigmas, descending, steps + 1 of them,
+    # the last where sampling ends (0). Given, they set ``steps`` (one per timestep, one less than the sigmas)
+    timesteps: tuple | None = None
+    sigmas: tuple | None = None
     # image to image, inpainting, outpainting (see sdlite.sources for the pixel side, A1111's rules)
     init_image: object = None         # a path or a PIL image: image to image (and inpainting with a mask)
     mask: object = None               # a path or a PIL image; white = repaint
@@ -159,7 +164,7 @@ def validate(request: Request, native_size: int = 512) -> Request:
 
     With a source image, a width or height left None stays None: it comes from the source's size when the
     source is read (:meth:`Engine.generate`)."""
-    r = request
+    r = _validate_explicit(request)
     sized_by_source = r.init_image is not None
     width = (None if sized_by_source else native_size) if r.width is None else r.width
     height = (None if sized_by_source else native_size) if r.height is None else r.height
@@ -206,6 +211,43 @@ def validate(request: Request, native_size: int = 512) -> Request:
     return _validate_image_options(r).replace(width=width, height=height, sampler=sampler, schedule=schedule,
                                               seed=seed, cfg_scale=float(r.cfg_scale), hires=hires,
                                               controls=_validate_controls(r))
+
+
+def _validate_explicit(r: Request) -> Request:
+    """Explicit timesteps or sigmas: each checked (what the model's schedule can check without the model), the
+    steps set from their count. Which samplers take them, and a timestep's upper end, the model's schedule checks
+    when it plans the run (:meth:`sdlite.sampling.NoiseSchedule.with_custom`)."""
+    from ..sampling.schedules import ScheduleError, check_custom_sigmas, check_custom_timesteps
+
+    if r.timesteps is None and r.sigmas is None:
+        return r
+    if r.timesteps is not None and r.sigmas is not None:
+        raise RequestError("give explicit timesteps or explicit sigmas, not both")
+    try:
+        if r.timesteps is not None:
+            timesteps, sigmas = check_custom_timesteps(r.timesteps), None
+            steps = len(timesteps)
+        else:
+            timesteps, sigmas = None, check_custom_sigmas(r.sigmas)
+            steps = len(sigmas) - 1
+    except ScheduleError as e:
+        raise RequestError(str(e)) from None
+    if steps > MAX_STEPS:
+        raise RequestError(f"explicit {'timesteps' if sigmas is None else 'sigmas'} give {steps} steps: at most "
+                           f"{MAX_STEPS}")
+    try:
+        _, implied = resolve_sampler(r.sampler)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    kind = r.schedule or implied
+    if kind != "discrete":
+        raise RequestError(f"explicit {'timesteps' if sigmas is None else 'sigmas'} replace the sigma schedule: they "
+                           f"cannot be {kind} sigmas (sampler {r.sampler!r}): choose the discrete schedule or a "
+                           "sampler name without Karras / Exponential")
+    if r.hires is not None:
+        raise RequestError("explicit timesteps or sigmas plan one pass: the hires fix's second pass has its own steps "
+                           "(leave the lists out, or the hires fix)")
+    return r.replace(timesteps=timesteps, sigmas=sigmas, steps=steps)
 
 
 def _validate_slg(r: Request) -> None:

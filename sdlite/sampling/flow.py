@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from .denoisers import FlowDenoiser  # noqa: F401  (re-exported: the flow-matching pieces in one place)
-from .schedules import SIGMA_KINDS, NoiseSchedule, ScheduleError
+from .schedules import SIGMA_KINDS, NoiseSchedule, ScheduleError, check_custom_sigmas
 
 FLOW_FAMILIES = ("euler", "dpmsolver", "unipc")
 TIME_SHIFT_TYPES = ("exponential", "linear")
@@ -192,6 +192,21 @@ class FlowSchedule:
     def with_sigmas(self, sigmas) -> "FlowSchedule":
         """Explicit sigmas, one per step (before the shift), as a pipeline's ``sigmas=`` argument."""
         return dataclasses.replace(self, custom_sigmas=None if sigmas is None else tuple(sigmas))
+
+    def with_custom(self, timesteps=None, sigmas=None) -> "FlowSchedule":
+        """Explicit sigmas as the request gives them (the ``NoiseSchedule.with_custom`` convention: ``steps + 1``
+        descending values, the last, 0, where sampling ends) held as the pipelines' ``sigmas=``
+        argument: the ``steps`` values before the shift, in (0, 1]. Explicit timesteps are refused: give sigmas."""
+        if timesteps is not None:
+            raise ScheduleError("explicit timesteps are for DDPM-trained models; on a flow-matching model give "
+                                "explicit sigmas (in (0, 1], before the shift, ending with 0)")
+        if sigmas is None:
+            return self.with_sigmas(None)
+        sigmas = check_custom_sigmas(sigmas)
+        if sigmas[0] > 1:
+            raise ScheduleError(f"sigmas {','.join(f'{s:g}' for s in sigmas)}: a flow-matching model's sigmas lie in "
+                                "(0, 1] (e.g. 1,0.75,0.5,0.25,0: four steps)")
+        return self.with_sigmas(sigmas[:-1])
 
     # -- sigmas ------------------------------------------------------------------------------------------------
 

@@ -448,6 +448,36 @@ def sample_lcm(denoiser, x, sigmas, *, generator=None, callback=None, extra_args
     return x
 
 
+@torch.no_grad()
+def sample_tcd(denoiser, x, sigmas, *, generator=None, callback=None, extra_args=None,
+               schedule: NoiseSchedule | None = None, eta: float = 0.3):
+    """Trajectory consistency distillation's strategic stochastic sampling (Zheng et al. 2024, "Trajectory
+    Consistency Distillation", algorithm 4; diffusers' ``TCDScheduler``). ``eta`` is the paper's gamma (0:
+    deterministic, 1: every step re-noised from its x0 estimate; 0.3 is the scheduler's default).
+
+    Each step goes from timestep t to the next planned t' by way of ``s = floor((1 - gamma) t')``: a DDIM step with
+    the model's estimate to the training sigma at s, then (gamma > 0, all but the last step) fresh noise from
+    sigma_s up to sigma_t', ``x' = x_s + sqrt(sigma_t'^2 - sigma_s^2) noise``. The last step goes to s = 0 and
+    returns x_s there (the reference's final latent is at timestep 0, not sigma 0: ``sigmas[-1]`` is the training
+    sigma_min). Timesteps are the schedule's integer ones (``schedule`` required)."""
+    if schedule is None:
+        raise ValueError("sample_tcd needs the model's NoiseSchedule (schedule=...)")
+    if not 0.0 <= eta <= 1.0:
+        raise ValueError(f"TCD: gamma (eta) {eta!r} is not valid: it must be between 0 and 1")
+    sigmas, extra, n = _setup(x, sigmas, extra_args)
+    table = schedule.sigmas
+    for i in range(n):
+        denoised = denoiser(x, _sigma_in(sigmas[i], x), **extra)
+        t_next = schedule.sigma_to_t(sigmas[i + 1]).round().long()
+        s = torch.floor((1 - eta) * t_next).long()   # the reference's arithmetic (float32), so s is its integer
+        sigma_s = table[s]
+        x = denoised + (x - denoised) * (sigma_s / sigmas[i])
+        if eta > 0 and i < n - 1:
+            x = x + _noise(x, generator) * (sigmas[i + 1] ** 2 - sigma_s**2).clamp(min=0) ** 0.5
+        x = _report(callback, i, n, x)
+    return x
+
+
 # --- registry and entry point --------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -456,7 +486,10 @@ class SamplerInfo:
     placement it follows (``schedules.FAMILIES``), whether it takes the NoiseSchedule, and the reference.
 
     ``flow_family``: on a flow-matching model, the diffusers scheduler whose sigma placement it follows
-    (``flow.FLOW_FAMILIES``; ``flow_reference`` names it); None: the sampler does not run on flow matching."""
+    (``flow.FLOW_FAMILIES``; ``flow_reference`` names it); None: the sampler does not run on flow matching.
+
+    ``custom``: the explicit lists (``schedules.CUSTOM_KINDS``: "timesteps", "sigmas") its reference scheduler's
+    ``set_timesteps`` takes on a DDPM schedule (on flow matching the placement decides: :mod:`.flow`)."""
 
     fn: Callable
     schedule: str = "discrete"
@@ -466,41 +499,45 @@ class SamplerInfo:
     reference: str = ""
     flow_family: str | None = None
     flow_reference: str = ""
+    custom: tuple = ()
 
 
 SAMPLERS: dict[str, SamplerInfo] = {
     "euler": SamplerInfo(sample_euler, reference="EulerDiscreteScheduler", flow_family="euler",
-                         flow_reference="FlowMatchEulerDiscreteScheduler"),
+                         flow_reference="FlowMatchEulerDiscreteScheduler", custom=("timesteps", "sigmas")),
     "euler_a": SamplerInfo(sample_euler_ancestral, stochastic=True, reference="EulerAncestralDiscreteScheduler",
                            flow_family="euler", flow_reference="none (FlowMatchEulerDiscreteScheduler's sigmas)"),
     "heun": SamplerInfo(sample_heun, reference="HeunDiscreteScheduler", flow_family="euler",
-                        flow_reference="FlowMatchHeunDiscreteScheduler"),
+                        flow_reference="FlowMatchHeunDiscreteScheduler", custom=("timesteps",)),
     "lms": SamplerInfo(sample_lms, reference="LMSDiscreteScheduler"),
     "dpmpp_2m": SamplerInfo(sample_dpmpp_2m, family="multistep",
                             reference="DPMSolverMultistepScheduler(algorithm_type='dpmsolver++')",
                             flow_family="dpmsolver", flow_reference="DPMSolverMultistepScheduler(use_flow_sigmas=True, "
-                            "prediction_type='flow_prediction', algorithm_type='dpmsolver++')"),
+                            "prediction_type='flow_prediction', algorithm_type='dpmsolver++')", custom=("timesteps",)),
     "dpmpp_2m_sde": SamplerInfo(sample_dpmpp_2m_sde, family="multistep", stochastic=True,
                                 reference="DPMSolverMultistepScheduler(algorithm_type='sde-dpmsolver++')",
                                 flow_family="dpmsolver", flow_reference="DPMSolverMultistepScheduler("
                                 "use_flow_sigmas=True, prediction_type='flow_prediction', "
-                                "algorithm_type='sde-dpmsolver++')"),
+                                "algorithm_type='sde-dpmsolver++')", custom=("timesteps",)),
     "dpmpp_sde": SamplerInfo(sample_dpmpp_sde, stochastic=True, reference="DPMSolverSDEScheduler"),
     "ddim": SamplerInfo(sample_ddim, family="ddim", reference="DDIMScheduler"),
     "pndm": SamplerInfo(sample_pndm, family="ddim", reference="PNDMScheduler(skip_prk_steps=True)"),
     "ddpm": SamplerInfo(sample_ddpm, family="ddpm", needs_schedule=True, stochastic=True,
-                        reference="DDPMScheduler"),
+                        reference="DDPMScheduler", custom=("timesteps",)),
     "unipc": SamplerInfo(sample_unipc, family="multistep", reference="UniPCMultistepScheduler(solver_type='bh2')",
                          flow_family="unipc", flow_reference="UniPCMultistepScheduler(use_flow_sigmas=True, "
                          "prediction_type='flow_prediction')"),
-    "lcm": SamplerInfo(sample_lcm, family="lcm", needs_schedule=True, stochastic=True, reference="LCMScheduler"),
+    "lcm": SamplerInfo(sample_lcm, family="lcm", needs_schedule=True, stochastic=True, reference="LCMScheduler",
+                       custom=("timesteps",)),
+    "tcd": SamplerInfo(sample_tcd, family="tcd", needs_schedule=True, stochastic=True, reference="TCDScheduler",
+                       custom=("timesteps",)),
 }
 
 # the names the AUTOMATIC1111 web UI shows (a " Karras" / " Exponential" suffix picks the sigma schedule)
 A1111_NAMES = {
     "Euler a": "euler_a", "Euler": "euler", "Heun": "heun", "LMS": "lms", "DPM++ 2M": "dpmpp_2m",
     "DPM++ 2M SDE": "dpmpp_2m_sde", "DPM++ SDE": "dpmpp_sde", "DDIM": "ddim", "PLMS": "pndm", "UniPC": "unipc",
-    "LCM": "lcm", "DDPM": "ddpm",
+    "LCM": "lcm", "DDPM": "ddpm", "TCD": "tcd",
 }
 
 

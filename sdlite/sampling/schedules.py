@@ -21,6 +21,13 @@ mirrors, because the schedulers disagree (``family``):
                  has ``set_alpha_to_one``, else to ``alpha_bar_0`` (so the final sigma may be non-zero).
 ``"ddpm"``       DDPM: as ``"ddim"`` but the last step always goes to ``alpha_bar = 1``.
 ``"lcm"``        LCM: ``steps`` timesteps picked from the ``original_steps``-step skipping schedule.
+``"tcd"``        TCD: LCM's timesteps; the last step ends at timestep 0 (sigma_min), not at sigma 0.
+
+Explicit timesteps or sigmas (a pipeline's ``timesteps=`` / ``sigmas=``) replace the placement:
+:meth:`NoiseSchedule.with_custom` returns the schedule carrying them, and :func:`make_sigmas` then takes the
+timesteps (integers, descending, the model's sigma at each) or the sigmas (``steps + 1`` of them, the last where
+sampling ends) as the reference schedulers' ``set_timesteps`` take them; which samplers accept which is the
+sampler's (:attr:`.samplers.SamplerInfo.custom`).
 
 What the samplers' entry points ask of a schedule (:func:`.samplers.plan`, :func:`.samplers.sample`, and the
 engine's image to image) is a small protocol that :class:`NoiseSchedule` and the flow-matching
@@ -32,6 +39,7 @@ image to image starts. No sampler tests which kind of schedule it runs on.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -43,7 +51,8 @@ from ..errors import SDLiteError
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 SPACINGS = ("leading", "trailing", "linspace")
 SIGMA_KINDS = ("discrete", "karras", "exponential")
-FAMILIES = ("k", "multistep", "ddim", "ddpm", "lcm")
+FAMILIES = ("k", "multistep", "ddim", "ddpm", "lcm", "tcd")
+CUSTOM_KINDS = ("timesteps", "sigmas")
 
 
 class ScheduleError(SDLiteError, ValueError):
@@ -94,6 +103,8 @@ class NoiseSchedule:
     timestep_spacing: str | None = None  # None: the spacing the sampler's reference scheduler defaults to
     steps_offset: int = 0
     set_alpha_to_one: bool = False
+    custom_timesteps: tuple | None = None  # explicit timesteps replacing the spacing (with_custom)
+    custom_sigmas: tuple | None = None     # explicit sigmas, steps + 1 of them (with_custom)
     _log_sigmas: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -174,13 +185,38 @@ class NoiseSchedule:
         low = t.floor().long().clamp(max=self.num_train_timesteps - 2)
         return sigmas[low] + (sigmas[low + 1] - sigmas[low]) * (t - low)
 
+    def with_custom(self, timesteps=None, sigmas=None) -> "NoiseSchedule":
+        """This schedule with explicit ``timesteps`` (integers, descending, one per step) or ``sigmas`` (descending,
+        ``steps + 1`` of them: the last, 0, is where sampling ends), as EulerDiscreteScheduler's
+        ``set_timesteps(timesteps=...)`` / ``set_timesteps(sigmas=...)`` take them; both None: the placement again.
+        Checked here (:class:`ScheduleError` naming the value at fault)."""
+        if timesteps is not None and sigmas is not None:
+            raise ScheduleError("give explicit timesteps or explicit sigmas, not both")
+        if timesteps is not None:
+            timesteps = check_custom_timesteps(timesteps, self.num_train_timesteps)
+        if sigmas is not None:
+            sigmas = check_custom_sigmas(sigmas)
+        return dataclasses.replace(self, custom_timesteps=timesteps, custom_sigmas=sigmas)
+
+    @property
+    def custom(self) -> str | None:
+        """Which explicit list the schedule carries: "timesteps", "sigmas" or None."""
+        return "timesteps" if self.custom_timesteps is not None else "sigmas" if self.custom_sigmas is not None \
+            else None
+
     # -- what the samplers' entry points ask of a schedule (FlowSchedule answers the same) --------------------
 
     latent_form = "ve"  # samplers run on k-diffusion's latent x = x0 + sigma * noise
-    describe = "a DDPM-trained (eps / v) model"
+
+    @property
+    def describe(self) -> str:
+        return "a DDPM-trained (eps / v) model" + (f" with explicit {self.custom}" if self.custom else "")
 
     def family_for(self, info) -> str | None:
-        """The sigma placement (``FAMILIES``) sampler ``info`` (a ``SamplerInfo``) uses; every sampler runs here."""
+        """The sigma placement (``FAMILIES``) sampler ``info`` (a ``SamplerInfo``) uses; every sampler runs here,
+        except that with explicit timesteps or sigmas only those whose reference takes them (``info.custom``)."""
+        if self.custom is not None and self.custom not in info.custom:
+            return None
         return info.family
 
     def make_sigmas(self, steps: int, kind: str = "discrete", family: str = "k", spacing: str | None = None,
@@ -246,6 +282,60 @@ def ancestral_step(sigma_from, sigma_to, eta: float = 1.0):
     return (sigma_to**2 - sigma_up**2) ** 0.5, sigma_up
 
 
+def check_custom_timesteps(timesteps, num_train_timesteps: int | None = None) -> tuple[int, ...]:
+    """Explicit timesteps as a tuple of ints: integers from 0 (to ``num_train_timesteps - 1`` where given), strictly
+    descending, at least one. Raises :class:`ScheduleError` naming the value at fault."""
+    values = _as_list(timesteps, "timesteps")
+    for i, t in enumerate(values):
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)) and not (isinstance(t, float) and t.is_integer()):
+            raise ScheduleError(f"timesteps[{i}]={t!r} is not valid: timesteps are integers (e.g. 999,749,499,249)")
+        top = "" if num_train_timesteps is None else f" to {num_train_timesteps - 1}"
+        if t < 0 or num_train_timesteps is not None and t >= num_train_timesteps:
+            raise ScheduleError(f"timesteps[{i}]={int(t)} is out of range: expected 0{top} (the model's training "
+                                "timesteps)")
+        if i and t >= values[i - 1]:
+            raise ScheduleError(f"timesteps {_text(values)} are not strictly descending (timesteps[{i}]={int(t)} "
+                                f"after {int(values[i - 1])})")
+    return tuple(int(t) for t in values)
+
+
+def check_custom_sigmas(sigmas) -> tuple[float, ...]:
+    """Explicit sigmas as a tuple of floats: finite, strictly descending, at least two (the start of the first step
+    and the end of the last), every one above 0 but the last, which is 0: sampling ends on the clean image (a
+    reference scheduler given a last sigma above 0 hands that noisy latent to the decoder in its own scaling, which
+    is not an image sdlite writes). Raises :class:`ScheduleError`."""
+    values = _as_list(sigmas, "sigmas")
+    if len(values) < 2:
+        raise ScheduleError(f"sigmas {_text(values)}: give at least two, the start of the first step and the end of "
+                            "the last (e.g. 14.6,2.5,0.9,0: three steps ending at 0)")
+    for i, s in enumerate(values):
+        if isinstance(s, bool) or not isinstance(s, (int, float, np.floating, np.integer)) or not math.isfinite(s):
+            raise ScheduleError(f"sigmas[{i}]={s!r} is not valid: expected a finite number")
+        if s < 0 or s == 0 and i < len(values) - 1:
+            raise ScheduleError(f"sigmas[{i}]={s!r} is out of range: sigmas are above 0 (the last is 0)")
+        if i and s >= values[i - 1]:
+            raise ScheduleError(f"sigmas {_text(values)} are not strictly descending (sigmas[{i}]={s:g} after "
+                                f"{values[i - 1]:g})")
+    if values[-1] != 0:
+        raise ScheduleError(f"sigmas {_text(values)}: end the list with 0, where sampling ends (the steps are one "
+                            "fewer than the values)")
+    return tuple(float(s) for s in values)
+
+
+def _as_list(values, what: str) -> list:
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise ScheduleError(f"{what} {values!r} are not valid: expected a list of numbers")
+    values = list(values.tolist() if hasattr(values, "tolist") else values)
+    if not values:
+        raise ScheduleError(f"{what}: the list is empty")
+    return values
+
+
+def _text(values) -> str:
+    return ",".join(f"{v:g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
+                    for v in values)
+
+
 # --- sigma sequences -----------------------------------------------------------------------------------------
 
 def karras_sigmas(sigma_min: float, sigma_max: float, steps: int, rho: float = 7.0) -> torch.Tensor:
@@ -261,7 +351,8 @@ def exponential_sigmas(sigma_min: float, sigma_max: float, steps: int) -> torch.
 
 
 # the timestep spacing each family's diffusers scheduler classes default to when the config does not say
-DEFAULT_SPACING = {"k": "linspace", "multistep": "linspace", "ddim": "leading", "ddpm": "leading", "lcm": "leading"}
+DEFAULT_SPACING = {"k": "linspace", "multistep": "linspace", "ddim": "leading", "ddpm": "leading", "lcm": "leading",
+                   "tcd": "leading"}
 
 
 def resolve_spacing(schedule: NoiseSchedule, family: str, spacing: str | None = None) -> str:
@@ -284,9 +375,11 @@ def spaced_timesteps(schedule: NoiseSchedule, steps: int, spacing: str | None = 
     n_train = schedule.num_train_timesteps
     if not 1 <= steps <= n_train:
         raise ScheduleError(f"steps={steps}: expected 1 to {n_train}")
-    if family == "lcm":  # Luo et al. 2023: every (N // original_steps)-th timestep, `steps` of them picked evenly
+    if family in ("lcm", "tcd"):  # Luo et al. 2023: every (N // original_steps)-th timestep, `steps` of them
+        # picked evenly (TCDScheduler places them as LCMScheduler does unless set_timesteps is given its own
+        # original_inference_steps, which no pipeline passes)
         if steps > original_steps:
-            raise ScheduleError(f"LCM: steps={steps} exceeds its original_steps={original_steps}")
+            raise ScheduleError(f"{family.upper()}: steps={steps} exceeds its original_steps={original_steps}")
         k = n_train // original_steps
         origin = (np.arange(1, original_steps + 1) * k - 1)[::-1]
         picked = np.floor(np.linspace(0, original_steps, steps, endpoint=False)).astype(np.int64)
@@ -311,8 +404,15 @@ def make_sigmas(schedule: NoiseSchedule, steps: int, kind: str = "discrete", fam
 
     ``kind``: "discrete" (the model's own sigmas at the spaced timesteps, interpolated linearly in sigma for
     fractional ones), "karras" (rho = 7) or "exponential".
+
+    A schedule carrying explicit timesteps or sigmas (:meth:`NoiseSchedule.with_custom`) gives those instead, as
+    the reference's ``set_timesteps(timesteps=...)`` / ``set_timesteps(sigmas=...)`` do: the model's sigma at each
+    timestep and the family's end point; or the sigmas as given (float32), at the timesteps log-interpolated from
+    them. ``steps`` must then be their count (the sigmas': one less) and ``kind`` "discrete".
     """
     _choose("sigma schedule", kind, SIGMA_KINDS)
+    if schedule.custom is not None:
+        return _explicit(schedule, steps, kind, family)
     timesteps = spaced_timesteps(schedule, steps, spacing, family, original_steps)
     sigmas = schedule.t_to_sigma(torch.from_numpy(timesteps.copy()))
     if kind != "discrete":
@@ -327,6 +427,29 @@ def make_sigmas(schedule: NoiseSchedule, steps: int, kind: str = "discrete", fam
         if family == "multistep":  # integer timesteps there: Karras ones rounded, exponential ones truncated
             t = t.round() if kind == "karras" else t.trunc()
         timesteps = t.numpy()
-    final = schedule.final_sigma if family == "ddim" else 0.0
+    # DDIM/PLMS end at final_sigma; TCD's last step at timestep 0; the others at sigma 0
+    final = {"ddim": schedule.final_sigma, "tcd": schedule.sigma_min}.get(family, 0.0)
     sigmas = torch.cat([sigmas, torch.tensor([final], dtype=torch.float64)]).float()
     return sigmas, torch.from_numpy(np.ascontiguousarray(timesteps)).float()
+
+
+def _explicit(schedule: NoiseSchedule, steps: int, kind: str, family: str) -> tuple[torch.Tensor, torch.Tensor]:
+    what = schedule.custom
+    given = schedule.custom_timesteps if what == "timesteps" else schedule.custom_sigmas
+    count = len(given) if what == "timesteps" else len(given) - 1
+    if steps != count:
+        raise ScheduleError(f"steps={steps}, but the explicit {what} give {count} steps (the steps are set by the "
+                            f"list: {'one per timestep' if what == 'timesteps' else 'one less than the sigmas'})")
+    if kind != "discrete":
+        raise ScheduleError(f"explicit {what} replace the sigma schedule: they cannot be {kind} sigmas (choose the "
+                            "discrete schedule, or a sampler name without Karras / Exponential)")
+    if what == "sigmas":
+        sigmas = torch.tensor(given, dtype=torch.float32)
+        # as the reference: the steps' timesteps log-interpolated against the float32 log-sigma table
+        timesteps = _log_interp_t(schedule.sigmas.log(), sigmas[:-1]).float()
+        return sigmas, timesteps
+    check_custom_timesteps(given, schedule.num_train_timesteps)
+    timesteps = torch.tensor(given, dtype=torch.float64)
+    final = {"ddim": schedule.final_sigma, "tcd": schedule.sigma_min}.get(family, 0.0)
+    sigmas = torch.cat([schedule.t_to_sigma(timesteps), torch.tensor([final], dtype=torch.float64)]).float()
+    return sigmas, timesteps.float()
