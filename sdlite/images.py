@@ -9,6 +9,7 @@ PNGs carry a ``parameters`` text chunk; JPEGs the same text as the EXIF UserComm
 Image to image adds A1111's ``Denoising strength`` (and ``Resize mode`` when not "Just resize"); inpainting its
 ``Mask blur``, ``Masked content``, and when they differ from the defaults ``Mask mode``, ``Inpaint area`` with
 ``Masked area padding``; two fields are ours: ``Outpaint`` (the borders, "L,T,R,B") and ``Overlay: off``.
+Explicit noise levels add ``Timesteps`` ("999,749,499,249") or ``Sigmas``, ours too, only when given.
 
 Files are created exclusively: an existing file is never overwritten, the next free numbered name is used.
 """
@@ -83,6 +84,8 @@ def infotext(request, seed: int, model_hash: str | None = None, model_name: str 
         "Clip skip": request.clip_skip if request.clip_skip > 1 else None,
         "Eta": request.eta,
         "Timestep spacing": getattr(request, "timestep_spacing", None),  # only when the request overrides it
+        "Timesteps": _numbers(getattr(request, "timesteps", None)),   # explicit lists, only when given
+        "Sigmas": _numbers(getattr(request, "sigmas", None)),
         "Resize mode": _RESIZE_NAMES[request.resize_mode] if img2img and request.resize_mode != "just-resize"
         else None,
         "Mask blur": request.mask_blur if inpaint else None,
@@ -103,6 +106,14 @@ def infotext(request, seed: int, model_hash: str | None = None, model_name: str 
     return "\n".join(lines)
 
 
+def _numbers(values) -> str | None:
+    return None if values is None else ",".join(str(v) for v in values)   # str: the shortest exact form
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(v) for v in text.split(","))
+
+
 _FIELD = re.compile(r'\s*(\w[\w \-/]*):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)')
 
 
@@ -110,7 +121,7 @@ def _reverse(names: dict) -> Callable[[str], object]:
     return {text: value for value, text in names.items()}.__getitem__
 
 
-def _borders(text: str) -> tuple[int, ...]:
+def _int_list(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split(","))
 
 
@@ -123,7 +134,9 @@ _IMAGE_FIELDS: dict[str, tuple[str, Callable[[str], object]]] = {
     "Masked content": ("inpaint_fill", _reverse(_FILL_NAMES)),
     "Inpaint area": ("inpaint_area", _reverse(_AREA_NAMES)),
     "Masked area padding": ("inpaint_padding", int),
-    "Outpaint": ("outpaint", _borders),
+    "Outpaint": ("outpaint", _int_list),
+    "Timesteps": ("timesteps", _int_list),
+    "Sigmas": ("sigmas", _floats),
     "Overlay": ("overlay", _reverse(_OVERLAY_NAMES)),
 }
 
@@ -131,9 +144,9 @@ _IMAGE_FIELDS: dict[str, tuple[str, Callable[[str], object]]] = {
 def parse_infotext(text: str) -> dict:
     """Read an A1111 ``parameters`` text back: prompt, negative prompt and every ``Key: value`` field,
     with the sampler mapped back to our name and schedule (keys ``sampler`` and ``schedule``) and each
-    image-to-image field present also under its :class:`~sdlite.pipeline.Request` name and in its type
-    (``strength``, ``resize_mode``, ``mask_blur``, ``invert_mask``, ``inpaint_fill``, ``inpaint_area``,
-    ``inpaint_padding``, ``outpaint``, ``overlay``); a field left out means the Request's default. A value this
+    image-to-image field and explicit noise-level list present also under its :class:`~sdlite.pipeline.Request`
+    name and in its type (``strength``, ``resize_mode``, ``mask_blur``, ``invert_mask``, ``inpaint_fill``,
+    ``inpaint_area``, ``inpaint_padding``, ``outpaint``, ``overlay``, ``timesteps``, ``sigmas``); a field left out means the Request's default. A value this
     module does not write (another tool's) stays under its own key only."""
     lines = text.strip().split("\n")
     last = lines[-1] if lines and len(_FIELD.findall(lines[-1])) >= 3 else None

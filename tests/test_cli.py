@@ -50,6 +50,11 @@ def _gen(model, out, *extra):
     (["--quantize", "int3"], "quantize mode 'int3' is not valid: expected one of none, int8"),
     (["--vae-tile", "100"], "VAE tile 100 is not valid: expected 0 (no tiling) or a multiple of 8"),
     (["--memory-mode", "0", "--quantize", "int8"], "quantize mode 'int8' needs the UNet loaded whole"),
+    (["--timesteps", "999,abc"], "--timesteps '999,abc' is not valid: expected integers separated by commas"),
+    (["--sampler", "lcm", "--timesteps", "999,749,499"], "--steps 2 disagrees with --timesteps (3 steps)"),
+    (["--sampler", "euler", "--sigmas", "3,2,1"], "sigmas 3,2,1: end the list with 0"),
+    (["--sampler", "lcm", "--timesteps", "999,999"], "timesteps 999,999 are not strictly descending"),
+    (["--timesteps", "999,499"], "explicit timesteps replace the sigma schedule: they cannot be karras sigmas"),
 ])
 def test_bad_generate_arguments(model, tmp_path, capsys, extra, expected):
     out = tmp_path / "out"

@@ -488,3 +488,36 @@ def test_sdxl_refiner_errors(sdxl):
     assert_error(client.post(f"{API}/txt2img", json={"prompt": PROMPT, "steps": 2, "refiner_checkpoint": "demo"}),
                  422, "'demo'", "'base'", "latent space")
     assert_alive(client)
+
+
+def test_tcd_and_explicit_timesteps(client, engine):
+    """TCD is listed under the name A1111's and Forge's TCD extensions give it; sdlite_timesteps / sdlite_sigmas
+    (sdlite's extension fields) give the engine's image for Request.timesteps / Request.sigmas."""
+    names = [s["name"] for s in client.get(f"{API}/samplers").json()]
+    assert "TCD" in names and "LCM" in names
+
+    def run(**fields):
+        r = client.post(f"{API}/txt2img", json={"prompt": PROMPT, "seed": 5, "cfg_scale": 1, **fields})
+        assert r.status_code == 200, r.text
+        return pixels(decode(r.json()["images"][0])), json.loads(r.json()["info"])
+
+    dmd2 = (999, 749, 499, 249)
+    image, info = run(sampler_name="LCM", sdlite_timesteps=list(dmd2))
+    assert info["steps"] == 4 and 'Timesteps: "999,749,499,249"' in info["infotexts"][0]
+    assert parse_infotext(info["infotexts"][0])["timesteps"] == dmd2
+    expected = engine.generate(Request(PROMPT, seed=5, cfg_scale=1, sampler="lcm", timesteps=dmd2))
+    assert np.array_equal(image, pixels(expected.images[0]))
+    image, info = run(sampler_name="Euler", sdlite_sigmas=[14.6, 2.0, 0.5, 0])
+    expected = engine.generate(Request(PROMPT, seed=5, cfg_scale=1, sampler="euler", sigmas=(14.6, 2.0, 0.5, 0)))
+    # within 1/255: one run of this whole file measured 1 on 2 of 12288 values here (fractional timesteps), which
+    # neither a rerun nor the same requests on one engine reproduced
+    assert info["steps"] == 3 and np.abs(image - pixels(expected.images[0])).max() <= 1
+    # TCD's gamma left unset is the sampler's 0.3, not A1111's eta_ancestral option
+    image, info = run(sampler_name="TCD", steps=3)
+    assert info["sampler_name"] == "TCD" and "Eta" not in info["infotexts"][0]
+    expected = engine.generate(Request(PROMPT, seed=5, cfg_scale=1, sampler="tcd", steps=3))
+    assert np.array_equal(image, pixels(expected.images[0]))
+    r = client.post(f"{API}/txt2img", json={"prompt": PROMPT, "sampler_name": "Euler a", "sdlite_timesteps": [999, 499]})
+    assert_error(r, 422, "explicit timesteps", "euler, heun")
+    r = client.post(f"{API}/txt2img", json={"prompt": PROMPT, "sampler_name": "LCM", "sdlite_timesteps": [499, 999]})
+    assert_error(r, 422, "not strictly descending")

@@ -12,7 +12,7 @@ from .controlnet import add_controlnet_arguments, control_units
 from .hires import add_hires_arguments, check_upscaler_name, hires_option
 from .img2img import add_img2img_arguments, check_sources, check_stray_options, parse_outpaint
 from .options import (PLAIN_DEFAULTS, TURBO_DEFAULTS, TURBO_DEFAULTS_TEXT, add_compile_option, add_precision_option,
-                      resolve_model)
+                      check_list_steps, parse_numbers, resolve_model)
 from .progress import ProgressBar
 
 
@@ -66,6 +66,9 @@ def cmd_generate(args) -> int:
     demo_upscale = (args.model is None and args.width is None and args.height is None and args.init_image is None
                     and args.hires is None and args.hires_size is None)
     args.model = resolve_model(args.model, args.prompt)
+    args.timesteps = parse_numbers("--timesteps", args.timesteps, integers=True)
+    args.sigmas = parse_numbers("--sigmas", args.sigmas)
+    check_list_steps(args)
     opened = _resolve_turbo_defaults(args)   # the checkpoint's headers, when they were read to decide, for the load
     if args.refiner_switch is not None and args.refiner is None:
         raise RequestError("--refiner-switch needs a refiner: add --refiner PATH")
@@ -80,14 +83,15 @@ def cmd_generate(args) -> int:
     request = Request(prompt=args.prompt, negative_prompt=args.negative, width=args.width, height=args.height,
                       steps=args.steps, cfg_scale=args.cfg, sampler=args.sampler, schedule=args.schedule,
                       seed=args.seed, batch_size=args.batch, clip_skip=args.clip_skip, eta=args.eta,
-                      timestep_spacing=args.timestep_spacing, init_image=args.init_image, mask=args.mask,
+                      timestep_spacing=args.timestep_spacing, timesteps=args.timesteps, sigmas=args.sigmas,
+                      init_image=args.init_image, mask=args.mask,
                       mask_from_alpha=args.mask_from_alpha, invert_mask=args.invert_mask,
                       overlay=not args.no_overlay, outpaint=parse_outpaint(args.outpaint), **image_options,
                       loras=tuple(parse_lora(v) for v in args.lora), lora_dir=args.lora_dir,
                       embeddings_dir=args.embeddings, controls=control_units(args),
                       refiner_switch_at=(args.refiner_switch or DEFAULT_REFINER_SWITCH) if args.refiner else None,
                       slg_layers=_parse_layers(args.slg), slg_scale=args.slg_scale, slg_start=args.slg_start,
-                      slg_stop=args.slg_stop, guidance=args.guidance,
+                      slg_stop=args.slg_stop, guidance=args.guidance, **_cache_option(args.cache),
                       **{name: value for name, value in (("aesthetic_score", args.aesthetic_score),
                                                          ("negative_aesthetic_score", args.negative_aesthetic_score))
                          if value is not None})
@@ -243,6 +247,20 @@ def _resolve_turbo_defaults(args):
     return ckpt
 
 
+def _cache_option(text: str | None) -> dict:
+    """``--cache [N[:B]]`` as the Request's ``cache_interval`` and ``cache_branch`` (left out: the Request's, off)."""
+    from ..engine.stepcache import StepCacheError, parse
+    from ..pipeline import RequestError
+
+    if text is None:
+        return {}
+    try:
+        interval, branch = parse(text)
+    except StepCacheError as e:
+        raise RequestError(f"--cache: {e}") from None
+    return {"cache_interval": interval, "cache_branch": branch}
+
+
 def add_parser(sub) -> None:
     g = sub.add_parser("generate", help="text to image, image to image, inpainting, outpainting")
     g.add_argument("prompt")
@@ -265,6 +283,11 @@ def add_parser(sub) -> None:
                    help="FLUX.1 dev's distilled guidance scale (Forge's \"Distilled CFG Scale\"; default 3.5); not "
                         "CFG, which --cfg is and which FLUX runs without (cfg 1)")
     g.add_argument("--steps", type=int, default=None, help="default 20 (Turbo models: 1; SD3: 28, SD3.5 Medium 40)")
+    g.add_argument("--cache", nargs="?", const="on", default=None, metavar="N[:B]",
+                   help="the step cache (DeepCache; UNet models): the whole UNet every N-th step and the last, the "
+                        "steps between reuse its deep features and run only skip branch B (0, the shallowest, is the "
+                        "fastest; higher is closer to the uncached image). --cache alone: N=3, B=0. Faster, not "
+                        "exact: off by default (see README)")
     g.add_argument("--cfg", type=float, default=None,
                    help="classifier-free guidance scale (1 = off; default 7.5, Turbo models 1, SD3 7, SD3.5 Large 3.5, "
                         "SD3.5 Medium 4.5)")
@@ -276,6 +299,14 @@ def add_parser(sub) -> None:
     g.add_argument("--timestep-spacing", default=None,
                    help="leading, linspace or trailing: where the sampler's timesteps fall (default: what the "
                         "model's scheduler config says, `sdlite info` shows it; Turbo models: trailing)")
+    g.add_argument("--timesteps", default=None, metavar="T,T,...",
+                   help="explicit training timesteps, descending, e.g. 999,749,499,249 (DMD2): one step each (they "
+                        "set --steps), as diffusers' timesteps=; samplers euler, heun, dpmpp_2m(_sde), ddpm, lcm, tcd, "
+                        "on the discrete schedule")
+    g.add_argument("--sigmas", default=None, metavar="S,S,...,0",
+                   help="explicit sigmas, descending, ending with 0: one step fewer than values (they set --steps), "
+                        "as diffusers' sigmas=; sampler euler (SD3/FLUX: euler, euler_a, heun, unipc, with the "
+                        "values before the shift, in (0, 1])")
     g.add_argument("--turbo", action="store_true",
                    help=f"use a Turbo model's settings where not given: {TURBO_DEFAULTS_TEXT} (automatic for "
                         "models recognised as SDXL-Turbo / SD-Turbo)")
@@ -287,7 +318,8 @@ def add_parser(sub) -> None:
     g.add_argument("--height", type=int, default=None, help="default: as for --width")
     g.add_argument("--batch", type=int, default=1, help="images; image i uses seed+i")
     g.add_argument("--clip-skip", type=int, default=1, help="1 = last text-encoder layer (A1111 numbering)")
-    g.add_argument("--eta", type=float, default=None, help="noise of DDIM / ancestral / SDE samplers")
+    g.add_argument("--eta", type=float, default=None,
+                   help="noise of DDIM / ancestral / SDE samplers; TCD's gamma (default 0.3)")
     g.add_argument("--output", "-o", default="outputs/", help="a file name, or a folder (numbered names)")
     g.add_argument("--format", default="png", help="png or jpg")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")

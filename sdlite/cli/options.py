@@ -41,6 +41,28 @@ def resolve_model(model: str | None, prompt: str | None = None) -> str:
     return model
 
 
+def parse_numbers(flag: str, text: str | None, integers: bool = False) -> tuple | None:
+    """``--timesteps 999,749,499,249`` / ``--sigmas 14.6,3,1,0``: the comma-separated numbers (None when not
+    given); what they must be (descending, in range) the request checks."""
+    if text is None:
+        return None
+    try:
+        return tuple((int if integers else float)(part) for part in text.split(","))
+    except ValueError:
+        example = "999,749,499,249" if integers else "14.6,3,1,0"
+        raise SDLiteError(f"{flag} {text!r} is not valid: expected {'integers' if integers else 'numbers'} "
+                          f"separated by commas, e.g. {example}") from None
+
+
+def check_list_steps(args) -> None:
+    """``--steps`` given beside ``--timesteps`` / ``--sigmas`` must agree with the list, which sets the steps."""
+    for flag, values, count in (("--timesteps", args.timesteps, len(args.timesteps or ())),
+                                ("--sigmas", args.sigmas, len(args.sigmas or ()) - 1)):
+        if values is not None and args.steps is not None and args.steps != count:
+            raise SDLiteError(f"--steps {args.steps} disagrees with {flag} ({count} steps): leave --steps out, the "
+                              "list sets the steps")
+
+
 def check_precision_option(args, device: str) -> str:
     """``--precision`` checked before anything starts (a name we know, and one this CPU can run); returns the name
     to hand to the engines ("auto" stays "auto": each machine resolves it for itself)."""

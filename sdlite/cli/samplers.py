@@ -14,6 +14,9 @@ def cmd_samplers(args) -> int:
         print(f"{name:<14}{info.schedule:<18}{aliases:<28}{info.reference}")
     print("\nschedules: discrete, karras, exponential (--schedule, or a ' Karras'/' Exponential' suffix "
           "on an A1111 name: \"DPM++ 2M Karras\")")
+    for kind in ("timesteps", "sigmas"):
+        takers = ", ".join(name for name, info in SAMPLERS.items() if kind in info.custom)
+        print(f"explicit --{kind} (as diffusers' {kind}=): {takers}")
     return 0
 
 

@@ -119,13 +119,16 @@ class DownBlock(nn.Module):
         if level < len(cfg.block_channels) - 1:
             self.downsamplers = nn.ModuleList([Downsample(out_ch, padding=1)])
 
-    def forward(self, x, temb, context, skips: list):
+    def forward(self, x, temb, context, skips: list, stop: int | None = None):
+        """``stop``: return as soon as ``skips`` holds that many activations (a step cache's shallow step)."""
         for i, resnet in enumerate(self.resnets):
+            if stop is not None and len(skips) >= stop:
+                return x
             x = resnet(x, temb)
             if hasattr(self, "attentions"):
                 x = self.attentions[i](x, context)
             skips.append(x)
-        if hasattr(self, "downsamplers"):
+        if hasattr(self, "downsamplers") and (stop is None or len(skips) < stop):
             x = self.downsamplers[0](x)
             skips.append(x)
         return x
@@ -150,12 +153,15 @@ class UpBlock(nn.Module):
         if level > 0:
             self.upsamplers = nn.ModuleList([Upsample(out_ch)])
 
-    def forward(self, x, temb, context, skips: list, size=None):
-        for i, resnet in enumerate(self.resnets):
-            x = resnet(torch.cat([x, skips.pop()], dim=1), temb)
+    def forward(self, x, temb, context, skips: list, size=None, layers: range | None = None):
+        """``layers``: only these of the block's layers (a step cache's part of the up path); the upsampler runs
+        after the last."""
+        layers = range(len(self.resnets)) if layers is None else layers
+        for i in layers:
+            x = self.resnets[i](torch.cat([x, skips.pop()], dim=1), temb)
             if hasattr(self, "attentions"):
                 x = self.attentions[i](x, context)
-        if hasattr(self, "upsamplers"):
+        if hasattr(self, "upsamplers") and layers.stop == len(self.resnets):
             x = self.upsamplers[0](x, size)
         return x
 
@@ -276,27 +282,59 @@ class UNet(TimeConditioned):
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
                 text_embeds: torch.Tensor | None = None, time_ids: torch.Tensor | None = None,
-                class_labels: torch.Tensor | None = None, control: tuple | None = None) -> torch.Tensor:
+                class_labels: torch.Tensor | None = None, control: tuple | None = None,
+                cache=None) -> torch.Tensor:
         """``control``: ``(down, mid)``, residuals to add (a ControlNet's, :mod:`sdlite.models.controlnet`): ``down[i]``
-        to the i-th skip activation of the down path (the stem's first), ``mid`` to the middle block's output."""
+        to the i-th skip activation of the down path (the stem's first), ``mid`` to the middle block's output.
+
+        ``cache``: a step cache's branch (DeepCache, :mod:`sdlite.engine.stepcache`): ``cache.skips`` = k, the skip
+        connections every step computes afresh. With ``cache.feature`` None (a full step) the whole network runs and
+        ``cache.keep`` is handed the up path's activation where it takes in skip k-1; else (a cached step) only the
+        down layers that make skips 0..k-1 and the up layers from that point run, starting from ``cache.feature``."""
         context = context.to(x.dtype)  # the text encoders may compute in another precision (fp32 under bf16)
         temb = self.embed(x, t, text_embeds, time_ids, class_labels)      # (B, 4*C0)
+        shallow = cache is not None and cache.feature is not None
+        stop = cache.skips if shallow else None
 
         x = self.conv_in(x)                                                # (B, C0, h, w)
         skips = [x]
         sizes = []
         for block in self.down_blocks:
+            if stop is not None and len(skips) >= stop:
+                break
             sizes.append(x.shape[-2:])
-            x = block(x, temb, context, skips)
-        x = self.mid_block(x, temb, context)
+            x = block(x, temb, context, skips, stop)
+        if not shallow:
+            x = self.mid_block(x, temb, context)
         if control is not None:
             down, mid = control
-            if len(down) != len(skips):
-                raise ValueError(f"control: {len(down)} down-path residuals for a UNet with {len(skips)} skips")
+            total = sum(len(b.resnets) for b in self.up_blocks)
+            if len(down) != total:
+                raise ValueError(f"control: {len(down)} down-path residuals for a UNet with {total} skips")
             skips = [s + r.to(s.dtype) for s, r in zip(skips, down)]
-            x = x + mid.to(x.dtype)
+            if not shallow:
+                x = x + mid.to(x.dtype)
+        return self._up(x, temb, context, skips, sizes, cache, shallow)
+
+    def _up(self, x, temb, context, skips: list, sizes: list, cache, shallow: bool) -> torch.Tensor:
+        """The up path and the output layers; with a step cache (see :meth:`forward`) from or past its branch."""
+        # up layer j takes skip (n - 1 - j): the branch point of skip k-1 is up layer n - k
+        n = sum(len(b.resnets) for b in self.up_blocks)
+        branch = None if cache is None else n - cache.skips
+        first = branch if shallow else 0
+        if shallow:
+            x = cache.feature
+        j = 0   # the first up layer of the block
         for i, block in enumerate(self.up_blocks):
-            # upsample to the size the matching down level had, so odd latent sizes round-trip
-            size = sizes[-2 - i] if i < len(self.up_blocks) - 1 else None
-            x = block(x, temb, context, skips, size)
+            count, level = len(block.resnets), len(self.up_blocks) - 1 - i
+            lo = max(first - j, 0)
+            if lo < count:
+                # upsample to the size the matching down level had, so odd latent sizes round-trip
+                size = sizes[level - 1] if level > 0 else None
+                if branch is not None and not shallow and j <= branch < j + count:   # a full step keeps the feature
+                    x = block(x, temb, context, skips, size, range(lo, branch - j))
+                    cache.keep(x)
+                    lo = branch - j
+                x = block(x, temb, context, skips, size, range(lo, count))
+            j += count
         return self.conv_out(norm_silu(self.conv_norm_out, x))

@@ -27,6 +27,7 @@ from .. import sources
 from ..engine import budget
 from ..engine.memory import ModelManager, check_memory_mode, trim_heap, tune_heap
 from ..engine.precision import choose_precision, whole_unet
+from ..engine.stepcache import StepCache, StepCacheError, cache_infotext
 from ..errors import RequestError, StopSampling
 from ..families import family_for
 from ..families.base import ScheduledConditioning, initial_noise, latents_to_images
@@ -140,6 +141,7 @@ class Engine(LoadedModel):
                 plan(r.sampler, self.schedule_for(r), r.steps, r.schedule, r.timestep_spacing)
             except ScheduleError as e:
                 raise RequestError(str(e)) from None
+        self.check_step_cache(r)
         ignored = [] if request.guidance is None or r.guidance is not None else [
             "a distilled guidance scale is FLUX.1 dev's (--guidance, Forge's distilled_cfg_scale); this model "
             f"({self.spec.family}) has none: ignored"]
@@ -158,6 +160,7 @@ class Engine(LoadedModel):
                                    "models (load the base model for it)")
             result = generate_hires(self, r, callback, on_latents, t0)
             result.warnings += ignored
+            result.infotext.update(cache_infotext(r))
             return result
         source = self.prepare_source(r) if r.is_img2img else None
         if source is not None:
@@ -174,6 +177,7 @@ class Engine(LoadedModel):
         if self.vae_decoder is not None:
             result.infotext["VAE decoder"] = self.vae_decoder.name
         result.warnings += ignored
+        result.infotext.update(cache_infotext(r))
         return result
 
     # -- ControlNet ------------------------------------------------------------------------------------------------
@@ -264,12 +268,14 @@ class Engine(LoadedModel):
             if concat is not None:
                 extra["concat"] = concat
 
-            controlled = None
+            controlled = cache = None
 
             def on_step(i, total, x, st=st, extra=extra):
                 done[0] += 1
                 if controlled is not None:
                     controlled.step = st.start + i + 1 - start
+                if cache is not None:
+                    cache.step = i + 1
                 if blend is not None:
                     x = blend(i, total, x)
                 if st.cond.changes and st.start + i + 1 < r.steps:
@@ -284,6 +290,9 @@ class Engine(LoadedModel):
             network = engine.spec.denoiser   # the UNet, or a transformer
             with torch.no_grad(), engine.models.use(network) as unet:
                 model = engine.models.runner(network, unet)
+                if r.cache_interval:   # DeepCache: a fresh cache for each stage of each run
+                    cache = engine.step_cache(r, unet, st.end - st.start)
+                    model = cache.wrap(unet)
                 if controls and engine is self:
                     from ..control.apply import ControlledUNet
 
@@ -325,6 +334,33 @@ class Engine(LoadedModel):
         return Result(images=images, seeds=seeds, request=r, latents=latents, warnings=warnings,
                       infotext={**networks.infotext(), "Precision": self.precision.label}, timings={"text": t1 - t0, "sampling": t2 - t1, "decode": t3 - t2,
                                                   "total": t3 - t0}, interrupted=interrupted)
+
+    def check_step_cache(self, r: Request) -> None:
+        """Refuse a step cache (``r.cache_interval``, :mod:`sdlite.engine.stepcache`) where it cannot run: a model
+        without a UNet's skip branches, a compiled UNet, a branch the UNet does not have."""
+        if not r.cache_interval:
+            return
+        what = "the step cache (cache_interval / --cache)"
+        if self.spec.denoiser != "unet":
+            raise RequestError(f"{what} reuses a UNet's deep features; this model ({self.spec.family}) denoises "
+                               f"with a {self.spec.denoiser}: leave it off")
+        if self.models.compile:
+            raise RequestError(f"{what} does not run on a compiled UNet (its graph is the whole network): leave "
+                               "out --compile or the cache")
+        cfg = self.spec.unet
+        n = len(cfg.block_channels) * (cfg.layers_per_block + 1)   # one skip per up layer
+        if r.cache_branch >= n:
+            raise RequestError(f"step cache branch {r.cache_branch} is not valid for this model: its UNet has {n} "
+                               f"skip branches (0 to {n - 1})")
+
+    def step_cache(self, r: Request, unet, steps: int) -> StepCache:
+        """A fresh step cache for one stage of ``steps`` steps of ``r`` on ``unet`` (checked by
+        :meth:`check_step_cache`)."""
+        self.check_step_cache(r)
+        try:
+            return StepCache(r.cache_interval, r.cache_branch, steps).checked(unet)
+        except StepCacheError as e:
+            raise RequestError(str(e)) from None
 
     def skip_layer_guidance(self, r: Request) -> dict:
         """The guidance's skip-layer options for ``r`` (:class:`~sdlite.sampling.denoisers.CFGDenoiser`): the blocks,

@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import CFG_RANGE, MAX_BATCH, MAX_SEED, MAX_STEPS
+from ..engine.stepcache import DEFAULT_BRANCH as DEFAULT_CACHE_BRANCH
+from ..engine.stepcache import StepCacheError
+from ..engine.stepcache import check_options as check_cache_options
 from ..errors import RequestError
 from ..sampling.samplers import resolve_sampler
 from ..sampling.schedules import SIGMA_KINDS, SPACINGS
@@ -80,6 +83,11 @@ class Request:
     # Scale"), embedded by the transformer: not classifier-free guidance, which cfg_scale is. None: the model's
     # default (3.5); models without a guidance embedding refuse a value
     guidance: float | None = None
+    # the step cache (DeepCache, sdlite.engine.stepcache): the whole UNet runs every cache_interval-th step (and the
+    # last), the steps between reuse its deep features and run only skip branch cache_branch (0: the shallowest).
+    # 0 = off (the default: exact); UNet models only
+    cache_interval: int = 0
+    cache_branch: int = DEFAULT_CACHE_BRANCH
 
     @property
     def is_img2img(self) -> bool:
@@ -208,6 +216,10 @@ def validate(request: Request, native_size: int = 512) -> Request:
         raise RequestError(f"distilled guidance scale {r.guidance!r} is not valid: expected a number from 0 to 100 "
                            "(FLUX.1 dev: 3.5 by default)")
     hires = _validate_hires(r, width, height)
+    try:
+        check_cache_options(r.cache_interval, r.cache_branch)
+    except StepCacheError as e:
+        raise RequestError(str(e)) from None
     return _validate_image_options(r).replace(width=width, height=height, sampler=sampler, schedule=schedule,
                                               seed=seed, cfg_scale=float(r.cfg_scale), hires=hires,
                                               controls=_validate_controls(r))

@@ -18,7 +18,7 @@ from .samplers import (A1111_NAMES, SAMPLERS, BrownianNoise, Plan, SamplerInfo, 
                        resolve_sampler, sample,
                        sample_ddim, sample_ddpm, sample_dpmpp_2m, sample_dpmpp_2m_sde, sample_dpmpp_sde,
                        sample_euler, sample_euler_ancestral, sample_heun, sample_lcm, sample_lms, sample_pndm,
-                       sample_unipc)
+                       sample_tcd, sample_unipc)
 from .schedules import (NoiseSchedule, ScheduleError, betas_for, exponential_sigmas, karras_sigmas, make_sigmas,
                         spaced_timesteps)
 
@@ -28,5 +28,5 @@ __all__ = [
     "ScheduleError", "betas_for", "exponential_sigmas", "karras_sigmas", "make_sigmas", "resolve_sampler",
     "sample", "sample_ddim", "sample_ddpm", "sample_dpmpp_2m", "sample_dpmpp_2m_sde", "sample_dpmpp_sde",
     "sample_euler", "sample_euler_ancestral", "sample_heun", "sample_lcm", "sample_lms", "sample_pndm",
-    "sample_unipc", "schedule_from_config", "spaced_timesteps",
+    "sample_tcd", "sample_unipc", "schedule_from_config", "spaced_timesteps",
 ]

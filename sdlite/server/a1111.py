@@ -102,6 +102,13 @@ class Txt2ImgRequest(_Lenient):
     save_images: bool | None = None
     alwayson_scripts: dict | None = None
     infotext: str | None = None
+    # sdlite's own extension fields (A1111 has none such): explicit noise levels replacing the sampler's schedule,
+    # one list or the other, which sets the steps (Request.timesteps / Request.sigmas)
+    sdlite_timesteps: list[float] | None = None
+    sdlite_sigmas: list[float] | None = None
+    # the step cache (DeepCache; Request.cache_interval / cache_branch): "N" or "N:B" as the CLI's --cache takes it,
+    # "on" (3:0), or the interval N as a number; left out or "off": off
+    sdlite_cache: str | int | None = None
 
 
 class Img2ImgRequest(Txt2ImgRequest):
@@ -248,6 +255,7 @@ SAMPLERS_A1111: dict[str, tuple[str, list[str], str | None]] = {
     "UniPC": ("unipc", ["unipc"], None),
     "LCM": ("lcm", ["k_lcm"], None),
     "DDPM": ("ddpm", ["ddpm"], None),   # sdlite's own; A1111 has no DDPM sampler
+    "TCD": ("tcd", ["tcd"], None),      # the name A1111's and Forge's TCD sampler extensions give it
 }
 _A1111_BY_SDLITE = {sampler: name for name, (sampler, _, _) in SAMPLERS_A1111.items()}
 
@@ -531,6 +539,22 @@ def _int_field(p: dict, name: str, low: int, high: int | None = None) -> int:
     return value
 
 
+def _cache_fields(value) -> dict:
+    """``sdlite_cache`` as the Request's step cache fields (nothing when it is left out)."""
+    from ..engine.stepcache import StepCacheError, parse
+
+    if value is None:
+        return {}
+    if isinstance(value, bool):
+        raise RequestError(f"sdlite_cache={value!r} is not valid: expected \"N\" or \"N:B\" (e.g. \"3:0\"), "
+                           "a number N, \"on\" or \"off\"")
+    try:
+        interval, branch = parse(str(value))
+    except StepCacheError as e:
+        raise RequestError(f"sdlite_cache: {e}") from None
+    return {"cache_interval": interval, "cache_branch": branch}
+
+
 def build_plan(req: Txt2ImgRequest, options: dict, *, max_image_bytes: int, lora_dir=None,
                embeddings_dir=None, limits: Limits | None = None, upscaler_dir=None, controlnets=None) -> Plan:
     """Check an A1111 request and turn it into sdlite Requests (images decoded, names resolved). ``limits`` (the
@@ -556,9 +580,11 @@ def build_plan(req: Txt2ImgRequest, options: dict, *, max_image_bytes: int, lora
     opts = {**options, **{k: v for k, v in overrides.items() if k in REQUEST_OPTIONS}}
 
     sampler = resolve_sampler_a1111(p["sampler_name"] or p["sampler_index"] or "Euler", p["scheduler"], warnings)
-    eta = p["eta"] if p["eta"] is not None else opts["eta_ddim" if sampler.sampler == "ddim" else "eta_ancestral"]
+    # TCD's gamma is no A1111 option: the request's eta, else the sampler's own default
+    eta_option = {"ddim": "eta_ddim", "tcd": None}.get(sampler.sampler, "eta_ancestral")
+    eta = p["eta"] if p["eta"] is not None else opts[eta_option] if eta_option else None
     default_eta = _eta_default(sampler.sampler)
-    eta = None if default_eta is None or float(eta) == default_eta else float(eta)
+    eta = None if default_eta is None or eta is None or float(eta) == default_eta else float(eta)
 
     batch = _int_field(p, "batch_size", 1, MAX_BATCH)
     n_iter = _int_field(p, "n_iter", 1, 100)
@@ -571,8 +597,9 @@ def build_plan(req: Txt2ImgRequest, options: dict, *, max_image_bytes: int, lora
     common = dict(prompt=p["prompt"], negative_prompt=p["negative_prompt"], width=p["width"], height=p["height"],
                   steps=p["steps"], cfg_scale=p["cfg_scale"], guidance=p["distilled_cfg_scale"],
                   sampler=sampler.sampler, schedule=sampler.schedule,
+                  timesteps=p["sdlite_timesteps"], sigmas=p["sdlite_sigmas"],
                   batch_size=batch, clip_skip=opts["CLIP_stop_at_last_layers"], eta=eta, lora_dir=lora_dir,
-                  embeddings_dir=embeddings_dir)
+                  embeddings_dir=embeddings_dir, **_cache_fields(p["sdlite_cache"]))
     refiner, switch = _refiner_fields(p, img2img)
     hr_checkpoint = None
     if img2img:

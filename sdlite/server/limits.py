@@ -147,6 +147,11 @@ def check_request(p: dict, limits: Limits) -> None:
     steps = p.get("steps")
     if isinstance(steps, int) and not isinstance(steps, bool) and steps > limits.max_steps:
         raise LimitExceeded(f"steps={steps} is over this server's limit of {limits.max_steps} steps (--max-steps)")
+    for name, fewer in (("sdlite_timesteps", 0), ("sdlite_sigmas", 1)):   # an explicit list sets the steps
+        values = p.get(name)
+        if isinstance(values, list) and len(values) - fewer > limits.max_steps:
+            raise LimitExceeded(f"{name} gives {len(values) - fewer} steps, over this server's limit of "
+                                f"{limits.max_steps} steps (--max-steps)")
     check_size(p.get("width"), p.get("height"), limits)
     hr_steps = p.get("hr_second_pass_steps")
     if p.get("enable_hr") and isinstance(hr_steps, int) and not isinstance(hr_steps, bool) \
