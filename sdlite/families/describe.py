@@ -69,7 +69,9 @@ def describe_component(name: str, spec) -> str:
         return (f"UNet: {u.in_channels} in-channels, widths {list(u.block_channels)}, {u.layers_per_block} "
                 f"res blocks/level, heads {list(u.heads)}, context {u.context_dim}, "
                 f"{'linear' if u.linear_projection else 'conv'} projections"
-                + (f", transformer depth {list(depth) if isinstance(depth, tuple) else depth}" if depth != 1 else "")
+                + (f", transformer depth {_listed(depth)}" if depth != 1 else "")
+                + (f" (up {_listed(u.up_transformer_depth)})" if u.up_transformer_depth else "")
+                + {"cross_attn": "", "resnet": ", one-resnet middle block", None: ", no middle block"}[u.mid_block]
                 + (f", added conditioning: pooled text + {(u.add_embed_in - spec.text2.projection_dim) // u.addition_time_embed_dim}"
                    f" {'size/crop/aesthetic' if spec.requires_aesthetics_score else 'size/crop'} ids"
                    if u.addition_embed == "text_time" and spec.text2 is not None else ""))
@@ -90,3 +92,8 @@ def describe_schedule(cfg: dict) -> str:
     return (f"{betas} betas {cfg.get('beta_start', 0.0001)}..{cfg.get('beta_end', 0.02)} over "
             f"{cfg.get('num_train_timesteps', 1000)} steps, timestep spacing {spacing}, steps offset "
             f"{cfg.get('steps_offset', 0)}" + (f" ({cfg['_class_name']})" if cfg.get("_class_name") else ""))
+
+
+def _listed(depth) -> list | int:
+    """A transformer depth as a list (per level; a level's per-layer depths as a list in it), or one number."""
+    return [list(d) if isinstance(d, tuple) else d for d in depth] if isinstance(depth, tuple) else depth

@@ -2,7 +2,8 @@
 Image Synthesis with Latent Diffusion Models"), module names as in the diffusers layout.
 
 Down path: per level ``layers_per_block`` ResBlocks (each optionally followed by a spatial transformer),
-then a stride-2 convolution except at the last level. Middle: ResBlock, transformer, ResBlock. Up path:
+then a stride-2 convolution except at the last level. Middle: ResBlock, transformer, ResBlock (or one ResBlock, or
+none: the distilled UNets). Up path:
 per level ``layers_per_block + 1`` ResBlocks, each fed the concatenation with one saved skip activation.
 """
 from __future__ import annotations
@@ -114,8 +115,8 @@ class DownBlock(nn.Module):
                                      for i in range(n))
         if cfg.attention[level]:
             self.attentions = nn.ModuleList(
-                SpatialTransformer(out_ch, cfg.heads[level], cfg.context_dim, cfg.depth_at(level),
-                                   cfg.linear_projection, g, cfg.cross_only_at(level)) for _ in range(n))
+                SpatialTransformer(out_ch, cfg.heads[level], cfg.context_dim, cfg.depth_at(level, i),
+                                   cfg.linear_projection, g, cfg.cross_only_at(level)) for i in range(n))
         if level < len(cfg.block_channels) - 1:
             self.downsamplers = nn.ModuleList([Downsample(out_ch, padding=1)])
 
@@ -148,8 +149,8 @@ class UpBlock(nn.Module):
         self.resnets = nn.ModuleList(resnets)
         if cfg.attention[level]:
             self.attentions = nn.ModuleList(
-                SpatialTransformer(out_ch, cfg.heads[level], cfg.context_dim, cfg.depth_at(level),
-                                   cfg.linear_projection, g, cfg.cross_only_at(level)) for _ in range(n + 1))
+                SpatialTransformer(out_ch, cfg.heads[level], cfg.context_dim, cfg.up_depth_at(level, i),
+                                   cfg.linear_projection, g, cfg.cross_only_at(level)) for i in range(n + 1))
         if level > 0:
             self.upsamplers = nn.ModuleList([Upsample(out_ch)])
 
@@ -167,17 +168,28 @@ class UpBlock(nn.Module):
 
 
 class MidBlock(nn.Module):
+    """``cfg.mid_block``: "cross_attn" (resnet, transformer, resnet), "resnet" (one resnet: SSD-1B, Vega) or None
+    (nothing: BK-SDM Small/Tiny, SDXS; the block has no weights and passes its input on)."""
+
     def __init__(self, cfg: UNetConfig, temb_dim: int):
         super().__init__()
         ch, g, eps = cfg.block_channels[-1], cfg.norm_groups, cfg.norm_eps
-        self.resnets = nn.ModuleList([ResnetBlock(ch, ch, temb_dim, g, eps), ResnetBlock(ch, ch, temb_dim, g, eps)])
-        self.attentions = nn.ModuleList([SpatialTransformer(ch, cfg.heads[-1], cfg.context_dim,
-                                                            cfg.depth_at(-1), cfg.linear_projection, g)])
+        if cfg.mid_block is None:
+            return
+        count = 2 if cfg.mid_block == "cross_attn" else 1
+        self.resnets = nn.ModuleList(ResnetBlock(ch, ch, temb_dim, g, eps) for _ in range(count))
+        if cfg.mid_block == "cross_attn":
+            self.attentions = nn.ModuleList([SpatialTransformer(ch, cfg.heads[-1], cfg.context_dim,
+                                                                cfg.depth_at(-1), cfg.linear_projection, g)])
 
     def forward(self, x, temb, context):
+        if not hasattr(self, "resnets"):
+            return x
         x = self.resnets[0](x, temb)
-        x = self.attentions[0](x, context)
-        return self.resnets[1](x, temb)
+        if hasattr(self, "attentions"):
+            x = self.attentions[0](x, context)
+            x = self.resnets[1](x, temb)
+        return x
 
 
 class TimeConditioned(nn.Module):

@@ -52,15 +52,23 @@ class UNetStructure:
     """What the UNet's block numbering depends on.
 
     ``down_attention[i]``: level i of the down path (highest resolution first) has spatial transformers;
-    ``up_attention[i]``: ``up_blocks.i`` (lowest resolution first) has them; ``mid_attention``: the middle
-    block is resnet-attention-resnet (else resnet-resnet).
+    ``up_attention[i]``: ``up_blocks.i`` (lowest resolution first) has them; ``mid_block``: the middle block is
+    resnet-attention-resnet (``"cross_attn"``), one resnet (``"resnet"``: SSD-1B, Vega) or absent (None: BK-SDM
+    Small/Tiny, SDXS).
+
+    ``stride``: block numbers per level in ``input_blocks`` / ``output_blocks``; 0 is the LDM numbering,
+    ``layers_per_block + 1``. The distilled one-layer UNets' single files (written by diffusers' conversion script,
+    which stable-diffusion.cpp reads) keep SD 1.x's numbering, stride 3, with gaps: the resnets of level i at
+    ``input_blocks.{1 + 3i}`` and ``output_blocks.{3u}, {3u + 1}``, a downsampler at ``input_blocks.{3i + 3}.0.op``
+    and an upsampler alone at ``output_blocks.{3u + 2}.1`` for ``up_blocks.0`` and ``.2`` after it.
     """
 
     num_levels: int
     layers_per_block: int
     down_attention: tuple[bool, ...]
     up_attention: tuple[bool, ...]
-    mid_attention: bool = True
+    mid_block: str | None = "cross_attn"
+    stride: int = 0
 
     def __post_init__(self):
         if self.num_levels < 1 or self.layers_per_block < 1:
@@ -69,6 +77,21 @@ class UNetStructure:
         if len(self.down_attention) != self.num_levels or len(self.up_attention) != self.num_levels:
             raise ConversionError(f"UNet structure: {self.num_levels} levels but {len(self.down_attention)} down "
                                   f"and {len(self.up_attention)} up attention flags")
+        if self.mid_block not in ("cross_attn", "resnet", None):
+            raise ConversionError(f"UNet structure: middle block {self.mid_block!r} (expected 'cross_attn', "
+                                  "'resnet' or None)")
+        if self.stride and self.stride < self.layers_per_block + 1:
+            raise ConversionError(f"UNet structure: stride {self.stride} below layers_per_block + 1 "
+                                  f"({self.layers_per_block + 1})")
+
+    @property
+    def mid_attention(self) -> bool:
+        return self.mid_block == "cross_attn"
+
+    @property
+    def step(self) -> int:
+        """Block numbers per level (``stride``, or the LDM numbering's ``layers_per_block + 1``)."""
+        return self.stride or self.layers_per_block + 1
 
     @classmethod
     def from_diffusers_config(cls, cfg: Mapping | Any) -> "UNetStructure":
@@ -78,7 +101,7 @@ class UNetStructure:
             return cfg.get(name, default) if isinstance(cfg, Mapping) else getattr(cfg, name, default)
 
         if get("down_block_types") is None and get("attention") is not None:  # sdlite's own UNetConfig
-            return cls.from_attention(get("attention"), get("layers_per_block", 2))
+            return cls.from_attention(get("attention"), get("layers_per_block", 2), get("mid_block", "cross_attn"))
         down_types = list(get("down_block_types"))
         up_types = list(get("up_block_types"))
         kinds = {"CrossAttnDownBlock2D": True, "DownBlock2D": False, "CrossAttnUpBlock2D": True, "UpBlock2D": False}
@@ -91,20 +114,22 @@ class UNetStructure:
                 raise ConversionError(f"UNet config: layers_per_block={list(lpb)} must be the same at every level")
             lpb = lpb[0]
         mid = get("mid_block_type", "UNetMidBlock2DCrossAttn")
-        if mid not in ("UNetMidBlock2DCrossAttn", "UNetMidBlock2D"):
+        mids = {"UNetMidBlock2DCrossAttn": "cross_attn", "UNetMidBlock2D": "resnet", None: None}
+        if mid not in mids:
             raise ConversionError(f"UNet config: mid_block_type={mid!r} has no original-layout mapping")
         return cls(len(down_types), int(lpb), tuple(kinds[t] for t in down_types),
-                   tuple(kinds[t] for t in up_types), mid == "UNetMidBlock2DCrossAttn")
+                   tuple(kinds[t] for t in up_types), mids[mid])
 
     @classmethod
-    def from_attention(cls, attention: Sequence[bool], layers_per_block: int) -> "UNetStructure":
+    def from_attention(cls, attention: Sequence[bool], layers_per_block: int,
+                       mid_block: str | None = "cross_attn") -> "UNetStructure":
         """From per-level attention flags (down path) with a mirrored up path, as sdlite's UNetConfig has."""
         attention = tuple(bool(a) for a in attention)
-        return cls(len(attention), layers_per_block, attention, attention[::-1], True)
+        return cls(len(attention), layers_per_block, attention, attention[::-1], mid_block)
 
     def rules(self) -> RuleSet:
         """The full name table, derived from the structure."""
-        lpb = self.layers_per_block
+        lpb, step = self.layers_per_block, self.step
         rules = [
             Rule("time_embed.0", "time_embedding.linear_1"),
             Rule("time_embed.2", "time_embedding.linear_2"),
@@ -119,28 +144,30 @@ class UNetStructure:
         ]
         for i in range(self.num_levels):
             for j in range(lpb):
-                n = 1 + i * (lpb + 1) + j
+                n = 1 + i * step + j
                 rules.append(Rule(f"input_blocks.{n}.0", f"down_blocks.{i}.resnets.{j}", "table", _UNET_RESNET))
                 if self.down_attention[i]:
                     rules.append(Rule(f"input_blocks.{n}.1", f"down_blocks.{i}.attentions.{j}", "subtree"))
             if i < self.num_levels - 1:
-                n = (i + 1) * (lpb + 1)
+                n = (i + 1) * step
                 rules.append(Rule(f"input_blocks.{n}.0.op", f"down_blocks.{i}.downsamplers.0.conv"))
-        rules.append(Rule("middle_block.0", "mid_block.resnets.0", "table", _UNET_RESNET))
-        if self.mid_attention:
+        if self.mid_block is not None:
+            rules.append(Rule("middle_block.0", "mid_block.resnets.0", "table", _UNET_RESNET))
+        if self.mid_block == "cross_attn":
             rules.append(Rule("middle_block.1", "mid_block.attentions.0", "subtree"))
             rules.append(Rule("middle_block.2", "mid_block.resnets.1", "table", _UNET_RESNET))
-        else:
-            rules.append(Rule("middle_block.1", "mid_block.resnets.1", "table", _UNET_RESNET))
         for u in range(self.num_levels):
             for j in range(lpb + 1):
-                n = u * (lpb + 1) + j
+                n = u * step + j
                 rules.append(Rule(f"output_blocks.{n}.0", f"up_blocks.{u}.resnets.{j}", "table", _UNET_RESNET))
                 if self.up_attention[u]:
                     rules.append(Rule(f"output_blocks.{n}.1", f"up_blocks.{u}.attentions.{j}", "subtree"))
-                if j == lpb and u < self.num_levels - 1:
-                    slot = 2 if self.up_attention[u] else 1
-                    rules.append(Rule(f"output_blocks.{n}.{slot}.conv", f"up_blocks.{u}.upsamplers.0.conv"))
+            if u < self.num_levels - 1:
+                if step == lpb + 1:   # after the last resnet (and its attention), in its block
+                    where = f"{u * step + lpb}.{2 if self.up_attention[u] else 1}"
+                else:                 # a block of its own, numbered as diffusers' conversion script does
+                    where = f"{u * step + step - 1}.{1 if u == 0 else 2}"
+                rules.append(Rule(f"output_blocks.{where}.conv", f"up_blocks.{u}.upsamplers.0.conv"))
         return RuleSet(rules)
 
 
@@ -182,30 +209,47 @@ def unet_structure_from_keys(keys: Iterable[str], layout: str = "original",
     if not inputs:
         raise UnsupportedModelError(f"no UNet 'input_blocks' keys under {prefix!r}")
     last = max(inputs)
-    lpb = min(ops) - 1 if ops else last
+    step = min(ops) if ops else last + 1
+    lpb = len([n for n in inputs if 0 < n < step])   # the resnets of the first level
     levels = len(ops) + 1
-    if lpb < 1 or ops != {(i + 1) * (lpb + 1) for i in range(levels - 1)} or last != levels * (lpb + 1) - 1:
+    resnets = {1 + i * step + j for i in range(levels) for j in range(lpb)}
+    if (lpb < 1 or ops != {(i + 1) * step for i in range(levels - 1)}
+            or set(inputs) - {0} != resnets | ops):
         raise UnsupportedModelError(
             f"UNet input_blocks 0..{last} with downsamplers at {sorted(ops)} do not form a regular "
             "levels x layers_per_block layout")
-    down = tuple(1 in inputs.get(1 + i * (lpb + 1), set()) for i in range(levels))
+    down = tuple(1 in inputs.get(1 + i * step, set()) for i in range(levels))
+    mid = _mid_block_from_keys(names)
+    stride = 0 if step == lpb + 1 else step
     if encoder_only:
-        return UNetStructure(levels, lpb, down, down[::-1], any(name.startswith("middle_block.2.") for name in names))
+        return UNetStructure(levels, lpb, down, down[::-1], mid, stride)
     up_attention = []
     out_last = -1
     for u in range(levels):
-        n = u * (lpb + 1)
+        n = u * step
         up_attention.append(any((m := _OUT.match(name)) and int(m.group(1)) == n and m.group(2) == "1"
                                 and not m.group(3).startswith("conv.") for name in names))
     for name in names:
         m = _OUT.match(name)
         if m:
             out_last = max(out_last, int(m.group(1)))
-    if out_last != levels * (lpb + 1) - 1:
-        raise UnsupportedModelError(f"UNet has output_blocks 0..{out_last}, expected 0..{levels * (lpb + 1) - 1} "
+    if out_last != (levels - 1) * step + lpb:
+        raise UnsupportedModelError(f"UNet has output_blocks 0..{out_last}, expected 0..{(levels - 1) * step + lpb} "
                                     f"for {levels} levels of {lpb} layers")
-    mid = any(name.startswith("middle_block.2.") for name in names)
-    return UNetStructure(levels, lpb, down, tuple(up_attention), mid)
+    return UNetStructure(levels, lpb, down, tuple(up_attention), mid, stride)
+
+
+def _mid_block_from_keys(names: Sequence[str]) -> str | None:
+    """The middle block the original names show: resnet-transformer-resnet, one resnet, or none."""
+    slots = {name.split(".")[1] for name in names if name.startswith("middle_block.")}
+    if not slots:
+        return None
+    if slots == {"0"}:
+        return "resnet"
+    if slots == {"0", "1", "2"}:
+        return "cross_attn"
+    raise UnsupportedModelError(f"UNet middle_block has parts {sorted(slots)}: expected 0 (one resnet) or 0, 1, 2 "
+                                "(resnet, transformer, resnet)")
 
 
 def _structure_diffusers(names: Sequence[str]) -> UNetStructure:
@@ -222,9 +266,12 @@ def _structure_diffusers(names: Sequence[str]) -> UNetStructure:
     lpb = len(down.get(0, {}).get("resnets", ()))
     if lpb < 1:
         raise UnsupportedModelError("UNet down_blocks.0 has no resnets")
+    if any(n.startswith("mid_block.attentions.") for n in names):
+        mid = "cross_attn"
+    else:
+        mid = "resnet" if any(n.startswith("mid_block.resnets.") for n in names) else None
     return UNetStructure(levels, lpb, tuple("attentions" in down.get(i, {}) for i in range(levels)),
-                         tuple("attentions" in up.get(i, {}) for i in range(levels)),
-                         any(n.startswith("mid_block.attentions.") for n in names))
+                         tuple("attentions" in up.get(i, {}) for i in range(levels)), mid)
 
 
 # --- what the shapes say -----------------------------------------------------------------------------------
@@ -246,7 +293,8 @@ class UNetInfo:
     mid_attention: bool
     context_dim: int | None
     linear_projection: bool
-    transformer_depth: tuple[int, ...]   # per level, 0 where the level has no attention
+    transformer_depth: tuple             # per level, 0 where the level has no attention; a tuple per layer where
+                                         # a level's layers differ
     time_embed_dim: int
     heads: tuple[int, ...] | None = None
     mid_transformer_depth: int = 0       # blocks in the middle block's transformer (0: read nothing)
@@ -254,6 +302,9 @@ class UNetInfo:
     addition_time_embed_dim: int = SDXL_TIME_EMBED_DIM
     num_class_embeds: int = 0            # rows of the class-embedding table (``class_embedding.weight``; 0: none)
     cross_only: tuple[bool, ...] = ()    # per level: attn1 attends to the context (its to_k is context-wide)
+    mid_block: str | None = "cross_attn"  # "cross_attn", "resnet" (one resnet) or None (no middle block)
+    up_transformer_depth: tuple = ()     # per level (highest resolution first), as transformer_depth; () mirrors
+    stride: int = 0                      # the single file's block numbering (UNetStructure.stride)
 
     @property
     def model_channels(self) -> int:
@@ -266,7 +317,7 @@ class UNetInfo:
     @property
     def structure(self) -> UNetStructure:
         return UNetStructure(len(self.block_channels), self.layers_per_block, self.attention, self.up_attention,
-                             self.mid_attention)
+                             self.mid_block, self.stride)
 
     def config_kwargs(self) -> dict:
         """Keyword arguments with sdlite ``UNetConfig`` field names (``heads`` left out when unknown).
@@ -274,17 +325,24 @@ class UNetInfo:
         One depth for every transformer becomes one number; else a depth per level, 1 at levels without
         attention, except the last level, which carries the middle block's depth (``UNetConfig.depth_at(-1)``).
         """
-        depths = sorted({d for d in self.transformer_depth if d} | ({self.mid_transformer_depth} - {0}))
-        if len(depths) <= 1:
-            depth = depths[0] if depths else 1
+        def flat(d):
+            return set(d) if isinstance(d, tuple) else {d}
+
+        depths = sorted(set().union(*(flat(d) for d in self.transformer_depth + self.up_transformer_depth))
+                        - {0} | ({self.mid_transformer_depth} - {0}))
+        per_layer = any(isinstance(d, tuple) for d in self.transformer_depth + self.up_transformer_depth)
+        if len(depths) <= 1 and not per_layer:
+            depth, up = (depths[0] if depths else 1), ()
         else:
             depth = tuple(d or 1 for d in self.transformer_depth)
             if self.mid_transformer_depth and not self.attention[-1]:
                 depth = depth[:-1] + (self.mid_transformer_depth,)
+            up = tuple(d or 1 for d in self.up_transformer_depth)
         out = dict(in_channels=self.in_channels, out_channels=self.out_channels,
                    block_channels=self.block_channels, layers_per_block=self.layers_per_block,
                    attention=self.attention, context_dim=self.context_dim,
-                   linear_projection=self.linear_projection, transformer_depth=depth)
+                   linear_projection=self.linear_projection, transformer_depth=depth, up_transformer_depth=up,
+                   mid_block=self.mid_block)
         if self.heads is not None:
             out["heads"] = self.heads
         if self.add_embed_in:
@@ -310,11 +368,10 @@ def infer_unet(shapes: Shapes, encoder_only: bool = False) -> UNetInfo:
                      for i in range(st.num_levels))
     context = None
     linear = False
-    depth = []
-    for i in range(st.num_levels):
-        blocks = {int(m.group(1)) for k in shapes
-                  if (m := re.match(rf"down_blocks\.{i}\.attentions\.0\.transformer_blocks\.(\d+)\.", k))}
-        depth.append(len(blocks))
+    depth = tuple(_depths(shapes, f"down_blocks.{i}", st.layers_per_block) for i in range(st.num_levels))
+    up_depth = () if encoder_only else tuple(
+        _depths(shapes, f"up_blocks.{st.num_levels - 1 - level}", st.layers_per_block + 1)
+        for level in range(st.num_levels))
     mid_depth = len({int(m.group(1)) for k in shapes
                      if (m := re.match(r"mid_block\.attentions\.0\.transformer_blocks\.(\d+)\.", k))})
     add = shapes.get("add_embedding.linear_1.weight")
@@ -339,10 +396,23 @@ def infer_unet(shapes: Shapes, encoder_only: bool = False) -> UNetInfo:
         in_channels=conv_in[1], out_channels=conv_out[0], block_channels=channels,
         layers_per_block=st.layers_per_block, attention=st.down_attention, up_attention=st.up_attention,
         mid_attention=st.mid_attention, context_dim=context, linear_projection=linear,
-        transformer_depth=tuple(depth), time_embed_dim=need_shape(shapes, "time_embedding.linear_1.weight", "UNet")[0],
+        transformer_depth=depth, time_embed_dim=need_shape(shapes, "time_embedding.linear_1.weight", "UNet")[0],
         heads=heads, mid_transformer_depth=mid_depth, add_embed_in=add[1] if add is not None and len(add) == 2 else 0,
         num_class_embeds=classes[0] if classes is not None and len(classes) == 2 else 0,
-        cross_only=tuple(cross_only) if any(cross_only) else ())
+        cross_only=tuple(cross_only) if any(cross_only) else (), mid_block=st.mid_block,
+        up_transformer_depth=up_depth if any(up_depth) else ())
+
+
+def _depths(shapes: Mapping, block: str, layers: int) -> int | tuple[int, ...]:
+    """Transformer blocks in each layer's spatial transformer of ``block`` (0 where it has none): one number when
+    every layer has the same."""
+    pattern = re.compile(re.escape(block) + r"\.attentions\.(\d+)\.transformer_blocks\.(\d+)\.")
+    found: dict[int, set[int]] = {}
+    for k in shapes:
+        if m := pattern.match(k):
+            found.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+    each = tuple(len(found.get(j, ())) for j in range(layers))
+    return each[0] if len(set(each)) == 1 else each
 
 
 # --- UNet plans --------------------------------------------------------------------------------------------
@@ -351,9 +421,13 @@ def infer_unet(shapes: Shapes, encoder_only: bool = False) -> UNetInfo:
 def _unet_structure(keys: Sequence[str], structure, *, original: bool, prefix: str) -> UNetStructure:
     if isinstance(structure, UNetStructure):
         return structure
-    if structure is not None:
-        return UNetStructure.from_diffusers_config(structure)
-    return unet_structure_from_keys(keys, layout="original" if original else "diffusers", prefix=prefix)
+    if structure is None:
+        return unet_structure_from_keys(keys, layout="original" if original else "diffusers", prefix=prefix)
+    structure = UNetStructure.from_diffusers_config(structure)
+    if original and any(k.startswith(prefix + "input_blocks.") for k in keys):
+        # a config says what the network is; the file's numbering (stride) only its keys say
+        structure = replace(structure, stride=unet_structure_from_keys(keys, prefix=prefix).stride)
+    return structure
 
 
 def unet_from_original(keys: Iterable[str], structure: UNetStructure | Mapping | None = None, *,
