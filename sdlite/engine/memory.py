@@ -409,6 +409,19 @@ class ModelManager:
             module = channels_last(module)
         return self._kernels("controlnet", module)
 
+    def adapt_like_vae(self, module: nn.Module) -> nn.Module:
+        """A copy of a decoder that stands in for the VAE (a TAESD), computing in the VAE's dtype and memory format
+        here (bf16 and channels-last under the bf16 precisions: about 3x fp32's speed on a CPU with AMX).
+
+        Its 3x3 convolutions stay PyTorch's: with 64 channels on maps up to the image's size, Winograd's transforms
+        cost more than they save (a 64-channel layer at 512x512 took 2.4 s by F(4x4, 3x3) against 0.56 s
+        channels-last, on a busy 2-core Xeon with AMX), and plain layers keep the ``exact`` path's TAESD bit for
+        bit diffusers'. The module given is left as it was (a server shares one TAESD between models)."""
+        import copy
+
+        module = copy.deepcopy(module).to(device=self.device, dtype=self.dtype_of("vae"))
+        return channels_last(module) if self.channels_last else module
+
     def _prepacks(self, name: str) -> bool:
         """Whether network ``name``'s weights are prepacked: where the rule says so, except a UNet that is compiled
         (Inductor takes oneDNN-prepacked weights only as constants of a frozen graph; engine.compile)."""

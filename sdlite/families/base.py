@@ -268,7 +268,7 @@ class Family:
         if use_cfg:
             texts.append("")  # the padding of a prompt and negative of different lengths
         warnings: list[str] = []
-        contexts, pooled = self.encode_texts(model, texts, r.clip_skip, embeddings, warnings)
+        contexts, pooled = model.encoded_texts(texts, r.clip_skip, embeddings, warnings)
         return self.scheduled(model, r, use_cfg, schedules, texts, contexts, pooled, warnings)
 
     def scheduled(self, model, r, use_cfg, schedules, texts, contexts, pooled, warnings) -> ScheduledConditioning:

@@ -20,6 +20,7 @@ from . import family_for
 from .base import ScheduledConditioning, approximate_images, latents_to_images
 
 AUTO_TILE, AUTO_TILE_ABOVE = 64, 96   # latent pixels: tile 512 px when an image side exceeds 768 px
+TEXT_CACHE_SIZE = 8                   # requests whose text encodings a warm engine keeps (LoadedModel.encoded_texts)
 LOW_MEMORY_TILE = 32                  # memory mode 0: tiles of 256 px above 256 px (a 512^2 decode in 4 tiles)
 
 
@@ -49,6 +50,8 @@ class LoadedModel:
         # and one for the "TAESD" live previews (:meth:`set_preview_decoder`); None: the VAE / no such previews
         self.vae_decoder = None
         self.preview_decoder = None
+        # the text encoders' outputs of the last requests (encoded_texts)
+        self._text_cache: dict = {}
         # a batch whose estimated UNet (decoder) activations exceed these bytes runs in pieces (None: the device's
         # default, sdlite.engine.budget); the rule never looks at the memory free, so images never depend on it
         self.unet_piece_bytes: int | None = None
@@ -92,7 +95,7 @@ class LoadedModel:
         if cfg.variant is not None and cfg.variant != wanted:
             raise RequestError(f"{name} is a TAESD for {cfg.variant} latents; this model ({self.spec.family}) needs "
                                f"one for {wanted}")
-        return taesd.to(self.device)
+        return self.models.adapt_like_vae(taesd)
 
     # -- conditioning ------------------------------------------------------------------------------------------------
 
@@ -103,6 +106,26 @@ class LoadedModel:
         them (:meth:`sdlite.families.base.Family.encode_prompt`). Returns the warnings too (for CLIP none: long
         prompts are chunked, not cut; for BERT a cut prompt or an ignored BREAK)."""
         return self.family.encode_prompt(self, prompts, clip_skip, embeddings)
+
+    def encoded_texts(self, texts: list[str], clip_skip: int, embeddings, warnings: list[str]):
+        """The family's :meth:`~sdlite.families.base.Family.encode_texts` of ``texts``, remembered for the next
+        requests (a warm engine re-encodes nothing it encoded for one of the last ``TEXT_CACHE_SIZE`` requests:
+        a server's re-queued prompt with a new seed, a batch of seeds). Keyed by everything the encoders' output
+        depends on besides their weights: the texts, the clip skip and the embeddings' files; while LoRAs are
+        applied (they may change the text encoders' weights) nothing is remembered or reused."""
+        if self.models.adapters:
+            return self.family.encode_texts(self, texts, clip_skip, embeddings, warnings)
+        found = getattr(embeddings, "embeddings", None) or {}
+        key = (tuple(texts), clip_skip, tuple(sorted((e.name, e.path, e.hash) for e in found.values())))
+        hit = self._text_cache.pop(key, None)
+        if hit is None:
+            notes: list[str] = []
+            hit = (self.family.encode_texts(self, texts, clip_skip, embeddings, notes), notes)
+        self._text_cache[key] = hit   # most recent last
+        while len(self._text_cache) > TEXT_CACHE_SIZE:
+            self._text_cache.pop(next(iter(self._text_cache)))
+        warnings += [n for n in hit[1] if n not in warnings]
+        return hit[0]
 
     def conditioning(self, r, use_cfg: bool, embeddings=None) -> ScheduledConditioning:
         """The request's prompt and negative prompt (network tags already removed) as per-step conditioning
