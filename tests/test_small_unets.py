@@ -18,7 +18,6 @@ device, key for key and by parameter count.
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import numpy as np
 import pytest
@@ -175,30 +174,41 @@ def _sd_pipeline(unet_cfg: UNetConfig, tmp):
     return with_contrast(pipe)
 
 
-def _script_unet_key(key: str) -> str:
-    """A one-layer UNet's diffusers key -> its name in the single files diffusers' conversion script writes (and
-    stable-diffusion.cpp reads): SD 1.x's block numbers, three per level, with gaps."""
-    resnet = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1",
-              "norm2": "out_layers.0", "conv2": "out_layers.3", "conv_shortcut": "skip_connection"}
-    rules = [
-        (r"time_embedding\.linear_(\d)\.(.+)", lambda m: f"time_embed.{2 * int(m[1]) - 2}.{m[2]}"),
-        (r"conv_in\.(.+)", lambda m: f"input_blocks.0.0.{m[1]}"),
-        (r"conv_norm_out\.(.+)", lambda m: f"out.0.{m[1]}"),
-        (r"conv_out\.(.+)", lambda m: f"out.2.{m[1]}"),
-        (r"down_blocks\.(\d)\.resnets\.(\d)\.(\w+)\.(.+)",
-         lambda m: f"input_blocks.{3 * int(m[1]) + int(m[2]) + 1}.0.{resnet[m[3]]}.{m[4]}"),
-        (r"down_blocks\.(\d)\.attentions\.(\d)\.(.+)", lambda m: f"input_blocks.{3 * int(m[1]) + int(m[2]) + 1}.1.{m[3]}"),
-        (r"down_blocks\.(\d)\.downsamplers\.0\.conv\.(.+)", lambda m: f"input_blocks.{3 * (int(m[1]) + 1)}.0.op.{m[2]}"),
-        (r"up_blocks\.(\d)\.resnets\.(\d)\.(\w+)\.(.+)",
-         lambda m: f"output_blocks.{3 * int(m[1]) + int(m[2])}.0.{resnet[m[3]]}.{m[4]}"),
-        (r"up_blocks\.(\d)\.attentions\.(\d)\.(.+)", lambda m: f"output_blocks.{3 * int(m[1]) + int(m[2])}.1.{m[3]}"),
-        (r"up_blocks\.(\d)\.upsamplers\.0\.(.+)",
-         lambda m: f"output_blocks.{3 * int(m[1]) + 2}.{1 if m[1] == '0' else 2}.{m[2]}"),
-    ]
-    for pattern, name in rules:
-        if m := re.fullmatch(pattern, key):
-            return "model.diffusion_model." + name(m)
-    raise AssertionError(f"no original name for UNet key {key}")
+def _script_unet_state(state: dict) -> dict:
+    """A UNet state dict renamed as diffusers' conversion script (scripts/convert_diffusers_to_original_stable_diffusion.py)
+    renames it, from the facts of its tables: resnet parts renamed in every key with "resnets" in it, then the
+    prefixes of SD 1.5's blocks replaced (three numbers per level, resnets j < 2 down and j < 3 up, attentions only
+    at down levels 0-2 and up levels 1-3, the level-0 upsampler at slot 1), then ``model.diffusion_model.``. Keys its
+    table does not name keep their diffusers names: a one-layer UNet's up_blocks.0 attentions."""
+    resnet = [("norm1", "in_layers.0"), ("conv1", "in_layers.2"), ("norm2", "out_layers.0"),
+              ("conv2", "out_layers.3"), ("time_emb_proj", "emb_layers.1"), ("conv_shortcut", "skip_connection")]
+    whole = {"time_embedding.linear_1.": "time_embed.0.", "time_embedding.linear_2.": "time_embed.2.",
+             "conv_in.": "input_blocks.0.0.", "conv_norm_out.": "out.0.", "conv_out.": "out.2."}
+    layer = []
+    for i in range(4):
+        for j in range(2):
+            layer.append((f"down_blocks.{i}.resnets.{j}.", f"input_blocks.{3 * i + j + 1}.0."))
+            if i < 3:
+                layer.append((f"down_blocks.{i}.attentions.{j}.", f"input_blocks.{3 * i + j + 1}.1."))
+        for j in range(3):
+            layer.append((f"up_blocks.{i}.resnets.{j}.", f"output_blocks.{3 * i + j}.0."))
+            if i > 0:
+                layer.append((f"up_blocks.{i}.attentions.{j}.", f"output_blocks.{3 * i + j}.1."))
+        if i < 3:
+            layer.append((f"down_blocks.{i}.downsamplers.0.conv.", f"input_blocks.{3 * (i + 1)}.0.op."))
+            layer.append((f"up_blocks.{i}.upsamplers.0.", f"output_blocks.{3 * i + 2}.{1 if i == 0 else 2}."))
+    layer.append(("mid_block.attentions.0.", "middle_block.1."))
+    layer += [(f"mid_block.resnets.{j}.", f"middle_block.{2 * j}.") for j in range(2)]
+    out = {}
+    for key, value in state.items():
+        name = next((new + key[len(old):] for old, new in whole.items() if key.startswith(old)), key)
+        if "resnets" in name:
+            for hf, sd in resnet:
+                name = name.replace(hf, sd)
+        for hf, sd in layer:
+            name = name.replace(hf, sd)
+        out["model.diffusion_model." + name] = value.contiguous()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +223,7 @@ def tiny_sd(tmp_path_factory):
     save_single_file(load_model(tmp / "folder"), tmp / "sdlite.safetensors")
     tensors = {k: v for k, v in load_file(tmp / "sdlite.safetensors").items()
                if not k.startswith("model.diffusion_model.")}
-    tensors.update({_script_unet_key(k): v.contiguous() for k, v in pipe.unet.state_dict().items()})
+    tensors.update(_script_unet_state(pipe.unet.state_dict()))
     pipe.set_progress_bar_config(disable=True)
     save_file(tensors, tmp / "script.safetensors")
     return pipe, tmp
@@ -231,6 +241,9 @@ def test_folder_and_single_files_open_with_the_config_inferred(tiny_sd):
             assert ckpt.detection.family == "sd1"
     keys = load_file(tmp / "script.safetensors")
     assert "model.diffusion_model.output_blocks.2.1.conv.weight" in keys            # the numbering with gaps
+    # the lowest level's up attentions, which the script's table (written for SD 1.5) leaves in diffusers naming
+    assert "model.diffusion_model.up_blocks.0.attentions.1.proj_in.weight" in keys
+    assert not any(k.startswith("model.diffusion_model.output_blocks.0.1.") for k in keys)
     assert not any(k.startswith("model.diffusion_model.middle_block.") for k in keys)
 
 

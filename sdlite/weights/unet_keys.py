@@ -27,7 +27,8 @@ from .plan import (
 __all__ = [
     "UNET_PREFIX", "EMA_PREFIX", "CONTROLNET_PREFIX", "UNetStructure", "unet_structure_from_keys", "ema_key",
     "unet_from_original", "unet_to_original", "controlnet_rules", "controlnet_from_original",
-    "controlnet_to_original", "UNetInfo", "infer_unet", "SD1_UNET_HEADS", "SD2_UNET_HEAD_DIM", "SDXL_TIME_EMBED_DIM",
+    "controlnet_to_original", "UNetInfo", "infer_unet", "script_aliases", "SD1_UNET_HEADS", "SD2_UNET_HEAD_DIM",
+    "SDXL_TIME_EMBED_DIM",
 ]
 
 UNET_PREFIX = "model.diffusion_model."
@@ -178,6 +179,43 @@ def ema_key(original_key: str) -> str:
 
 # --- the structure shown by key names ----------------------------------------------------------------------
 
+# diffusers' conversion script (scripts/convert_diffusers_to_original_stable_diffusion.py) renames attentions from a
+# table written for SD 1.5: down levels 0-2 and up levels 1-3 only. A UNet with attention elsewhere (BK-SDM-Tiny's
+# and SDXS's lowest level, up_blocks.0) keeps those keys under their diffusers names in the file it writes, beside
+# the original-layout ones; their place in its numbering (three blocks per level) follows from the names
+_STRAY_ATTENTION = re.compile(r"(down|up)_blocks\.(\d+)\.attentions\.(\d+)\.(.+)")
+SCRIPT_STEP = 3
+
+
+def script_aliases(keys: Iterable[str], prefix: str = UNET_PREFIX) -> dict[str, str]:
+    """``{original-layout name: file key}`` for the attention keys under ``prefix`` that diffusers' conversion script
+    left in diffusers naming (``up_blocks.0.attentions.1.proj_in.weight`` -> ``output_blocks.1.1.proj_in.weight``),
+    in a file that otherwise has the original layout; empty for any other file."""
+    keys = list(keys)
+    if not any(k.startswith(prefix + "input_blocks.") for k in keys):
+        return {}
+    present = set(keys)
+    out: dict[str, str] = {}
+    for key in keys:
+        m = _STRAY_ATTENTION.fullmatch(key[len(prefix):]) if key.startswith(prefix) else None
+        if m is None:
+            continue
+        level, layer = int(m.group(2)), int(m.group(3))
+        name = (f"input_blocks.{SCRIPT_STEP * level + layer + 1}" if m.group(1) == "down"
+                else f"output_blocks.{SCRIPT_STEP * level + layer}")
+        alias = f"{prefix}{name}.1.{m.group(4)}"
+        if alias in present:
+            raise ConversionError(f"UNet key {key!r} and {alias!r} name the same tensor (diffusers' conversion "
+                                  "script leaves such an attention under its diffusers name only)", key=key)
+        out[alias] = key
+    return out
+
+
+def _aliased(keys: Sequence[str], aliases: Mapping[str, str]) -> list[str]:
+    strays = set(aliases.values())
+    return [k for k in keys if k not in strays] + list(aliases)
+
+
 _IN = re.compile(r"input_blocks\.(\d+)\.(\d+)\.(.+)")
 _OUT = re.compile(r"output_blocks\.(\d+)\.(\d+)\.(.+)")
 _DOWN = re.compile(r"down_blocks\.(\d+)\.(resnets|attentions|downsamplers)\.(\d+)\.")
@@ -192,6 +230,9 @@ def unet_structure_from_keys(keys: Iterable[str], layout: str = "original",
     ``layout="diffusers"``: canonical keys (``prefix`` is stripped first when given). ``encoder_only``: the keys
     have no up path (a ControlNet's); the structure's up path is then taken as the mirror of the down path.
     """
+    keys = list(keys)
+    if layout == "original":
+        keys = _aliased(keys, script_aliases(keys, prefix))
     names = [k[len(prefix):] for k in keys if k.startswith(prefix)]
     if layout == "diffusers":
         return _structure_diffusers(names)
@@ -440,9 +481,22 @@ def unet_from_original(keys: Iterable[str], structure: UNetStructure | Mapping |
     ignored). ``expected``: the model's canonical keys, to report missing / unknown names.
     """
     keys = list(keys)
+    aliases = script_aliases(keys, prefix)
+    keys = _aliased(keys, aliases)
     structure = _unet_structure(keys, structure, original=True, prefix=prefix)
+    if aliases and structure.step != SCRIPT_STEP:
+        raise ConversionError(f"UNet key {next(iter(aliases.values()))!r} is in diffusers naming, as diffusers' "
+                              f"conversion script leaves some, but the file's blocks are numbered {structure.step} "
+                              f"per level, not the script's {SCRIPT_STEP}", key=next(iter(aliases.values())))
     plan = build_plan("unet", keys, structure.rules(), to_canon=True, src_prefix=prefix, dst_prefix="",
                   expected=expected)
+    if aliases:   # the tensors are read under the names the file has
+        plan.entries = {target: PlanEntry(tuple(aliases.get(s, s) for s in entry.sources), entry.transform)
+                        for target, entry in plan.entries.items()}
+        plan.unexpected = [aliases.get(k, k) for k in plan.unexpected]
+        plan.notes.append(f"{len(aliases)} UNet keys in diffusers naming (e.g. {next(iter(aliases.values()))!r}), "
+                          "as diffusers' conversion script leaves a one-layer UNet's attentions outside SD 1.5's "
+                          "places: read as the original-layout blocks they are")
     if use_ema:
         present = set(keys)
         swapped = 0
