@@ -14,13 +14,16 @@ Formats (told apart by their keys, whatever the file's extension; safetensors or
   at SDXL's structure (``lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q``, ``lora_unet_label_emb_0_0``
   for the added-conditioning MLP, ``lora_unet_time_embed_0``; resolved through the same converter table, which
   derives the block numbering from the model's config) and the two text encoders ``lora_te1_`` (CLIP ViT-L:
-  ``text_encoder``) and ``lora_te2_`` (OpenCLIP bigG, in transformers' names: ``text_encoder_2``).
+  ``text_encoder``) and ``lora_te2_`` (OpenCLIP bigG, in transformers' names: ``text_encoder_2``). The few-step
+  LoRAs (LCM-LoRA, SDXL-Lightning, DMD2) spell SD 1.x's and SDXL's UNet layers by diffusers' paths instead
+  (``lora_unet_down_blocks_1_attentions_0_proj_in``), LoCon on the ResBlocks and samplers, an alpha per layer.
 * diffusers / PEFT: ``unet.<module>.lora_A.weight`` / ``.lora_B.weight``, ``text_encoder.<module>...`` and (SDXL)
   ``text_encoder_2.<module>...``, the text encoders' modules with or without transformers' ``text_model.``
   (transformers 5 dropped it); alpha from the ``lora_adapter_metadata`` JSON that diffusers writes
   (``unet.lora_alpha``, ``unet.alpha_pattern``, ``use_rslora``; per component), from ``<module>.alpha`` keys, or
   else equal to the rank (scale 1). The older diffusers spellings (``...attn1.processor.to_q_lora.down.weight``,
-  ``...lora.down.weight``, ``...lora_linear_layer.down.weight``) are read too.
+  ``...lora.down.weight``, ``...lora_linear_layer.down.weight``) are read too, also mixed with ``lora_A`` / ``lora_B``
+  in one file (diffusers' training scripts rename only the attention projections).
 
 * SD3 / SD3.5 (transformer): diffusers / PEFT ``transformer.<module>`` (diffusers' ``SD3Transformer2DModel`` paths,
   ``transformer_blocks.0.attn.to_q``), the same paths underscored after ``lora_transformer_``, and kohya's
