@@ -35,9 +35,9 @@ from .tokenizers.t5 import T5Tokenizer
 from .tokenizers import WordPieceTokenizer, tokenizer_kind
 from .weights.convert import normalize_diffusers_keys, plan_from_original
 from .weights.detect import Detection, detect
-from .weights.folders import (component_store as _component_store, folder_tokenizer as _folder_tokenizer,
+from .weights.folders import (LARGE_VAE, component_store as _component_store, folder_tokenizer as _folder_tokenizer,
                               read_json as _read_json, storage_dtype as _storage_dtype,
-                              text_architecture as _text_architecture)
+                              text_architecture as _text_architecture, vae_folders as _vae_folders)
 from .weights.io import open_checkpoint
 from .weights.quants import QuantizedTensor
 from .weights.flux import FLUX_PIPELINES, is_flux_file, open_flux_file, open_flux_folder
@@ -107,6 +107,9 @@ class Checkpoint:
     notes: list[str] = field(default_factory=list)
     tokenizer_2_dir: str | None = None   # SDXL: the second text encoder's tokenizer (pads with "!", id 0)
     scheduler_source: str = ""       # where scheduler_config (and its timestep spacing) came from
+    # a diffusers AutoencoderTiny (TAESD) folder that decodes the images by default (an SDXS folder's vae/; its
+    # AutoencoderKL, when it has one, is in vae_large/ and is the "vae" component)
+    tiny_vae: str | None = None
     _stores: list[TensorStore] = field(default_factory=list, repr=False)
     # the files some loaded weights are zero-copy views of: their pages are never handed back (a page a user wrote,
     # e.g. a merged LoRA, would be lost); the other files' are
@@ -119,8 +122,13 @@ class Checkpoint:
 
     @property
     def components(self) -> tuple[str, ...]:
-        """The networks this model has (:func:`model_components`)."""
-        return model_components(self.spec)
+        """The networks this model has (:func:`model_components`; no ``vae`` where a folder has only a tiny one)."""
+        return tuple(c for c in model_components(self.spec) if c != "vae" or self.has_vae)
+
+    @property
+    def has_vae(self) -> bool:
+        """Whether the model has an AutoencoderKL (a folder with only an AutoencoderTiny in vae/ has none)."""
+        return "vae" in self.sources or self.tiny_vae is None
 
     def tokenizers(self) -> dict:
         """``{text encoder component: its tokenizer}``: one for SD 1.x/2.x, two for SDXL (the refiner: only the
@@ -281,14 +289,14 @@ class StableDiffusion:
     tokenizer: CLIPTokenizer | WordPieceTokenizer
     text_encoder: CLIPTextEncoder | BertTextEncoder | None
     unet: UNet
-    vae: AutoencoderKL
+    vae: AutoencoderKL | None   # None: a folder with only an AutoencoderTiny (Checkpoint.tiny_vae)
     scheduler_config: dict
     checkpoint: Checkpoint | None = None
     text_encoder_2: CLIPTextEncoder | None = None
     tokenizer_2: CLIPTokenizer | None = None
 
     def networks(self) -> dict[str, nn.Module]:
-        return {name: getattr(self, name) for name in model_components(self.spec)}
+        return {name: getattr(self, name) for name in model_components(self.spec) if getattr(self, name) is not None}
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device="cpu",
@@ -301,7 +309,8 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
     second = ckpt.spec.text2 is not None
     return StableDiffusion(spec=ckpt.spec, tokenizer=ckpt.tokenizer(),
                            text_encoder=ckpt.load("text_encoder", dtype, device) if ckpt.spec.text else None,
-                           unet=unet, vae=ckpt.load("vae", dtype, device), scheduler_config=ckpt.scheduler_config,
+                           unet=unet, vae=ckpt.load("vae", dtype, device) if ckpt.has_vae else None,
+                           scheduler_config=ckpt.scheduler_config,
                            checkpoint=ckpt, text_encoder_2=ckpt.load("text_encoder_2", dtype, device) if second else None,
                            tokenizer_2=ckpt.tokenizer_2() if second else None)
 
@@ -386,7 +395,10 @@ def _open_diffusers_folder(folder: Path) -> Checkpoint:
     try:
         configs["text_encoder"] = _read_json(where["text_encoder"] / "config.json")
         architecture = _text_architecture(configs["text_encoder"], where["text_encoder"] / "config.json")
+        where["vae"], tiny_vae = _vae_folders(where["vae"])   # an SDXS folder: the AutoencoderKL is in vae_large/
         for component in ("text_encoder", "unet", "vae"):
+            if where[component] is None:
+                continue
             if component != "text_encoder":
                 configs[component] = _read_json(where[component] / "config.json")
             store = _component_store(folder, component, where[component])
@@ -408,7 +420,7 @@ def _open_diffusers_folder(folder: Path) -> Checkpoint:
             else:
                 text = TextEncoderConfig.from_diffusers(configs["text_encoder"])
             unet = UNetConfig.from_diffusers(configs["unet"])
-            vae = VAEConfig.from_diffusers(configs["vae"])
+            vae = VAEConfig.from_diffusers(configs["vae"]) if "vae" in configs else None
         except (ConfigError, KeyError, TypeError) as e:
             raise CheckpointError(f"unusable component config: {e}", folder) from None
         if tokenizer_kind(tokenizer_dir) is not None:
@@ -436,11 +448,14 @@ def _open_diffusers_folder(folder: Path) -> Checkpoint:
         base = _family_preset(detection.family, prediction)
         sched_cfg, sched_source = _folder_scheduler(sched_file, scheduler, detection.family, prediction)
         x4_parts, notes = {}, []
+        if tiny_vae is not None:
+            vae, note = _tiny_vae_parts(tiny_vae, vae, base.vae)
+            notes.append(note)
         if (detection.family == X4_FAMILY) != (cls in X4_PIPELINES) and cls:
             what = "an x4 upscaler's" if detection.family == X4_FAMILY else f"a {detection.family} one"
             raise CheckpointError(f"model_index.json names {cls} but the UNet is {what}", index_file)
         if detection.family == X4_FAMILY:
-            x4_parts, notes = _x4_folder_parts(folder, index, index_file, vae, configs["vae"])
+            x4_parts, notes = _x4_folder_parts(folder, index, index_file, vae, configs.get("vae", {}))
             vae = x4_parts.pop("vae")
         spec = base.replace(family=detection.family, text=text, unet=unet, vae=vae, prediction_type=prediction,
                             scheduler=sched_cfg, default_size=unet.sample_size * vae.downscale,
@@ -453,12 +468,30 @@ def _open_diffusers_folder(folder: Path) -> Checkpoint:
         own = [p for p in ("text_encoder", "tokenizer", "unet", "vae", "scheduler") if (folder / p).is_dir()]
         notes.append(f"holds {', '.join(own)}; the other parts are shared from {index[SHARED_FROM_KEY]!r}")
     return Checkpoint(path=str(folder), layout="diffusers", spec=spec, detection=detection,
-                      storage_dtype=_storage_dtype(stores[1]),
+                      storage_dtype=_storage_dtype(stores[1]), tiny_vae=str(tiny_vae) if tiny_vae else None,
                       prediction_source="scheduler_config.json" if "prediction_type" in scheduler
                       else "family default",
                       sources=sources, scheduler_config=dict(spec.scheduler), scheduler_source=sched_source,
                       tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
                       notes=notes, _stores=stores, _tokenizer=folder_tokenizer)  # the folder's config.json files settle what detection guesses
+
+
+def _tiny_vae_parts(tiny: Path, vae: VAEConfig | None, preset: VAEConfig) -> tuple[VAEConfig, str]:
+    """A folder whose vae/ is an AutoencoderTiny (``tiny``): the VAEConfig of its latent space (``vae``, from
+    vae_large/, or the family's for a folder without one) and the note that says which decoder is used."""
+    config_file = tiny / "config.json"
+    latent = _read_json(config_file).get("latent_channels", 4)
+    if vae is None:
+        vae = dataclasses.replace(preset, latent_channels=latent)
+    if latent != vae.latent_channels:
+        raise CheckpointError(f"the AutoencoderTiny has {latent} latent channels, the AutoencoderKL in {LARGE_VAE}/ "
+                              f"{vae.latent_channels}", config_file)
+    if tiny.parent.joinpath(LARGE_VAE).is_dir():
+        return vae, (f"vae/ is an AutoencoderTiny (TAESD): it decodes the images, as diffusers' pipeline does with "
+                     f"this folder; the AutoencoderKL in {LARGE_VAE}/ encodes image-to-image sources and decodes "
+                     "with --vae-decoder vae")
+    return vae, (f"vae/ is an AutoencoderTiny (TAESD) and there is no {LARGE_VAE}/: it decodes the images and "
+                 "encodes image-to-image sources (its own encoder, as diffusers does), and there is no full VAE")
 
 
 def _open_sdxl_folder(folder: Path, index: dict, index_file: Path) -> Checkpoint:
@@ -476,6 +509,10 @@ def _open_sdxl_folder(folder: Path, index: dict, index_file: Path) -> Checkpoint
     if ("text_encoder" in present) != ("tokenizer" in present):
         raise CheckpointError("the folder has " + ("text_encoder but no tokenizer" if "text_encoder" in present
                                                    else "tokenizer but no text_encoder"), folder)
+    if _vae_folders(folder / "vae")[1] is not None:
+        raise CheckpointError(f"vae/ is an AutoencoderTiny: sdlite reads those as the default decoder of SD 1.x/2.x "
+                              f"folders (SDXS); for a {cls} folder, put the AutoencoderKL in vae/ and pass the tiny "
+                              "one with --vae-decoder", folder / "vae" / "config.json")
     stores: list[TensorStore] = []
     sources: dict[str, ComponentSource] = {}
     try:

@@ -196,9 +196,11 @@ def cmd_generate(args) -> int:
 def _vae_decoder_option(value: str, path, spec=None, device="cpu"):
     """``--vae-decoder VALUE``: without ``spec``, the TAESD file or folder it names (checked before the model is
     loaded; the word ``taesd``: the one kept with the model at ``path``); with the model's ``spec``, the TAESD at
-    ``path`` loaded for that model's latents."""
+    ``path`` loaded for that model's latents. The word ``vae`` is the model's AutoencoderKL: None once loaded."""
     from ..weights.taesd import TAESDError, load_taesd, model_variant, resolve_taesd
 
+    if value == "vae":
+        return value if spec is None else None
     try:
         if spec is None:
             return resolve_taesd(value, path)
@@ -336,11 +338,13 @@ def add_parser(sub) -> None:
     g.add_argument("--vae-tile", type=int, default=None,
                    help="decode in tiles of this many image pixels (0 = never; default: tiles of 512 above 768 px, "
                         "in memory mode 0 tiles of 256 above 256 px)")
-    g.add_argument("--vae-decoder", metavar="taesd|PATH", default=None,
+    g.add_argument("--vae-decoder", metavar="taesd|vae|PATH", default=None,
                    help="decode the images with a TAESD (the tiny autoencoder) instead of the VAE: much faster, a "
                         "little less detail. PATH: a diffusers AutoencoderTiny folder, a taesd_decoder / "
                         "taesdxl_decoder file (.pth or .safetensors) or a folder of them; taesd: the one in the "
-                        "model's folder, in its vae_tiny or taesd subfolder")
+                        "model's folder, in its vae_tiny or taesd subfolder (or its vae/ where that is an "
+                        "AutoencoderTiny, as in SDXS folders, which decode with it by default); vae: the model's "
+                        "full VAE (an SDXS folder's vae_large/)")
     g.add_argument("--weight-dtype", default=None,
                    help="keep resident weights in fp16/bf16 and compute in --dtype, block by block")
     g.add_argument("--no-prepack", action="store_true",

@@ -33,6 +33,9 @@ def cmd_info(args) -> int:
         print(f"prediction:  {spec.prediction_type} ({ckpt.prediction_source})")
         print(f"storage:     {str(ckpt.storage_dtype).replace('torch.', '')}")
         print(f"image size:  {spec.default_size}x{spec.default_size} (native)")
+        if ckpt.tiny_vae is not None:
+            print("vae decoder: the AutoencoderTiny (TAESD) in vae/, by default; "
+                  + ("--vae-decoder vae: the AutoencoderKL in vae_large/" if ckpt.has_vae else "no full VAE"))
         for line in family_for(spec).info_lines():
             print(line)
         if spec.turbo:

@@ -22,6 +22,7 @@ from .base import ScheduledConditioning, approximate_images, latents_to_images
 AUTO_TILE, AUTO_TILE_ABOVE = 64, 96   # latent pixels: tile 512 px when an image side exceeds 768 px
 TEXT_CACHE_SIZE = 8                   # requests whose text encodings a warm engine keeps (LoadedModel.encoded_texts)
 LOW_MEMORY_TILE = 32                  # memory mode 0: tiles of 256 px above 256 px (a 512^2 decode in 4 tiles)
+OWN_TAESD_NAME = "vae (AutoencoderTiny)"   # the PNG parameters' VAE decoder when it is the model folder's own TAESD
 
 
 class LoadedModel:
@@ -58,6 +59,11 @@ class LoadedModel:
         self.decode_piece_bytes: int | None = None
         # what each network computes in (sdlite.engine.precision; Engine.load sets it); recorded in the PNG
         self.precision: Precision = resolve_precision("exact" if self.device.type == "cpu" else "fp16", self.device)
+        # the model's own TAESD (a folder whose vae/ is an AutoencoderTiny, as IDKiro's SDXS ones): the default
+        # decoder of the final images, as diffusers' pipeline uses it; where the model has no AutoencoderKL beside
+        # it, also what encodes image-to-image sources
+        self.tiny_vae = self._own_taesd()
+        self.vae_decoder = self.tiny_vae
 
     def schedule_for(self, r):
         """The noise schedule of request ``r`` (FLUX's shift depends on the image's size; other families': the
@@ -70,11 +76,33 @@ class LoadedModel:
 
     # -- decoders ----------------------------------------------------------------------------------------------------
 
+    @property
+    def has_vae(self) -> bool:
+        """Whether the model has an AutoencoderKL (a folder with only an AutoencoderTiny in vae/ has none)."""
+        ckpt = self.models.ckpt
+        return ckpt is None or ckpt.has_vae
+
     def set_vae_decoder(self, taesd) -> None:
         """Decode the final images with ``taesd`` (a :class:`~sdlite.models.taesd.TinyAutoencoder` with a decoder)
         instead of the VAE: a fraction of the VAE's time, some detail lost; the PNG parameters say ``VAE decoder``.
-        None: the VAE again."""
+        None: the VAE (the AutoencoderKL), also where the model's folder makes its own TAESD the default (SDXS)."""
+        if taesd is None and not self.has_vae:
+            raise RequestError(f"this model has no full VAE to decode with: its vae/ is an AutoencoderTiny and its "
+                               f"folder has no vae_large/ ({self.models.ckpt.path})")
         self.vae_decoder = self._checked_taesd(taesd)
+
+    def _own_taesd(self):
+        """The TAESD of the model's folder (``Checkpoint.tiny_vae``), loaded for this model; None when it has none.
+        Its encoder is loaded only where the model has no AutoencoderKL to encode with."""
+        path = getattr(self.models.ckpt, "tiny_vae", None)
+        if path is None:
+            return None
+        from ..weights.taesd import load_taesd, model_variant
+
+        parts = ("decoder",) if self.has_vae else ("decoder", "encoder")
+        taesd = load_taesd(path, model_variant(self.spec), parts=parts)
+        taesd.name = OWN_TAESD_NAME
+        return self._checked_taesd(taesd)
 
     def set_preview_decoder(self, taesd) -> None:
         """The TAESD for :meth:`preview` with ``tiny`` (A1111's "TAESD" live previews); None: none."""
@@ -148,6 +176,8 @@ class LoadedModel:
     def decode_latents(self, latents: torch.Tensor, piece: int | None = None) -> torch.Tensor:
         """Unscaled latents (B, C, h, w) -> images (B, 3, 8h, 8w) in about [-1, 1]; ``piece`` images per decoder
         call (None: all at once)."""
+        if not self.has_vae:   # only a tiny VAE: it decodes what the VAE would
+            return self._taesd_decode(self.tiny_vae, self.family.latent.scale(latents), piece)
         if piece is not None and piece < latents.shape[0]:
             return torch.cat([self.decode_latents(latents[i:i + piece]) for i in range(0, latents.shape[0], piece)])
         tile = self.decode_tile(*latents.shape[-2:])
@@ -162,7 +192,11 @@ class LoadedModel:
         :meth:`set_vae_decoder` when there is one (it takes them as they are), else by the VAE."""
         if self.vae_decoder is None:
             return self.decode_latents(self.family.latent.unscale(latents), piece=piece)
-        taesd, piece = self.vae_decoder, piece or latents.shape[0]
+        return self._taesd_decode(self.vae_decoder, latents, piece)
+
+    @staticmethod
+    def _taesd_decode(taesd, latents: torch.Tensor, piece: int | None) -> torch.Tensor:
+        piece = piece or latents.shape[0]
         with torch.no_grad():
             return torch.cat([taesd.decode(latents[i:i + piece].to(taesd.device, taesd.dtype))
                               for i in range(0, latents.shape[0], piece)])
@@ -185,7 +219,13 @@ class LoadedModel:
         """Images (1, 3, H, W) in [-1, 1] -> scaled latents (B, C, H/8, W/8): one encoder pass, then one sample
         of the latent distribution per generator, each drawn as the reference draws it (``randn`` of the
         latent's shape from generator i; diffusers encodes the image once per batch item to the same moments).
-        Without generators, the distribution's mean (B = 1)."""
+        Without generators, the distribution's mean (B = 1). A model with only a tiny VAE encodes by its TAESD
+        encoder, which gives the latents themselves (as diffusers takes an AutoencoderTiny's), nothing drawn."""
+        if not self.has_vae:
+            taesd = self.tiny_vae
+            with torch.no_grad():
+                latents = taesd.encode(image.to(taesd.device, taesd.dtype)).float().to(self.device)
+            return latents.expand(len(generators) if generators else 1, -1, -1, -1).clone()
         with torch.no_grad(), self.models.use("vae") as vae:
             mean, logvar = vae.encode_moments(image.to(self.device, vae.dtype))
         mean, std = mean.float(), torch.exp(0.5 * logvar.float())

@@ -15,13 +15,17 @@ from ..tokenizers.clip_bpe import CLIPTokenizer
 from .io import open_checkpoint, open_sharded
 from .store import TensorStore
 
-__all__ = ["read_json", "component_store", "text_architecture", "folder_tokenizer", "storage_dtype", "WEIGHT_NAMES"]
+__all__ = ["read_json", "component_store", "text_architecture", "folder_tokenizer", "storage_dtype", "vae_folders",
+           "WEIGHT_NAMES", "LARGE_VAE"]
 
 # weight files of a diffusers component, in order of preference (a variant such as fp16 is tried after)
 WEIGHT_NAMES = {
     "unet": "diffusion_pytorch_model", "vae": "diffusion_pytorch_model", "text_encoder": "model",
     "text_encoder_2": "model", "text_encoder_3": "model", "transformer": "diffusion_pytorch_model",
 }
+
+# where a folder whose vae/ is an AutoencoderTiny keeps the full AutoencoderKL (IDKiro's SDXS folders)
+LARGE_VAE = "vae_large"
 
 # text-encoder architectures a folder's text_encoder/config.json can declare
 _CLIP_ARCHITECTURES = {"CLIPTextModel", "CLIPTextModelWithProjection"}
@@ -56,6 +60,31 @@ def component_store(folder: Path, component: str, sub: Path | None = None) -> Te
     raise CheckpointError(f"no weights for the {component}: expected one of {', '.join(candidates[:3])}, ...",
                           sub)
 
+
+
+def vae_folders(vae_dir: Path) -> tuple[Path | None, Path | None]:
+    """(the AutoencoderKL's folder, the AutoencoderTiny's folder) of a diffusers folder whose ``vae`` is ``vae_dir``.
+
+    ``vae/config.json`` says which ``_class_name`` it holds: an AutoencoderKL (or no class: older folders) is the
+    VAE, and there is no tiny one; an AutoencoderTiny (a TAESD, as IDKiro's SDXS folders ship the decoder SDXS was
+    trained with) comes with the full AutoencoderKL in ``vae_large/`` beside it, or alone (None for the first).
+    Any other class is an error naming the file."""
+    config_file = vae_dir / "config.json"
+    kind = read_json(config_file).get("_class_name", "AutoencoderKL")
+    if kind == "AutoencoderKL":
+        return vae_dir, None
+    if kind != "AutoencoderTiny":
+        raise CheckpointError(f"vae/config.json names the class {kind}: sdlite reads an AutoencoderKL there, or an "
+                              f"AutoencoderTiny (TAESD) with the AutoencoderKL in {LARGE_VAE}/ beside it or none",
+                              config_file)
+    large = vae_dir.parent / LARGE_VAE
+    if not large.is_dir():
+        return None, vae_dir
+    large_kind = read_json(large / "config.json").get("_class_name", "AutoencoderKL")
+    if large_kind != "AutoencoderKL":
+        raise CheckpointError(f"{LARGE_VAE}/config.json names the class {large_kind}: the full VAE beside a tiny "
+                              "one must be an AutoencoderKL", large / "config.json")
+    return large, vae_dir
 
 
 def text_architecture(config: dict, config_file: Path) -> str:

@@ -70,15 +70,26 @@ def model_variant(spec) -> str:
 
 def model_taesd(model: str | os.PathLike) -> Path:
     """The TAESD kept with a model: the first of its folder's ``vae_tiny`` and ``taesd`` subfolders (for a
-    single-file model, those beside the file)."""
+    single-file model, those beside the file), else its ``vae`` where that is an AutoencoderTiny (SDXS folders)."""
     base = Path(model)
     folder = base if base.is_dir() else base.parent
     for sub in MODEL_SUBFOLDERS:
         if (folder / sub).is_dir():
             return folder / sub
+    if _is_autoencoder_tiny(folder / "vae"):
+        return folder / "vae"
     raise TAESDNotFound(f"no TAESD kept with the model: none of the folders {', '.join(MODEL_SUBFOLDERS)} exists "
                         "there (either holds a diffusers AutoencoderTiny folder's files, or taesd_decoder / "
-                        "taesdxl_decoder files); give the TAESD's file or folder instead", folder)
+                        "taesdxl_decoder files) and its vae/ is no AutoencoderTiny; give the TAESD's file or folder "
+                        "instead", folder)
+
+
+def _is_autoencoder_tiny(folder: Path) -> bool:
+    try:
+        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(raw, dict) and raw.get("_class_name") == "AutoencoderTiny"
 
 
 def resolve_taesd(value: str | os.PathLike, model: str | os.PathLike) -> Path:
