@@ -175,9 +175,9 @@ def _sd_pipeline(unet_cfg: UNetConfig, tmp):
 
 
 def _script_unet_state(state: dict) -> dict:
-    """A UNet state dict renamed as diffusers' conversion script (scripts/convert_diffusers_to_original_stable_diffusion.py)
-    renames it, from the facts of its tables: resnet parts renamed in every key with "resnets" in it, then the
-    prefixes of SD 1.5's blocks replaced (three numbers per level, resnets j < 2 down and j < 3 up, attentions only
+    """A UNet state dict renamed as diffusers' conversion script
+    (scripts/convert_diffusers_to_original_stable_diffusion.py) renames it, from the facts of its tables: resnet
+    parts renamed in every key with "resnets" in it, then the prefixes of SD 1.5's blocks replaced (three numbers per level, resnets j < 2 down and j < 3 up, attentions only
     at down levels 0-2 and up levels 1-3, the level-0 upsampler at slot 1), then ``model.diffusion_model.``. Keys its
     table does not name keep their diffusers names: a one-layer UNet's up_blocks.0 attentions."""
     resnet = [("norm1", "in_layers.0"), ("conv1", "in_layers.2"), ("norm2", "out_layers.0"),
