@@ -49,6 +49,10 @@ class CheckpointError(SDLiteError):
         return text
 
 
+class ConfigError(SDLiteError):
+    """A config file asks for something sdlite does not implement (the message names the field)."""
+
+
 class RequestError(SDLiteError, ValueError):
     """A request parameter is out of range; the message names it, its value and what is valid."""
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from .common import ConfigError, _tuple
-from .unet import UNetConfig
+from ..errors import ConfigError
+from .unet import UNetConfig, _tuple
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .common import ConfigError, _tuple
+from ..errors import ConfigError
+
+
+def _tuple(value) -> tuple:
+    """A config value that is one item or a list of them, as a tuple."""
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
 
 # diffusers' mid_block_type of a UNet2DConditionModel -> UNetConfig.mid_block
 _MID_BLOCKS = {"UNetMidBlock2DCrossAttn": "cross_attn", "UNetMidBlock2D": "resnet", None: None}
