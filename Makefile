@@ -69,7 +69,7 @@ run: setup
 	$(BIN)/sdlite generate "a red circle on a blue background" --seed 1 --output outputs/
 
 # sdlite against diffusers on a cached full-size SD 1.5 checkpoint, then SDXL and OpenVINO; writes BENCHMARKS.md (hours on 2 cores)
-bench: setup setup-openvino
+bench: setup setup-openvino setup-sdcpp
 	$(BIN)/pip install --quiet -e '.[test,bench]'
 	$(BIN)/python bench/run.py
 	$(BIN)/python bench/sdxl.py
@@ -78,6 +78,9 @@ bench: setup setup-openvino
 	# the same under the AVX2 caps, as a CPU without native bf16 runs it (default fp32-fast against OpenVINO f32)
 	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(BIN)/python bench/openvino.py \
 		--configs 'sdlite default,sdlite exact,OpenVINO f32' --json bench/results-openvino-avx2.json
+	# the few-step table (1 and 4 steps, warm and cold, TAESD and VAE) for sdlite, OpenVINO and stable-diffusion.cpp;
+	# its section of BENCHMARKS.md, bench/fewstep.json
+	$(BIN)/python bench/fewstep.py
 	# the precision policy: UNet step per precision, the default's PSNR against exact (SD 1.5, demo)
 	$(BIN)/python bench/precision.py all
 	# Winograd against the direct convolutions, layer by layer, natively and under the AVX2 cap

@@ -256,15 +256,17 @@ def _source_key(folder: Path) -> list:
             for f in sorted(folder.rglob("*.safetensors"))]
 
 
-def run_child(cfg: dict, python: Path | str, warm: Path | None = None) -> tuple[dict, float]:
-    """One fresh process; returns its RESULT and its wall time from start to exit, as this process sees it."""
+def run_child(cfg: dict, python: Path | str, warm: Path | None = None,
+              script: Path | None = None) -> tuple[dict, float]:
+    """One fresh process (``script``, this file by default, with ``--child``); returns its RESULT and its wall time
+    from start to exit, as this process sees it."""
     env = {**os.environ, **OFFLINE}
     if cfg["engine"] == "sdlite":
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     if warm is not None:
         _bench_module("startup").warm_page_cache(warm)
     t = time.perf_counter()
-    proc = subprocess.run([str(python), str(Path(__file__).resolve()), "--child", json.dumps(cfg)],
+    proc = subprocess.run([str(python), str(script or Path(__file__).resolve()), "--child", json.dumps(cfg)],
                           capture_output=True, text=True, env=env, cwd=str(ROOT))
     wall = time.perf_counter() - t
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
