@@ -1,4 +1,4 @@
-"""The few-step table: 1 and 4 steps, warm and cold, TAESD and VAE decode, for sdlite, OpenVINO and stable-diffusion.cpp.
+"""The few-step table: 1 and 4 steps, warm and cold, TAESD and VAE, for sdlite, OpenVINO and stable-diffusion.cpp.
 
     python bench/fewstep.py [--rounds 1] [--size 512] [--steps 1,4] [--modes warm,cold] [--configs ...]
     python bench/fewstep.py --quick          (256^2, 1 and 2 steps, 1 round, 2 warm images: a smoke run)
@@ -8,7 +8,9 @@ The workload FastSD CPU's users run: one 512^2 image, no classifier-free guidanc
 guidance_scale 1, so its pipeline makes no negative pass; sd.cpp cfg_scale 1), Euler a with trailing timestep spacing
 (sdlite ``euler_a`` + ``timestep_spacing="trailing"``; OpenVINO diffusers' EulerAncestralDiscreteScheduler with
 ``timestep_spacing="trailing"``; sd.cpp ``euler_a`` with its ``sgm_uniform`` schedule, which puts the steps at the
-same trailing timesteps to within a fraction of one), seed 1, the prompt of bench/openvino.py and no negative prompt.
+same trailing timesteps to within a fraction of one), seed 1, no negative prompt, and bench/openvino.py's prompt with
+", image N" after it for a process's N-th image (sdlite's warm engine remembers the text encodings of recent prompts: a
+re-queued prompt would skip its text encoder).
 
 All three engines read the same weights: the full-size random SD 1.5 of bench/checkpoint.py (sdlite its diffusers
 folder; OpenVINO that folder exported once to IR by bench/openvino.py; sd.cpp its original-layout single file, in the
@@ -89,6 +91,12 @@ def ov_bench():
 
 # --- the children: each prints one line "RESULT <json>" --------------------------------------------------------
 
+def _prompt(cfg: dict, i: int) -> str:
+    """Image ``i``'s prompt: with ``per_image``, one of its own (a warm engine that remembers the text encodings of
+    recent prompts -- sdlite's does -- would otherwise skip the text encoder from the second image on)."""
+    return f"{cfg['prompt']}, image {i + 1}" if cfg.get("per_image") else cfg["prompt"]
+
+
 def _image_record(steps: int, generation: float, text, sampling, decode, step_s) -> dict:
     return {"steps": steps, "generation_s": generation, "text_s": text, "sampling_s": sampling, "decode_s": decode,
             "step_s": step_s, "steps_s": sum(step_s) if step_s is not None else None}
@@ -112,7 +120,7 @@ def child_sdlite(cfg: dict) -> dict:
     size = cfg["size"]
     for i, steps in enumerate(cfg["plan"]):
         ends = []
-        request = Request(prompt=cfg["prompt"], width=size, height=size, steps=steps, cfg_scale=1.0,
+        request = Request(prompt=_prompt(cfg, i), width=size, height=size, steps=steps, cfg_scale=1.0,
                           sampler="euler_a", timestep_spacing="trailing", seed=SEED)
         t = now()
         result = engine.generate(request, callback=lambda k, n: ends.append(now()))
@@ -218,7 +226,7 @@ def child_openvino(cfg: dict) -> dict:
     for i, steps in enumerate(cfg["plan"]):
         marks.clear()
         t = now()
-        output = pipe(cfg["prompt"], num_inference_steps=steps, guidance_scale=1.0, height=size, width=size,
+        output = pipe(_prompt(cfg, i), num_inference_steps=steps, guidance_scale=1.0, height=size, width=size,
                       generator=torch.Generator().manual_seed(SEED), output_type="latent" if taesd else "pil")
         if taesd:
             marks["decode_start"] = now()
@@ -273,7 +281,7 @@ def child_sdcpp(cfg: dict) -> dict:
         log.clear()
         t = now()
         try:
-            images = sd.generate_image(prompt=cfg["prompt"], cfg_scale=1.0, sample_method="euler_a",
+            images = sd.generate_image(prompt=_prompt(cfg, i), cfg_scale=1.0, sample_method="euler_a",
                                        scheduler="sgm_uniform", sample_steps=steps, seed=SEED, width=size,
                                        height=size)
         except Exception as e:
@@ -346,7 +354,8 @@ def run_one(args, label: str, mode: str, plan: list[int], folder: Path, single: 
     cfg = {"engine": key, "decoder": decoder, "size": args.size, "prompt": ovb.PROMPT, "plan": plan,
            "image": str(image), "model": str(ovb.IR_DIR if key == "openvino" else folder),
            "taesd": str(TAESD_DIR), "taesd_ir": str(TAESD_OV_DIR / TAESD_OV_FILE),
-           "single": str(single), "taesd_file": str(TAESD_DIR / TAESD_FILE), "threads": args.threads}
+           "single": str(single), "taesd_file": str(TAESD_DIR / TAESD_FILE), "threads": args.threads,
+           "per_image": True}
     python = {"sdlite": sys.executable, "openvino": args.ov_python, "sdcpp": args.sdcpp_python}[key]
     warm = {"sdlite": folder, "openvino": ovb.IR_DIR, "sdcpp": single}[key]
     if decoder == "TAESD":
@@ -381,7 +390,7 @@ def measure(args, folder: Path, single: Path) -> dict:
     ovb = ov_bench()
     raw = {"settings": {"size": args.size, "steps": args.steps, "rounds": args.rounds, "seed": SEED,
                         "warm_images": args.warm_images, "modes": args.modes, "quick": args.quick,
-                        "threads": args.threads, "prompt": ovb.PROMPT},
+                        "threads": args.threads, "prompt": ovb.PROMPT, "prompt_per_image": True},
            "command": command_line(args), "cpu": ovb.cpu_facts(), "load_average_start": os.getloadavg(),
            "note": args.note, "date": time.strftime("%Y-%m-%d"), "versions": {}, "runs": {}}
     engines = {label.split(" ")[0] for label in args.configs}
@@ -502,6 +511,9 @@ def section(raw: dict) -> list[str]:
                 if isinstance(p, dict):
                     p = ", ".join(f"{k} {v}" for k, v in p.items())
                 precisions.setdefault(" ".join(key.split(" ")[:2]), p)
+    prompts = ("each image's prompt its own (bench/openvino.py's + \", image N\"), so no engine reuses a text "
+               "encoding" if s.get("prompt_per_image") else "the same prompt for every image (sdlite's warm engine "
+               "then reuses its text encoding: its warm text time is 0)")
     lines = [MARK_BEGIN, "## Few steps: 1 and 4 steps, warm and cold, TAESD and VAE", ""]
     if s.get("quick"):
         lines += [f"**A quick run ({s['size']}^2, steps {', '.join(map(str, s['steps']))}, {s['rounds']} round, "
@@ -509,7 +521,8 @@ def section(raw: dict) -> list[str]:
     steps_word = " and ".join(map(str, s["steps"])) + (" steps" if s["steps"] != [1] else " step")
     lines += [
         f"FastSD CPU's workload: one {s['size']}^2 image in {steps_word}, no CFG (guidance off), Euler a with "
-        f"trailing timestep spacing, seed {s['seed']}, on the full-size random SD 1.5 of `bench/checkpoint.py` "
+        f"trailing timestep spacing, seed {s['seed']}, {prompts}, on the full-size random SD 1.5 of "
+        "`bench/checkpoint.py` "
         "(OpenVINO: its IR export; sd.cpp: its single file, fp16) and one random TAESD (a diffusers "
         "`AutoencoderTiny`, `bench/cache/taesd-sd/`: sdlite's `set_vae_decoder`, sd.cpp's `taesd_path`, and for "
         "OpenVINO converted with `ov.convert_model` and run on its pipeline's latents). sdlite in its default "
