@@ -74,8 +74,8 @@ def test_what_each_precision_computes_in():
 
 def test_names_aliases_and_errors():
     assert check_precision("FP32") == "exact" and check_precision("bfloat16") == "bf16"
-    with pytest.raises(PrecisionError, match=r"precision 'int4' is not valid: expected one of auto, exact, fp32-fast, bf16"):
-        check_precision("int4")
+    with pytest.raises(PrecisionError, match=r"precision 'int3' is not valid: expected one of auto, exact, fp32-fast, bf16"):
+        check_precision("int3")
     with pytest.raises(PrecisionError, match=r"bf16 needs bf16 kernels.*ONEDNN_MAX_CPU_ISA=AVX2.*--precision exact"):
         resolve("bf16", "cpu", cpu(ZEN4, "AVX2"))
     with pytest.raises(PrecisionError, match="'fp16' is for GPUs"):

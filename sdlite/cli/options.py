@@ -83,5 +83,5 @@ def add_compile_option(parser) -> None:
 def add_precision_option(parser) -> None:
     parser.add_argument("--precision", default=None, metavar="P",
                         help="auto (default: bf16 on CPUs with native bf16, fp16 on a GPU, else exact), exact (fp32, the "
-                             "diffusers-exact path), bf16, int8, int8-bf16 or fp16; `sdlite info --system` shows what "
-                             "auto picks here and why")
+                             "diffusers-exact path), bf16, int8, int8-bf16, int4 (FLUX/SD3 transformers: weight-only "
+                             "int8/int4) or fp16; `sdlite info --system` shows what auto picks here and why")

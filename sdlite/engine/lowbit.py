@@ -1,4 +1,5 @@
-"""Linear layers whose weights stay in a ggml block format (GGUF files) and are dequantised at call time.
+"""Linear layers whose weights stay in a block format (GGUF files' ggml types, or sdlite's int8 / int4 ones) and are
+dequantised at call time.
 
 :class:`LowBitLinear` holds a :class:`~sdlite.weights.quants.QuantizedTensor` weight (Q8_0, Q4_K, ...) as its raw
 bytes and, on each call, dequantises it into the input's dtype and runs ``F.linear``: one layer's dense weight
@@ -32,6 +33,14 @@ in the tokens). The 2-thread columns ran while a test suite used both cores (loa
 multi-threaded dequantising ops suffer most from that, hence 1 thread's lower numbers. The int8 kernel is 9-90x
 slower than dequantise-then-matmul, so it is not used; dequantising is a small part of a layer's time in fp32 and
 15-50 % of it in bf16, whose AMX matmul is fast.
+
+The ``int8`` and ``int4`` precisions of a transformer (:func:`load_quantized`) use the same layer over weights
+quantised as a dense file loads, in sdlite's two types (:mod:`sdlite.weights.quants`): I8_ROW (int8, one fp32 scale
+per output channel: the form ``_weight_int8pack_mm`` takes) and I4_G64 (4 bits, groups of 64 with an fp16 scale and
+minimum: the form of ``_weight_int4pack_mm_for_cpu``, which takes bf16 scales and zeros per group). Both torch kernels
+were measured again against dequantise-then-``F.linear`` by ``bench/lowbit_precision.py kernels`` (BENCHMARKS.md,
+"int8 / int4 transformers"): at FLUX's shapes on 1536 tokens they are an order of magnitude slower than LowBitLinear,
+so LowBitLinear dequantises here too.
 """
 from __future__ import annotations
 
@@ -39,9 +48,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..weights.quants import QuantizedTensor, QuantizedTensorError, ggml_type
+from ..weights.quants import (INT4_GROUP, QuantizedTensor, QuantizedTensorError, quantize_int4_groups,
+                              quantize_int8_rows)
 
-__all__ = ["LowBitLinear", "replace_linears", "lowbit_bytes", "quantized_linears", "load_low_bit"]
+__all__ = ["LowBitLinear", "replace_linears", "lowbit_bytes", "quantized_linears", "load_low_bit",
+           "LOW_BIT_MODES", "quantize_weight", "lowbit_targets", "load_quantized"]
 
 
 class LowBitLinear(nn.Module):
@@ -54,7 +65,7 @@ class LowBitLinear(nn.Module):
             raise QuantizedTensorError(f"a LowBitLinear needs a 2-D quantised weight (out_features, in_features), "
                                        f"got {weight!r}")
         self.out_features, self.in_features = (int(d) for d in weight.shape)
-        self.qtype = weight.qtype
+        self.type = weight.type   # the block type (a ggml one, or sdlite's I8_ROW / I4_G64)
         # a LoRA's change to the weight (sdlite.adapters.lora): a function of the dequantised fp32 weight, applied
         # per call before the weight is rounded to the input's dtype (None: none)
         self.weight_update = None
@@ -67,9 +78,14 @@ class LowBitLinear(nn.Module):
             self.bias = nn.Parameter(bias, requires_grad=False)
 
     @property
+    def qtype(self) -> str:
+        """The block type's name: ``"Q8_0"``, ``"I8_ROW"``, ..."""
+        return self.type.name
+
+    @property
     def quantized(self) -> QuantizedTensor:
         """The weight as a QuantizedTensor over this module's bytes (wherever ``.to()`` moved them)."""
-        return QuantizedTensor(self.weight, ggml_type(self.qtype), (self.out_features, self.in_features))
+        return QuantizedTensor(self.weight, self.type, (self.out_features, self.in_features))
 
     @property
     def nbytes(self) -> int:
@@ -148,3 +164,65 @@ def load_low_bit(ckpt, component: str, dtype: torch.dtype, device, weights: dict
     module = ckpt.load_into(module, component, dtype, device, defer=frozenset(weights))
     replace_linears(module, {k: w.to(device) for k, w in weights.items()})
     return module.eval().requires_grad_(False)
+
+
+# --- the int8 and int4 precisions of a transformer: dense weights quantised at load --------------------------------
+
+#: how each weight-only precision stores a dense Linear weight (sdlite.engine.precision; the block types are
+#: sdlite.weights.quants')
+LOW_BIT_MODES = {
+    "int8": "int8, one fp32 scale per output channel (I8_ROW: 8 bits a value and 4 bytes a row)",
+    "int4": f"4 bits in groups of {INT4_GROUP} values with an fp16 scale and minimum (I4_G{INT4_GROUP}: 4.5 bits a "
+            "value)",
+}
+#: the Linear layers quantised: those of the repeated blocks (FLUX's double and single blocks, SD3's joint blocks, T5's
+#: encoder blocks), over 97 % of each network's weights. The embedders (of the latent patches, the text, the timestep
+#: and guidance, the pooled text), the final norm's modulation and the output projection stay in the compute dtype:
+#: they are small, and each feeds every block or writes the prediction itself
+BLOCK_PREFIXES = ("transformer_blocks.", "single_transformer_blocks.", "encoder.block.")
+#: bytes of dense weights read from the file between two hand-backs of its pages while quantising
+_RELEASE_EVERY = 1 << 28
+
+
+def check_low_bit_mode(mode: str) -> str:
+    if mode not in LOW_BIT_MODES:
+        raise QuantizedTensorError(f"low-bit mode {mode!r} is not valid: expected one of {', '.join(LOW_BIT_MODES)}")
+    return mode
+
+
+def quantize_weight(weight: torch.Tensor, mode: str) -> QuantizedTensor:
+    """A dense Linear weight (out, in) quantised as ``mode`` (:data:`LOW_BIT_MODES`) asks."""
+    if check_low_bit_mode(mode) == "int8":
+        return quantize_int8_rows(weight)
+    return quantize_int4_groups(weight, INT4_GROUP)
+
+
+def lowbit_targets(module: nn.Module, mode: str) -> list[str]:
+    """The weight keys of ``module``'s Linear layers that ``mode`` quantises: those under :data:`BLOCK_PREFIXES`
+    (for int4, whose inputs are a whole number of groups: every layer of the released FLUX, SD3(.5) and T5-XXL)."""
+    check_low_bit_mode(mode)
+    return [f"{name}.weight" for name, layer in module.named_modules()
+            if isinstance(layer, nn.Linear) and name.startswith(BLOCK_PREFIXES)
+            and (mode == "int8" or layer.in_features % INT4_GROUP == 0)]
+
+
+def load_quantized(ckpt, component: str, dtype: torch.dtype, device, mode: str) -> nn.Module:
+    """``component`` loaded with the Linear layers of its blocks (:func:`lowbit_targets`) as :class:`LowBitLinear`
+    over weights quantised here as ``mode`` asks, layer by layer from the file: memory holds the quantised weights
+    and one dense layer at a time (the file's pages handed back as it goes). Layers a GGUF file already stores in a
+    block format keep it; everything else is converted to ``dtype`` as usual."""
+    module = ckpt.build_empty(component)
+    weights = dict(quantized_linears(ckpt, component))
+    read = 0
+    for key in lowbit_targets(module, mode):
+        if key in weights:
+            continue
+        dense = ckpt.tensor(component, key)
+        weights[key] = quantize_weight(dense, mode).to(device)
+        read += dense.numel() * dense.element_size()
+        del dense
+        if read > _RELEASE_EVERY:
+            ckpt.release_pages()
+            read = 0
+    ckpt.release_pages()
+    return load_low_bit(ckpt, component, dtype, device, weights)

@@ -29,7 +29,7 @@ from ..models.clip import Embeddings, EncoderLayer
 from ..models.layers import Downsample, ResnetBlock, Upsample
 from ..models.flux import DoubleBlock, SingleBlock
 from ..weights.quants import QuantizedTensor
-from .lowbit import load_low_bit, quantized_linears
+from .lowbit import check_low_bit_mode, load_low_bit, load_quantized, quantized_linears
 from ..models.mmdit import JointBlock
 from ..config.t5 import T5Config
 from ..models.t5 import T5LayerFF
@@ -259,7 +259,8 @@ class ModelManager:
                  weight_dtype: torch.dtype | None = None, preloaded: StableDiffusion | None = None,
                  quantize: str = "none", prepack: bool | None = None, vae_dtype: torch.dtype | None = None,
                  winograd: bool | None = None, text_dtype: torch.dtype | None = None, channels_last: bool = False,
-                 compile: bool = False, fp32_kernels: bool = False, t5_dtype: torch.dtype | None = None):
+                 compile: bool = False, fp32_kernels: bool = False, t5_dtype: torch.dtype | None = None,
+                 lowbit: str = "none"):
         self.ckpt, self.mode, self.dtype, self.device = ckpt, check_memory_mode(mode), dtype, torch.device(device)
         # the VAE's own compute dtype where it differs (SDXL's VAE decodes in fp32 under half-precision compute)
         self.vae_dtype = vae_dtype
@@ -298,6 +299,14 @@ class ModelManager:
         if quantize != "none" and (mode == 0 or weight_dtype is not None):
             raise MemoryModeError(f"quantize mode {quantize!r} needs the UNet loaded whole: use memory mode 1 or 2 "
                                   "and no weight dtype")
+        # the transformer's block Linears kept in int8 / int4 (engine.lowbit; T5's in int8): quantised as they load
+        if lowbit != "none":
+            check_low_bit_mode(lowbit)
+            if mode == 0 or weight_dtype is not None:
+                raise MemoryModeError(f"precision {lowbit!r} keeps the transformer's weights quantised in memory; "
+                                      "memory mode 0 streams them from the file block by block instead: use memory "
+                                      "mode 1 or 2 (or, for mode 0, a GGUF file or --precision bf16)")
+        self.lowbit = lowbit
         self._resident: dict[str, nn.Module] = {}
         if preloaded is not None:
             self._resident = dict(preloaded.networks())
@@ -319,6 +328,8 @@ class ModelManager:
 
     def _streams(self, name: str) -> bool:
         """Whether the network's weights are streamed block by block (on the meta device between blocks)."""
+        if self.low_bit_mode(name) != "none":
+            return False
         return self._streams_from_file(name) or (self.weight_dtype is not None and self.weight_dtype != self.dtype) \
             or self._keeps_as_stored(name)
 
@@ -372,7 +383,18 @@ class ModelManager:
             use_fp32_kernels(module)
         return module
 
+    def low_bit_mode(self, name: str) -> str:
+        """How the int8 / int4 precisions store network ``name``'s block Linears: the transformer as the precision
+        says, T5 (``text_encoder_3``) in int8 under both (4-bit T5 is not measured against exact; int8 halves its 9.5
+        GB of bf16 weights), every other network "none"."""
+        if self.lowbit == "none" or name not in LOW_BIT_NETWORKS:
+            return "none"
+        return self.lowbit if name == "transformer" else "int8"
+
     def _load_whole(self, name: str) -> nn.Module:
+        lowbit = self.low_bit_mode(name)
+        if lowbit != "none" and self.ckpt is not None:
+            return self._kernels(name, load_quantized(self.ckpt, name, self.dtype_of(name), self.device, lowbit))
         # GGUF weights in a block format stay in it where the dense network would be large (a transformer, T5):
         # dequantised layer by layer as they run. Other networks' are dequantised as they load (and prepacked)
         low_bit = quantized_linears(self.ckpt, name) if name in LOW_BIT_NETWORKS else {}

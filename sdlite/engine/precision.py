@@ -30,6 +30,13 @@ OpenVINO's PERFORMANCE / ACCURACY execution modes:
   native bf16 and VNNI or AMX (exact 8-bit products).
 * ``int8`` / ``int8-bf16`` -- the UNet's Linear and Conv2d layers in int8 (:mod:`sdlite.engine.quant`), the rest
   as in ``exact``.
+* ``int8`` / ``int4`` for a transformer (FLUX.1, SD3/SD3.5) -- weight-only: the Linear weights of its blocks
+  quantised as the file loads and kept so in memory (int8: one scale per output channel; int4: groups of 64 values
+  with an fp16 scale and minimum), dequantised layer by layer as they run (:mod:`sdlite.engine.lowbit`, as GGUF
+  weights are); T5's in int8 under both. Activations in bf16 on CPUs with native bf16 (as ``bf16``), else fp32.
+  Torch's int8 / int4 weight-only matmuls are 10-30x slower on this CPU than dequantising and calling bf16
+  ``F.linear`` (BENCHMARKS.md gives the numbers and the images' PSNR against ``exact``). Memory mode 0 (streaming the
+  blocks from the file) is refused with them: they hold the quantised network in memory instead.
 * ``fp16`` -- half precision compute on a GPU (CUDA, MPS), as diffusers runs there; the SDXL VAE in fp32.
 * ``auto`` (the default) -- the fastest of these that meets the quality bound (PSNR >= 40 dB against ``exact`` on
   the full-size SD 1.5, >= 35 dB on the demo model; BENCHMARKS.md) on this device: ``fp16`` on a GPU;
@@ -71,7 +78,11 @@ PRECISIONS = {
                  "(not bit-exact: about fp32 rounding)",
     "bf16": "UNet (or transformer) and VAE in bf16, channels-last end to end; CLIP fp32, T5 bf16 (needs native bf16 "
             "on a CPU)",
-    "int8": "UNet Linear/Conv2d in int8 (weights per channel, activations dynamic), the rest fp32",
+    "int8": "UNet Linear/Conv2d in int8 (weights per channel, activations dynamic), the rest fp32; a transformer's "
+            "(FLUX, SD3) Linear weights and T5's in int8 per output channel, dequantised per layer (bf16 compute on "
+            "native-bf16 CPUs, else fp32)",
+    "int4": "a transformer's (FLUX, SD3) Linear weights in 4 bits (groups of 64, fp16 scale and minimum), T5's in "
+            "int8, dequantised per layer; compute as int8's (not for UNets)",
     "int8-bf16": "UNet Linear in int8, its convolutions in bf16, the rest fp32",
     "bf16-int8": "bf16 (as bf16) with the UNet's 3x3 convolutions and transformer Linear layers in int8 "
                  "(needs native bf16 and VNNI/AMX on a CPU)",
@@ -110,6 +121,7 @@ class Precision:
     reason: str = ""              # why (for auto: why this one on this device)
     fp32_kernels: bool = False    # attention and GEGLU on sdlite's fp32 kernels (fp32-fast)
     t5_dtype: torch.dtype | None = None   # T5's, where it is not text_dtype (None: text_dtype)
+    lowbit: str = "none"          # a transformer's Linear weights kept in int8 / int4 (sdlite.engine.lowbit)
 
     @property
     def label(self) -> str:
@@ -220,10 +232,14 @@ def resolve(name: str = "auto", device: str | torch.device = "cpu", cpu: CPUInfo
             _check_bf16(cpu)
         return Precision("bf16", requested, bf16, bf16, fp32, channels_last=device.type == "cpu", reason=reason,
                          t5_dtype=bf16)
+    transformer = spec is not None and spec.unet is None
+    if chosen == "int4" or (chosen == "int8" and transformer):
+        return _weight_only(chosen, requested, device, cpu, spec, reason)
     # int8 modes: the CPU's oneDNN kernels
-    if spec is not None and spec.unet is None:
+    if transformer:
         raise PrecisionError(f"precision {chosen!r} quantizes a UNet's layers; this model's transformer "
-                             f"({spec.family}) has no int8 path yet: use bf16 or exact")
+                             f"({spec.family}) has weight-only int8 and int4 (--precision int8 / int4), or bf16 "
+                             "and exact")
     if device.type != "cpu":
         raise PrecisionError(f"precision {chosen!r} runs on oneDNN's CPU kernels; on {device.type} use fp16 or exact")
     if chosen == "bf16-int8":
@@ -233,6 +249,25 @@ def resolve(name: str = "auto", device: str | torch.device = "cpu", cpu: CPUInfo
     if chosen == "int8-bf16":
         _check_bf16(cpu)
     return Precision(chosen, requested, fp32, fp32, fp32, quantize=chosen, reason=reason)
+
+
+def _weight_only(name: str, requested: str, device: torch.device, cpu: CPUInfo | None, spec,
+                 reason: str) -> Precision:
+    """int8 / int4 for a transformer (FLUX, SD3): its blocks' Linear weights (and T5's, in int8) quantised at load
+    and dequantised layer by layer (:mod:`sdlite.engine.lowbit`); activations in bf16 where the CPU has native bf16
+    dot products (as the bf16 precision), else fp32. ``spec`` None (no model yet): the plan a transformer gets."""
+    if spec is not None and spec.unet is not None:
+        raise PrecisionError(f"precision {name!r} is weight-only low-bit storage for a transformer (FLUX, SD3); this "
+                             f"model ({spec.family}) has a UNet: use int8, bf16-int8 or bf16")
+    if device.type != "cpu":
+        raise PrecisionError(f"precision {name!r} for a transformer dequantises its weights on the CPU here; on "
+                             f"{device.type} use fp16 or exact (a GGUF file keeps its low-bit weights on any device)")
+    if bf16_support(cpu) == "native":
+        bf16 = torch.bfloat16
+        return Precision(name, requested, bf16, bf16, torch.float32, channels_last=True, t5_dtype=bf16,
+                         lowbit=name, reason=reason)
+    fp32 = torch.float32
+    return Precision(name, requested, fp32, fp32, fp32, lowbit=name, reason=reason)
 
 
 def _check_bf16_int8(cpu: CPUInfo | None) -> None:

@@ -82,8 +82,9 @@ class Engine(LoadedModel):
 
         ``precision`` is the policy of :mod:`sdlite.engine.precision`: ``auto`` (the default: bf16 on a CPU with
         native bf16, fp16 on a GPU, else fp32), ``exact`` (fp32, the diffusers-exact path), ``bf16``, ``int8``,
-        ``int8-bf16`` or ``fp16``. The older ``dtype`` and ``quantize`` name a precision too (``dtype=float32`` is
-        ``exact``, ``quantize="int8"`` is ``int8``); given with ``precision`` they must agree with it.
+        ``int8-bf16``, ``int4`` (a transformer's) or ``fp16``. The older ``dtype`` and ``quantize`` name a precision
+        too (``dtype=float32`` is ``exact``, ``quantize="int8"`` is ``int8``); given with ``precision`` they must agree
+        with it.
 
         ``dtype`` is the compute dtype; ``weight_dtype`` the dtype the
         resident weights are kept in when it differs (e.g. fp16 weights computed in fp32, block by block);
@@ -115,7 +116,7 @@ class Engine(LoadedModel):
         manager = ModelManager(ckpt, memory_mode, dtype, device, weight_dtype=weight_dtype, quantize=quantize,
                                prepack=prepack, vae_dtype=vae_dtype, winograd=winograd, text_dtype=plan.text_dtype,
                                channels_last=plan.channels_last, compile=compile, fp32_kernels=plan.fp32_kernels,
-                               t5_dtype=plan.t5_dtype)
+                               t5_dtype=plan.t5_dtype, lowbit=plan.lowbit)
         if memory_mode != 0:
             manager.get(ckpt.spec.denoiser)  # resident from the start: the load is part of getting ready
         if ckpt.prediction_source == "unresolved":

@@ -1,0 +1,292 @@
+"""The int8 and int4 precisions of a transformer (weight-only, sdlite.engine.lowbit): their kernels, their images
+against exact, their memory.
+
+    python bench/lowbit_precision.py kernels [--tokens 1536] [--repeat 3]
+    python bench/lowbit_precision.py quality --family flux|sd3 [--seeds 8] [--steps 4] [--size 256] [--work DIR]
+    python bench/lowbit_precision.py all [--work DIR]     (both, then bench/lowbit_precision.{json,md})
+
+``kernels``: one FLUX-size Linear (3072 -> 12288 and 12288 -> 3072, on 1024 image + 512 text tokens in bf16): bf16
+``F.linear`` on the dense weight; LowBitLinear over I8_ROW and I4_G64 weights (dequantise, then bf16 ``F.linear``)
+and the dequantising alone; torch's weight-only kernels ``aten._weight_int8pack_mm`` (int8, one bf16 scale per output
+channel; run on 128 tokens and scaled, its time being linear in the tokens) and ``aten._weight_int4pack_mm_for_cpu``
+(4-bit, groups of 64 with bf16 scales and zeros, packed by ``_convert_weight_to_int4pack_for_cpu``). Medians.
+
+``quality``: a diffusers folder whose transformer has the released widths but few blocks (``--blocks``; FLUX.1
+schnell: 3072 wide, 24 heads, by default 2 double + 4 single blocks, 1.29B parameters; SD3.5 Large: 2432 wide, 38
+heads, qk RMS norms, by default 4 joint blocks), PyTorch's default initialisation (uniform, 1/sqrt(fan-in)), with the tests' tiny text encoders and VAE
+beside it, all saved in bf16 (so every precision reads the same values). Each precision runs in its own process
+(``Engine.load(folder, precision=p)``, memory mode 1): one batch of ``--seeds`` images (seeds 0..n-1, FLUX 4 steps
+without CFG, SD3.5 4 steps at cfg 1), its peak RSS, load and generation times. Against exact: each image's PSNR
+(decoded by the tiny random VAE) and the relative L2 error of its final latents. Random weights give noise-like
+images, so the PSNR measures how far the network's arithmetic moved, not how an image looks.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))   # sdlite, and the tests' tiny encoders and VAE
+PRECISIONS = ("exact", "bf16", "int8", "int4")
+RESULTS = ROOT / "bench" / "lowbit_precision.json"
+# blocks of the bench's transformers: FLUX (double, single), SD3.5 (joint)
+DEFAULT_BLOCKS = {"flux": (2, 4), "sd3": (4,)}
+
+
+# -- kernels ---------------------------------------------------------------------------------------------------------
+
+def _timed(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def kernels(tokens: int, repeat: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from sdlite.engine.lowbit import LowBitLinear, quantize_weight
+    from sdlite.engine.memory import tune_heap
+
+    tune_heap()   # as the engine runs
+    g = torch.Generator().manual_seed(0)
+    out = {"tokens": tokens, "threads": torch.get_num_threads(), "torch": torch.__version__, "shapes": {}}
+    for n, k in ((12288, 3072), (3072, 12288)):
+        w = ((torch.rand(n, k, generator=g) * 2 - 1) / k ** 0.5).bfloat16()
+        x = torch.randn(tokens, k, generator=g).bfloat16()
+        row = {"bf16 F.linear": _timed(lambda: F.linear(x, w), repeat)}
+        for mode in ("int8", "int4"):
+            q = quantize_weight(w, mode)
+            layer = LowBitLinear(q)
+            row[f"{mode} dequantise"] = _timed(lambda: q.dequantize(torch.bfloat16), repeat)
+            row[f"{mode} LowBitLinear"] = _timed(lambda: layer(x), repeat)
+        # torch's int8 kernel: per-channel int8 and bf16 scales
+        wf = w.float()
+        scale = wf.abs().amax(1) / 127
+        q8 = torch.round(wf / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        few = x[:128]
+        t8 = _timed(lambda: torch.ops.aten._weight_int8pack_mm(few, q8, scale.bfloat16()), 1)
+        row["_weight_int8pack_mm"] = t8 * tokens / few.shape[0]
+        # torch's int4 kernel: groups of 64, w = (q - 8) * scale + zero, packed for the CPU
+        group = 64
+        wg = wf.view(n, k // group, group)
+        low, high = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+        s4 = ((high - low) / 15).clamp(min=1e-8)
+        q4 = torch.round((wg - low) / s4).clamp(0, 15).to(torch.int32).view(n, k)
+        zeros = low + 8 * s4
+        sz = torch.stack([s4.view(n, -1), zeros.view(n, -1)], -1).transpose(0, 1).contiguous().bfloat16()
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4, 2)
+        row["_weight_int4pack_mm_for_cpu"] = _timed(
+            lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz), max(1, repeat - 1))
+        out["shapes"][f"{k} -> {n}"] = row
+        print(f"{k} -> {n}: " + ", ".join(f"{name} {t:.3f} s" for name, t in row.items()), flush=True)
+    return out
+
+
+# -- quality ---------------------------------------------------------------------------------------------------------
+
+def build(family: str, folder: Path, blocks: tuple[int, ...]) -> int:
+    """The bench's model (module docstring) saved in bf16 at ``folder``; returns the transformer's parameters."""
+    import torch
+
+    tmp = folder.parent / f"{folder.name}-parts"
+    if family == "flux":
+        from diffusers import FluxTransformer2DModel
+
+        from tests.test_flux_pipeline import T5_WIDTH, _pipeline
+
+        pipe = _pipeline(tmp, "schnell", save=False)
+        torch.manual_seed(0)
+        pipe.transformer = FluxTransformer2DModel(
+            patch_size=1, in_channels=64, num_layers=blocks[0], num_single_layers=blocks[1], attention_head_dim=128,
+            num_attention_heads=24, joint_attention_dim=T5_WIDTH, pooled_projection_dim=32, guidance_embeds=False,
+            axes_dims_rope=(16, 56, 56)).eval()
+    else:
+        from diffusers import SD3Transformer2DModel
+
+        from tests.test_sd3_pipeline import TEXT_G, TEXT_L, T5_WIDTH, _pipeline
+
+        pipe = _pipeline(tmp)
+        torch.manual_seed(0)
+        pipe.transformer = SD3Transformer2DModel(
+            sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=blocks[0], attention_head_dim=64,
+            num_attention_heads=38, joint_attention_dim=T5_WIDTH, caption_projection_dim=2432,
+            pooled_projection_dim=TEXT_L.projection_dim + TEXT_G.projection_dim, pos_embed_max_size=192,
+            qk_norm="rms_norm").eval()
+    pipe.to(torch.bfloat16).save_pretrained(folder)
+    return sum(p.numel() for p in pipe.transformer.parameters())
+
+
+def run_one(folder: Path, precision: str, seeds: int, steps: int, size: int, out: Path) -> None:
+    """One precision, in this process: a batch of ``seeds`` images; their pixels and latents to ``out``."""
+    import numpy as np
+    import torch
+
+    from sdlite.engine.lowbit import lowbit_bytes
+    from sdlite.pipeline import Engine, Request
+
+    start = time.perf_counter()
+    engine = Engine.load(folder, precision=precision)
+    loaded = time.perf_counter() - start
+    rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with engine.models.use("transformer") as transformer:
+        stored = lowbit_bytes(transformer) + sum(p.numel() * p.element_size() for p in transformer.parameters())
+    r = Request(prompt="a lighthouse on a cliff at dawn", steps=steps, cfg_scale=1.0, sampler="euler", seed=0,
+                width=size, height=size, batch_size=seeds)
+    start = time.perf_counter()
+    result = engine.generate(r)
+    generated = time.perf_counter() - start
+    pixels = np.stack([np.asarray(im, dtype=np.uint8) for im in result.images])
+    np.savez(out, pixels=pixels, latents=result.latents.float().numpy(),
+             meta=json.dumps({"precision": engine.precision.label, "load_s": loaded, "generate_s": generated,
+                              "transformer_bytes": stored, "peak_rss_after_load": rss_loaded,
+                              "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                              "dtype": str(engine.precision.dtype)}))
+
+
+def _psnr(a, b) -> float:
+    import numpy as np
+
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return 10 * np.log10(255 ** 2 / mse) if mse else float("inf")
+
+
+def quality(family: str, seeds: int, steps: int, size: int, work: Path, blocks: tuple[int, ...]) -> dict:
+    import numpy as np
+
+    blocks = blocks or DEFAULT_BLOCKS[family]
+    folder = work / f"{family}-{'-'.join(map(str, blocks))}-bench"
+    params = None
+    if not (folder / "model_index.json").exists():
+        params = build(family, folder, blocks)
+        print(f"{family}: built {folder.name} ({params / 1e9:.2f}B transformer parameters)", flush=True)
+    runs = {}
+    for p in PRECISIONS:
+        out = work / f"{family}-{p}.npz"
+        subprocess.run([sys.executable, __file__, "run", "--folder", str(folder), "--precision", p, "--seeds",
+                        str(seeds), "--steps", str(steps), "--size", str(size), "--out", str(out)], check=True)
+        data = np.load(out)
+        runs[p] = {"pixels": data["pixels"], "latents": data["latents"], **json.loads(str(data["meta"]))}
+        m = runs[p]
+        print(f"{family} {p}: load {m['load_s']:.1f} s, {seeds} images {m['generate_s']:.1f} s, transformer "
+              f"{m['transformer_bytes'] / 2**30:.2f} GiB, peak RSS {m['peak_rss'] / 2**30:.2f} GiB", flush=True)
+    exact = runs["exact"]
+    result = {"family": family, "seeds": seeds, "steps": steps, "size": size, "blocks": list(blocks),
+              "transformer_parameters": params,
+              "precisions": {}}
+    for p, m in runs.items():
+        row = {k: m[k] for k in ("precision", "dtype", "load_s", "generate_s", "transformer_bytes",
+                                 "peak_rss_after_load", "peak_rss")}
+        if p != "exact":
+            psnrs = [_psnr(m["pixels"][i], exact["pixels"][i]) for i in range(seeds)]
+            rel = [float(np.linalg.norm(m["latents"][i] - exact["latents"][i]) / np.linalg.norm(exact["latents"][i]))
+                   for i in range(seeds)]
+            row.update(psnr_min=min(psnrs), psnr_mean=float(np.mean(psnrs)), latent_rel_mean=float(np.mean(rel)),
+                       latent_rel_max=max(rel))
+            print(f"{family} {p}: PSNR min {min(psnrs):.2f} dB, mean {np.mean(psnrs):.2f} dB; latents relative "
+                  f"error mean {np.mean(rel):.4f}, max {max(rel):.4f}", flush=True)
+        result["precisions"][p] = row
+    return result
+
+
+def write_markdown(results: dict, path: Path) -> None:
+    lines = ["# int8 / int4 weights of a transformer against exact (bench/lowbit_precision.py)", "",
+             f"Machine: {results.get('machine', '?')}.", ""]
+    k = results.get("kernels")
+    if k:
+        lines += [f"## One FLUX Linear, {k['tokens']} tokens, bf16 activations, {k['threads']} threads "
+                  f"(torch {k['torch']}; seconds, medians; load average {k.get('load_average')})", ""]
+        names = list(next(iter(k["shapes"].values())))
+        lines += ["| | " + " | ".join(k["shapes"]) + " |", "|---|" + "---|" * len(k["shapes"])]
+        for name in names:
+            lines.append(f"| {name} | " + " | ".join(f"{row[name]:.3f}" for row in k["shapes"].values()) + " |")
+        lines.append("")
+    for family in ("flux", "sd3"):
+        q = results.get(family)
+        if not q:
+            continue
+        params = q.get("transformer_parameters")
+        lines += [f"## {family}: blocks {q.get('blocks')}" + (f" ({params / 1e9:.2f}B parameters)" if params else "")
+                  + f", {q['seeds']} seeds, {q['size']}x{q['size']}, {q['steps']} steps", "",
+                  "| precision | compute | PSNR vs exact, min / mean (dB) | latents rel. error, mean / max | "
+                  "transformer in memory | peak RSS | load | generate |", "|---|---|---|---|---|---|---|---|"]
+        for p, row in q["precisions"].items():
+            quality_cells = "-- | --" if p == "exact" else (
+                f"{row['psnr_min']:.2f} / {row['psnr_mean']:.2f} | {row['latent_rel_mean']:.4f} / "
+                f"{row['latent_rel_max']:.4f}")
+            lines.append(f"| {p} | {row['dtype'].removeprefix('torch.')} | {quality_cells} | "
+                         f"{row['transformer_bytes'] / 2**30:.2f} GiB | {row['peak_rss'] / 2**30:.2f} GiB | "
+                         f"{row['load_s']:.1f} s | {row['generate_s']:.1f} s |")
+        lines.append("")
+    path.write_text("\n".join(lines))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("what", choices=["kernels", "quality", "all", "run"])
+    ap.add_argument("--tokens", type=int, default=1536)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for kernels (default: torch's choice)")
+    ap.add_argument("--family", choices=["flux", "sd3"], default="flux")
+    ap.add_argument("--seeds", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--size", type=int, default=256)
+    ap.add_argument("--blocks", default=None, help="FLUX: double,single (default 2,4); SD3.5: joint (default 4)")
+    ap.add_argument("--work", type=Path, default=None, help="folder for the models and runs (default: a temporary one)")
+    ap.add_argument("--folder", type=Path)
+    ap.add_argument("--precision")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    if args.what == "run":
+        run_one(args.folder, args.precision, args.seeds, args.steps, args.size, args.out)
+        return
+    work = args.work or Path(tempfile.mkdtemp(prefix="lowbit-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    results["machine"] = f"{platform.processor() or platform.machine()}, {_cpu_name()}"
+    if args.what in ("kernels", "all"):
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        results["kernels"] = kernels(args.tokens, args.repeat)
+        results["kernels"]["load_average"] = _load_average()
+    families = ("flux", "sd3") if args.what == "all" else (args.family,) if args.what == "quality" else ()
+    for family in families:
+        blocks = tuple(int(b) for b in args.blocks.split(",")) if args.blocks else None
+        results[family] = quality(family, args.seeds, args.steps, args.size, work, blocks)
+    RESULTS.write_text(json.dumps(results, indent=1))
+    write_markdown(results, RESULTS.with_suffix(".md"))
+
+
+def _load_average() -> float | None:
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+if __name__ == "__main__":
+    main()
