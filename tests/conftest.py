@@ -29,3 +29,11 @@ def sd15_folder(tmp_path_factory):
     from tests.reference import write_sd15_folder
 
     return write_sd15_folder(tmp_path_factory.mktemp("sd15") / "sd15")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests of one-thread modules ``one_thread``: `make test` runs them two modules at a time (each on
+    one core) and the rest, which use both cores themselves, one at a time."""
+    for item in items:
+        if "one_torch_thread" in getattr(item, "fixturenames", ()):
+            item.add_marker("one_thread")
