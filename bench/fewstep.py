@@ -528,7 +528,7 @@ def section(raw: dict) -> list[str]:
         "OpenVINO converted with `ov.convert_model` and run on its pipeline's latents). sdlite in its default "
         "precision (auto), OpenVINO in its default with static shapes at batch 1, sd.cpp in the file's fp16. "
         f"**Warm**: one process per engine and decoder loads once, makes one untimed image, then "
-        f"{s['warm_images'] - 1} timed images of each step count (medians). **Cold**: one fresh process per image; "
+        f"{s['warm_images'] - 1} timed image{'s' if s['warm_images'] > 2 else ''} of each step count (medians). **Cold**: one fresh process per image; "
         "the whole process's wall time, interpreter start to exit. Processes alternate between the engines; "
         f"{s['rounds']} round{'s' if s['rounds'] != 1 else ''}, medians over them. Details: `bench/fewstep.py`.", "",
         f"Machine: {cpu['model']}, {cpu['cores']} cores, {cpu['memory_gib']} GiB RAM, {cpu['system']}, {versions}; "
