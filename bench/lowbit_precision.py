@@ -3,6 +3,7 @@ against exact, their memory.
 
     python bench/lowbit_precision.py kernels [--tokens 1536] [--repeat 3]
     python bench/lowbit_precision.py quality --family flux|sd3 [--seeds 8] [--steps 4] [--size 256] [--work DIR]
+    python bench/lowbit_precision.py memory --family flux|sd3 [--work DIR]
     python bench/lowbit_precision.py all [--work DIR]     (both, then bench/lowbit_precision.{json,md})
 
 ``kernels``: one FLUX-size Linear (3072 -> 12288 and 12288 -> 3072, on 1024 image + 512 text tokens in bf16): bf16
@@ -143,6 +144,11 @@ def run_one(folder: Path, precision: str, seeds: int, steps: int, size: int, out
     rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     with engine.models.use("transformer") as transformer:
         stored = lowbit_bytes(transformer) + sum(p.numel() * p.element_size() for p in transformer.parameters())
+    resident = _resident()   # after the load: anonymous memory (the weights as held) and mapped file pages
+    if seeds == 0:             # the memory run: nothing more
+        out.write_text(json.dumps({"precision": engine.precision.label, "load_s": loaded, "transformer_bytes": stored,
+                                   "peak_rss_after_load": rss_loaded, **resident}))
+        return
     r = Request(prompt="a lighthouse on a cliff at dawn", steps=steps, cfg_scale=1.0, sampler="euler", seed=0,
                 width=size, height=size, batch_size=seeds)
     start = time.perf_counter()
@@ -154,6 +160,39 @@ def run_one(folder: Path, precision: str, seeds: int, steps: int, size: int, out
                               "transformer_bytes": stored, "peak_rss_after_load": rss_loaded,
                               "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                               "dtype": str(engine.precision.dtype)}))
+
+
+def _resident() -> dict:
+    """RssAnon and RssFile of this process now, in bytes (Linux)."""
+    out = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile"):
+                out[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def memory(family: str, work: Path, blocks: tuple[int, ...]) -> dict:
+    """Each precision's process after ``Engine.load`` (memory mode 1): the transformer's bytes as held, the process's
+    anonymous memory and mapped file pages, and its peak RSS so far (which counts the file pages the load touched)."""
+    blocks = blocks or DEFAULT_BLOCKS[family]
+    folder = work / f"{family}-{'-'.join(map(str, blocks))}-bench"
+    if not (folder / "model_index.json").exists():
+        build(family, folder, blocks)
+    rows = {}
+    for p in PRECISIONS:
+        out = work / f"{family}-{p}-memory.json"
+        subprocess.run([sys.executable, __file__, "run", "--folder", str(folder), "--precision", p, "--seeds", "0",
+                        "--out", str(out)], check=True)
+        rows[p] = json.loads(out.read_text())
+        m = rows[p]
+        print(f"{family} {p}: transformer {m['transformer_bytes'] / 2**30:.2f} GiB, RssAnon "
+              f"{m.get('RssAnon', 0) / 2**30:.2f} GiB, RssFile {m.get('RssFile', 0) / 2**30:.2f} GiB, peak RSS "
+              f"{m['peak_rss_after_load'] / 2**30:.2f} GiB, load {m['load_s']:.1f} s", flush=True)
+    return {"family": family, "blocks": list(blocks), "precisions": rows}
 
 
 def _psnr(a, b) -> float:
@@ -221,21 +260,33 @@ def write_markdown(results: dict, path: Path) -> None:
         lines += [f"## {family}: blocks {q.get('blocks')}" + (f" ({params / 1e9:.2f}B parameters)" if params else "")
                   + f", {q['seeds']} seeds, {q['size']}x{q['size']}, {q['steps']} steps", "",
                   "| precision | compute | PSNR vs exact, min / mean (dB) | latents rel. error, mean / max | "
-                  "transformer in memory | peak RSS | load | generate |", "|---|---|---|---|---|---|---|---|"]
+                  "transformer in memory | load | generate |", "|---|---|---|---|---|---|---|"]
         for p, row in q["precisions"].items():
             quality_cells = "-- | --" if p == "exact" else (
                 f"{row['psnr_min']:.2f} / {row['psnr_mean']:.2f} | {row['latent_rel_mean']:.4f} / "
                 f"{row['latent_rel_max']:.4f}")
             lines.append(f"| {p} | {row['dtype'].removeprefix('torch.')} | {quality_cells} | "
-                         f"{row['transformer_bytes'] / 2**30:.2f} GiB | {row['peak_rss'] / 2**30:.2f} GiB | "
-                         f"{row['load_s']:.1f} s | {row['generate_s']:.1f} s |")
+                         f"{row['transformer_bytes'] / 2**30:.2f} GiB | {row['load_s']:.1f} s | "
+                         f"{row['generate_s']:.1f} s |")
+        lines.append("")
+    for family in ("flux", "sd3"):
+        m = results.get(f"{family}_memory")
+        if not m:
+            continue
+        lines += [f"## {family}: memory after Engine.load (mode 1), blocks {m['blocks']}", "",
+                  "| precision | transformer held | RssAnon | RssFile | peak RSS during the load | load |",
+                  "|---|---|---|---|---|---|"]
+        for p, row in m["precisions"].items():
+            lines.append(f"| {p} | {row['transformer_bytes'] / 2**30:.2f} GiB | {row.get('RssAnon', 0) / 2**30:.2f} GiB "
+                         f"| {row.get('RssFile', 0) / 2**30:.2f} GiB | {row['peak_rss_after_load'] / 2**30:.2f} GiB | "
+                         f"{row['load_s']:.1f} s |")
         lines.append("")
     path.write_text("\n".join(lines))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["kernels", "quality", "all", "run"])
+    ap.add_argument("what", choices=["kernels", "quality", "memory", "all", "run"])
     ap.add_argument("--tokens", type=int, default=1536)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch threads for kernels (default: torch's choice)")
@@ -267,6 +318,9 @@ def main() -> None:
     for family in families:
         blocks = tuple(int(b) for b in args.blocks.split(",")) if args.blocks else None
         results[family] = quality(family, args.seeds, args.steps, args.size, work, blocks)
+    if args.what == "memory":
+        blocks = tuple(int(b) for b in args.blocks.split(",")) if args.blocks else None
+        results[f"{args.family}_memory"] = memory(args.family, work, blocks)
     RESULTS.write_text(json.dumps(results, indent=1))
     write_markdown(results, RESULTS.with_suffix(".md"))
 

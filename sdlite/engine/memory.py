@@ -394,7 +394,9 @@ class ModelManager:
     def _load_whole(self, name: str) -> nn.Module:
         lowbit = self.low_bit_mode(name)
         if lowbit != "none" and self.ckpt is not None:
-            return self._kernels(name, load_quantized(self.ckpt, name, self.dtype_of(name), self.device, lowbit))
+            module = load_quantized(self.ckpt, name, self.dtype_of(name), self.device, lowbit)
+            trim_heap()   # the quantising's float32 temporaries, which the tuned heap would otherwise keep
+            return self._kernels(name, module)
         # GGUF weights in a block format stay in it where the dense network would be large (a transformer, T5):
         # dequantised layer by layer as they run. Other networks' are dequantised as they load (and prepacked)
         low_bit = quantized_linears(self.ckpt, name) if name in LOW_BIT_NETWORKS else {}
