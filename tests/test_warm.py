@@ -135,3 +135,14 @@ def test_taesd_in_bf16_channels_last(taesd):
     # bf16 keeps 8 bits of mantissa: the images, as the engine clamps them to [-1, 1], agree to ~50 dB
     mse = ((got.clamp(-1, 1) - want.clamp(-1, 1)) / 2).square().mean()
     assert 10 * torch.log10(1 / mse) > 45
+
+
+def test_the_hires_fix_records_its_taesd_decoder(engine, taesd):
+    from sdlite.hires import Hires
+
+    engine.set_vae_decoder(taesd)
+    try:
+        result = engine.generate(request(steps=1, hires=Hires(scale=1.5, steps=2)))
+    finally:
+        engine.set_vae_decoder(None)
+    assert result.infotext["VAE decoder"] == taesd.name and result.images[0].size == (96, 96)

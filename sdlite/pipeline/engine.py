@@ -160,9 +160,7 @@ class Engine(LoadedModel):
                 raise RequestError(f"{self.spec.family} is an inpainting model: the hires fix runs on text-to-image "
                                    "models (load the base model for it)")
             result = generate_hires(self, r, callback, on_latents, t0)
-            result.warnings += ignored
-            result.infotext.update(cache_infotext(r))
-            return result
+            return self._finished(result, r, ignored)
         source = self.prepare_source(r) if r.is_img2img else None
         if source is not None:
             r = r.replace(width=source.width, height=source.height)
@@ -175,6 +173,10 @@ class Engine(LoadedModel):
                                     controls=controls)
         result.infotext.update(self.controls_infotext(r))
         result.control_maps = [c.map for c in controls]
+        return self._finished(result, r, ignored)
+
+    def _finished(self, result: Result, r: Request, ignored: list[str]) -> Result:
+        """``result`` with what every generation adds to its parameters and warnings (the hires fix's too)."""
         if self.vae_decoder is not None:
             result.infotext["VAE decoder"] = self.vae_decoder.name
         result.warnings += ignored
