@@ -8,7 +8,8 @@ random FLUX.1 dev pipeline:
   ``lora_unet_single_blocks_N_linear1``: q, k, v and the MLP's input stacked; the output modulation's halves in BFL's
   order),
 
-all made of the same factors, so all three give diffusers' image; memory mode 0 applies them as the blocks stream."""
+all made of the same factors, so all three give diffusers' image; memory mode 0 applies them as the blocks stream.
+And XLabs' layout (``double_blocks.N.processor.qkv_lora1`` ...), against diffusers' reading of the same file."""
 from __future__ import annotations
 
 import json
@@ -141,3 +142,63 @@ def test_low_memory_mode_applies_them_as_blocks_stream(flux, expected):
     got = _pixels(low.generate(r).images)
     assert np.abs(got - expected[0]).max() <= MAX_PIXEL_DIFF
     assert np.array_equal(got, _pixels(engine.generate(r).images))
+
+
+def _xlabs(transformer) -> dict:
+    """An XLabs-layout FLUX LoRA for ``transformer`` (diffusers' module): every double block's image and text
+    attention (stacked q/k/v, output) and every single block's (stacked q/k/v, output), no alphas."""
+    g = torch.Generator().manual_seed(13)
+    shape = lambda path: tuple(transformer.get_submodule(path).weight.shape)   # noqa: E731
+    state = {}
+
+    def add(key, rows, cols, strength=0.6):
+        state[f"{key}.down.weight"] = torch.randn(RANK, cols, generator=g) / cols ** 0.5
+        state[f"{key}.up.weight"] = torch.randn(rows, RANK, generator=g) * strength / RANK ** 0.5
+
+    for i in range(len(transformer.transformer_blocks)):
+        b = f"transformer_blocks.{i}.attn"
+        add(f"double_blocks.{i}.processor.qkv_lora1", 3 * shape(f"{b}.to_q")[0], shape(f"{b}.to_q")[1])
+        add(f"double_blocks.{i}.processor.qkv_lora2", 3 * shape(f"{b}.add_q_proj")[0], shape(f"{b}.add_q_proj")[1])
+        add(f"double_blocks.{i}.processor.proj_lora1", *shape(f"{b}.to_out.0"))
+        add(f"double_blocks.{i}.processor.proj_lora2", *shape(f"{b}.to_add_out"))
+    for i in range(len(transformer.single_transformer_blocks)):
+        b = f"single_transformer_blocks.{i}"
+        add(f"single_blocks.{i}.processor.qkv_lora", 3 * shape(f"{b}.attn.to_q")[0], shape(f"{b}.attn.to_q")[1])
+        add(f"single_blocks.{i}.processor.proj_lora", *shape(f"{b}.proj_out"))
+    return state
+
+
+def test_xlabs_layout_gives_diffusers_image(flux):
+    """XLabs' layout read by diffusers' own converter (load_lora_weights) is the reference."""
+    from safetensors.torch import save_file
+
+    pipe, engine, _, tmp = flux
+    path = str(tmp / "xlabs.safetensors")
+    save_file(_xlabs(pipe.transformer), path)
+    lora = L.read_lora(path)
+    assert lora.format == "xlabs" and {layer.alpha for layer in lora.layers} == {None}
+    kw = dict(prompt=PROMPT, num_inference_steps=3, guidance_scale=3.5, num_images_per_prompt=2)
+    pipe.load_lora_weights(path, adapter_name="xlabs")
+    try:
+        pipe.fuse_lora(lora_scale=WEIGHT, adapter_names=["xlabs"], components=["transformer"])
+        want = _reference(pipe, "dev", generator=[torch.Generator().manual_seed(s) for s in (21, 22)], **kw)
+    finally:
+        pipe.unfuse_lora(components=["transformer"])
+        pipe.unload_lora_weights()
+    got = _pixels(engine.generate(_request(loras=((path, WEIGHT),))).images)
+    assert np.abs(got - _pixels(engine.generate(_request()).images)).mean() > 4, "the LoRA should change the image"
+    assert np.abs(got - want).max() <= MAX_PIXEL_DIFF
+
+
+def test_xlabs_layout_errors_name_the_key(tmp_path):
+    from safetensors.torch import save_file
+
+    bad = tmp_path / "bad.safetensors"
+    save_file({"double_blocks.0.processor.qkv_lora1.down.weight": torch.zeros(4, 8),
+               "double_blocks.0.processor.qkv_lora1.up.weight": torch.zeros(10, 4)}, str(bad))
+    with pytest.raises(L.LoraError, match=r"qkv_lora1\.up\.weight.*\[10, 4\].*divisible by 3"):
+        L.read_lora(bad)
+    save_file({"double_blocks.0.processor.qkv_lora1.down.weight": torch.zeros(4, 8),
+               "double_blocks.0.processor.ffn_lora1.up.weight": torch.zeros(9, 4)}, str(bad))
+    with pytest.raises(L.LoraError, match=r"not XLabs FLUX LoRA weights.*ffn_lora1"):
+        L.read_lora(bad)

@@ -35,7 +35,9 @@ Formats (told apart by their keys, whatever the file's extension; safetensors or
   what ai-toolkit writes), ``lora_transformer_``, and kohya's sd-scripts ``lora_unet_`` over BFL's layout
   (``lora_unet_double_blocks_0_img_attn_qkv``, ``lora_unet_single_blocks_0_linear1``: q, k, v (and the single blocks'
   MLP input) in one layer, split to the model's by :mod:`sdlite.adapters.lora_targets`); CLIP-L as ``text_encoder`` /
-  ``lora_te1_``, T5 as ``lora_te3_``.
+  ``lora_te1_``, T5 as ``lora_te3_``. And XLabs': ``double_blocks.N.processor.qkv_lora1`` / ``proj_lora1`` (the image
+  stream), ``qkv_lora2`` / ``proj_lora2`` (the text stream), ``single_blocks.N.processor.qkv_lora`` / ``proj_lora``,
+  ``.down.weight`` / ``.up.weight``, no alpha (scale 1), stacked q/k/v split in three as diffusers' converter does.
 
 Scale of one layer: ``multiplier * alpha / rank`` (``alpha / sqrt(rank)`` for rsLoRA; 1 without alpha), as
 A1111, kohya and PEFT compute it.
@@ -97,6 +99,18 @@ _DOTTED_PARTS = (
     (re.compile(r"^(.+)_lora\.up\.weight$"), "up"),
     (re.compile(r"^(.+)\.alpha$"), "alpha"),
 )
+# XLabs' FLUX LoRAs: (diffusion_model.)double_blocks.N.processor.qkv_lora1.down.weight ...
+_XLABS = re.compile(r"^(?:diffusion_model\.)?(double_blocks|single_blocks)\.(\d+)\.processor\.(qkv|proj)_lora(1|2)?"
+                    r"\.(down|up)\.weight$")
+# (block kind, qkv | proj, stream) -> the model's (diffusers') layers, as diffusers' converter maps them
+_XLABS_TARGETS = {
+    ("double_blocks", "qkv", "1"): ("attn.to_q", "attn.to_k", "attn.to_v"),
+    ("double_blocks", "qkv", "2"): ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    ("double_blocks", "proj", "1"): ("attn.to_out.0",),
+    ("double_blocks", "proj", "2"): ("attn.to_add_out",),
+    ("single_blocks", "qkv", None): ("attn.to_q", "attn.to_k", "attn.to_v"),
+    ("single_blocks", "proj", None): ("proj_out",),
+}
 _KOHYA_PARTS = {"lora_down.weight": "down", "lora_up.weight": "up", "alpha": "alpha"}
 # the old attention-processor names: (component, name) -> module
 _PROCESSOR_NAMES = {
@@ -178,7 +192,7 @@ class Lora:
     """A parsed LoRA file, independent of its format."""
 
     path: str
-    format: str                    # "kohya" | "peft" | "diffusers-legacy"
+    format: str                    # "kohya" | "peft" | "diffusers-legacy" | "xlabs"
     layers: list[LoraLayer]
     metadata: dict = field(default_factory=dict)
 
@@ -262,6 +276,8 @@ def parse_lora(path: str, keys: list[str], tensors: dict, metadata: dict) -> Lor
         others = [k for k in keys if not _KOHYA.match(k)]
         raise LoraError(f"mixes kohya keys (lora_unet_/lora_te_) with {len(others)} others: {_listing(others)}",
                         path)
+    if any(_XLABS.match(k) for k in keys):
+        return Lora(path, "xlabs", _xlabs_layers(path, tensors), metadata)
     return _dotted_lora(path, tensors, metadata)
 
 
@@ -312,6 +328,43 @@ def _assemble(path: str, groups: dict, alpha_for=None) -> list[LoraLayer]:
         layers.append(LoraLayer(component, target, down_key, down, up, alpha, rslora))
     layers.sort(key=lambda layer: (layer.component, layer.target))
     return layers
+
+
+def _xlabs_layers(path: str, tensors: dict) -> list[LoraLayer]:
+    """XLabs' FLUX LoRAs: their attention processors' ``qkv_lora`` / ``proj_lora`` (1: the image stream, 2: the
+    text stream of a double block; a single block's without a digit), ``down`` / ``up``, no alpha (scale 1). A
+    ``qkv`` update's ``up`` stacks q, k and v: split into the model's three projections, the same ``down`` for each."""
+    groups: dict = {}
+    unknown = []
+    for key, tensor in tensors.items():
+        m = _XLABS.match(key)
+        if m is None:
+            unknown.append(key)
+            continue
+        kind, block, which, stream, role = m.groups()
+        targets = _XLABS_TARGETS.get((kind, which, stream))
+        if targets is None:
+            unknown.append(key)
+            continue
+        groups.setdefault((kind, block, which, stream), {})[role] = (key, tensor)
+    if unknown:
+        raise LoraError(f"{len(unknown)} keys are not XLabs FLUX LoRA weights "
+                        f"(double_blocks.N.processor.qkv_lora1.down.weight ...): {_listing(unknown)}", path)
+    stacked: dict = {}
+    for (kind, block, which, stream), parts in groups.items():
+        prefix = f"{'transformer_blocks' if kind == 'double_blocks' else 'single_transformer_blocks'}.{block}."
+        targets = [prefix + t for t in _XLABS_TARGETS[(kind, which, stream)]]
+        if "up" in parts and len(targets) > 1:
+            key, up = parts["up"]
+            if up.shape[0] % len(targets):
+                raise LoraError(f"{key!r} {list(up.shape)}: q, k and v stacked need a row count divisible by 3",
+                                path)
+            for target, rows in zip(targets, up.chunk(len(targets))):   # one key per layer, as split_fused gives
+                split = {role: (f"{k} ({target})", t) for role, (k, t) in parts.items()}
+                stacked[("transformer", target)] = {**split, "up": (f"{key} ({target})", rows)}
+        else:
+            stacked[("transformer", targets[0])] = parts
+    return _assemble(path, stacked)
 
 
 def _kohya_layers(path: str, tensors: dict) -> list[LoraLayer]:
