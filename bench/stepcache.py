@@ -100,10 +100,21 @@ def fmt_db(v: float) -> str:
     return "identical" if v == float("inf") else f"{v:.1f}"
 
 
-def markdown(results: list[dict], command: str, load: str) -> str:
+def previous_results() -> list[dict]:
+    """The results of the last runs (bench/stepcache.json), each with the command and load it was measured with."""
+    try:
+        raw = json.loads((HERE / "stepcache.json").read_text())
+    except (OSError, ValueError):
+        return []
+    return [{"command": raw.get("command", "?"), "load": raw.get("load", "?"), **res} for res in raw["results"]]
+
+
+def markdown(results: list[dict]) -> str:
+    runs = list(dict.fromkeys((res["command"], res["load"]) for res in results))
     lines = [BEGIN, "## The step cache (`--cache`, DeepCache)", "",
-             f"Command: `{command}`. Load average at the start: {load}. The machine was shared with other work "
-             "while this ran: compare wall times only as the ratios within one run.", "",
+             *(f"- `{command}`: load average at the start {load}." for command, load in runs), "",
+             "Compare wall times only as the ratios within one run: a load average well above 2 (two cores) means "
+             "the machine was shared with other work.", "",
              "Each image one whole generation (DPM++ 2M Karras, cfg 7.5, precision auto), cached (`N:B`: the whole "
              "UNet every N-th step and the last, skip branch B on the others) against uncached, same seed; PSNR of "
              "the 8-bit images (peak 255), lowest and mean over the seeds; wall time the median per image.", "",
@@ -160,10 +171,13 @@ def main(argv=None) -> None:
             results.append(measure("demo", str(model_path()), 64, steps, a.seeds, a.demo_configs.split(",")))
         else:
             raise SystemExit(f"unknown model {name!r}: expected sd15 or demo")
-    command = "python bench/stepcache.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    (HERE / "stepcache.json").write_text(json.dumps({"command": command.strip(), "load": load, "results": results},
-                                                    indent=1))
-    text = markdown(results, command.strip(), load)
+    command = ("python bench/stepcache.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+    for res in results:
+        res.update(command=command, load=load)
+    # the models not measured in this run keep their last results (each row says which command made it)
+    results += [res for res in previous_results() if res["model"] not in {r["model"] for r in results}]
+    (HERE / "stepcache.json").write_text(json.dumps({"results": results}, indent=1))
+    text = markdown(results)
     (HERE / "stepcache.md").write_text(text)
     write_section(a.out, text)
     print(text)
