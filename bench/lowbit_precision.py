@@ -34,8 +34,13 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))   # sdlite, and the tests' tiny encoders and VAE
+sys.path.insert(0, str(HERE))   # the other bench scripts
+
+from lowbit import timed        # noqa: E402
+from parity import cpu_name     # noqa: E402
 PRECISIONS = ("exact", "bf16", "int8", "int4")
 RESULTS = ROOT / "bench" / "lowbit_precision.json"
 # blocks of the bench's transformers: FLUX (double, single), SD3.5 (joint)
@@ -43,16 +48,6 @@ DEFAULT_BLOCKS = {"flux": (2, 4), "sd3": (4,)}
 
 
 # -- kernels ---------------------------------------------------------------------------------------------------------
-
-def _timed(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
 
 def kernels(tokens: int, repeat: int) -> dict:
     import torch
@@ -67,18 +62,18 @@ def kernels(tokens: int, repeat: int) -> dict:
     for n, k in ((12288, 3072), (3072, 12288)):
         w = ((torch.rand(n, k, generator=g) * 2 - 1) / k ** 0.5).bfloat16()
         x = torch.randn(tokens, k, generator=g).bfloat16()
-        row = {"bf16 F.linear": _timed(lambda: F.linear(x, w), repeat)}
+        row = {"bf16 F.linear": timed(lambda: F.linear(x, w), repeat)}
         for mode in ("int8", "int4"):
             q = quantize_weight(w, mode)
             layer = LowBitLinear(q)
-            row[f"{mode} dequantise"] = _timed(lambda: q.dequantize(torch.bfloat16), repeat)
-            row[f"{mode} LowBitLinear"] = _timed(lambda: layer(x), repeat)
+            row[f"{mode} dequantise"] = timed(lambda: q.dequantize(torch.bfloat16), repeat)
+            row[f"{mode} LowBitLinear"] = timed(lambda: layer(x), repeat)
         # torch's int8 kernel: per-channel int8 and bf16 scales
         wf = w.float()
         scale = wf.abs().amax(1) / 127
         q8 = torch.round(wf / scale[:, None]).clamp(-127, 127).to(torch.int8)
         few = x[:128]
-        t8 = _timed(lambda: torch.ops.aten._weight_int8pack_mm(few, q8, scale.bfloat16()), 1)
+        t8 = timed(lambda: torch.ops.aten._weight_int8pack_mm(few, q8, scale.bfloat16()), 1)
         row["_weight_int8pack_mm"] = t8 * tokens / few.shape[0]
         # torch's int4 kernel: groups of 64, w = (q - 8) * scale + zero, packed for the CPU
         group = 64
@@ -89,7 +84,7 @@ def kernels(tokens: int, repeat: int) -> dict:
         zeros = low + 8 * s4
         sz = torch.stack([s4.view(n, -1), zeros.view(n, -1)], -1).transpose(0, 1).contiguous().bfloat16()
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4, 2)
-        row["_weight_int4pack_mm_for_cpu"] = _timed(
+        row["_weight_int4pack_mm_for_cpu"] = timed(
             lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz), max(1, repeat - 1))
         out["shapes"][f"{k} -> {n}"] = row
         print(f"{k} -> {n}: " + ", ".join(f"{name} {t:.3f} s" for name, t in row.items()), flush=True)
@@ -306,7 +301,7 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="lowbit-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    results["machine"] = f"{platform.processor() or platform.machine()}, {_cpu_name()}"
+    results["machine"] = f"{platform.processor() or platform.machine()}, {cpu_name()}"
     if args.what in ("kernels", "all"):
         if args.threads:
             import torch
@@ -330,16 +325,6 @@ def _load_average() -> float | None:
         return float(Path("/proc/loadavg").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return None
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 if __name__ == "__main__":
