@@ -618,15 +618,7 @@ def _standard_row() -> str | None:
 
 
 def write_section(path: Path, raw: dict) -> None:
-    text = path.read_text(encoding="utf-8") if path.is_file() else "# Benchmarks\n"
-    new = "\n".join(section(raw))
-    begin, end = text.find(MARK_BEGIN), text.find(MARK_END)
-    if begin >= 0 and end > begin:
-        text = text[:begin] + new + text[end + len(MARK_END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + new + "\n"
-    path.write_text(text, encoding="utf-8")
-    print(f"wrote the Few steps section of {path}")
+    ov_bench().replace_section(path, "\n".join(section(raw)), MARK_BEGIN, MARK_END, "Few steps")
 
 
 def main() -> None:

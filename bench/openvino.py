@@ -496,17 +496,22 @@ def section(raw: dict) -> list[str]:
     return lines
 
 
-def write_section(path: Path, raw: dict) -> None:
+def replace_section(path: Path, new: str, mark_begin: str, mark_end: str, name: str) -> None:
+    """Put ``new`` (which begins with ``mark_begin`` and ends with ``mark_end``) in the markdown file ``path`` in
+    place of the text between those marks, or at its end where they are absent."""
     text = path.read_text(encoding="utf-8") if path.is_file() else "# Benchmarks\n"
-    new = "\n".join(section(raw))
-    mark_begin, mark_end, _ = marks(raw)
     begin, end = text.find(mark_begin), text.find(mark_end)
     if begin >= 0 and end > begin:
         text = text[:begin] + new + text[end + len(mark_end):]
     else:
         text = text.rstrip("\n") + "\n\n" + new + "\n"
     path.write_text(text, encoding="utf-8")
-    print(f"wrote the OpenVINO section of {path}")
+    print(f"wrote the {name} section of {path}")
+
+
+def write_section(path: Path, raw: dict) -> None:
+    mark_begin, mark_end, _ = marks(raw)
+    replace_section(path, "\n".join(section(raw)), mark_begin, mark_end, "OpenVINO")
 
 
 def main() -> None:
