@@ -86,20 +86,13 @@ class TinyAutoencoder(nn.Module):
         self.decoder = TinyDecoder(cfg) if decoder else None
         self.name = TAESD_NAME
 
-    def _first_weight(self) -> torch.Tensor:
-        # prepacked layers (engine.packing) hold their weights as buffers, and say their compute dtype themselves
-        return next(t for t in (*self.parameters(), *self.buffers()) if t.is_floating_point())
-
     @property
     def dtype(self) -> torch.dtype:
-        for layer in self.modules():
-            if getattr(layer, "compute_dtype", None) is not None:
-                return layer.compute_dtype
-        return self._first_weight().dtype
+        return next(self.parameters()).dtype
 
     @property
     def device(self) -> torch.device:
-        return self._first_weight().device
+        return next(self.parameters()).device
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents as the UNet works in them (B, C, h, w) -> images (B, 3, 8h, 8w) in about [-1, 1]."""
