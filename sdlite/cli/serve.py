@@ -32,9 +32,14 @@ def cmd_serve(args) -> int:
     from ..server.limits import Limits, parse_size
 
     host = "0.0.0.0" if args.listen else args.host
-    if not _is_loopback(host) and not args.api_auth and not args.insecure:
+    if args.api_key is None:
+        args.api_key = os.environ.get(API_KEY_ENV) or None
+    if args.api_key is not None and (not args.api_key.strip() or any(c.isspace() for c in args.api_key)):
+        raise SDLiteError("--api-key is not valid: a key must be non-empty and hold no spaces")
+    if not _is_loopback(host) and not args.api_auth and not args.api_key and not args.insecure:
         raise SDLiteError(f"refusing to serve on {host} without authentication: give --api-auth USER:PASS "
-                          "(HTTP Basic, as A1111), or --insecure to serve it open to the network anyway")
+                          "(HTTP Basic, as A1111) or --api-key KEY (Bearer), or --insecure to serve it open to the "
+                          "network anyway")
     if not 0 < args.port < 65536:
         raise SDLiteError(f"port {args.port} is not valid: expected 1..65535")
     if args.queue_size < 1:
@@ -84,13 +89,13 @@ def cmd_serve(args) -> int:
                          engine_options={"device": args.device, "precision": precision, "taesd": args.taesd,
                                          "compile": args.compile},
                          flags=flags, limits=limits, upscaler_dir=args.upscaler_dir,
-                         controlnet_dir=args.controlnet_dir)
+                         controlnet_dir=args.controlnet_dir, api_key=args.api_key)
     except FileNotFoundError as e:
         raise SDLiteError(str(e)) from None
     jobs = app.state.server.jobs
     GracefulServer = graceful_server_class()
-    print(f"sdlite: serving the A1111 API on http://{host}:{args.port}/sdapi/v1 (web page: http://{host}:{args.port}/)"
-          f"; {limits.describe()}", file=sys.stderr)
+    print(f"sdlite: serving the A1111 API on http://{host}:{args.port}/sdapi/v1 and OpenAI's Images API on "
+          f"http://{host}:{args.port}/v1 (web page: http://{host}:{args.port}/); {limits.describe()}", file=sys.stderr)
     server = GracefulServer(uvicorn.Config(app, host=host, port=args.port, log_level=args.log_level,
                                            access_log=args.log_level == "debug",
                                            timeout_graceful_shutdown=CONNECTIONS_WAIT_S),
@@ -106,6 +111,8 @@ def cmd_serve(args) -> int:
         os._exit(status)
     return status
 
+
+API_KEY_ENV = "SDLITE_API_KEY"   # --api-key's default, so that the key need not show in the process list
 
 CONNECTIONS_WAIT_S = 1.0   # after the jobs are answered: how long a shutdown waits for open connections to close
 
@@ -169,10 +176,14 @@ def add_parser(sub) -> None:
     v.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     v.add_argument("--port", type=int, default=7860)
     v.add_argument("--listen", action="store_true",
-                   help="bind 0.0.0.0 (every interface); needs --api-auth or --insecure")
+                   help="bind 0.0.0.0 (every interface); needs --api-auth, --api-key or --insecure")
     v.add_argument("--api-auth", metavar="USER:PASS", default=None,
                    help="HTTP Basic credentials for the API (several: USER:PASS,USER2:PASS2)")
-    v.add_argument("--insecure", action="store_true", help="allow serving beyond this machine without --api-auth")
+    v.add_argument("--api-key", metavar="KEY", default=None,
+                   help="a key every API route takes as 'Authorization: Bearer KEY' (what OpenAI's clients send); "
+                        "with --api-auth either credential passes (default: $SDLITE_API_KEY)")
+    v.add_argument("--insecure", action="store_true",
+                   help="allow serving beyond this machine without --api-auth or --api-key")
     v.add_argument("--queue-size", type=int, default=32,
                    help="jobs that may wait behind the running one; more get 503 with Retry-After (default 32)")
     v.add_argument("--lora-dir", metavar="DIR", default=None, help="where <lora:NAME:...> prompt tags are found")

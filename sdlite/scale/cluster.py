@@ -26,6 +26,7 @@ class ClusterConfig:
     model: str | None = None          # default: the shipped demo model, or the first one in models_dir
     models_dir: str | None = None
     api_auth: str | None = None
+    api_key: str | None = None        # --api-key: Bearer auth beside (or instead of) api_auth
     queue_size: int = 32
     lora_dir: str | None = None
     embeddings_dir: str | None = None

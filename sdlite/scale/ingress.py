@@ -45,7 +45,8 @@ class ClusterServer(ServerBase):
     def __init__(self, config: ClusterConfig, generator):
         super().__init__(config.model, config.models_dir, config.api_auth, lora_dir=config.lora_dir,
                          embeddings_dir=config.embeddings_dir, flags=config.flags, limits=config.limits,
-                         upscaler_dir=config.upscaler_dir, controlnet_dir=config.controlnet_dir)
+                         upscaler_dir=config.upscaler_dir, controlnet_dir=config.controlnet_dir,
+                         api_key=config.api_key)
         self.config = config
         self.generator = generator
         self.jobs = ensure_jobs_actor(config)
@@ -59,7 +60,8 @@ class ClusterServer(ServerBase):
         return {"plan": plan, "checkpoint": dataclasses.replace(checkpoint), "limit": options["sd_checkpoints_limit"],
                 "preview": (options["live_previews_enable"], options["show_progress_every_n_steps"])}
 
-    async def generate(self, plan: a1111.Plan, request) -> a1111.Outcome | None:
+    async def generate(self, plan: a1111.Plan, request, progress=None) -> a1111.Outcome | None:
+        # progress: step progress is not carried back from the replicas (the job's /progress is)
         checkpoint = self.checkpoints.current if plan.checkpoint is None else self.find_checkpoint(plan.checkpoint)
         admitted = await self.jobs.admit.remote(plan.kind)
         if admitted[0] == "closed":

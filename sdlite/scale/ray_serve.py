@@ -241,7 +241,8 @@ def serve_cli(args, host: str, flags: dict, limits: Limits | None = None) -> int
                           "precision": flags.get("precision") or "auto", "taesd": getattr(args, "taesd", None),
                           "compile": bool(getattr(args, "compile", False))}
         config = ClusterConfig(model=args.model, models_dir=args.models_dir, api_auth=args.api_auth,
-                               queue_size=args.queue_size, lora_dir=args.lora_dir, embeddings_dir=args.embeddings,
+                               api_key=getattr(args, "api_key", None), queue_size=args.queue_size,
+                               lora_dir=args.lora_dir, embeddings_dir=args.embeddings,
                                upscaler_dir=getattr(args, "upscaler_dir", None),
                                controlnet_dir=getattr(args, "controlnet_dir", None), engine_options=engine_options,
                                threads=args.threads,

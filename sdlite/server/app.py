@@ -23,7 +23,7 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from .. import __version__
-from . import a1111_routes
+from . import a1111_routes, openai_routes
 from .backend import (DISCONNECT_POLL_S, NO_TAESD_WARNING, STOP_WAIT_S, Server, ServerBase, run_plan,
                       stop_warning)
 from .checkpoints import Checkpoint, Checkpoints, Engines
@@ -44,17 +44,18 @@ WEB_DIR = Path(__file__).resolve().parent / "web"
 def create_app(model=None, models_dir=None, api_auth: str | None = None, queue_size: int = 32, *,
                lora_dir=None, embeddings_dir=None, max_body_bytes: int = MAX_BODY_BYTES, preload: bool = True,
                engine_options: dict | None = None, flags: dict | None = None, limits: Limits | None = None,
-               upscaler_dir=None, controlnet_dir=None) -> FastAPI:
+               upscaler_dir=None, controlnet_dir=None, api_key: str | None = None) -> FastAPI:
     """The server as a FastAPI app. ``model``: a checkpoint (default: the shipped demo model, or the first one in
     ``models_dir``); ``models_dir``: where the checkpoints a client can switch to are; ``api_auth``:
     ``USER:PASS[,...]`` for HTTP Basic on every API route; ``queue_size``: waiting jobs beyond which requests get
     503; ``preload``: load the model when the app starts (in the queue, so that the API answers meanwhile);
     ``limits``: what one request may ask for, the job time limit and the shutdown grace (:class:`.limits.Limits`;
     default: its defaults); ``upscaler_dir``: upscaler networks for the hires fix and the extras;
-    ``controlnet_dir``: ControlNet models for the units of ``alwayson_scripts`` (:mod:`.controlnet`)."""
+    ``controlnet_dir``: ControlNet models for the units of ``alwayson_scripts`` (:mod:`.controlnet`); ``api_key``:
+    a key every API route also takes as ``Authorization: Bearer KEY`` (OpenAI's clients send it)."""
     server = Server(model, models_dir, api_auth, queue_size, lora_dir=lora_dir, embeddings_dir=embeddings_dir,
                     max_body_bytes=max_body_bytes, engine_options=engine_options, flags=flags, preload=preload,
-                    limits=limits, upscaler_dir=upscaler_dir, controlnet_dir=controlnet_dir)
+                    limits=limits, upscaler_dir=upscaler_dir, controlnet_dir=controlnet_dir, api_key=api_key)
     return build_app(server)
 
 
@@ -77,8 +78,10 @@ def build_app(server: ServerBase) -> FastAPI:
     app.add_middleware(AnswerWhenStopped, stopping=server.stopping)   # outermost: around every route and check
     install_error_handlers(app)
 
-    dependencies = [Depends(auth_dependency(server))] if server.credentials else []   # on every front-end's routes
+    # on every front-end's routes: HTTP Basic (--api-auth) and/or a Bearer key (--api-key)
+    dependencies = [Depends(auth_dependency(server))] if server.credentials or server.api_key else []
     a1111_routes.add_routes(app, server, dependencies)
+    openai_routes.add_routes(app, server, dependencies)
 
     @app.get("/", include_in_schema=False)
     async def index():

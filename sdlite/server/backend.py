@@ -39,7 +39,7 @@ class ServerBase:
 
     def __init__(self, model=None, models_dir=None, api_auth: str | None = None, *, lora_dir=None,
                  embeddings_dir=None, max_body_bytes: int = MAX_BODY_BYTES, flags: dict | None = None,
-                 limits: Limits | None = None, upscaler_dir=None, controlnet_dir=None):
+                 limits: Limits | None = None, upscaler_dir=None, controlnet_dir=None, api_key: str | None = None):
         if model is None and models_dir is None:
             from ..demo import model_path
 
@@ -48,6 +48,7 @@ class ServerBase:
         self.options = a1111.default_options()
         self._options_lock = threading.Lock()
         self.credentials = parse_auth(api_auth) if api_auth else None
+        self.api_key = api_key or None   # --api-key: "Authorization: Bearer KEY" (http.auth_dependency)
         self.lora_dir, self.embeddings_dir = lora_dir, embeddings_dir
         self.upscaler_dir = upscaler_dir   # upscaler networks by name (hires fix, extras)
         self.controlnets = ControlNets(controlnet_dir)   # ControlNet models by name (alwayson_scripts units)
@@ -101,9 +102,10 @@ class ServerBase:
 
     # --- what a subclass provides ----------------------------------------------------------------------------
 
-    async def generate(self, plan: a1111.Plan, request: Request) -> a1111.Outcome | None:
+    async def generate(self, plan: a1111.Plan, request: Request, progress=None) -> a1111.Outcome | None:
         """Run the plan (after the jobs queued before it); None when the client went away meanwhile. Raises
-        QueueFull / ShuttingDown (503) when the job is refused."""
+        QueueFull / ShuttingDown (503) when the job is refused. ``progress(iteration, iterations, step, steps)`` is
+        called after each sampler step, from the worker thread, where the job runs in this process."""
         raise NotImplementedError
 
     async def progress(self, want_image: bool) -> tuple[dict, Any]:
@@ -141,10 +143,10 @@ class Server(ServerBase):
     def __init__(self, model=None, models_dir=None, api_auth: str | None = None, queue_size: int = 32, *,
                  lora_dir=None, embeddings_dir=None, max_body_bytes: int = MAX_BODY_BYTES,
                  engine_options: dict | None = None, flags: dict | None = None, preload: bool = True,
-                 limits: Limits | None = None, upscaler_dir=None, controlnet_dir=None):
+                 limits: Limits | None = None, upscaler_dir=None, controlnet_dir=None, api_key: str | None = None):
         super().__init__(model, models_dir, api_auth, lora_dir=lora_dir, embeddings_dir=embeddings_dir,
                          max_body_bytes=max_body_bytes, flags=flags, limits=limits, upscaler_dir=upscaler_dir,
-                         controlnet_dir=controlnet_dir)
+                         controlnet_dir=controlnet_dir, api_key=api_key)
         self.engines = Engines(self.checkpoints, limit=1, **(engine_options or {}))
         self.jobs = Jobs(queue_size, preview_every=self._preview_due, job_timeout=self.limits.job_timeout)
         self._preload = preload
@@ -193,8 +195,8 @@ class Server(ServerBase):
 
     # --- ServerBase ----------------------------------------------------------------------------------------
 
-    async def generate(self, plan: a1111.Plan, request: Request) -> a1111.Outcome | None:
-        job = self.jobs.submit(lambda control: self.run(plan, control), plan.kind)
+    async def generate(self, plan: a1111.Plan, request: Request, progress=None) -> a1111.Outcome | None:
+        job = self.jobs.submit(lambda control: self.run(plan, control), plan.kind, on_step=progress)
         return await self.wait(job, request)
 
     async def progress(self, want_image: bool) -> tuple[dict, Any]:

@@ -3,7 +3,9 @@ HTTP Basic auth (``--api-auth``), the request-body cap, the strict-JSON check an
 by a shutdown at once (three ASGI middlewares).
 
 Errors are reported as A1111 reports them: FastAPI's ``{"detail": [...]}`` (422) when the JSON does not fit the
-schema, otherwise ``{"error", "detail", "body", "errors"}`` with a fitting status (401, 404, 413, 422, 503).
+schema, otherwise ``{"error", "detail", "body", "errors"}`` with a fitting status (401, 404, 413, 422, 503). A
+front-end whose protocol has an error shape of its own registers it for its path prefix (:func:`add_error_shape`:
+OpenAI's ``{"error": {...}}`` under ``/v1/``); the handlers and middlewares here answer in it there.
 """
 from __future__ import annotations
 
@@ -49,39 +51,65 @@ def error_response(status: int, name: str, detail: Any, errors: str | None = Non
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def add_error_shape(app: FastAPI, prefix: str, shape) -> None:
+    """Answer errors of requests whose path starts with ``prefix`` with ``shape(status, name, detail, headers)`` (a
+    Response) instead of A1111's JSON."""
+    app.state.error_shapes = [*getattr(app.state, "error_shapes", []), (prefix, shape)]
+
+
+def _shape_for(scope):
+    app = scope.get("app")
+    for prefix, shape in getattr(getattr(app, "state", None), "error_shapes", ()):
+        if scope.get("path", "").startswith(prefix):
+            return shape
+    return None
+
+
+def shaped_error(scope, status: int, name: str, detail: Any, errors: str | None = None, headers=None):
+    """:func:`error_response`, or the error shape registered for the request's path (:func:`add_error_shape`)."""
+    shape = _shape_for(scope)
+    if shape is not None:
+        return shape(status, name, detail, headers)
+    return error_response(status, name, detail, errors, headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """The exceptions every route may raise, as the error JSON: HTTPException (its status), an image over the cap
     (413), a refused job (503 with ``Retry-After``), a bad request (422; a model that cannot be loaded: 500), out of
     memory (503), anything else (500), and FastAPI's own 422 for JSON that does not fit the schema."""
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e: StarletteHTTPException):
-        return error_response(e.status_code, "HTTPException", e.detail, f"{e.status_code}: {e.detail}", e.headers)
+        return shaped_error(request.scope, e.status_code, "HTTPException", e.detail, f"{e.status_code}: {e.detail}",
+                            e.headers)
 
     @app.exception_handler(ImageTooLarge)
     async def too_large(request, e):
-        return error_response(413, type(e).__name__, str(e))
+        return shaped_error(request.scope, 413, type(e).__name__, str(e))
 
     @app.exception_handler(Unavailable)   # QueueFull, ShuttingDown, a cluster's lost replica
     async def busy(request, e):
-        return error_response(503, type(e).__name__, str(e), headers={"Retry-After": str(e.retry_after)})
+        return shaped_error(request.scope, 503, type(e).__name__, str(e),
+                            headers={"Retry-After": str(e.retry_after)})
 
     @app.exception_handler(SDLiteError)
     async def bad_request(request, e: SDLiteError):
         if isinstance(e, CheckpointError):   # a model in the list that cannot be loaded: the server's problem
             log.error("model cannot be loaded: %s", e)
-            return error_response(500, type(e).__name__, f"the model cannot be loaded: {e}")
-        return error_response(422, type(e).__name__, str(e))
+            return shaped_error(request.scope, 500, type(e).__name__, f"the model cannot be loaded: {e}")
+        return shaped_error(request.scope, 422, type(e).__name__, str(e))
 
     @app.exception_handler(MemoryError)   # an estimate that fell short: the job is lost, the server goes on
     async def out_of_memory(request, e):
         log.error("out of memory in %s %s", request.method, request.url.path)
-        return error_response(503, "MemoryError", "the job ran out of memory; retry with a smaller size or batch",
-                              headers={"Retry-After": "10"})
+        return shaped_error(request.scope, 503, "MemoryError",
+                            "the job ran out of memory; retry with a smaller size or batch",
+                            headers={"Retry-After": "10"})
 
     @app.exception_handler(Exception)
     async def unexpected(request, e: Exception):
         log.exception("error in %s %s", request.method, request.url.path)
-        return error_response(500, type(e).__name__, "internal error; the server log has the details", str(e))
+        return shaped_error(request.scope, 500, type(e).__name__, "internal error; the server log has the details",
+                            str(e))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request, e: RequestValidationError):
@@ -89,6 +117,9 @@ def install_error_handlers(app: FastAPI) -> None:
         # a form, no Content-Type) reaches the model as bytes, and bytes that are not UTF-8 made FastAPI's encoder
         # fail (a 500); if anything else cannot be written, the answer leaves the inputs out
         detail = jsonable_encoder(e.errors(), custom_encoder={bytes: lambda b: b.decode("utf-8", "backslashreplace")})
+        shape = _shape_for(request.scope)
+        if shape is not None:
+            return shape(422, "RequestValidationError", detail, None)
         try:
             return JSONResponse({"detail": detail}, status_code=422)
         except (ValueError, UnicodeError):
@@ -112,19 +143,34 @@ def parse_auth(text: str) -> dict[str, str]:
 
 
 def auth_dependency(server):
-    """The FastAPI dependency that checks HTTP Basic credentials against ``server.credentials`` (401 otherwise)."""
+    """The FastAPI dependency that checks the request's credentials (401 otherwise): HTTP Basic against
+    ``server.credentials`` (``--api-auth``), ``Authorization: Bearer KEY`` against ``server.api_key``
+    (``--api-key``, what OpenAI's clients send); with both, either passes."""
+    credentials = server.credentials or {}
+    key = getattr(server, "api_key", None)
+    challenge = ", ".join(scheme for scheme, given in (("Basic", credentials), ("Bearer", key)) if given)
+    wanted = " or ".join(what for what, given in (("a username and password (HTTP Basic)", credentials),
+                                                  ("an API key (Authorization: Bearer KEY)", key)) if given)
+
     def check(request: Request):
         header = request.headers.get("authorization", "")
         scheme, _, encoded = header.partition(" ")
+        scheme = scheme.lower()
+        if scheme == "bearer" and key:
+            if secrets.compare_digest(encoded.strip().encode(), key.encode()):
+                return
+            raise HTTPException(401, "Incorrect API key provided", headers={"WWW-Authenticate": challenge})
         user = password = None
-        if scheme.lower() == "basic":
+        if scheme == "basic" and credentials:
             try:
                 user, _, password = base64.b64decode(encoded).decode("utf-8").partition(":")
             except (binascii.Error, UnicodeDecodeError):
                 user = None
-        expected = server.credentials.get(user) if user is not None else None
+        expected = credentials.get(user) if user is not None else None
         if expected is None or not secrets.compare_digest(password.encode(), expected.encode()):
-            raise HTTPException(401, "Incorrect username or password", headers={"WWW-Authenticate": "Basic"})
+            tried = (scheme == "basic" and credentials) or not key   # Basic alone: the answer A1111 gives
+            detail = "Incorrect username or password" if tried else f"Authentication required: send {wanted}"
+            raise HTTPException(401, detail, headers={"WWW-Authenticate": challenge})
     return check
 
 
@@ -143,7 +189,7 @@ class BodyLimit:
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
             detail = f"the request body ({length.decode(errors='replace')} bytes) is larger than the cap of " \
                      f"{self.max_bytes} bytes" if length.isdigit() else "the Content-Length header is not a number"
-            response = error_response(413 if length.isdigit() else 400, "HTTPException", detail)
+            response = shaped_error(scope, 413 if length.isdigit() else 400, "HTTPException", detail)
             return await response(scope, receive, send)
         seen = 0
 
@@ -184,7 +230,7 @@ class AnswerWhenStopped:
             if started or not self.stopping():
                 raise
             e = ShuttingDown(running=True)
-            response = error_response(503, type(e).__name__, str(e), headers={"Retry-After": str(e.retry_after)})
+            response = shaped_error(scope, 503, type(e).__name__, str(e), headers={"Retry-After": str(e.retry_after)})
             await response(scope, receive, send)
 
 
@@ -273,8 +319,8 @@ class StrictJSON:
             try:
                 message = await receive()
             except StarletteHTTPException as e:   # over the body cap (BodyLimit)
-                response = error_response(e.status_code, "HTTPException", e.detail, f"{e.status_code}: {e.detail}",
-                                          e.headers)
+                response = shaped_error(scope, e.status_code, "HTTPException", e.detail,
+                                        f"{e.status_code}: {e.detail}", e.headers)
                 return await response(scope, receive, send)
             if message["type"] != "http.request":   # the client went away: there is no one to answer
                 return
@@ -290,7 +336,10 @@ class StrictJSON:
             where, reason = problem
             detail = [{"type": "json_invalid", "loc": ["body", *where], "msg": "JSON decode error", "input": {},
                        "ctx": {"error": reason}}]
-            return await JSONResponse({"detail": detail}, status_code=422)(scope, receive, send)
+            shape = _shape_for(scope)
+            response = shape(422, "RequestValidationError", detail, None) if shape is not None else \
+                JSONResponse({"detail": detail}, status_code=422)
+            return await response(scope, receive, send)
         replayed = False
 
         async def replay():
