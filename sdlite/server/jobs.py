@@ -74,6 +74,8 @@ class Job:
     started: float | None = None  # monotonic time the worker took it
     stop_reason: str | None = None   # why it was interrupted: None (/interrupt, a client gone), "timeout",
                                      # "shutdown" (after the grace), "stop" (a shutdown at once)
+    on_step: Callable[[int, int, int, int], None] | None = None   # (iteration, iterations, step, steps) after each
+                                     # sampler step, called in the worker thread (MCP's progress notifications)
 
 
 @dataclass
@@ -149,15 +151,24 @@ class Jobs:
 
     # --- submitting and controlling -------------------------------------------------------------------------
 
-    def submit(self, fn: Callable[["JobControl"], Any], label: str) -> Job:
-        """Queue ``fn`` to run after the jobs already queued. Raises :class:`QueueFull` or :class:`ShuttingDown`."""
+    def submit(self, fn: Callable[["JobControl"], Any], label: str,
+               ahead_of: Callable[[Job], bool] | None = None,
+               on_step: Callable[[int, int, int, int], None] | None = None) -> Job:
+        """Queue ``fn`` to run after the jobs already queued, or, with ``ahead_of``, before the first waiting job for
+        which ``ahead_of(job)`` holds (ComfyUI's prompt numbers); ``on_step``: see :attr:`Job.on_step`. Raises
+        :class:`QueueFull` or :class:`ShuttingDown`."""
         with self._cv:
             if self._closed:
                 raise ShuttingDown()
             if len(self._queue) >= self.queue_size:
                 raise QueueFull(len(self._queue), self._retry_after())
-            job = Job(fn, label, next(self._ids))
-            self._queue.append(job)
+            job = Job(fn, label, next(self._ids), on_step=on_step)
+            place = next((i for i, waiting in enumerate(self._queue) if ahead_of(waiting)), None) \
+                if ahead_of is not None else None
+            if place is None:
+                self._queue.append(job)
+            else:
+                self._queue.insert(place, job)
             self._cv.notify_all()
             return job
 
@@ -377,6 +388,9 @@ class JobControl:
             s.sampling_step, s.sampling_steps = step, total
             s.textinfo = f"{self._job.label}: image {s.job_no + 1} of {s.job_count}, step {step} of {total}"
             stop = self._job.interrupted or self._job.skipped
+            iteration, iterations = s.job_no, s.job_count
+        if self._job.on_step is not None:
+            self._job.on_step(iteration, iterations, step, total)
         if stop and step < total:
             raise StopSampling()
 
