@@ -78,7 +78,8 @@ _A1111_FIELD = {"steps": "steps", "seed": "seed", "sampler": "sampler_name", "sc
                 "negative_prompt": "negative_prompt", "cfg_scale": "cfg_scale", "strength": "denoising_strength",
                 "prompt": "prompt", "n": "batch_size"}
 _PARAM_OF = {v: k for k, v in _A1111_FIELD.items()} | {k: k for k in _EDIT_EXTRAS} | {
-    "width": "size", "height": "size", "init_images": "image", "mask": "mask", "sampler_index": "sampler"}
+    "width": "size", "height": "size", "init_images": "image", "image": "image", "mask": "mask",
+    "sampler_index": "sampler"}
 
 
 # --- errors -------------------------------------------------------------------------------------------------------
@@ -335,7 +336,8 @@ def _edit_images(image_b64: str, mask_b64: str | None, max_bytes: int) -> tuple[
 
 async def _edit_body(request: Request) -> tuple[dict, str, str | None]:
     """The form fields of a multipart edit request, the image and the mask (base64)."""
-    if not request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
+    if not request.headers.get("content-type", "").lower().startswith(("multipart/form-data",
+                                                                       "application/x-www-form-urlencoded")):
         raise OpenAIError(400, "Invalid Content-Type: an edit is sent as multipart/form-data (the image and mask as "
                                "files)", None, "invalid_content_type")
     async with request.form(max_files=8, max_fields=64) as form:   # the uploads' temporary files closed after
