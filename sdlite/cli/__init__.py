@@ -3,11 +3,11 @@
 Every user-facing failure is an :class:`~sdlite.errors.SDLiteError`; it is printed as one line and the
 command exits with status 2.
 
-One module a sub-command (``info``, ``generate``, ``upscale``, ``samplers``, ``serve``, ``batch``, ``tokens``), each
-with its ``add_parser(sub)`` and its ``cmd_*``; ``generate``'s option groups for image to image (``img2img``), the
-hires fix (``hires``) and ControlNets (``controlnet``) have modules of their own; ``options`` holds the options several
-sub-commands share and ``progress`` the progress line. Heavy modules (torch, the engine) are imported inside the
-commands, so that ``sdlite --help`` starts fast.
+One module a sub-command (``info``, ``generate``, ``upscale``, ``samplers``, ``serve``, ``mcp``, ``batch``,
+``tokens``), each with its ``add_parser(sub)`` and its ``cmd_*``; ``generate``'s option groups for image to image
+(``img2img``), the hires fix (``hires``) and ControlNets (``controlnet``) have modules of their own; ``options`` holds
+the options several sub-commands share and ``progress`` the progress line. Heavy modules (torch, the engine) are
+imported inside the commands, so that ``sdlite --help`` starts fast.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import argparse
 import sys
 
 from ..errors import SDLiteError
-from . import batch, generate, info, samplers, serve, tokens, upscale
+from . import batch, generate, info, mcp, samplers, serve, tokens, upscale
 # the names this module held before it became a package (tests and scripts import them from sdlite.cli)
 from .batch import cmd_batch
 from .controlnet import control_units, resolve_controlnet
@@ -39,7 +39,7 @@ __all__ = ["main", "build_parser", "cmd_batch", "control_units", "resolve_contro
            "SHUTDOWN_OUTCOMES", "cmd_serve", "graceful_server_class", "cmd_tokens", "cmd_upscale"]
 
 # in the order `sdlite --help` lists them
-COMMANDS = (info, generate, upscale, samplers, serve, batch, tokens)
+COMMANDS = (info, generate, upscale, samplers, serve, mcp, batch, tokens)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,7 +23,7 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from .. import __version__
-from . import a1111_routes, openai_routes
+from . import a1111_routes, mcp_server, openai_routes
 from .backend import (DISCONNECT_POLL_S, NO_TAESD_WARNING, STOP_WAIT_S, Server, ServerBase, run_plan,
                       stop_warning)
 from .checkpoints import Checkpoint, Checkpoints, Engines
@@ -67,7 +67,8 @@ def build_app(server: ServerBase) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
         server.start()
-        yield
+        async with mcp_server.sessions(app):   # /mcp's sessions live as long as the app
+            yield
         await server.stop()
 
     app = FastAPI(title="sdlite", version=__version__, lifespan=lifespan,
@@ -82,6 +83,7 @@ def build_app(server: ServerBase) -> FastAPI:
     dependencies = [Depends(auth_dependency(server))] if server.credentials or server.api_key else []
     a1111_routes.add_routes(app, server, dependencies)
     openai_routes.add_routes(app, server, dependencies)
+    mcp_server.add_routes(app, server, dependencies)
 
     @app.get("/", include_in_schema=False)
     async def index():

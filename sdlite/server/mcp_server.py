@@ -1,0 +1,137 @@
+"""MCP (the Model Context Protocol) for agents: :mod:`.mcp_tools`' tools served by the ``mcp`` SDK's low-level server,
+on stdio (``sdlite mcp``) and as streamable HTTP under ``/mcp`` on ``sdlite serve``'s app.
+
+Over HTTP, ``/mcp`` is a FastAPI route behind the same dependencies as every other front-end's routes (HTTP Basic of
+``--api-auth``, the Bearer key of ``--api-key``), so an unauthorised request never reaches the SDK; the SDK's session
+manager then answers it (POST for messages, GET for the server's stream, DELETE to end a session). The manager lives
+as long as the app: :func:`sessions` is entered by the app's lifespan, one manager each time the app starts. When the
+server binds a loopback address only, the SDK's DNS-rebinding protection is on (a Host or Origin of another name is
+refused), as the SDK sets it up for servers on this machine.
+
+    sdlite mcp --model model.safetensors           # an MCP client starts this and talks to it on stdin/stdout
+    sdlite serve ...  ->  http://127.0.0.1:7860/mcp
+"""
+from __future__ import annotations
+
+import ipaddress
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from mcp import types
+from mcp.server.lowlevel import Server as McpServer
+from mcp.shared.exceptions import MCPError
+from starlette.responses import Response
+
+from .. import __version__
+from .backend import ServerBase
+from .mcp_tools import TOOLS, Tools
+
+log = logging.getLogger("sdlite.server")
+
+INSTRUCTIONS = ("Stable Diffusion image generation by sdlite. generate makes images from a prompt; img2img and "
+                "inpaint redraw an image (inpaint: its masked part); upscale enlarges one. list_models and "
+                "list_samplers give the names the other tools take. Images come back as PNG with their parameters.")
+
+
+def mcp_app(tools: Tools) -> McpServer:
+    """The SDK's low-level server answering ``tools/list`` and ``tools/call`` with ``tools``."""
+    async def list_tools(ctx, params) -> types.ListToolsResult:
+        return types.ListToolsResult(tools=tools.describe())
+
+    async def call_tool(ctx, params: types.CallToolRequestParams) -> types.CallToolResult:
+        if params.name not in TOOLS:
+            raise MCPError(types.INVALID_PARAMS, f"unknown tool {params.name!r}; the tools are {', '.join(TOOLS)}")
+        return await tools.call(params.name, params.arguments or {}, ctx.session)
+
+    return McpServer("sdlite", version=__version__, instructions=INSTRUCTIONS, on_list_tools=list_tools,
+                     on_call_tool=call_tool)
+
+
+# --- stdio -----------------------------------------------------------------------------------------------------------
+
+async def serve_stdio(server) -> None:
+    """Serve ``server`` (a :class:`~.backend.Server`) on this process's stdin and stdout until the client closes
+    them; the files a call names may be read (``image_path``). While it runs the SDK points file descriptor 1 at
+    stderr, so that nothing but MCP's messages reaches stdout."""
+    from mcp.server.stdio import stdio_server
+
+    app = mcp_app(Tools(server, local_files=True))
+    async with stdio_server() as (read, write):
+        server.start()   # the model loads in the queue meanwhile
+        try:
+            await app.run(read, write, app.create_initialization_options())
+        finally:
+            await server.stop()
+
+
+# --- streamable HTTP under /mcp ----------------------------------------------------------------------------------------
+
+class _Endpoint:
+    """``/mcp``'s SDK server and its current session manager (one per run of the app)."""
+
+    def __init__(self, server: ServerBase):
+        self.app = mcp_app(Tools(server))
+        self.max_body_bytes = server.max_body_bytes
+        self.host = server.flags.get("host")
+        self.manager = None
+
+    def security(self):
+        from mcp.server.transport_security import TransportSecuritySettings
+
+        if not _is_loopback(self.host):   # bound beyond this machine (or not known): names are not checked
+            return None
+        return TransportSecuritySettings(enable_dns_rebinding_protection=True,
+                                         allowed_hosts=["127.0.0.1:*", "localhost:*", "[::1]:*"],
+                                         allowed_origins=["http://127.0.0.1:*", "http://localhost:*",
+                                                          "http://[::1]:*"])
+
+    @asynccontextmanager
+    async def running(self):
+        from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+
+        manager = StreamableHTTPSessionManager(self.app, security_settings=self.security(),
+                                               max_request_body_size=self.max_body_bytes)
+        async with manager.run():
+            self.manager = manager
+            try:
+                yield
+            finally:
+                self.manager = None
+
+
+def _is_loopback(host) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except (TypeError, ValueError):
+        return False
+
+
+class _Handover(Response):
+    """The route's answer: the SDK's session manager answers the request itself (an SSE stream or JSON)."""
+
+    def __init__(self, manager):
+        super().__init__()
+        self.manager = manager
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.manager.handle_request(scope, receive, send)
+
+
+def add_routes(app: FastAPI, server: ServerBase, dependencies: list) -> None:
+    """``/mcp`` on ``app`` over ``server``, behind ``dependencies`` (the auth check, when there is one). The app's
+    lifespan must enter :func:`sessions`."""
+    endpoint = app.state.mcp = _Endpoint(server)
+
+    @app.api_route("/mcp", methods=["GET", "POST", "DELETE"], dependencies=dependencies, include_in_schema=False)
+    async def mcp():
+        if endpoint.manager is None:
+            return Response("MCP sessions are not running: the app was not started (its lifespan)", 503)
+        return _Handover(endpoint.manager)
+
+
+def sessions(app: FastAPI):
+    """The context in which ``/mcp``'s sessions live: entered by the app's lifespan."""
+    return app.state.mcp.running()
