@@ -40,6 +40,7 @@ from ..sampling.schedules import ScheduleError
 from ..sources import Source, image_to_tensor, mask_to_tensor
 from . import controls
 from .hires import generate_hires, hires_engine
+from .latents import LatentRun, run_latents
 from .networks import PromptNetworks, prompt_networks
 from .request import Request, Result, validate
 
@@ -133,10 +134,7 @@ class Engine(LoadedModel):
         ``on_latents(step, total, latents)`` with the current estimate of the final latents (the denoiser's
         prediction of x0, in the scaling of ``Result.latents``; :meth:`preview` turns it into images). Either may
         raise :class:`StopSampling` to end the run after that step with the images of that estimate."""
-        self.family.check_generate(request)
-        r = validate(request, self.family.default_size)
-        self.family.check_request(r)
-        r = self.family.resolve(r)
+        r = self._checked(request)
         if r.timesteps is not None or r.sigmas is not None:   # what the lists allow is the model schedule's to say
             try:
                 plan(r.sampler, self.schedule_for(r), r.steps, r.schedule, r.timestep_spacing)
@@ -146,6 +144,12 @@ class Engine(LoadedModel):
         ignored = [] if request.guidance is None or r.guidance is not None else [
             "a distilled guidance scale is FLUX.1 dev's (--guidance, Forge's distilled_cfg_scale); this model "
             f"({self.spec.family}) has none: ignored"]
+        if r.noise == "comfy":   # ComfyUI's KSampler on an empty latent (sdlite.pipeline.latents)
+            latent = self.family.latent
+            empty = torch.zeros(r.batch_size, latent.channels, r.height // latent.downscale, r.width // latent.downscale)
+            result = run_latents(self, r, LatentRun(empty), callback, on_latents, decode=True)
+            result.infotext.update(self.controls_infotext(r))
+            return self._finished(result, r, ignored)
         inpaint_model = self.family.inpainting
         if r.refiner_switch_at is not None:
             if self.refiner is None:
@@ -174,6 +178,25 @@ class Engine(LoadedModel):
         result.infotext.update(self.controls_infotext(r))
         result.control_maps = [c.map for c in controls]
         return self._finished(result, r, ignored)
+
+    def _checked(self, request: Request) -> Request:
+        """``request`` validated, checked by the family and resolved (its defaults filled in)."""
+        self.family.check_generate(request)
+        r = validate(request, self.family.default_size)
+        self.family.check_request(r)
+        return self.family.resolve(r)
+
+    def sample_latents(self, request: Request, run: LatentRun, callback: Callable[[int, int], None] | None = None,
+                       *, on_latents: Callable[[int, int, torch.Tensor], None] | None = None) -> Result:
+        """Sample from given latents as ComfyUI's KSampler does (:func:`sdlite.pipeline.latents.run_latents`):
+        ``run`` holds the latents, noise mask, denoise and step range; the request its prompts, sampler, ComfyUI
+        scheduler name and seed (its ``noise`` is taken as "comfy", its size and batch as the latents'). Returns the
+        latents, no images."""
+        latent = self.family.latent
+        b, _, h, w = run.latents.shape
+        r = self._checked(request.replace(noise="comfy", batch_size=b, width=w * latent.downscale,
+                                          height=h * latent.downscale))
+        return run_latents(self, r, run, callback, on_latents)
 
     def _finished(self, result: Result, r: Request, ignored: list[str]) -> Result:
         """``result`` with what every generation adds to its parameters and warnings (the hires fix's too)."""

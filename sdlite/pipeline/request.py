@@ -88,6 +88,11 @@ class Request:
     # 0 = off (the default: exact); UNet models only
     cache_interval: int = 0
     cache_branch: int = DEFAULT_CACHE_BRANCH
+    # how the noise is drawn and the sigmas placed: "a1111" (diffusers' and A1111's: image i's noise from a generator
+    # seeded with seed + i) or "comfy" (ComfyUI's KSampler: the whole batch from one generator seeded with the seed,
+    # ComfyUI's schedulers, which ``schedule`` may then name (normal, simple, sgm_uniform, ...; None: normal, or the
+    # sampler name's Karras / Exponential), its start-latent scaling; text to image: sdlite.pipeline.latents)
+    noise: str = "a1111"
 
     @property
     def is_img2img(self) -> bool:
@@ -197,7 +202,12 @@ def validate(request: Request, native_size: int = 512) -> Request:
     except ValueError as e:
         raise RequestError(str(e)) from None
     schedule = r.schedule or implied
-    if schedule not in SIGMA_KINDS:
+    if r.noise == "comfy":
+        schedule = _validate_comfy(r, sampler, r.schedule or ("normal" if implied == "discrete" else implied))
+    elif r.noise != "a1111":
+        raise RequestError(f"noise {r.noise!r} is not valid: expected a1111 (a generator per image, seed + i) or "
+                           "comfy (ComfyUI's KSampler: one generator for the batch)")
+    elif schedule not in SIGMA_KINDS:
         raise RequestError(f"schedule {schedule!r} is not valid: expected one of {', '.join(SIGMA_KINDS)}")
     if r.timestep_spacing is not None and r.timestep_spacing not in SPACINGS:
         raise RequestError(f"timestep spacing {r.timestep_spacing!r} is not valid: expected one of "
@@ -223,6 +233,31 @@ def validate(request: Request, native_size: int = 512) -> Request:
     return _validate_image_options(r).replace(width=width, height=height, sampler=sampler, schedule=schedule,
                                               seed=seed, cfg_scale=float(r.cfg_scale), hires=hires,
                                               controls=_validate_controls(r))
+
+
+# the samplers noise="comfy" runs (the ones ComfyUI's names map to: sdlite.sampling.comfy.COMFY_SAMPLERS)
+COMFY_NOISE_SAMPLERS = ("euler", "euler_a", "heun", "lms", "dpmpp_2m", "dpmpp_2m_sde", "dpmpp_sde", "ddpm", "lcm",
+                        "unipc")
+
+
+def _validate_comfy(r: Request, sampler: str, schedule: str) -> str:
+    """noise="comfy": the sampler and ComfyUI scheduler name checked, and what it does not run refused by name."""
+    from ..sampling.comfy import COMFY_SCHEDULERS
+
+    if sampler not in COMFY_NOISE_SAMPLERS:
+        raise RequestError(f"sampler {sampler!r} does not run with noise='comfy' (ComfyUI's KSampler); the ones that "
+                           f"do: {', '.join(COMFY_NOISE_SAMPLERS)}")
+    if schedule not in COMFY_SCHEDULERS:
+        raise RequestError(f"schedule {schedule!r} is not valid with noise='comfy': expected one of ComfyUI's "
+                           f"schedulers {', '.join(COMFY_SCHEDULERS)}")
+    for name, value, default in (("init_image", r.init_image, None), ("hires", r.hires, None),
+                                 ("refiner_switch_at", r.refiner_switch_at, None), ("timesteps", r.timesteps, None),
+                                 ("sigmas", r.sigmas, None), ("cache_interval", r.cache_interval, 0),
+                                 ("slg_layers", tuple(r.slg_layers), ())):
+        if value != default:
+            raise RequestError(f"{name} does not run with noise='comfy', which samples as ComfyUI's KSampler does "
+                               "from text (image to image and the rest: a ComfyUI workflow's nodes, or noise='a1111')")
+    return schedule
 
 
 def _validate_explicit(r: Request) -> Request:

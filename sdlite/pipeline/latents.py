@@ -1,0 +1,192 @@
+"""Sampling from given latents with ComfyUI's KSampler conventions: the run behind ``Request(noise="comfy")`` and
+behind a ComfyUI workflow's KSampler / KSamplerAdvanced nodes (:mod:`sdlite.server.comfy_workflow`).
+
+What differs from the A1111 loop of :meth:`Engine.run_pass <sdlite.pipeline.engine.Engine.run_pass>` is ComfyUI's
+(:mod:`sdlite.sampling.comfy`): the sigmas come from ComfyUI's scheduler formulas, cut by KSampler's ``denoise`` or
+KSamplerAdvanced's start and end steps; the initial noise is one draw of the whole batch from a generator seeded with
+the seed, scaled onto the given latent as ComfyUI's ``noise_scaling`` does; the samplers' per-step noise comes from a
+second generator seeded with the seed; a noise mask keeps the unmasked region at the source latent noised to each
+step's level (ComfyUI's ``KSamplerX0Inpaint``); the UNet gets the nearest training timestep of each sigma.
+
+Latents here are in the sampler's scaling (the VAE's latents times the family's scaling factor), as
+:attr:`Result.latents <sdlite.pipeline.request.Result>` holds them. On a flow-matching model (SD3, FLUX) the sigmas
+are sdlite's own schedule's (ComfyUI's formulas are computed for DDPM-trained models only): see
+:func:`plan_sigmas`.
+"""
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..control.apply import ControlledUNet
+from ..engine.memory import trim_heap
+from ..errors import RequestError, StopSampling
+from ..families.base import latents_to_images
+from ..sampling.comfy import (advanced_sigmas, comfy_noise, comfy_sigmas, comfy_timesteps, denoise_sigmas,
+                              inverse_noise_scaling, noise_scaling, step_generator)
+from ..sampling.denoisers import CFGDenoiser, Recorded
+from ..sampling.samplers import SAMPLERS, plan
+from ..sampling.schedules import NoiseSchedule, ScheduleError
+from .request import Request, Result
+
+# what a flow-matching model's sigmas are planned as for each ComfyUI scheduler name (sdlite's own placements)
+FLOW_KINDS = {"karras": "karras", "exponential": "exponential"}
+
+
+@dataclass
+class LatentRun:
+    """What a KSampler node gives the engine besides the request: the start ``latents`` (B, C, h, w) in the
+    sampler's scaling (zeros: text to image), a ``mask`` (ComfyUI's noise mask: (B or 1, 1, H, W) at any size,
+    1 = denoise), KSampler's ``denoise`` and KSamplerAdvanced's ``start_step`` / ``last_step`` (None: not given),
+    ``add_noise`` and ``force_full_denoise`` (False: return with the leftover noise)."""
+
+    latents: torch.Tensor
+    mask: torch.Tensor | None = None
+    denoise: float = 1.0
+    start_step: int | None = None
+    last_step: int | None = None
+    add_noise: bool = True
+    force_full_denoise: bool = False
+
+
+def plan_sigmas(engine, r: Request, run: LatentRun) -> torch.Tensor | None:
+    """The run's sigmas (descending), as ComfyUI's KSampler cuts them; None when there is nothing to sample
+    (denoise 0, or a start step at or past the end: the latent is returned untouched)."""
+    schedule = engine.schedule_for(r)
+
+    def full(steps: int) -> torch.Tensor:
+        if isinstance(schedule, NoiseSchedule):
+            return comfy_sigmas(schedule, r.schedule, steps)
+        try:
+            return plan(r.sampler, schedule, steps, FLOW_KINDS.get(r.schedule, "discrete")).sigmas
+        except ScheduleError as e:
+            raise RequestError(str(e)) from None
+
+    sigmas = denoise_sigmas(full, r.steps, run.denoise)
+    if len(sigmas) < 2:
+        return None
+    if run.start_step is None and run.last_step is None:
+        return sigmas
+    last = len(sigmas) - 1 if run.last_step is None else run.last_step
+    return advanced_sigmas(sigmas, run.start_step or 0, last, run.force_full_denoise)
+
+
+def prepare_mask(mask: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """ComfyUI's noise mask at the latent's size: bilinear, repeated over the channels and the batch."""
+    m = mask.float().reshape(-1, 1, *mask.shape[-2:])
+    m = torch.nn.functional.interpolate(m, size=tuple(shape[2:]), mode="bilinear")
+    m = m.expand(-1, shape[1], -1, -1)
+    if m.shape[0] < shape[0]:
+        m = m.repeat((shape[0] + m.shape[0] - 1) // m.shape[0], 1, 1, 1)
+    return m[:shape[0]]
+
+
+@dataclass(frozen=True, eq=False)
+class MaskedDenoiser:
+    """ComfyUI's ``KSamplerX0Inpaint``: before each call the kept region (mask 0) is set to the source latent
+    noised to the call's sigma (with the run's initial noise); after it, the estimate there is the source."""
+
+    denoiser: object
+    latent: torch.Tensor
+    noise: torch.Tensor
+    mask: torch.Tensor     # 1 = denoise
+    schedule: object
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, **extra) -> torch.Tensor:
+        keep = 1.0 - self.mask
+        s = sigma.reshape(-1, *([1] * (x.ndim - 1))).to(x)
+        if self.schedule.latent_form == "flow":
+            kept = self.noise * s + self.latent * (1.0 - s)
+        else:
+            kept = self.latent + self.noise * s
+        x = x * self.mask + kept * keep
+        out = self.denoiser(x, sigma, **extra)
+        return out * self.mask + self.latent * keep
+
+
+def run_latents(engine, r: Request, run: LatentRun, callback=None, on_latents=None, *,
+                decode: bool = False) -> Result:
+    """Sample ``run``'s latents for the checked request ``r`` (its prompts, guidance, sampler, ComfyUI scheduler
+    name in ``r.schedule``, seed, LoRAs, ControlNets). ``callback(step, total)`` / ``on_latents(step, total,
+    estimate)`` as :meth:`Engine.generate`; :class:`StopSampling` from either ends the run with the estimate. The
+    result's latents are in the sampler's scaling; ``decode``: its images too."""
+    t0 = time.perf_counter()
+    schedule = engine.schedule_for(r)
+    latent = run.latents.detach().to("cpu", torch.float32)
+    if latent.ndim != 4 or latent.shape[1] != engine.family.latent.channels:
+        raise RequestError(f"latents of shape {tuple(latent.shape)} do not fit this model ({engine.spec.family}): "
+                           f"it samples (batch, {engine.family.latent.channels}, height/8, width/8)")
+    sigmas = plan_sigmas(engine, r, run)
+    warnings: list[str] = []
+    interrupted = False
+    if sigmas is None:
+        x, t1 = latent, time.perf_counter()
+    else:
+        noise = comfy_noise(r.seed, tuple(latent.shape)) if run.add_noise else torch.zeros_like(latent)
+        x = noise_scaling(schedule, float(sigmas[0]), noise, latent).to(engine.device)
+        batch = latent.shape[0]
+        networks = engine.prompt_networks(r)
+        warnings += networks.warnings
+        use_cfg = r.cfg_scale > 1.0
+        steps = len(sigmas) - 1
+        controls = engine.prepare_controls(r, r.width, r.height)
+        with networks.applied(engine):
+            cond = engine.conditioning(r.replace(prompt=networks.prompt, negative_prompt=networks.negative),
+                                       use_cfg, networks.embeddings)
+            warnings += [w for w in cond.warnings if w not in warnings]
+            extra = cond.extra_at(0, batch)
+            t1 = time.perf_counter()
+            network = engine.spec.denoiser
+            with torch.no_grad(), engine.models.use(network) as unet:
+                model = controlled = None
+                model = engine.models.runner(network, unet)
+                if controls:
+                    model = controlled = ControlledUNet(unet, controls, use_cfg, steps, 0)
+                guided = CFGDenoiser(engine.family.denoiser(model, schedule, unet.dtype),
+                                     r.cfg_scale if use_cfg else 1.0)
+                timesteps = comfy_timesteps(schedule, sigmas[:-1])
+                if timesteps is not None:
+                    guided = guided.with_timesteps(sigmas, timesteps)
+                if run.mask is not None:
+                    mask = prepare_mask(run.mask, tuple(latent.shape)).to(engine.device)
+                    guided = MaskedDenoiser(guided, latent.to(engine.device), noise.to(engine.device), mask,
+                                            schedule)
+                denoised = Recorded(guided)
+
+                def on_step(i, total, _x):
+                    if controlled is not None:
+                        controlled.step = i + 1
+                    if cond.changes and i + 1 < total:
+                        extra.update(cond.extra_at(i + 1, batch))
+                    if on_latents is not None:
+                        on_latents(i + 1, total, denoised.value)
+                    if callback is not None:
+                        callback(i + 1, total)
+
+                info = SAMPLERS[r.sampler]
+                params = inspect.signature(info.fn).parameters
+                options = {"schedule": schedule} if "schedule" in params else {}
+                if r.eta is not None and "eta" in params:
+                    options["eta"] = r.eta
+                try:
+                    x = info.fn(denoised, x, sigmas, generator=step_generator(r.seed), callback=on_step,
+                                extra_args=extra, **options)
+                    x = inverse_noise_scaling(schedule, float(sigmas[-1]), x)
+                except StopSampling:
+                    x, interrupted = denoised.value, True
+                    warnings.append("stopped early: the latents are the estimate of the final ones at that step")
+    t2 = time.perf_counter()
+    latents = x.float()
+    images = []
+    if decode:
+        trim_heap()
+        images = latents_to_images(engine.decode_scaled(latents))
+    t3 = time.perf_counter()
+    seeds = [r.seed] * latents.shape[0]
+    return Result(images=images, seeds=seeds, request=r, latents=latents, warnings=warnings,
+                  infotext={"Noise": "comfy", "Precision": engine.precision.label},
+                  timings={"text": t1 - t0, "sampling": t2 - t1, "decode": t3 - t2, "total": t3 - t0},
+                  interrupted=interrupted)

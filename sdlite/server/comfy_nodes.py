@@ -1,0 +1,744 @@
+"""ComfyUI's stock nodes on sdlite: each node's inputs and outputs as ``/object_info`` describes them, what sdlite
+refuses of it at validation, and what it does when it runs.
+
+Values flowing between nodes: a MODEL, CLIP or VAE is a reference to a checkpoint (with the LoRAs and clip skip
+applied to it by LoraLoader / CLIPSetLastLayer); the engine itself comes from the server's engine cache when a node
+needs it. CONDITIONING is a list of :class:`Cond` (a prompt's text with the CLIP that encodes it, FLUX's distilled
+guidance, ControlNet units); the sampler encodes it. A LATENT is ComfyUI's dict: ``samples`` (B, C, h, w) in the
+sampler's scaling (the VAE's latents times the family's scale) and an optional ``noise_mask``. IMAGE and MASK are
+ComfyUI's tensors (:mod:`.comfy_images`).
+
+Refused at validation (a ``custom_validation_failed`` error naming the node's input and value): the separate-file
+loaders (CLIPLoader, DualCLIPLoader, TripleCLIPLoader, UNETLoader, VAELoader: sdlite loads a model's networks from one
+checkpoint), LoraLoaderModelOnly and LoraLoader with different model and clip strengths (sdlite applies a LoRA to
+the UNet and the text encoders at one weight), ConditioningCombine and ConditioningSetArea (no composable or area
+conditioning), the ``bislerp`` latent upscale. At run time: a ModelSamplingSD3 / ModelSamplingFlux whose shift is not
+the model's own, a sampler whose conditionings come from another checkpoint's CLIP or carry other LoRAs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..config import CFG_RANGE, MAX_BATCH, MAX_SEED, MAX_STEPS
+from ..errors import RequestError, StopSampling
+from ..pipeline import Request
+from ..pipeline.latents import LatentRun
+from ..sampling.comfy import COMFY_SAMPLERS, COMFY_SAMPLERS_MISSING, COMFY_SCHEDULERS, COMFY_SCHEDULERS_MISSING
+from . import comfy_images as images
+from .limits import admit, check_size
+
+MAX_RESOLUTION = 16384   # ComfyUI's MAX_RESOLUTION (the server's --max-pixels limits what a sampler runs)
+LORA_SUFFIXES = (".safetensors", ".pt", ".ckpt")
+UPSCALE_SUFFIXES = (".safetensors", ".pth", ".pt", ".ckpt", ".bin")
+
+
+class Refused(Exception):
+    """What sdlite cannot honour of a node, found at validation: ``input`` names the input at fault."""
+
+    def __init__(self, input: str, message: str):
+        super().__init__(message)
+        self.input = input
+
+
+# --- what the combo lists hold -------------------------------------------------------------------------------
+
+class Lists:
+    """The combo lists of one server (read once per validation or ``/object_info``)."""
+
+    def __init__(self, server, dirs):
+        self.server, self.dirs = server, dirs
+        self._memo: dict[str, list] = {}
+
+    def _get(self, key: str, make: Callable[[], list]) -> list:
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
+
+    def checkpoints(self) -> list[str]:
+        return self._get("checkpoints", lambda: [c.name for c in self.server.checkpoints.list()])
+
+    def loras(self) -> list[str]:
+        def make():
+            from ..adapters.lora_files import SHIPPED_DIR
+
+            found = []
+            for folder in [self.server.lora_dir, SHIPPED_DIR]:
+                if folder is not None and Path(folder).is_dir():
+                    found += sorted(p.relative_to(folder).as_posix() for p in Path(folder).rglob("*")
+                                    if p.is_file() and p.suffix.lower() in LORA_SUFFIXES)
+            return list(dict.fromkeys(found))
+        return self._get("loras", make)
+
+    def lora_path(self, name: str) -> str:
+        from ..adapters.lora_files import SHIPPED_DIR
+
+        for folder in [self.server.lora_dir, SHIPPED_DIR]:
+            if folder is not None and (Path(folder) / name).is_file():
+                return str(Path(folder) / name)
+        raise RequestError(f"LoRA {name!r} not found")
+
+    def upscalers(self) -> dict[str, Path]:
+        def make():
+            from ..upscalers.registry import available
+
+            return {(p.name if p.is_file() else name): p for name, p in available(self.server.upscaler_dir).items()}
+        return self._get("upscalers", make)
+
+    def controlnets(self) -> list[str]:
+        return self._get("controlnets", lambda: [m.name for m in self.server.controlnets.list()])
+
+    def images(self) -> list[str]:
+        return self._get("images", lambda: images.input_images(getattr(self.dirs, "input", None)))
+
+
+# --- inputs --------------------------------------------------------------------------------------------------
+
+VALUE_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
+
+
+@dataclass
+class Input:
+    """One input of a node: a widget value (INT, FLOAT, STRING, BOOLEAN, or a combo whose ``choices`` are a tuple or
+    a :class:`Lists` method) or a link type (MODEL, LATENT, ...); ``options`` as ``/object_info`` shows them."""
+
+    type: str
+    options: dict = field(default_factory=dict)
+    choices: Any = None
+    required: bool = True
+    missing: tuple = ()   # names ComfyUI has that sdlite refuses (a clearer error than "not in list")
+
+    @property
+    def is_value(self) -> bool:
+        return self.type in VALUE_TYPES or self.choices is not None
+
+    @property
+    def default(self):
+        return self.options.get("default")
+
+    def values(self, lists: Lists) -> list:
+        choices = self.choices
+        if callable(choices):
+            choices = choices(lists)
+        return list(choices)
+
+    def info(self, lists: Lists) -> list:
+        if self.choices is not None:
+            return [self.values(lists), dict(self.options)] if self.options else [self.values(lists)]
+        return [self.type, dict(self.options)] if self.options else [self.type]
+
+    def convert(self, value):
+        if self.type == "INT":
+            return int(value)
+        if self.type == "FLOAT":
+            return float(value)
+        if self.type == "STRING":
+            return str(value)
+        if self.type == "BOOLEAN":
+            return bool(value)
+        return value
+
+    def check(self, value, lists: Lists) -> tuple[str, str, str] | None:
+        """``(type, message, details)`` of ComfyUI's error for a bad value, or None."""
+        if self.choices is not None:
+            allowed = self.values(lists)
+            if value not in allowed:
+                note = (f" ({value!r} is a ComfyUI name sdlite does not have)" if value in self.missing else "")
+                return ("value_not_in_list", "Value not in list", f"'{value}' not in {allowed}{note}")
+            return None
+        try:
+            if self.type in ("INT", "FLOAT") and (isinstance(value, (list, dict)) or value is None):
+                raise TypeError(f"a {type(value).__name__} is not a number")
+            converted = self.convert(value)
+            if self.type == "FLOAT" and not math.isfinite(converted):
+                raise ValueError("not a finite number")
+        except (TypeError, ValueError, OverflowError) as e:
+            return ("invalid_input_type", f"Failed to convert an input value to a {self.type} value",
+                    f"{value!r}, {e}")
+        low, high = self.options.get("min"), self.options.get("max")
+        if low is not None and converted < low:
+            return ("value_smaller_than_min", f"Value {converted} smaller than min of {low}", "")
+        if high is not None and converted > high:
+            return ("value_bigger_than_max", f"Value {converted} bigger than max of {high}", "")
+        return None
+
+
+def INT(default, lo, hi, step=1, **more) -> Input:
+    return Input("INT", {"default": default, "min": lo, "max": hi, "step": step, **more})
+
+
+def FLOAT(default, lo, hi, step=0.01, **more) -> Input:
+    return Input("FLOAT", {"default": default, "min": lo, "max": hi, "step": step, **more})
+
+
+def COMBO(choices, default=None, missing=(), **more) -> Input:
+    options = ({"default": default} if default is not None else {}) | more
+    return Input("COMBO", options, choices=choices, missing=missing)
+
+
+def LINK(kind: str, required: bool = True) -> Input:
+    return Input(kind, required=required)
+
+
+# --- the values between nodes ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelRef:
+    checkpoint: Any             # a server Checkpoint
+    loras: tuple = ()           # (path, weight) pairs
+
+
+@dataclass(frozen=True)
+class ClipRef:
+    checkpoint: Any
+    loras: tuple = ()
+    clip_skip: int = 1          # A1111's numbering: 1 = the last layer
+
+
+@dataclass(frozen=True)
+class VaeRef:
+    checkpoint: Any
+
+
+@dataclass(frozen=True)
+class Cond:
+    text: str
+    clip: ClipRef
+    guidance: float | None = None
+    controls: tuple = ()        # sdlite ControlUnits
+
+
+@dataclass
+class Context:
+    """What a running node sees: the server, ComfyUI's folders, the job's control, the prompt and its id, the
+    ``extra_pnginfo`` to save, ``emit`` and the running node's id."""
+
+    server: Any
+    dirs: Any
+    control: Any
+    prompt: dict
+    prompt_id: str
+    extra_pnginfo: dict | None
+    emit: Callable[[str, dict], None]
+    node_id: str = ""
+
+    def engine(self, checkpoint):
+        if self.server.engines.loaded(checkpoint) is None:
+            self.control.info(f"ComfyUI workflow: loading {checkpoint.name}")
+        return self.server.engines.get(checkpoint)
+
+
+@dataclass
+class NodeDef:
+    name: str
+    display_name: str
+    category: str
+    inputs: dict[str, Input]
+    outputs: tuple[str, ...]
+    run: Callable
+    output_names: tuple[str, ...] | None = None
+    output_node: bool = False
+    description: str = ""
+    refuse: Callable[[dict, Lists], None] | None = None       # raises Refused
+    changed: Callable[[dict, Lists], Any] | None = None       # what else says its output changed (a file's stamp)
+    hidden: dict | None = None
+
+    def info(self, lists: Lists) -> dict:
+        required = {n: i.info(lists) for n, i in self.inputs.items() if i.required}
+        optional = {n: i.info(lists) for n, i in self.inputs.items() if not i.required}
+        spec = {"required": required}
+        if optional:
+            spec["optional"] = optional
+        if self.hidden:
+            spec["hidden"] = dict(self.hidden)
+        order = {"required": list(required)}
+        if optional:
+            order["optional"] = list(optional)
+        return {"input": spec, "input_order": order, "output": list(self.outputs),
+                "output_is_list": [False] * len(self.outputs),
+                "output_name": list(self.output_names or self.outputs), "name": self.name,
+                "display_name": self.display_name, "description": self.description, "python_module": "nodes",
+                "category": self.category, "output_node": self.output_node, "deprecated": False,
+                "experimental": False}
+
+
+NODES: dict[str, NodeDef] = {}
+
+
+def node(name, display_name, category, inputs, outputs, output_names=None, output_node=False, description="",
+         refuse=None, changed=None, hidden=None):
+    def register(fn):
+        NODES[name] = NodeDef(name, display_name, category, inputs, tuple(outputs), fn,
+                              None if output_names is None else tuple(output_names), output_node, description, refuse,
+                              changed, hidden)
+        return fn
+    return register
+
+
+def refuse_always(input_name: str, why: str):
+    def refuse(values: dict, lists: Lists) -> None:
+        raise Refused(input_name, f"{values.get(input_name)!r}: {why}")
+    return refuse
+
+
+# --- loaders -------------------------------------------------------------------------------------------------
+
+def _checkpoint(ctx: Context, name: str):
+    found = ctx.server.checkpoints.find(name)
+    if found is None:
+        raise RequestError(f"checkpoint {name!r} not found")
+    return found
+
+
+@node("CheckpointLoaderSimple", "Load Checkpoint", "loaders", {"ckpt_name": COMBO(Lists.checkpoints)},
+      ("MODEL", "CLIP", "VAE"))
+def checkpoint_loader(ctx, ckpt_name):
+    ckpt = _checkpoint(ctx, ckpt_name)
+    ctx.engine(ckpt)   # loaded here, as ComfyUI loads it in this node
+    return ModelRef(ckpt), ClipRef(ckpt), VaeRef(ckpt)
+
+
+SEPARATE_FILES = ("sdlite loads a model's text encoders, denoiser and VAE from one checkpoint (a single file or a "
+                  "diffusers folder, SD3's text encoders beside it): load it with CheckpointLoaderSimple")
+
+
+def _unsupported_loader(name, display, inputs, outputs, first):
+    @node(name, display, "advanced/loaders" if name != "VAELoader" else "loaders", inputs, outputs,
+          refuse=refuse_always(first, SEPARATE_FILES), description=f"Refused by sdlite: {SEPARATE_FILES}")
+    def run(ctx, **_):
+        raise RequestError(f"{name}: {SEPARATE_FILES}")
+    return run
+
+
+_TEXT_ENCODER_TYPES = ("stable_diffusion", "stable_cascade", "sd3", "stable_audio", "mochi", "ltxv", "pixart",
+                       "cosmos", "lumina2", "wan", "hidream", "chroma", "ace", "omnigen2", "qwen_image")
+_unsupported_loader("CLIPLoader", "Load CLIP", {"clip_name": COMBO(Lists.checkpoints),
+                                                "type": COMBO(_TEXT_ENCODER_TYPES)}, ("CLIP",), "clip_name")
+_unsupported_loader("DualCLIPLoader", "DualCLIPLoader", {
+    "clip_name1": COMBO(Lists.checkpoints), "clip_name2": COMBO(Lists.checkpoints),
+    "type": COMBO(("sdxl", "sd3", "flux", "hunyuan_video", "hidream"))}, ("CLIP",), "clip_name1")
+_unsupported_loader("TripleCLIPLoader", "TripleCLIPLoader", {
+    "clip_name1": COMBO(Lists.checkpoints), "clip_name2": COMBO(Lists.checkpoints),
+    "clip_name3": COMBO(Lists.checkpoints)}, ("CLIP",), "clip_name1")
+_unsupported_loader("UNETLoader", "Load Diffusion Model", {
+    "unet_name": COMBO(Lists.checkpoints),
+    "weight_dtype": COMBO(("default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2"))}, ("MODEL",), "unet_name")
+_unsupported_loader("VAELoader", "Load VAE", {"vae_name": COMBO(Lists.checkpoints)}, ("VAE",), "vae_name")
+
+
+def _same_strengths(values: dict, lists: Lists) -> None:
+    if values["strength_model"] != values["strength_clip"]:
+        raise Refused("strength_clip", f"{values['strength_clip']!r}: sdlite applies a LoRA to the UNet and the text "
+                      f"encoders at one weight; strength_model is {values['strength_model']!r} (give both the same)")
+
+
+@node("LoraLoader", "Load LoRA", "loaders",
+      {"model": LINK("MODEL"), "clip": LINK("CLIP"), "lora_name": COMBO(Lists.loras),
+       "strength_model": FLOAT(1.0, -100.0, 100.0), "strength_clip": FLOAT(1.0, -100.0, 100.0)},
+      ("MODEL", "CLIP"), refuse=_same_strengths)
+def lora_loader(ctx, model, clip, lora_name, strength_model, strength_clip):
+    if strength_model == 0 and strength_clip == 0:
+        return model, clip
+    lora = (Lists(ctx.server, ctx.dirs).lora_path(lora_name), float(strength_model))
+    return (dataclasses.replace(model, loras=model.loras + (lora,)),
+            dataclasses.replace(clip, loras=clip.loras + (lora,)))
+
+
+@node("LoraLoaderModelOnly", "LoraLoaderModelOnly", "loaders",
+      {"model": LINK("MODEL"), "lora_name": COMBO(Lists.loras), "strength_model": FLOAT(1.0, -100.0, 100.0)},
+      ("MODEL",), refuse=refuse_always("lora_name", "sdlite applies a LoRA to the UNet and the text encoders "
+                                        "together: use LoraLoader with strength_clip equal to strength_model"))
+def lora_model_only(ctx, **_):
+    raise RequestError("LoraLoaderModelOnly is not supported")
+
+
+@node("ControlNetLoader", "Load ControlNet Model", "loaders", {"control_net_name": COMBO(Lists.controlnets)},
+      ("CONTROL_NET",))
+def controlnet_loader(ctx, control_net_name):
+    return ctx.server.controlnets.resolve(control_net_name, "ControlNetLoader")
+
+
+@node("UpscaleModelLoader", "Load Upscale Model", "loaders",
+      {"model_name": COMBO(lambda lists: list(lists.upscalers()))}, ("UPSCALE_MODEL",))
+def upscale_model_loader(ctx, model_name):
+    return Lists(ctx.server, ctx.dirs).upscalers()[model_name]
+
+
+@node("CLIPSetLastLayer", "CLIP Set Last Layer", "conditioning",
+      {"clip": LINK("CLIP"), "stop_at_clip_layer": INT(-1, -24, -1)}, ("CLIP",))
+def clip_set_last_layer(ctx, clip, stop_at_clip_layer):
+    return (dataclasses.replace(clip, clip_skip=-stop_at_clip_layer),)
+
+
+# --- conditioning --------------------------------------------------------------------------------------------
+
+@node("CLIPTextEncode", "CLIP Text Encode (Prompt)", "conditioning",
+      {"text": Input("STRING", {"multiline": True, "dynamicPrompts": True}), "clip": LINK("CLIP")},
+      ("CONDITIONING",))
+def clip_text_encode(ctx, text, clip):
+    return ([Cond(text, clip)],)
+
+
+def _refuse_combine() -> None:
+    raise Refused("conditioning_2", "a second conditioning: sdlite has no composable conditioning (one prompt per "
+                  "guidance half): write both prompts in one CLIPTextEncode")
+
+
+@node("ConditioningCombine", "Conditioning (Combine)", "conditioning",
+      {"conditioning_1": LINK("CONDITIONING"), "conditioning_2": LINK("CONDITIONING")}, ("CONDITIONING",),
+      refuse=lambda values, lists: _refuse_combine())
+def conditioning_combine(ctx, conditioning_1, conditioning_2):
+    return (conditioning_1 + conditioning_2,)
+
+
+def _refuse_area(values: dict, lists: Lists) -> None:
+    area = f"{values.get('width')}x{values.get('height')} at ({values.get('x')}, {values.get('y')})"
+    raise Refused("width", f"area {area}, strength {values.get('strength')}: sdlite has no area conditioning (a "
+                  "prompt conditions the whole image)")
+
+
+@node("ConditioningSetArea", "Conditioning (Set Area)", "conditioning",
+      {"conditioning": LINK("CONDITIONING"), "width": INT(64, 64, MAX_RESOLUTION, 8),
+       "height": INT(64, 64, MAX_RESOLUTION, 8), "x": INT(0, 0, MAX_RESOLUTION, 8), "y": INT(0, 0, MAX_RESOLUTION, 8),
+       "strength": FLOAT(1.0, 0.0, 10.0)}, ("CONDITIONING",), refuse=_refuse_area)
+def conditioning_set_area(ctx, **_):
+    raise RequestError("ConditioningSetArea is not supported")
+
+
+@node("ControlNetApplyAdvanced", "Apply ControlNet", "conditioning/controlnet",
+      {"positive": LINK("CONDITIONING"), "negative": LINK("CONDITIONING"), "control_net": LINK("CONTROL_NET"),
+       "image": LINK("IMAGE"), "strength": FLOAT(1.0, 0.0, 10.0), "start_percent": FLOAT(0.0, 0.0, 1.0, 0.001),
+       "end_percent": FLOAT(1.0, 0.0, 1.0, 0.001), "vae": LINK("VAE", required=False)},
+      ("CONDITIONING", "CONDITIONING"), output_names=("positive", "negative"))
+def controlnet_apply(ctx, positive, negative, control_net, image, strength, start_percent, end_percent, vae=None):
+    if strength == 0:
+        return positive, negative
+    from ..control import ControlUnit
+
+    unit = ControlUnit(model=control_net, image=images.to_pil(image[:1])[0], weight=float(strength),
+                       guidance_start=float(start_percent), guidance_end=float(end_percent), preprocessor="none",
+                       resize_mode="crop-and-resize")
+    add = lambda conds: [dataclasses.replace(c, controls=c.controls + (unit,)) for c in conds]  # noqa: E731
+    return add(positive), add(negative)
+
+
+@node("FluxGuidance", "FluxGuidance", "advanced/conditioning/flux",
+      {"conditioning": LINK("CONDITIONING"), "guidance": FLOAT(3.5, 0.0, 100.0, 0.1)}, ("CONDITIONING",))
+def flux_guidance(ctx, conditioning, guidance):
+    return ([dataclasses.replace(c, guidance=float(guidance)) for c in conditioning],)
+
+
+def _flow_schedule(ctx, model, node_name: str):
+    from ..sampling.flow import FlowSchedule
+
+    engine = ctx.engine(model.checkpoint)
+    schedule = engine.schedule_for(Request(prompt=""))
+    if not isinstance(schedule, FlowSchedule):
+        raise RequestError(f"{node_name}: {model.checkpoint.name} ({engine.spec.family}) is no flow-matching model "
+                           "(SD3, FLUX): leave the node out")
+    return schedule
+
+
+@node("ModelSamplingSD3", "ModelSamplingSD3", "advanced/model",
+      {"model": LINK("MODEL"), "shift": FLOAT(3.0, 0.0, 100.0, 0.01)}, ("MODEL",))
+def model_sampling_sd3(ctx, model, shift):
+    schedule = _flow_schedule(ctx, model, "ModelSamplingSD3")
+    if schedule.use_dynamic_shifting or not math.isclose(schedule.shift, shift, rel_tol=1e-6):
+        own = "dynamic (by image size)" if schedule.use_dynamic_shifting else f"{schedule.shift:g}"
+        raise RequestError(f"ModelSamplingSD3: shift {shift:g} is not this model's own ({own}): sdlite samples with "
+                           "the model's shift only")
+    return (model,)
+
+
+@node("ModelSamplingFlux", "ModelSamplingFlux", "advanced/model",
+      {"model": LINK("MODEL"), "max_shift": FLOAT(1.15, 0.0, 100.0), "base_shift": FLOAT(0.5, 0.0, 100.0),
+       "width": INT(1024, 16, MAX_RESOLUTION, 8), "height": INT(1024, 16, MAX_RESOLUTION, 8)}, ("MODEL",))
+def model_sampling_flux(ctx, model, max_shift, base_shift, width, height):
+    schedule = _flow_schedule(ctx, model, "ModelSamplingFlux")
+    own = (schedule.base_shift, schedule.max_shift) if schedule.use_dynamic_shifting else None
+    if own is None or not all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(own, (base_shift, max_shift))):
+        raise RequestError(f"ModelSamplingFlux: base_shift {base_shift:g} / max_shift {max_shift:g} are not this "
+                           "model's own dynamic shift: sdlite samples with the model's shift only")
+    return (model,)
+
+
+# --- latents -------------------------------------------------------------------------------------------------
+
+@node("EmptyLatentImage", "Empty Latent Image", "latent",
+      {"width": INT(512, 16, MAX_RESOLUTION, 8), "height": INT(512, 16, MAX_RESOLUTION, 8),
+       "batch_size": INT(1, 1, MAX_BATCH)}, ("LATENT",))
+def empty_latent(ctx, width, height, batch_size):
+    return ({"samples": torch.zeros(batch_size, 4, height // 8, width // 8)},)
+
+
+@node("EmptySD3LatentImage", "EmptySD3LatentImage", "latent/sd3",
+      {"width": INT(1024, 16, MAX_RESOLUTION, 16), "height": INT(1024, 16, MAX_RESOLUTION, 16),
+       "batch_size": INT(1, 1, MAX_BATCH)}, ("LATENT",))
+def empty_sd3_latent(ctx, width, height, batch_size):
+    return ({"samples": torch.zeros(batch_size, 16, height // 8, width // 8)},)
+
+
+_NO_BISLERP = "sdlite has no bislerp resampling: choose nearest-exact, bilinear, area or bicubic"
+
+
+def _refuse_bislerp(values: dict, lists: Lists) -> None:
+    if values.get("upscale_method") == "bislerp":
+        raise Refused("upscale_method", f"'bislerp': {_NO_BISLERP}")
+
+
+def _upscaled_latent(samples: dict, method: str, width: int, height: int, crop: str) -> dict:
+    out = dict(samples)
+    s = samples["samples"]
+    out["samples"] = images.common_upscale(s, width, height, method, crop)
+    return out
+
+
+@node("LatentUpscale", "Upscale Latent", "latent",
+      {"samples": LINK("LATENT"), "upscale_method": COMBO(images.LATENT_UPSCALE_METHODS),
+       "width": INT(512, 0, MAX_RESOLUTION, 8), "height": INT(512, 0, MAX_RESOLUTION, 8),
+       "crop": COMBO(images.CROP_METHODS)}, ("LATENT",), refuse=_refuse_bislerp)
+def latent_upscale(ctx, samples, upscale_method, width, height, crop):
+    s = samples["samples"]
+    if width == 0 and height == 0:
+        return (samples,)
+    if width == 0:
+        height = max(64, height)
+        width = max(64, round(s.shape[3] * height / s.shape[2]))
+    elif height == 0:
+        width = max(64, width)
+        height = max(64, round(s.shape[2] * width / s.shape[3]))
+    return (_upscaled_latent(samples, upscale_method, width // 8, height // 8, crop),)
+
+
+@node("LatentUpscaleBy", "Upscale Latent By", "latent",
+      {"samples": LINK("LATENT"), "upscale_method": COMBO(images.LATENT_UPSCALE_METHODS),
+       "scale_by": FLOAT(1.5, 0.01, 8.0)}, ("LATENT",), refuse=_refuse_bislerp)
+def latent_upscale_by(ctx, samples, upscale_method, scale_by):
+    s = samples["samples"]
+    width, height = round(s.shape[3] * scale_by), round(s.shape[2] * scale_by)
+    return (_upscaled_latent(samples, upscale_method, width, height, "disabled"),)
+
+
+@node("SetLatentNoiseMask", "Set Latent Noise Mask", "latent/inpaint",
+      {"samples": LINK("LATENT"), "mask": LINK("MASK")}, ("LATENT",))
+def set_latent_noise_mask(ctx, samples, mask):
+    out = dict(samples)
+    out["noise_mask"] = mask.reshape(-1, 1, mask.shape[-2], mask.shape[-1])
+    return (out,)
+
+
+# --- sampling ------------------------------------------------------------------------------------------------
+
+_SAMPLERS = tuple(COMFY_SAMPLERS)
+
+
+def _sampler_inputs(advanced: bool) -> dict[str, Input]:
+    seed = INT(0, 0, MAX_SEED, control_after_generate=True)
+    inputs = {"model": LINK("MODEL")}
+    if advanced:
+        inputs["add_noise"] = COMBO(("enable", "disable"))
+    inputs["noise_seed" if advanced else "seed"] = seed
+    inputs.update({"steps": INT(20, 1, MAX_STEPS), "cfg": FLOAT(8.0, CFG_RANGE[0], CFG_RANGE[1], 0.1, round=0.01),
+                   "sampler_name": COMBO(_SAMPLERS, missing=COMFY_SAMPLERS_MISSING),
+                   "scheduler": COMBO(COMFY_SCHEDULERS, missing=COMFY_SCHEDULERS_MISSING),
+                   "positive": LINK("CONDITIONING"), "negative": LINK("CONDITIONING"),
+                   "latent_image": LINK("LATENT")})
+    if advanced:
+        inputs.update({"start_at_step": INT(0, 0, 10000), "end_at_step": INT(10000, 0, 10000),
+                       "return_with_leftover_noise": COMBO(("disable", "enable"))})
+    else:
+        inputs["denoise"] = FLOAT(1.0, 0.0, 1.0)
+    return inputs
+
+
+def _one(conds: list, what: str) -> Cond:
+    if len(conds) != 1:
+        raise RequestError(f"{what}: {len(conds)} conditionings; sdlite samples one prompt per guidance half")
+    return conds[0]
+
+
+def _request(ctx, model: ModelRef, seed, steps, cfg, sampler_name, scheduler, positive, negative) -> Request:
+    pos, neg = _one(positive, "positive"), _one(negative, "negative")
+    for what, c in (("positive", pos), ("negative", neg)):
+        if c.clip.checkpoint.path != model.checkpoint.path:
+            raise RequestError(f"{what}: its CLIP is {c.clip.checkpoint.name}'s, the model {model.checkpoint.name}: "
+                               "sdlite encodes the prompts with the sampled model's own text encoders")
+        if c.clip.loras != model.loras:
+            raise RequestError(f"{what}: its CLIP carries other LoRAs than the model ({list(c.clip.loras)} against "
+                               f"{list(model.loras)}): sdlite applies each LoRA to both")
+    if neg.clip.clip_skip != pos.clip.clip_skip:
+        raise RequestError("positive and negative: encoded at different CLIP layers (CLIPSetLastLayer)")
+    if [u.model for u in pos.controls] != [u.model for u in neg.controls]:
+        raise RequestError("positive and negative: other ControlNets (sdlite applies a ControlNet to both halves)")
+    server = ctx.server
+    return Request(prompt=pos.text, negative_prompt=neg.text, steps=steps, cfg_scale=cfg,
+                   sampler=COMFY_SAMPLERS[sampler_name], schedule=scheduler, seed=seed, clip_skip=pos.clip.clip_skip,
+                   loras=model.loras, guidance=pos.guidance, controls=pos.controls, lora_dir=server.lora_dir,
+                   embeddings_dir=server.embeddings_dir, noise="comfy")
+
+
+def _sample(ctx: Context, model: ModelRef, request: Request, latent: dict, **run) -> tuple:
+    engine = ctx.engine(model.checkpoint)
+    samples = latent["samples"]
+    channels = engine.family.latent.channels
+    if samples.shape[1] != channels and not samples.any():   # ComfyUI's fix_empty_latent_channels
+        samples = torch.zeros(samples.shape[0], channels, *samples.shape[2:])
+    scale = engine.family.latent.downscale
+    width, height = samples.shape[3] * scale, samples.shape[2] * scale
+    limits = ctx.server.limits
+    check_size(width, height, limits, "the latent's width x height")
+    admit(engine, request.replace(width=width, height=height, batch_size=samples.shape[0]), limits)
+    control, emit = ctx.control, ctx.emit
+    control.begin(1)
+    control.iteration(0, request.steps)
+    previews = ctx.server.options_snapshot().get("live_previews_enable", True)
+
+    def on_step(step, total):
+        emit("progress", {"value": step, "max": total, "prompt_id": ctx.prompt_id, "node": ctx.node_id})
+        control.step(step, total)
+
+    def on_latents(step, total, estimate):
+        if previews and estimate is not None:
+            image = engine.preview(estimate[:1])[0]
+            control.set_preview(image, step)
+            emit("preview", {"image": image})
+
+    result = engine.sample_latents(request, LatentRun(samples, mask=latent.get("noise_mask"), **run),
+                                   callback=on_step, on_latents=on_latents)
+    if result.interrupted or control.interrupted:
+        raise StopSampling()
+    out = dict(latent)
+    out["samples"] = result.latents
+    return (out,)
+
+
+@node("KSampler", "KSampler", "sampling", _sampler_inputs(False), ("LATENT",))
+def ksampler(ctx, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise=1.0):
+    request = _request(ctx, model, seed, steps, cfg, sampler_name, scheduler, positive, negative)
+    return _sample(ctx, model, request, latent_image, denoise=denoise)
+
+
+@node("KSamplerAdvanced", "KSampler (Advanced)", "sampling", _sampler_inputs(True), ("LATENT",))
+def ksampler_advanced(ctx, model, add_noise, noise_seed, steps, cfg, sampler_name, scheduler, positive, negative,
+                      latent_image, start_at_step, end_at_step, return_with_leftover_noise):
+    request = _request(ctx, model, noise_seed, steps, cfg, sampler_name, scheduler, positive, negative)
+    return _sample(ctx, model, request, latent_image, start_step=start_at_step, last_step=end_at_step,
+                   add_noise=add_noise == "enable", force_full_denoise=return_with_leftover_noise != "enable")
+
+
+# --- images --------------------------------------------------------------------------------------------------
+
+@node("VAEDecode", "VAE Decode", "latent", {"samples": LINK("LATENT"), "vae": LINK("VAE")}, ("IMAGE",))
+def vae_decode(ctx, samples, vae):
+    engine = ctx.engine(vae.checkpoint)
+    latents = samples["samples"]
+    if latents.shape[1] != engine.family.latent.channels:
+        raise RequestError(f"VAEDecode: {latents.shape[1]}-channel latents; {vae.checkpoint.name}'s VAE decodes "
+                           f"{engine.family.latent.channels}")
+    return (images.decoded_to_image(engine.decode_scaled(latents)),)
+
+
+def _encode(ctx, vae: VaeRef, pixels: torch.Tensor) -> torch.Tensor:
+    engine = ctx.engine(vae.checkpoint)
+    vae_in = images.image_to_vae(pixels)
+    return torch.cat([engine.encode_image(vae_in[i:i + 1], None) for i in range(vae_in.shape[0])]).cpu().float()
+
+
+@node("VAEEncode", "VAE Encode", "latent", {"pixels": LINK("IMAGE"), "vae": LINK("VAE")}, ("LATENT",))
+def vae_encode(ctx, pixels, vae):
+    return ({"samples": _encode(ctx, vae, images.crop_to_multiple(pixels))},)
+
+
+@node("VAEEncodeForInpaint", "VAE Encode (for Inpainting)", "latent/inpaint",
+      {"pixels": LINK("IMAGE"), "vae": LINK("VAE"), "mask": LINK("MASK"), "grow_mask_by": INT(6, 0, 64)},
+      ("LATENT",))
+def vae_encode_inpaint(ctx, pixels, vae, mask, grow_mask_by):
+    h, w = pixels.shape[1] // 8 * 8, pixels.shape[2] // 8 * 8
+    mask = F.interpolate(mask.reshape(-1, 1, mask.shape[-2], mask.shape[-1]).float(),
+                         size=(pixels.shape[1], pixels.shape[2]), mode="bilinear")
+    pixels = pixels.clone()
+    if (pixels.shape[1], pixels.shape[2]) != (h, w):
+        top, left = (pixels.shape[1] % 8) // 2, (pixels.shape[2] % 8) // 2
+        pixels = pixels[:, top:top + h, left:left + w, :]
+        mask = mask[:, :, top:top + h, left:left + w]
+    if grow_mask_by == 0:
+        grown = mask
+    else:
+        kernel = torch.ones(1, 1, grow_mask_by, grow_mask_by)
+        grown = torch.clamp(F.conv2d(mask.round(), kernel, padding=math.ceil((grow_mask_by - 1) / 2)), 0, 1)
+    keep = (1.0 - mask.round()).squeeze(1)
+    pixels = (pixels - 0.5) * keep[..., None] + 0.5
+    return ({"samples": _encode(ctx, vae, pixels), "noise_mask": grown[:, :, :h, :w].round()},)
+
+
+@node("LoadImage", "Load Image", "image", {"image": COMBO(Lists.images, image_upload=True)}, ("IMAGE", "MASK"),
+      changed=lambda inputs, lists: images.file_stamp(getattr(lists.dirs, "input", None), inputs.get("image")))
+def load_image(ctx, image):
+    return images.load_image(ctx.dirs.input, image)
+
+
+@node("LoadImageMask", "Load Image (as Mask)", "mask",
+      {"image": COMBO(Lists.images, image_upload=True), "channel": COMBO(("alpha", "red", "green", "blue"))},
+      ("MASK",),
+      changed=lambda inputs, lists: images.file_stamp(getattr(lists.dirs, "input", None), inputs.get("image")))
+def load_image_mask(ctx, image, channel):
+    return (images.load_mask(ctx.dirs.input, image, channel),)
+
+
+def _scaled_image(image: torch.Tensor, method: str, width: int, height: int, crop: str) -> torch.Tensor:
+    return images.common_upscale(image.permute(0, 3, 1, 2), width, height, method, crop).permute(0, 2, 3, 1)
+
+
+@node("ImageScale", "Upscale Image", "image/upscaling",
+      {"image": LINK("IMAGE"), "upscale_method": COMBO(images.UPSCALE_METHODS),
+       "width": INT(512, 0, MAX_RESOLUTION), "height": INT(512, 0, MAX_RESOLUTION),
+       "crop": COMBO(images.CROP_METHODS)}, ("IMAGE",))
+def image_scale(ctx, image, upscale_method, width, height, crop):
+    if width == 0 and height == 0:
+        return (image,)
+    width, height = images.scaled_size(width, height, image.shape[2], image.shape[1], 1)
+    return (_scaled_image(image, upscale_method, width, height, crop),)
+
+
+@node("ImageScaleBy", "Upscale Image By", "image/upscaling",
+      {"image": LINK("IMAGE"), "upscale_method": COMBO(images.UPSCALE_METHODS), "scale_by": FLOAT(1.0, 0.01, 8.0)},
+      ("IMAGE",))
+def image_scale_by(ctx, image, upscale_method, scale_by):
+    width, height = round(image.shape[2] * scale_by), round(image.shape[1] * scale_by)
+    return (_scaled_image(image, upscale_method, width, height, "disabled"),)
+
+
+@node("ImageUpscaleWithModel", "Upscale Image (using Model)", "image/upscaling",
+      {"upscale_model": LINK("UPSCALE_MODEL"), "image": LINK("IMAGE")}, ("IMAGE",))
+def image_upscale_with_model(ctx, upscale_model, image):
+    from ..upscalers.registry import network_scale, upscale_by
+
+    scale = network_scale(upscale_model) or 4
+    check_size(image.shape[2] * scale, image.shape[1] * scale, ctx.server.limits, "the upscaled width x height")
+    out = [upscale_by(im, upscale_model, scale) for im in images.to_pil(image)]
+    return (images.from_pil(out),)
+
+
+_SAVE_HIDDEN = {"prompt": "PROMPT", "extra_pnginfo": "EXTRA_PNGINFO"}
+
+
+@node("SaveImage", "Save Image", "image", {"images": LINK("IMAGE"), "filename_prefix": Input(
+    "STRING", {"default": "ComfyUI"})}, (), output_node=True, hidden=_SAVE_HIDDEN,
+      description="Saves the input images to your ComfyUI output directory.")
+def save_image(ctx, filename_prefix="ComfyUI", **kw):
+    entries = images.save_images(kw["images"], ctx.dirs.output, filename_prefix, "output", ctx.prompt, ctx.extra_pnginfo)
+    return {"images": entries}, ()
+
+
+@node("PreviewImage", "Preview Image", "image", {"images": LINK("IMAGE")}, (), output_node=True,
+      hidden=_SAVE_HIDDEN, description="Saves the input images to your ComfyUI temp directory.")
+def preview_image(ctx, **kw):
+    entries = images.save_images(kw["images"], ctx.dirs.temp, images.temp_prefix(), "temp", ctx.prompt,
+                                 ctx.extra_pnginfo, compress_level=1)
+    return {"images": entries}, ()
