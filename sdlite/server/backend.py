@@ -39,7 +39,8 @@ class ServerBase:
 
     def __init__(self, model=None, models_dir=None, api_auth: str | None = None, *, lora_dir=None,
                  embeddings_dir=None, max_body_bytes: int = MAX_BODY_BYTES, flags: dict | None = None,
-                 limits: Limits | None = None, upscaler_dir=None, controlnet_dir=None, api_key: str | None = None):
+                 limits: Limits | None = None, upscaler_dir=None, controlnet_dir=None, api_key: str | None = None,
+                 comfy_dir=None):
         if model is None and models_dir is None:
             from ..demo import model_path
 
@@ -49,6 +50,7 @@ class ServerBase:
         self._options_lock = threading.Lock()
         self.credentials = parse_auth(api_auth) if api_auth else None
         self.api_key = api_key or None   # --api-key: "Authorization: Bearer KEY" (http.auth_dependency)
+        self.comfy_dir = comfy_dir       # --comfy-dir: ComfyUI's input/output/temp/user folders (.comfy_routes)
         self.lora_dir, self.embeddings_dir = lora_dir, embeddings_dir
         self.upscaler_dir = upscaler_dir   # upscaler networks by name (hires fix, extras)
         self.controlnets = ControlNets(controlnet_dir)   # ControlNet models by name (alwayson_scripts units)
@@ -143,10 +145,11 @@ class Server(ServerBase):
     def __init__(self, model=None, models_dir=None, api_auth: str | None = None, queue_size: int = 32, *,
                  lora_dir=None, embeddings_dir=None, max_body_bytes: int = MAX_BODY_BYTES,
                  engine_options: dict | None = None, flags: dict | None = None, preload: bool = True,
-                 limits: Limits | None = None, upscaler_dir=None, controlnet_dir=None, api_key: str | None = None):
+                 limits: Limits | None = None, upscaler_dir=None, controlnet_dir=None, api_key: str | None = None,
+                 comfy_dir=None):
         super().__init__(model, models_dir, api_auth, lora_dir=lora_dir, embeddings_dir=embeddings_dir,
                          max_body_bytes=max_body_bytes, flags=flags, limits=limits, upscaler_dir=upscaler_dir,
-                         controlnet_dir=controlnet_dir, api_key=api_key)
+                         controlnet_dir=controlnet_dir, api_key=api_key, comfy_dir=comfy_dir)
         self.engines = Engines(self.checkpoints, limit=1, **(engine_options or {}))
         self.jobs = Jobs(queue_size, preview_every=self._preview_due, job_timeout=self.limits.job_timeout)
         self._preload = preload
