@@ -361,13 +361,13 @@ def lora_model_only(ctx, **_):
 @node("ControlNetLoader", "Load ControlNet Model", "loaders", {"control_net_name": COMBO(Lists.controlnets)},
       ("CONTROL_NET",))
 def controlnet_loader(ctx, control_net_name):
-    return ctx.server.controlnets.resolve(control_net_name, "ControlNetLoader")
+    return (ctx.server.controlnets.resolve(control_net_name, "ControlNetLoader"),)
 
 
 @node("UpscaleModelLoader", "Load Upscale Model", "loaders",
       {"model_name": COMBO(lambda lists: list(lists.upscalers()))}, ("UPSCALE_MODEL",))
 def upscale_model_loader(ctx, model_name):
-    return Lists(ctx.server, ctx.dirs).upscalers()[model_name]
+    return (Lists(ctx.server, ctx.dirs).upscalers()[model_name],)
 
 
 @node("CLIPSetLastLayer", "CLIP Set Last Layer", "conditioning",

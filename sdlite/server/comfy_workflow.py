@@ -294,6 +294,9 @@ class Executor:
                     out = spec.run(ctx, **args)
                 except StopSampling:
                     raise Interrupted("interrupted") from None
+                except Exception as e:
+                    e.node_id = node_id   # which node failed, for the execution_error event
+                    raise
                 self.executed.append(node_id)
                 ui, values = (out if spec.output_node else (None, out))
                 results[node_id] = values
