@@ -44,6 +44,7 @@ from .weights.flux import FLUX_PIPELINES, is_flux_file, open_flux_file, open_flu
 from .weights.sd3 import SD3_PIPELINES, is_sd3_file, open_sd3_file, open_sd3_folder
 from .weights.store import ComponentSource, TensorStore
 from .weights.text_keys import normalize_bert_keys
+from .weights.vae_keys import vae_from_original
 
 COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "unet", "transformer", "vae")
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
@@ -225,6 +226,33 @@ class Checkpoint:
             module = build_network(component, self.spec)
         _check_keys(self.path, component, {k: tuple(v.shape) for k, v in module.state_dict().items()}, source)
         return module
+
+    def use_vae(self, path: str | os.PathLike) -> None:
+        """Take the VAE from the file ``path`` instead of the model's own (A1111's ``sd_vae``): an AutoencoderKL in
+        the original layout (``encoder.down.0...``, bare or under ``first_stage_model.`` / ``vae.``) or diffusers'
+        (``encoder.down_blocks.0...``, bare), in any format sdlite reads. Its keys and shapes must fit this model's
+        VAE: a :class:`CheckpointError` names the file and the key otherwise."""
+        store = open_checkpoint(path)
+        try:
+            keys = list(store.keys())
+            prefix = next((p for p in ("", "first_stage_model.", "vae.") if f"{p}decoder.conv_in.weight" in keys),
+                          None)
+            if prefix is None:
+                raise CheckpointError("not a VAE: no 'decoder.conv_in.weight' key (bare, or under "
+                                      "'first_stage_model.' or 'vae.')", path)
+            with torch.device("meta"):
+                expected = {k: tuple(v.shape) for k, v in build_network("vae", self.spec).state_dict().items()}
+            if prefix == "" and "decoder.up_blocks.0.resnets.0.conv1.weight" in keys:   # diffusers' names
+                plan = normalize_diffusers_keys(keys, "vae", expected=expected)
+            else:
+                plan = vae_from_original(keys, prefix=prefix, expected=expected)
+            source = ComponentSource.from_plan(plan, store, (str(path),))
+            _check_keys(str(path), "vae", expected, source)
+        except BaseException:
+            store.close()
+            raise
+        self.sources["vae"] = source
+        self._stores.append(store)
 
     def release_pages(self) -> None:
         """Hand the file pages read so far back to the kernel (they are re-read if needed again), except those of

@@ -197,11 +197,11 @@ def test_nulls_unknown_fields_and_override_settings(client, engine):
     r = client.post(f"{API}/txt2img", json={
         "prompt": PROMPT, "steps": 3, "seed": 4, "restore_faces": True, "tiling": True,
         "alwayson_scripts": {"ControlNet": {"args": []}, "ADetailer": {"args": []}},
-        "override_settings": {"CLIP_stop_at_last_layers": 2, "sd_vae": "other.vae.pt"}})
+        "override_settings": {"CLIP_stop_at_last_layers": 2, "sd_unet": "other.unet"}})
     assert r.status_code == 200, r.text
     info = json.loads(r.json()["info"])
     warnings = " ".join(info["warnings"])
-    for word in ("restore_faces", "tiling", "alwayson_scripts", "ADetailer", "sd_vae"):
+    for word in ("restore_faces", "tiling", "alwayson_scripts", "ADetailer", "sd_unet"):
         assert word in warnings, word
     assert "alwayson_scripts ADetailer was ignored" in warnings
     assert "ControlNet was ignored" not in warnings and "ControlNet, " not in warnings   # its empty args: no unit
@@ -521,3 +521,86 @@ def test_tcd_and_explicit_timesteps(client, engine):
     assert_error(r, 422, "explicit timesteps", "euler, heun")
     r = client.post(f"{API}/txt2img", json={"prompt": PROMPT, "sampler_name": "LCM", "sdlite_timesteps": [499, 999]})
     assert_error(r, 422, "not strictly descending")
+
+
+# --- A1111 options clients send: sd_vae, Forge's modules, clip skip; interrogate ---------------------------------
+
+def demo_vae_file(folder, scale: float):
+    """The demo model's VAE with its decoder's output layer scaled, written in the original (LDM) layout under
+    ``first_stage_model.`` as A1111's VAE files are; and its diffusers-named state dict."""
+    from safetensors.torch import save_file
+
+    from sdlite.loader import open_model
+    from sdlite.weights.vae_keys import vae_to_original
+
+    with open_model(model_path()) as ckpt:
+        state = {k: v.clone() for k, v in ckpt.load("vae").state_dict().items()}
+    state["decoder.conv_out.weight"] *= scale
+    plan = vae_to_original(list(state))
+    original = {key: tensor.contiguous() for key, tensor in plan.materialize(state).items()}
+    path = folder / "sharper.vae.safetensors"
+    save_file(original, path)
+    return path, state
+
+
+def test_sd_vae_and_forge_modules_take_a_vae_file(tmp_path, engine):
+    import torch
+    from diffusers import AutoencoderKL
+
+    path, state = demo_vae_file(tmp_path, 1.5)
+    (tmp_path / "broken.pt").write_bytes(b"not a VAE")
+    with TestClient(create_app(vae_dir=str(tmp_path), preload=False)) as c:
+        listed = c.get(f"{API}/sd-vae").json()
+        assert {v["model_name"] for v in listed} == {"sharper.vae.safetensors", "broken.pt"}
+        assert c.get(f"{API}/sd-modules").json() == listed   # Forge's list: the same files
+        options = c.get(f"{API}/options").json()
+        assert options["sd_vae"] == "Automatic" and options["forge_additional_modules"] == []
+        assert "forge_preset" in options   # what SillyTavern tells Forge by
+
+        payload = {"prompt": PROMPT, "steps": 3, "seed": 8, "width": 64, "height": 64}
+        r = c.post(f"{API}/txt2img", json={**payload, "override_settings": {"sd_vae": "sharper.vae.safetensors"}})
+        assert r.status_code == 200, r.text
+        info = json.loads(r.json()["info"])
+        assert info["sd_vae_name"] == "sharper.vae.safetensors"
+        assert "VAE: sharper.vae.safetensors" in info["infotexts"][0]
+        got = pixels(decode(r.json()["images"][0]))
+        # the reference: the engine's latents decoded by diffusers' AutoencoderKL holding the file's weights
+        latents = engine.generate(Request(PROMPT, steps=3, seed=8, cfg_scale=7, sampler="euler")).latents
+        vae = AutoencoderKL.from_pretrained(model_path() / "vae").eval()
+        vae.load_state_dict(state)
+        with torch.no_grad():
+            decoded = vae.decode(latents.float() / vae.config.scaling_factor).sample
+        expected = ((decoded[0].permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255).to(torch.int16).numpy()
+        assert np.abs(got - expected).max() <= 2
+        plain = c.post(f"{API}/txt2img", json=payload).json()   # the model's own VAE again
+        assert np.abs(pixels(decode(plain["images"][0])) - got).mean() > 5
+
+        # Forge's field, by full path, and the option set for every request
+        r = c.post(f"{API}/txt2img", json={**payload, "override_settings": {"forge_additional_modules": [str(path)]}})
+        assert np.array_equal(pixels(decode(r.json()["images"][0])), got)
+        assert c.post(f"{API}/options", json={"sd_vae": "sharper.vae"}).status_code == 200
+        assert np.array_equal(pixels(decode(c.post(f"{API}/txt2img", json=payload).json()["images"][0])), got)
+        assert c.post(f"{API}/options", json={"sd_vae": "None"}).status_code == 200
+
+        assert_error(c.post(f"{API}/options", json={"sd_vae": "nowhere.pt"}), 422, "nowhere.pt",
+                     "sharper.vae.safetensors")
+        assert_error(c.post(f"{API}/txt2img", json={**payload, "override_settings": {"sd_vae": 3}}), 422, "sd_vae")
+        assert_error(c.post(f"{API}/txt2img", json={**payload, "override_settings": {"sd_vae": "broken.pt"}}),
+                     422, "broken.pt", "cannot be used with demo")
+        assert c.get(f"{API}/options").json()["sd_vae"] == "None"
+
+
+def test_clip_skip_option_and_interrogate(client, engine):
+    assert client.post(f"{API}/options", json={"CLIP_stop_at_last_layers": 2}).status_code == 200
+    try:
+        r = client.post(f"{API}/txt2img", json={"prompt": PROMPT, "steps": 3, "seed": 5})
+        info = json.loads(r.json()["info"])
+        assert info["clip_skip"] == 2 and "Clip skip: 2" in info["infotexts"][0]
+        expected = engine.generate(Request(PROMPT, steps=3, seed=5, cfg_scale=7, sampler="euler", clip_skip=2))
+        assert np.array_equal(pixels(decode(r.json()["images"][0])), pixels(expected.images[0]))
+    finally:
+        client.post(f"{API}/options", json={"CLIP_stop_at_last_layers": 1})
+    assert_error(client.post(f"{API}/options", json={"CLIP_stop_at_last_layers": 0}), 422, "at least 1")
+
+    body = assert_error(client.post(f"{API}/interrogate", json={"image": "x", "model": "clip"}), 501, "CLIP")
+    assert "BLIP" in body["detail"] and "DeepDanbooru" in body["detail"]

@@ -57,7 +57,8 @@ def cmd_serve(args) -> int:
             raise SDLiteError(str(e)) from None
     for option, path in (("--model", args.model), ("--models-dir", args.models_dir), ("--lora-dir", args.lora_dir),
                          ("--embeddings", args.embeddings), ("--taesd", args.taesd),
-                         ("--upscaler-dir", args.upscaler_dir), ("--controlnet-dir", args.controlnet_dir)):
+                         ("--upscaler-dir", args.upscaler_dir), ("--controlnet-dir", args.controlnet_dir),
+                         ("--vae-dir", args.vae_dir)):
         if path is not None and not Path(path).exists():
             raise SDLiteError(f"{option} {path}: no such file or folder")
     if args.models_dir is not None and not Path(args.models_dir).is_dir():
@@ -72,7 +73,7 @@ def cmd_serve(args) -> int:
     precision = check_precision_option(args, args.device)
     flags = {"listen": args.listen, "host": host, "port": args.port, "ckpt": args.model, "models_dir": args.models_dir,
              "lora_dir": args.lora_dir, "embeddings_dir": args.embeddings, "upscaler_dir": args.upscaler_dir,
-             "controlnet_dir": args.controlnet_dir, "queue_size": args.queue_size,
+             "controlnet_dir": args.controlnet_dir, "vae_dir": args.vae_dir, "queue_size": args.queue_size,
              "device": args.device, "precision": precision, "nowebui": False}
     ray_options = [flag for flag, value in (("--address", args.address), ("--replicas", args.replicas),
                                             ("--autoscale", args.autoscale), ("--replica-cpus", args.replica_cpus),
@@ -89,7 +90,7 @@ def cmd_serve(args) -> int:
                          engine_options={"device": args.device, "precision": precision, "taesd": args.taesd,
                                          "compile": args.compile},
                          flags=flags, limits=limits, upscaler_dir=args.upscaler_dir,
-                         controlnet_dir=args.controlnet_dir, api_key=args.api_key)
+                         controlnet_dir=args.controlnet_dir, api_key=args.api_key, vae_dir=args.vae_dir)
     except FileNotFoundError as e:
         raise SDLiteError(str(e)) from None
     jobs = app.state.server.jobs
@@ -194,6 +195,9 @@ def add_parser(sub) -> None:
     v.add_argument("--controlnet-dir", metavar="DIR", default=None,
                    help="ControlNet models (files and diffusers folders) for A1111's ControlNet units "
                         "(alwayson_scripts), named by file stem or folder name, as /controlnet/model_list lists them")
+    v.add_argument("--vae-dir", metavar="DIR", default=None,
+                   help="VAE files a request may take in place of the model's own (A1111's models/VAE): by name in "
+                        "the option sd_vae or Forge's forge_additional_modules, as /sdapi/v1/sd-vae lists them")
     v.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     add_precision_option(v)
     add_compile_option(v)

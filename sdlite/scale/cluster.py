@@ -31,6 +31,7 @@ class ClusterConfig:
     lora_dir: str | None = None
     embeddings_dir: str | None = None
     upscaler_dir: str | None = None
+    vae_dir: str | None = None        # VAE files by name (sd_vae), at the same path on every node
     controlnet_dir: str | None = None   # ControlNet models by name, at the same path on every node
     engine_options: dict = field(default_factory=dict)   # Engine.load's: device, dtype, memory_mode, ...
     threads: int | None = None        # torch threads in each replica (1 is fastest for the demo model)

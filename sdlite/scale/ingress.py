@@ -46,7 +46,7 @@ class ClusterServer(ServerBase):
         super().__init__(config.model, config.models_dir, config.api_auth, lora_dir=config.lora_dir,
                          embeddings_dir=config.embeddings_dir, flags=config.flags, limits=config.limits,
                          upscaler_dir=config.upscaler_dir, controlnet_dir=config.controlnet_dir,
-                         api_key=config.api_key)
+                         api_key=config.api_key, vae_dir=config.vae_dir)
         self.config = config
         self.generator = generator
         self.jobs = ensure_jobs_actor(config)

@@ -243,7 +243,7 @@ def serve_cli(args, host: str, flags: dict, limits: Limits | None = None) -> int
         config = ClusterConfig(model=args.model, models_dir=args.models_dir, api_auth=args.api_auth,
                                api_key=getattr(args, "api_key", None), queue_size=args.queue_size,
                                lora_dir=args.lora_dir, embeddings_dir=args.embeddings,
-                               upscaler_dir=getattr(args, "upscaler_dir", None),
+                               upscaler_dir=getattr(args, "upscaler_dir", None), vae_dir=getattr(args, "vae_dir", None),
                                controlnet_dir=getattr(args, "controlnet_dir", None), engine_options=engine_options,
                                threads=args.threads,
                                replicas=args.replicas if args.replicas is not None else 1, autoscale=autoscale,

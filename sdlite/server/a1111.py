@@ -20,6 +20,7 @@ import json
 import math
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fastapi import HTTPException
@@ -370,7 +371,9 @@ def default_options() -> dict:
             "eta_ddim": 0.0, "eta_ancestral": 1.0, "show_progress_every_n_steps": 10,
             "show_progress_type": "Auto", "live_previews_enable": True, "sd_checkpoints_limit": 1,
             "samples_format": "png", "sd_vae": "Automatic", "face_restoration": False, "randn_source": "CPU",
-            "control_net_no_detectmap": False}
+            "control_net_no_detectmap": False,
+            # Forge's: clients (SillyTavern) tell Forge by forge_preset; its additional modules are VAE files here
+            "forge_preset": "all", "forge_additional_modules": []}
 
 
 def _int_at_least(low: int):
@@ -403,6 +406,18 @@ def _steps_period(key, value):
     return value
 
 
+def _text(key, value):
+    if not isinstance(value, str):
+        raise RequestError(f"option {key}={value!r} is not valid: expected a string")
+    return value
+
+
+def _texts(key, value):
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise RequestError(f"option {key}={value!r} is not valid: expected a list of strings (file names)")
+    return value
+
+
 def _bool(key, value):
     if not isinstance(value, bool):
         raise RequestError(f"option {key}={value!r} is not valid: expected true or false")
@@ -414,14 +429,61 @@ OPTION_CHECKS = {
     "CLIP_stop_at_last_layers": _int_at_least(1), "eta_ddim": _unit_float, "eta_ancestral": _unit_float,
     "show_progress_every_n_steps": _steps_period, "show_progress_type": _one_of(*PREVIEW_TYPES),
     "live_previews_enable": _bool, "sd_checkpoints_limit": _int_at_least(1), "samples_format": _one_of("png"),
-    "sd_vae": _one_of("Automatic", "None"), "face_restoration": _one_of(False), "control_net_no_detectmap": _bool,
+    "sd_vae": _text, "face_restoration": _one_of(False), "control_net_no_detectmap": _bool,
+    "forge_preset": _text, "forge_additional_modules": _texts,
 }
-REQUEST_OPTIONS = ("sd_model_checkpoint", "CLIP_stop_at_last_layers", "eta_ddim", "eta_ancestral")
+REQUEST_OPTIONS = ("sd_model_checkpoint", "CLIP_stop_at_last_layers", "eta_ddim", "eta_ancestral", "sd_vae",
+                   "forge_additional_modules")
 
 
 def check_options(changes: dict) -> dict:
     """Checked option values (``sd_model_checkpoint`` is the server's to check)."""
     return {k: OPTION_CHECKS[k](k, v) if k in OPTION_CHECKS else v for k, v in changes.items()}
+
+
+# --- VAE files (sd_vae, Forge's additional modules) ---------------------------------------------------------------
+
+VAE_SUFFIXES = (".safetensors", ".sft", ".pt", ".ckpt", ".bin", ".gguf")
+OWN_VAE = ("automatic", "none", "")   # sd_vae values meaning the checkpoint's own VAE
+
+
+def list_vaes(vae_dir) -> list[dict]:
+    """The VAE files of ``vae_dir`` (and below) as A1111's ``/sd-vae`` lists them: ``model_name`` the path relative
+    to the folder, ``filename`` the full path."""
+    if vae_dir is None or not Path(vae_dir).is_dir():
+        return []
+    root = Path(vae_dir)
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in VAE_SUFFIXES)
+    return [{"model_name": p.relative_to(root).as_posix(), "filename": str(p)} for p in files]
+
+
+def find_vae(name: str, vae_dir, field: str = "sd_vae") -> str | None:
+    """The VAE file ``name`` means (its relative path, file name, stem or full path, without case); None for the
+    model's own ("Automatic", "None"). Raises RequestError naming the field when there is none such."""
+    if name.strip().lower() in OWN_VAE:
+        return None
+    wanted = name.strip().lower()
+    vaes = list_vaes(vae_dir)
+    for vae in vaes:
+        path = Path(vae["filename"])
+        if wanted in (vae["model_name"].lower(), path.name.lower(), path.stem.lower(), vae["filename"].lower()):
+            return vae["filename"]
+    where = "no VAE folder (sdlite serve --vae-dir DIR)" if vae_dir is None else \
+        f"available: {', '.join(v['model_name'] for v in vaes) or 'none'} (in {vae_dir})"
+    raise RequestError(f"{field}={name!r}: no such VAE file; \"Automatic\" or \"None\" is the model's own; {where}")
+
+
+def chosen_vae(opts: dict, vae_dir) -> str | None:
+    """The VAE file the options choose: Forge's ``forge_additional_modules`` (when not empty: one VAE file) or
+    else ``sd_vae``; None for the model's own."""
+    modules = opts.get("forge_additional_modules") or []
+    if modules:
+        found = [find_vae(m, vae_dir, "forge_additional_modules") for m in modules]
+        vaes = sorted({f for f in found if f is not None})
+        if len(vaes) > 1:
+            raise RequestError(f"forge_additional_modules names {len(vaes)} VAE files: a model takes one")
+        return vaes[0] if vaes else None
+    return find_vae(str(opts.get("sd_vae") or "Automatic"), vae_dir)
 
 
 # --- A1111 request -> sdlite requests ----------------------------------------------------------------------------
@@ -452,6 +514,7 @@ class Plan:
     send_images: bool = True
     preview: str = "Auto"
     control_maps: tuple = ()           # per ControlNet unit: its control map goes back after the images
+    vae: str | None = None             # a VAE file in place of the model's own (sd_vae); None: its own
 
 
 def _ignored(p: dict, img2img: bool) -> list[str]:
@@ -556,10 +619,12 @@ def _cache_fields(value) -> dict:
 
 
 def build_plan(req: Txt2ImgRequest, options: dict, *, max_image_bytes: int, lora_dir=None,
-               embeddings_dir=None, limits: Limits | None = None, upscaler_dir=None, controlnets=None) -> Plan:
+               embeddings_dir=None, limits: Limits | None = None, upscaler_dir=None, controlnets=None,
+               vae_dir=None) -> Plan:
     """Check an A1111 request and turn it into sdlite Requests (images decoded, names resolved). ``limits`` (the
     server's; None: none, as for ``sdlite batch``) are checked first, before anything costly. ``controlnets``: the
-    :class:`~.controlnet.ControlNets` that ``alwayson_scripts`` ControlNet units name (None: none). Raises
+    :class:`~.controlnet.ControlNets` that ``alwayson_scripts`` ControlNet units name (None: none); ``vae_dir``: the
+    VAE files ``sd_vae`` names (:func:`chosen_vae`; None: none, only the model's own). Raises
     :class:`RequestError` (422; :class:`~.limits.LimitExceeded` over a limit, :class:`~.controlnet.ControlNetNotFound`
     404), :class:`ImageTooLarge` (413) or HTTPException (404: no init image, 422: unknown script)."""
     img2img = isinstance(req, Img2ImgRequest)
@@ -578,6 +643,7 @@ def build_plan(req: Txt2ImgRequest, options: dict, *, max_image_bytes: int, lora
         if key in overrides:
             overrides[key] = OPTION_CHECKS[key](key, overrides[key])
     opts = {**options, **{k: v for k, v in overrides.items() if k in REQUEST_OPTIONS}}
+    vae = chosen_vae(opts, vae_dir)
 
     sampler = resolve_sampler_a1111(p["sampler_name"] or p["sampler_index"] or "Euler", p["scheduler"], warnings)
     # TCD's gamma is no A1111 option: the request's eta, else the sampler's own default
@@ -634,7 +700,7 @@ def build_plan(req: Txt2ImgRequest, options: dict, *, max_image_bytes: int, lora
                 refiner_switch_at=switch, hr_checkpoint_name=hr_checkpoint, upscaler_dir=upscaler_dir, limits=limits,
                 keep_overrides={} if p["override_settings_restore_afterwards"] else overrides,
                 warnings=warnings, send_images=bool(p["send_images"]), preview=opts["show_progress_type"],
-                control_maps=tuple(saves))
+                control_maps=tuple(saves), vae=vae)
 
 
 def named_checkpoint(name) -> str | None:
@@ -746,7 +812,8 @@ def response(plan: Plan, outcome: Outcome) -> dict:
         "subseed_strength": p["subseed_strength"], "width": used.width, "height": used.height,
         "sampler_name": plan.sampler.name, "scheduler": plan.sampler.scheduler, "cfg_scale": used.cfg_scale,
         "steps": used.steps, "batch_size": used.batch_size, "restore_faces": False, "face_restoration_model": None,
-        "sd_model_name": outcome.model_name, "sd_model_hash": outcome.model_hash, "sd_vae_name": None,
+        "sd_model_name": outcome.model_name, "sd_model_hash": outcome.model_hash,
+        "sd_vae_name": Path(plan.vae).name if plan.vae else None,
         "sd_vae_hash": None, "seed_resize_from_w": p["seed_resize_from_w"], "seed_resize_from_h": p["seed_resize_from_h"],
         "denoising_strength": p["denoising_strength"], "extra_generation_params": extra, "index_of_first_image": 0,
         "infotexts": infotexts, "styles": p["styles"], "job_timestamp": outcome.job_timestamp,

@@ -52,7 +52,7 @@ def _add_generation_routes(api: APIRouter, server: ServerBase) -> None:
         plan = await run_in_threadpool(a1111.build_plan, body, options, max_image_bytes=server.max_body_bytes,
                                        lora_dir=server.lora_dir, embeddings_dir=server.embeddings_dir,
                                        limits=server.limits, upscaler_dir=server.upscaler_dir,
-                                       controlnets=server.controlnets)
+                                       controlnets=server.controlnets, vae_dir=server.vae_dir)
         if plan.checkpoint is not None:
             server.find_checkpoint(plan.checkpoint)   # 404 now rather than after the queue
         if plan.refiner_name is not None:   # resolved here, so that the plan carries the refiner to any worker
@@ -101,6 +101,8 @@ def _add_control_routes(api: APIRouter, server: ServerBase) -> None:
         name = changes.pop("sd_model_checkpoint", None)
         changes.pop("sd_checkpoint_hash", None)   # read-only: it follows the model
         checked = a1111.check_options(changes)
+        if {"sd_vae", "forge_additional_modules"} & set(checked):   # names of VAE files this server has
+            await run_in_threadpool(a1111.chosen_vae, {**server.options_snapshot(), **checked}, server.vae_dir)
         target = server.find_checkpoint(name) if name is not None else None
         server.set_options(checked)
         if target is not None and target.path != server.checkpoints.current.path:
@@ -220,8 +222,22 @@ def _add_listing_routes(api: APIRouter, server: ServerBase) -> None:
     async def scripts():   # ControlNet's units are taken in alwayson_scripts
         return {"txt2img": [controlnet.SCRIPT], "img2img": [controlnet.SCRIPT]}
 
-    for path in ("/script-info", "/sd-vae", "/hypernetworks", "/face-restorers", "/prompt-styles",
-                 "/realesrgan-models", "/extensions"):
+    @api.get("/sd-vae")
+    async def sd_vae():   # the VAE files of --vae-dir, by the names sd_vae takes
+        return await run_in_threadpool(a1111.list_vaes, server.vae_dir)
+
+    @api.get("/sd-modules")
+    async def sd_modules():   # Forge's list (VAEs and text encoders): the VAE files; a model's text encoders are
+        return await run_in_threadpool(a1111.list_vaes, server.vae_dir)   # found beside it, never chosen here
+
+    @api.post("/interrogate", include_in_schema=False)   # a 501 by design: no 5xx for the schema's fuzzing
+    async def interrogate():
+        raise HTTPException(501, "interrogate is not implemented: captioning an image needs a CLIP interrogator "
+                                 "(BLIP captions ranked by a CLIP ViT-L model) or, for model='deepdanbooru', a "
+                                 "DeepDanbooru tagger, and sdlite ships neither")
+
+    for path in ("/script-info", "/hypernetworks", "/face-restorers", "/prompt-styles", "/realesrgan-models",
+                 "/extensions"):
         api.add_api_route(path, _empty_list, methods=["GET"], name=path.strip("/"))
 
 
@@ -268,7 +284,7 @@ def _add_controlnet_routes(router: APIRouter, server: ServerBase) -> None:
 
 
 async def _empty_list():
-    """What sdlite does not have (VAEs apart from the model's own, hypernetworks, face restorers, styles, scripts)."""
+    """What sdlite does not have (hypernetworks, face restorers, styles, scripts, extensions)."""
     return []
 
 

@@ -44,7 +44,7 @@ WEB_DIR = Path(__file__).resolve().parent / "web"
 def create_app(model=None, models_dir=None, api_auth: str | None = None, queue_size: int = 32, *,
                lora_dir=None, embeddings_dir=None, max_body_bytes: int = MAX_BODY_BYTES, preload: bool = True,
                engine_options: dict | None = None, flags: dict | None = None, limits: Limits | None = None,
-               upscaler_dir=None, controlnet_dir=None, api_key: str | None = None) -> FastAPI:
+               upscaler_dir=None, controlnet_dir=None, api_key: str | None = None, vae_dir=None) -> FastAPI:
     """The server as a FastAPI app. ``model``: a checkpoint (default: the shipped demo model, or the first one in
     ``models_dir``); ``models_dir``: where the checkpoints a client can switch to are; ``api_auth``:
     ``USER:PASS[,...]`` for HTTP Basic on every API route; ``queue_size``: waiting jobs beyond which requests get
@@ -52,10 +52,12 @@ def create_app(model=None, models_dir=None, api_auth: str | None = None, queue_s
     ``limits``: what one request may ask for, the job time limit and the shutdown grace (:class:`.limits.Limits`;
     default: its defaults); ``upscaler_dir``: upscaler networks for the hires fix and the extras;
     ``controlnet_dir``: ControlNet models for the units of ``alwayson_scripts`` (:mod:`.controlnet`); ``api_key``:
-    a key every API route also takes as ``Authorization: Bearer KEY`` (OpenAI's clients send it)."""
+    a key every API route also takes as ``Authorization: Bearer KEY`` (OpenAI's clients send it); ``vae_dir``: VAE
+    files a request may take in place of the model's own (``sd_vae``, Forge's ``forge_additional_modules``)."""
     server = Server(model, models_dir, api_auth, queue_size, lora_dir=lora_dir, embeddings_dir=embeddings_dir,
                     max_body_bytes=max_body_bytes, engine_options=engine_options, flags=flags, preload=preload,
-                    limits=limits, upscaler_dir=upscaler_dir, controlnet_dir=controlnet_dir, api_key=api_key)
+                    limits=limits, upscaler_dir=upscaler_dir, controlnet_dir=controlnet_dir, api_key=api_key,
+                    vae_dir=vae_dir)
     return build_app(server)
 
 

@@ -12,6 +12,7 @@ import base64
 import datetime
 import logging
 import threading
+from pathlib import Path
 from typing import Any
 
 from fastapi import HTTPException, Request
@@ -40,7 +41,7 @@ class ServerBase:
     def __init__(self, model=None, models_dir=None, api_auth: str | None = None, *, lora_dir=None,
                  embeddings_dir=None, max_body_bytes: int = MAX_BODY_BYTES, flags: dict | None = None,
                  limits: Limits | None = None, upscaler_dir=None, controlnet_dir=None, api_key: str | None = None,
-                 comfy_dir=None):
+                 comfy_dir=None, vae_dir=None):
         if model is None and models_dir is None:
             from ..demo import model_path
 
@@ -53,6 +54,7 @@ class ServerBase:
         self.comfy_dir = comfy_dir       # --comfy-dir: ComfyUI's input/output/temp/user folders (.comfy_routes)
         self.lora_dir, self.embeddings_dir = lora_dir, embeddings_dir
         self.upscaler_dir = upscaler_dir   # upscaler networks by name (hires fix, extras)
+        self.vae_dir = vae_dir             # VAE files by name (sd_vae, Forge's additional modules)
         self.controlnets = ControlNets(controlnet_dir)   # ControlNet models by name (alwayson_scripts units)
         self.max_body_bytes = max_body_bytes
         self.flags = flags or {}
@@ -146,10 +148,10 @@ class Server(ServerBase):
                  lora_dir=None, embeddings_dir=None, max_body_bytes: int = MAX_BODY_BYTES,
                  engine_options: dict | None = None, flags: dict | None = None, preload: bool = True,
                  limits: Limits | None = None, upscaler_dir=None, controlnet_dir=None, api_key: str | None = None,
-                 comfy_dir=None):
+                 comfy_dir=None, vae_dir=None):
         super().__init__(model, models_dir, api_auth, lora_dir=lora_dir, embeddings_dir=embeddings_dir,
                          max_body_bytes=max_body_bytes, flags=flags, limits=limits, upscaler_dir=upscaler_dir,
-                         controlnet_dir=controlnet_dir, api_key=api_key, comfy_dir=comfy_dir)
+                         controlnet_dir=controlnet_dir, api_key=api_key, comfy_dir=comfy_dir, vae_dir=vae_dir)
         self.engines = Engines(self.checkpoints, limit=1, **(engine_options or {}))
         self.jobs = Jobs(queue_size, preview_every=self._preview_due, job_timeout=self.limits.job_timeout)
         self._preload = preload
@@ -258,9 +260,10 @@ def run_plan(engines: Engines, checkpoint: Checkpoint, plan: a1111.Plan, control
     """Run one A1111 request's iterations on ``checkpoint``'s engine (loaded by ``engines`` if needed), reporting
     through ``control`` (a :class:`~.jobs.JobControl`, or anything with its methods: a Ray replica's)."""
     control.begin(len(plan.requests))
-    if engines.loaded(checkpoint) is None:
-        control.info(f"{plan.kind}: loading {checkpoint.name}")
-    engine = engines.get(checkpoint)
+    vae = getattr(plan, "vae", None)   # a VAE file in place of the model's own (sd_vae)
+    if engines.loaded(checkpoint, vae) is None:
+        control.info(f"{plan.kind}: loading {checkpoint.name}" + (f" with the VAE {Path(vae).name}" if vae else ""))
+    engine = engines.get(checkpoint, vae)
     timestamp = datetime.datetime.now().strftime("%Y%m%d%H%M%S")
     downscale = engine.spec.vae.downscale
     if plan.limits is not None:   # a size left out is the model's native one, known only now
@@ -282,6 +285,8 @@ def run_plan(engines: Engines, checkpoint: Checkpoint, plan: a1111.Plan, control
     engine.upscaler_dir = plan.upscaler_dir
     try:
         extra = _attach_refiner(engines, engine, checkpoint, plan, control)
+        if vae:
+            extra["VAE"] = Path(vae).name
         for i, request in enumerate(requests):
             if control.interrupted:
                 break

@@ -150,7 +150,8 @@ class Checkpoints:
 
 
 class Engines:
-    """One loaded engine per checkpoint, the ``limit`` most recently used kept. Called by the job worker only."""
+    """One loaded engine per checkpoint (and VAE file in place of its own, A1111's ``sd_vae``: a model with another
+    VAE is another engine), the ``limit`` most recently used kept. Called by the job worker only."""
 
     def __init__(self, checkpoints: Checkpoints, limit: int = 1, *, taesd=None, **load_options):
         self.checkpoints = checkpoints
@@ -158,23 +159,25 @@ class Engines:
         self.load_options = load_options
         self.taesd = taesd                  # a TAESD file or folder for the "TAESD" live previews, or None
         self._taesds: dict[str, object] = {}   # variant -> the TAESD loaded from it (None: it has none)
-        self._loaded: collections.OrderedDict[Path, object] = collections.OrderedDict()
+        self._loaded: collections.OrderedDict[tuple, object] = collections.OrderedDict()   # (path, VAE file)
         self._refiner: tuple[Path, object] | None = None   # (path, engine) of the refiner last asked for
 
-    def get(self, checkpoint: Checkpoint):
-        """The engine of ``checkpoint``, loaded if needed (dropping the least recently used beyond the limit)."""
-        engine = self._loaded.get(checkpoint.path)
+    def get(self, checkpoint: Checkpoint, vae: str | None = None):
+        """The engine of ``checkpoint`` (with the VAE file ``vae`` in place of its own), loaded if needed (dropping
+        the least recently used beyond the limit)."""
+        key = (checkpoint.path, vae)
+        engine = self._loaded.get(key)
         if engine is None:
             while len(self._loaded) >= max(self.limit, 1):
                 self._loaded.popitem(last=False)
-            engine = self._load(checkpoint)
-            self._loaded[checkpoint.path] = engine
-        self._loaded.move_to_end(checkpoint.path)
+            engine = self._load(checkpoint, vae)
+            self._loaded[key] = engine
+        self._loaded.move_to_end(key)
         return engine
 
-    def loaded(self, checkpoint: Checkpoint):
-        """The engine of ``checkpoint`` if it is loaded, else None (never loads)."""
-        engine = self._loaded.get(checkpoint.path)
+    def loaded(self, checkpoint: Checkpoint, vae: str | None = None):
+        """The engine of ``checkpoint`` (with ``vae``) if it is loaded, else None (never loads)."""
+        engine = self._loaded.get((checkpoint.path, vae))
         if engine is None and self._refiner is not None and self._refiner[0] == checkpoint.path:
             engine = self._refiner[1]
         return engine
@@ -186,19 +189,32 @@ class Engines:
         if self._refiner is not None and self._refiner[0] == checkpoint.path:
             return self._refiner[1]
         self._refiner = None
-        engine = self._loaded.get(checkpoint.path)
+        engine = self._loaded.get((checkpoint.path, None))
         if engine is None:
             engine = self._load(checkpoint)
         self._refiner = (checkpoint.path, engine)
         return engine
 
-    def _load(self, checkpoint: Checkpoint):
+    def _load(self, checkpoint: Checkpoint, vae: str | None = None):
         """A new engine for ``checkpoint`` (the refiner's, when it is asked for as a base model: never two)."""
+        from ..errors import CheckpointError, RequestError
+        from ..loader import open_model
         from ..pipeline import Engine
 
-        if self._refiner is not None and self._refiner[0] == checkpoint.path:
+        if vae is None and self._refiner is not None and self._refiner[0] == checkpoint.path:
             return self._refiner[1]
-        engine = Engine.load(checkpoint.path, **self.load_options)
+        source = checkpoint.path
+        if vae is not None:
+            source = open_model(checkpoint.path)
+            try:
+                source.use_vae(vae)
+            except CheckpointError as e:   # the client's choice of VAE, not the server's model, is at fault
+                source.close()
+                raise RequestError(f"the VAE {Path(vae).name} cannot be used with {checkpoint.name}: {e}") from None
+            except BaseException:
+                source.close()
+                raise
+        engine = Engine.load(source, **self.load_options)
         self.checkpoints.hash_of(checkpoint)
         if self.taesd is not None:
             engine.set_preview_decoder(self._preview_taesd(engine))

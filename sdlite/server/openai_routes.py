@@ -392,7 +392,8 @@ async def _run(request: Request, server: ServerBase, fields: dict, answer: dict,
     plan = await run_in_threadpool(a1111.build_plan, req, server.options_snapshot(),
                                    max_image_bytes=server.max_body_bytes, lora_dir=server.lora_dir,
                                    embeddings_dir=server.embeddings_dir, limits=server.limits,
-                                   upscaler_dir=server.upscaler_dir, controlnets=server.controlnets)
+                                   upscaler_dir=server.upscaler_dir, controlnets=server.controlnets,
+                                   vae_dir=server.vae_dir)
     outcome = await server.generate(plan, request)
     if outcome is None:   # the client went away
         return Response(status_code=499)
