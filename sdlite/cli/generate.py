@@ -82,7 +82,7 @@ def cmd_generate(args) -> int:
         ("resize_mode", args.resize_mode)) if value is not None}
     request = Request(prompt=args.prompt, negative_prompt=args.negative, width=args.width, height=args.height,
                       steps=args.steps, cfg_scale=args.cfg, sampler=args.sampler, schedule=args.schedule,
-                      seed=args.seed, batch_size=args.batch, clip_skip=args.clip_skip, eta=args.eta,
+                      noise=args.noise, seed=args.seed, batch_size=args.batch, clip_skip=args.clip_skip, eta=args.eta,
                       timestep_spacing=args.timestep_spacing, timesteps=args.timesteps, sigmas=args.sigmas,
                       init_image=args.init_image, mask=args.mask,
                       mask_from_alpha=args.mask_from_alpha, invert_mask=args.invert_mask,
@@ -298,6 +298,11 @@ def add_parser(sub) -> None:
                         "SD3: Euler, which is diffusers' FlowMatchEulerDiscreteScheduler)")
     g.add_argument("--schedule", default=None,
                    help="sigma schedule: discrete, karras or exponential (default: what the sampler name implies)")
+    g.add_argument("--noise", choices=("a1111", "comfy"), default="a1111",
+                   help="how the noise is drawn: a1111 (default: image i from seed + i, as diffusers and A1111) or "
+                        "comfy (ComfyUI's KSampler: the batch from one generator, ComfyUI's schedulers, which "
+                        "--schedule may then name: normal, karras, exponential, sgm_uniform, simple, ddim_uniform, "
+                        "beta; the image a ComfyUI workflow gives on `sdlite serve`)")
     g.add_argument("--timestep-spacing", default=None,
                    help="leading, linspace or trailing: where the sampler's timesteps fall (default: what the "
                         "model's scheduler config says, `sdlite info` shows it; Turbo models: trailing)")
