@@ -8,6 +8,7 @@ on serving.
 """
 from __future__ import annotations
 
+import argparse
 import base64
 import functools
 import io
@@ -25,6 +26,7 @@ from sdlite.demo import model_path
 from sdlite.pipeline import Engine, Request
 from sdlite.server import create_app
 from sdlite.server.limits import Limits
+from sdlite.server.openai_routes import ImageStore
 from tests import loopback
 
 KEY = "sk-test-0123456789"
@@ -285,6 +287,39 @@ def test_bad_edits_name_the_param(http):
     as_json = http.post("/v1/images/edits", json={"prompt": PROMPT, "image": "abc"})
     assert_openai_error(as_json, 400, None, "invalid_content_type", "multipart/form-data")
     assert post([image], n="1").status_code == 200
+
+
+def test_body_cap_and_the_url_store_bounds():
+    with TestClient(create_app(max_body_bytes=50_000, preload=False)) as c:
+        big = Image.effect_noise((256, 256), 60).convert("RGB")   # a PNG of ~180 kB
+        r = c.post("/v1/images/edits", files={"image": ("big.png", png(big), "image/png")}, data={"prompt": PROMPT})
+        assert_openai_error(r, 413, None, "request_too_large", "50000")
+        r = c.post("/v1/images/generations", json={"prompt": "x" * 60_000})
+        assert_openai_error(r, 413, None, "request_too_large")
+        assert c.get("/v1/models").json()["data"][0]["id"] == "demo"   # no auth configured: open
+
+    store = ImageStore(ttl=60, max_bytes=10, max_count=3)
+    names = [store.put(bytes([i]) * 4, "image/png", "png") for i in range(4)]
+    assert store.get(names[0]) is None and store.get(names[1]) is None   # over 10 bytes: the oldest dropped
+    assert store.get(names[3]) == (bytes([3]) * 4, "image/png") and len(set(names)) == 4
+    gone = ImageStore(ttl=0.0)
+    assert gone.get(gone.put(b"x", "image/png", "png")) is None   # expired at once
+
+
+def test_listen_needs_a_credential(monkeypatch):
+    from sdlite.cli import serve
+    from sdlite.errors import SDLiteError
+
+    parser = argparse.ArgumentParser()
+    serve.add_parser(parser.add_subparsers())
+    monkeypatch.delenv(serve.API_KEY_ENV, raising=False)
+    with pytest.raises(SDLiteError, match="--api-key KEY"):
+        serve.cmd_serve(parser.parse_args(["serve", "--listen"]))
+    with pytest.raises(SDLiteError, match="non-empty and hold no spaces"):
+        serve.cmd_serve(parser.parse_args(["serve", "--listen", "--api-key", "two words"]))
+    monkeypatch.setenv(serve.API_KEY_ENV, "a b")   # the variable is read as --api-key is, and checked the same
+    with pytest.raises(SDLiteError, match="non-empty and hold no spaces"):
+        serve.cmd_serve(parser.parse_args(["serve", "--listen"]))
 
 
 def test_a_full_queue_is_503_in_openai_shape(http):

@@ -195,12 +195,12 @@ def test_webuiapi_client_unchanged(live):
     assert result.image.size == (source.width * 2, source.height * 2)
     assert "Postprocess upscaler: Lanczos" in result.image.info["parameters"]
     report["extra_single_image"] = "works"
-    # not implemented (no interrogator): an A1111-style 404 that the client reports as an error
+    # not implemented (no interrogator): a 501 naming what it needs, which the client reports as an error
     for method, args in (("interrogate", (source,)),):
         with pytest.raises(RuntimeError) as e:
             getattr(api, method)(*args)
-        assert e.value.args[0] == 404, method
-        report[method] = "not supported (404)"
+        assert e.value.args[0] == 501 and "CLIP interrogator" in str(e.value.args[1]), method
+        report[method] = "not supported (501)"
     print("\nwebuiapi", webuiapi.__version__ if hasattr(webuiapi, "__version__") else "", json.dumps(report, indent=1))
 
 
