@@ -94,7 +94,7 @@ class OpenAIError(Exception):
 
 
 def _type_of(status: int) -> str:
-    return {401: "authentication_error", 404: "invalid_request_error", 429: "rate_limit_error"}.get(
+    return {401: "authentication_error", 429: "rate_limit_error"}.get(
         status, "server_error" if status >= 500 else "invalid_request_error")
 
 
@@ -104,8 +104,8 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-_CODES = {400: "invalid_value", 401: "invalid_api_key", 404: "not_found", 413: "request_too_large", 500: "internal_error",
-          "QueueFull": "queue_full", "ShuttingDown": "shutting_down", "NotEnoughMemoryNow": "insufficient_memory",
+_CODES = {400: "invalid_value", 401: "invalid_api_key", 404: "not_found", 413: "request_too_large",
+          500: "internal_error", "QueueFull": "queue_full", "ShuttingDown": "shutting_down", "NotEnoughMemoryNow": "insufficient_memory",
           "MemoryError": "insufficient_memory", "NeverFits": "request_too_large", "LimitExceeded": "limit_exceeded",
           "ImageTooLarge": "image_too_large", "RequestValidationError": "invalid_json"}
 
