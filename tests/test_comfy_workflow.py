@@ -249,6 +249,27 @@ def test_comfy_noise_draws_the_batch_from_one_generator(env):
             validate_request(Request(prompt="a", **bad))
 
 
+def test_step_noise_comes_from_a_generator_seeded_seed_plus_one_on_a_cpu(env, monkeypatch):
+    import sdlite.pipeline.latents as latents
+
+    made = []
+
+    def recording(seed, device="cpu"):
+        made.append(latents_step_generator(seed, device))
+        return made[-1]
+
+    latents_step_generator = latents.step_generator
+    monkeypatch.setattr(latents, "step_generator", recording)
+    r = Request(prompt="a red circle", steps=2, sampler="euler_a", schedule="normal", seed=40)
+    out = env[2].sample_latents(r, LatentRun(torch.zeros(1, 4, SIZE // 8, SIZE // 8))).latents
+    (generator,) = made
+    assert generator.initial_seed() == 41 and generator.device.type == "cpu"
+    fresh = torch.Generator().manual_seed(41)
+    torch.randn(out.shape, generator=fresh)
+    torch.randn(out.shape, generator=fresh)     # one whole-batch draw per step, two steps
+    assert torch.equal(generator.get_state(), fresh.get_state())
+
+
 def test_ksampler_advanced_split_equals_one_run(env):
     engine = env[2]
     r = Request(prompt="a red circle", steps=STEPS, cfg_scale=5.0, sampler="euler", schedule="simple", seed=9)

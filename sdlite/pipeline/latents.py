@@ -5,7 +5,7 @@ What differs from the A1111 loop of :meth:`Engine.run_pass <sdlite.pipeline.engi
 (:mod:`sdlite.sampling.comfy`): the sigmas come from ComfyUI's scheduler formulas, cut by KSampler's ``denoise`` or
 KSamplerAdvanced's start and end steps; the initial noise is one draw of the whole batch from a generator seeded with
 the seed, scaled onto the given latent as ComfyUI's ``noise_scaling`` does; the samplers' per-step noise comes from a
-second generator seeded with the seed; a noise mask keeps the unmasked region at the source latent noised to each
+second generator (seeded with seed + 1 on a CPU); a noise mask keeps the unmasked region at the source latent noised to each
 step's level (ComfyUI's ``KSamplerX0Inpaint``); the UNet gets the nearest training timestep of each sigma.
 
 Latents here are in the sampler's scaling (the VAE's latents times the family's scaling factor), as
@@ -172,7 +172,7 @@ def run_latents(engine, r: Request, run: LatentRun, callback=None, on_latents=No
                 if r.eta is not None and "eta" in params:
                     options["eta"] = r.eta
                 try:
-                    x = info.fn(denoised, x, sigmas, generator=step_generator(r.seed), callback=on_step,
+                    x = info.fn(denoised, x, sigmas, generator=step_generator(r.seed, x.device), callback=on_step,
                                 extra_args=extra, **options)
                     x = inverse_noise_scaling(schedule, float(sigmas[-1]), x)
                 except StopSampling:

@@ -18,8 +18,8 @@ KSampler's start latent (``noise_scaling``): an eps / v model's ``latent + sigma
 the flow latent divided by ``1 - sigma`` of the last sigma.
 
 Its initial noise is one ``randn`` of the whole latent batch from a CPU generator seeded with the seed; the
-ancestral and DDPM-style samplers draw their per-step noise (the whole batch at once) from another generator
-seeded with the same seed (``default_noise_sampler``). The SDE samplers (``dpmpp_sde``, ``dpmpp_2m_sde``) draw theirs
+ancestral and DDPM-style samplers draw their per-step noise (the whole batch at once) from another generator on the
+latent's device, seeded with ``seed + 1`` on a CPU and ``seed`` elsewhere (``default_noise_sampler``). The SDE samplers (``dpmpp_sde``, ``dpmpp_2m_sde``) draw theirs
 from torchsde's Brownian tree seeded with the seed: sdlite draws the same law from its own Brownian path
 (:class:`~.samplers.BrownianNoise`), not the same numbers.
 """
@@ -215,7 +215,11 @@ def comfy_noise(seed: int, shape: tuple) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
 
 
-def step_generator(seed: int) -> torch.Generator:
-    """The generator of the samplers' per-step noise (ComfyUI's ``default_noise_sampler``): a fresh CPU generator
-    seeded with the seed, drawing the whole batch at once."""
-    return torch.Generator().manual_seed(seed)
+def step_generator(seed: int, device="cpu") -> torch.Generator:
+    """The generator of the samplers' per-step noise (ComfyUI's ``default_noise_sampler``), drawing the whole batch at
+    once on the latent's device: on a CPU one seeded with ``seed + 1`` (so it does not repeat the initial noise), on
+    another device that device's generator seeded with ``seed``."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.Generator().manual_seed(seed + 1)
+    return torch.Generator(device=device).manual_seed(seed)
