@@ -90,7 +90,8 @@ def cmd_serve(args) -> int:
                          engine_options={"device": args.device, "precision": precision, "taesd": args.taesd,
                                          "compile": args.compile},
                          flags=flags, limits=limits, upscaler_dir=args.upscaler_dir,
-                         controlnet_dir=args.controlnet_dir, api_key=args.api_key, vae_dir=args.vae_dir)
+                         controlnet_dir=args.controlnet_dir, api_key=args.api_key, comfy_dir=args.comfy_dir,
+                         vae_dir=args.vae_dir)
     except FileNotFoundError as e:
         raise SDLiteError(str(e)) from None
     jobs = app.state.server.jobs
@@ -195,6 +196,10 @@ def add_parser(sub) -> None:
     v.add_argument("--controlnet-dir", metavar="DIR", default=None,
                    help="ControlNet models (files and diffusers folders) for A1111's ControlNet units "
                         "(alwayson_scripts), named by file stem or folder name, as /controlnet/model_list lists them")
+    v.add_argument("--comfy-dir", metavar="DIR", default=None,
+                   help="ComfyUI's folders for its API and web page (/comfy/): input/ (uploads, LoadImage), output/ "
+                        "(SaveImage), temp/ (PreviewImage) and user/ (the page's settings and workflows); made where "
+                        "missing (default: comfyui in sdlite's cache folder, ~/.cache/sdlite/comfyui)")
     v.add_argument("--vae-dir", metavar="DIR", default=None,
                    help="VAE files a request may take in place of the model's own (A1111's models/VAE): by name in "
                         "the option sd_vae or Forge's forge_additional_modules, as /sdapi/v1/sd-vae lists them")

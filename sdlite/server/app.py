@@ -23,7 +23,7 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from .. import __version__
-from . import a1111_routes, mcp_server, openai_routes
+from . import a1111_routes, comfy_routes, mcp_server, openai_routes
 from .backend import (DISCONNECT_POLL_S, NO_TAESD_WARNING, STOP_WAIT_S, Server, ServerBase, run_plan,
                       stop_warning)
 from .checkpoints import Checkpoint, Checkpoints, Engines
@@ -44,7 +44,8 @@ WEB_DIR = Path(__file__).resolve().parent / "web"
 def create_app(model=None, models_dir=None, api_auth: str | None = None, queue_size: int = 32, *,
                lora_dir=None, embeddings_dir=None, max_body_bytes: int = MAX_BODY_BYTES, preload: bool = True,
                engine_options: dict | None = None, flags: dict | None = None, limits: Limits | None = None,
-               upscaler_dir=None, controlnet_dir=None, api_key: str | None = None, vae_dir=None) -> FastAPI:
+               upscaler_dir=None, controlnet_dir=None, api_key: str | None = None, comfy_dir=None,
+               vae_dir=None) -> FastAPI:
     """The server as a FastAPI app. ``model``: a checkpoint (default: the shipped demo model, or the first one in
     ``models_dir``); ``models_dir``: where the checkpoints a client can switch to are; ``api_auth``:
     ``USER:PASS[,...]`` for HTTP Basic on every API route; ``queue_size``: waiting jobs beyond which requests get
@@ -52,12 +53,13 @@ def create_app(model=None, models_dir=None, api_auth: str | None = None, queue_s
     ``limits``: what one request may ask for, the job time limit and the shutdown grace (:class:`.limits.Limits`;
     default: its defaults); ``upscaler_dir``: upscaler networks for the hires fix and the extras;
     ``controlnet_dir``: ControlNet models for the units of ``alwayson_scripts`` (:mod:`.controlnet`); ``api_key``:
-    a key every API route also takes as ``Authorization: Bearer KEY`` (OpenAI's clients send it); ``vae_dir``: VAE
-    files a request may take in place of the model's own (``sd_vae``, Forge's ``forge_additional_modules``)."""
+    a key every API route also takes as ``Authorization: Bearer KEY`` (OpenAI's clients send it); ``comfy_dir``:
+    ComfyUI's input/output/temp/user folders (default: ``comfyui`` in sdlite's cache folder); ``vae_dir``: VAE files
+    a request may take in place of the model's own (``sd_vae``, Forge's ``forge_additional_modules``)."""
     server = Server(model, models_dir, api_auth, queue_size, lora_dir=lora_dir, embeddings_dir=embeddings_dir,
                     max_body_bytes=max_body_bytes, engine_options=engine_options, flags=flags, preload=preload,
                     limits=limits, upscaler_dir=upscaler_dir, controlnet_dir=controlnet_dir, api_key=api_key,
-                    vae_dir=vae_dir)
+                    comfy_dir=comfy_dir, vae_dir=vae_dir)
     return build_app(server)
 
 
@@ -86,6 +88,7 @@ def build_app(server: ServerBase) -> FastAPI:
     a1111_routes.add_routes(app, server, dependencies)
     openai_routes.add_routes(app, server, dependencies)
     mcp_server.add_routes(app, server, dependencies)
+    comfy_routes.add_routes(app, server, dependencies)   # ComfyUI's API, /ws and its web page at /comfy/
 
     @app.get("/", include_in_schema=False)
     async def index():

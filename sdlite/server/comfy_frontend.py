@@ -71,6 +71,15 @@ def mount_page(app: FastAPI, prefix: str, dependencies: list) -> None:
     async def templates():   # the core workflow templates come from another package, which sdlite does not ship
         return []
 
+    favicons = static / "assets" / "images" / "favicon_progress_16x16"
+
+    @app.get("/assets/images/favicon_progress_16x16/{name}", include_in_schema=False)
+    async def progress_favicon(name: str):   # the page asks for these at the site's root, where ComfyUI has it
+        path = favicons / name
+        if not re.fullmatch(r"frame_\d+\.png", name) or not path.is_file():
+            raise HTTPException(404, f"no progress icon {name!r}")
+        return FileResponse(path)
+
     app.mount(prefix, StaticFiles(directory=static, html=True), name="comfy-page")
 
 

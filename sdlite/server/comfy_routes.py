@@ -68,6 +68,14 @@ def add_routes(app: FastAPI, server: ServerBase, dependencies: list) -> None:
         app.include_router(router, prefix=prefix, include_in_schema=prefix == "")
         app.add_api_websocket_route(f"{prefix}/ws" if prefix != "/comfy/api" else f"{UI_PREFIX}/ws",
                                     _websocket(hub, dependencies, server_features(server)))
+    internal = APIRouter(dependencies=dependencies, include_in_schema=False)   # ComfyUI's /internal routes
+
+    @internal.get("/internal/folder_paths")
+    async def folder_paths():
+        return _folder_paths(server)
+
+    for prefix in ("", UI_PREFIX):
+        app.include_router(internal, prefix=prefix)
     comfy_frontend.mount_page(app, UI_PREFIX, dependencies)
 
 
@@ -553,6 +561,15 @@ def _models(server: ServerBase, folder: str) -> list[str]:
     if folder == "upscale_models":
         return _files(server.upscaler_dir, (".pth", ".pt", ".safetensors"))
     return []
+
+
+def _folder_paths(server: ServerBase) -> dict:
+    """ComfyUI's model folders and where sdlite finds each (``--models-dir``, ``--lora-dir`` ...); none for those
+    it keeps no separate files of."""
+    where = {"checkpoints": server.checkpoints.models_dir, "loras": server.lora_dir,
+             "embeddings": server.embeddings_dir, "controlnet": server.controlnets.folder,
+             "upscale_models": server.upscaler_dir}
+    return {folder: [str(where[folder])] if where.get(folder) is not None else [] for folder in MODEL_FOLDERS}
 
 
 def _system_stats(server: ServerBase) -> dict:
