@@ -167,6 +167,12 @@ def test_validation_errors_have_comfyuis_shapes(env):
     assert errors["positive"]["extra_info"]["received_type"] == "LATENT"
     assert body["node_errors"]["5"]["errors"][0]["type"] == "value_bigger_than_max"
 
+    looped = copy.deepcopy(good)
+    looped["5"] = {"class_type": "LatentUpscaleBy", "inputs": {"samples": ["3", 0], "upscale_method": "area",
+                                                                "scale_by": 1.0}}
+    body = refusal(env, looped)
+    assert body["error"]["message"] == "Dependency cycle detected" and "'#3'" in body["error"]["details"]
+
     dangling = copy.deepcopy(good)
     dangling["8"]["inputs"]["samples"] = ["99", 0]
     assert refusal(env, dangling)["node_errors"]["8"]["errors"][0]["type"] == "bad_linked_input"

@@ -492,7 +492,8 @@ def _refuse_bislerp(values: dict, lists: Lists) -> None:
         raise Refused("upscale_method", f"'bislerp': {_NO_BISLERP}")
 
 
-def _upscaled_latent(samples: dict, method: str, width: int, height: int, crop: str) -> dict:
+def _upscaled_latent(ctx, samples: dict, method: str, width: int, height: int, crop: str) -> dict:
+    check_size(width * 8, height * 8, ctx.server.limits, "the upscaled latent's width x height (x 8)")
     out = dict(samples)
     s = samples["samples"]
     out["samples"] = images.common_upscale(s, width, height, method, crop)
@@ -513,7 +514,7 @@ def latent_upscale(ctx, samples, upscale_method, width, height, crop):
     elif height == 0:
         width = max(64, width)
         height = max(64, round(s.shape[2] * width / s.shape[3]))
-    return (_upscaled_latent(samples, upscale_method, width // 8, height // 8, crop),)
+    return (_upscaled_latent(ctx, samples, upscale_method, width // 8, height // 8, crop),)
 
 
 @node("LatentUpscaleBy", "Upscale Latent By", "latent",
@@ -522,7 +523,7 @@ def latent_upscale(ctx, samples, upscale_method, width, height, crop):
 def latent_upscale_by(ctx, samples, upscale_method, scale_by):
     s = samples["samples"]
     width, height = round(s.shape[3] * scale_by), round(s.shape[2] * scale_by)
-    return (_upscaled_latent(samples, upscale_method, width, height, "disabled"),)
+    return (_upscaled_latent(ctx, samples, upscale_method, width, height, "disabled"),)
 
 
 @node("SetLatentNoiseMask", "Set Latent Noise Mask", "latent/inpaint",
@@ -680,7 +681,9 @@ def vae_encode_inpaint(ctx, pixels, vae, mask, grow_mask_by):
 @node("LoadImage", "Load Image", "image", {"image": COMBO(Lists.images, image_upload=True)}, ("IMAGE", "MASK"),
       changed=lambda inputs, lists: images.file_stamp(getattr(lists.dirs, "input", None), inputs.get("image")))
 def load_image(ctx, image):
-    return images.load_image(ctx.dirs.input, image)
+    pixels, mask = images.load_image(ctx.dirs.input, image)
+    check_size(pixels.shape[2], pixels.shape[1], ctx.server.limits, f"image {image!r}'s width x height")
+    return pixels, mask
 
 
 @node("LoadImageMask", "Load Image (as Mask)", "mask",
@@ -691,7 +694,8 @@ def load_image_mask(ctx, image, channel):
     return (images.load_mask(ctx.dirs.input, image, channel),)
 
 
-def _scaled_image(image: torch.Tensor, method: str, width: int, height: int, crop: str) -> torch.Tensor:
+def _scaled_image(image: torch.Tensor, method: str, width: int, height: int, crop: str, limits) -> torch.Tensor:
+    check_size(width, height, limits, "the scaled image's width x height")
     return images.common_upscale(image.permute(0, 3, 1, 2), width, height, method, crop).permute(0, 2, 3, 1)
 
 
@@ -703,7 +707,7 @@ def image_scale(ctx, image, upscale_method, width, height, crop):
     if width == 0 and height == 0:
         return (image,)
     width, height = images.scaled_size(width, height, image.shape[2], image.shape[1], 1)
-    return (_scaled_image(image, upscale_method, width, height, crop),)
+    return (_scaled_image(image, upscale_method, width, height, crop, ctx.server.limits),)
 
 
 @node("ImageScaleBy", "Upscale Image By", "image/upscaling",
@@ -711,7 +715,7 @@ def image_scale(ctx, image, upscale_method, width, height, crop):
       ("IMAGE",))
 def image_scale_by(ctx, image, upscale_method, scale_by):
     width, height = round(image.shape[2] * scale_by), round(image.shape[1] * scale_by)
-    return (_scaled_image(image, upscale_method, width, height, "disabled"),)
+    return (_scaled_image(image, upscale_method, width, height, "disabled", ctx.server.limits),)
 
 
 @node("ImageUpscaleWithModel", "Upscale Image (using Model)", "image/upscaling",

@@ -107,6 +107,10 @@ def validate(prompt: Any, server, dirs: ComfyDirs | None = None) -> list[str]:
     outputs = [node_id for node_id, node in prompt.items() if NODES[node["class_type"]].output_node]
     if not outputs:
         raise PromptError(_error("prompt_no_outputs", "Prompt has no outputs"))
+    cycle = _cycle(prompt)
+    if cycle is not None:
+        raise PromptError(_error("invalid_prompt", "Dependency cycle detected",
+                                 "Node ID '#" + "' -> '#".join(cycle) + "'"))
     lists = comfy_nodes.Lists(server, _dirs_of(server, dirs))
     checked: dict[str, list] = {}
     node_errors: dict[str, dict] = {}
@@ -128,6 +132,35 @@ def validate(prompt: Any, server, dirs: ComfyDirs | None = None) -> list[str]:
         raise PromptError(_error("prompt_outputs_failed_validation", "Prompt outputs failed validation",
                                  "\n".join(lines)), node_errors)
     return outputs
+
+
+def _cycle(prompt: dict) -> list[str] | None:
+    """A dependency cycle among the nodes (a list of node ids, its first repeated at the end), or None."""
+    state: dict[str, int] = {}   # 1: on the current path, 2: done
+    for root in prompt:
+        if root in state:
+            continue
+        path, stack = [], [(root, iter(_sources(prompt, root)))]
+        state[root] = 1
+        path.append(root)
+        while stack:
+            current, sources = stack[-1]
+            source = next(sources, None)
+            if source is None:
+                stack.pop()
+                path.pop()
+                state[current] = 2
+            elif state.get(source) == 1:
+                return path[path.index(source):] + [source]
+            elif source not in state:
+                state[source] = 1
+                path.append(source)
+                stack.append((source, iter(_sources(prompt, source))))
+    return None
+
+
+def _sources(prompt: dict, node_id: str) -> list[str]:
+    return [v[0] for v in prompt[node_id].get("inputs", {}).values() if _is_link(v) and v[0] in prompt]
 
 
 def _upstream(prompt: dict, node_id: str, checked_links: bool = False) -> list[str]:
