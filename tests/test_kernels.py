@@ -59,7 +59,7 @@ def test_used_exactly_where_it_applies():
     assert kattn.attend(*_qkv(2, 4, 64, 77, 16)) is None                  # the demo's attention at 64x64 px
     out = kattn.attend(q, k, v)
     assert (out is not None) == RUNS_HERE, kattn.status()
-    assert ("sdlite's kernels" in kattn.status()) == RUNS_HERE
+    assert ("GEGLU: sdlite's kernel" in kattn.status()) == RUNS_HERE
     if not RUNS_HERE:  # under ONEDNN_MAX_CPU_ISA=AVX2 (make test's second pass) the reason names the cap
         assert this_cpu().onednn_cap is None or "ONEDNN_MAX_CPU_ISA" in kattn.status() or \
             "avx512" in kattn.status()
@@ -115,6 +115,7 @@ def test_thread_counts_do_not_change_any_kernels_result(threads):
 def test_attention_layer_in_bf16_uses_it_and_stays_close_to_fp32(monkeypatch):
     from sdlite.models import layers
 
+    monkeypatch.setenv(kattn.CHOICE_ENV, "kernel")   # the layer takes the kernel where it pays: here, by fiat
     used = []
 
     def counting(q, k, v):
@@ -135,7 +136,8 @@ def test_attention_layer_in_bf16_uses_it_and_stays_close_to_fp32(monkeypatch):
             torch_path = self_attn(x), cross(x, ctx)
         finally:
             kattn.enabled = True
-    assert used[:4] == [False, False, RUNS_HERE, RUNS_HERE]        # fp32: never; bf16: where the CPU runs it
+    # fp32: the layer does not ask; bf16: where the CPU runs it (without it the layer does not ask either)
+    assert used[:2] == ([True, True] if RUNS_HERE else [])
     for g, t, r in zip(got, torch_path, ref):
         assert _snr(g, r) >= _snr(t, r) - 1.0 and _snr(g, r) > 35
     if not RUNS_HERE:
@@ -392,3 +394,41 @@ def test_geglu_epilogue_hands_its_range_to_the_next_int8_layer():
     fine = kattn.geglu_epilogue(torch.randn(2048, 320).bfloat16(), gate, None)
     fine.mul_(3)                                                                # changed after the epilogue
     assert kattn.activation_range(fine) == (fine.min().item(), fine.max().item())
+
+
+def test_the_layer_takes_the_attention_measured_faster_here(monkeypatch, tmp_path):
+    """Whether the kernel or PyTorch's SDPA runs a bf16 attention layer is measured once per machine and kept in
+    the kernel cache folder; the environment variable settles it without measuring."""
+    from sdlite.models import layers
+
+    measure = kattn.measure_attention
+    monkeypatch.setattr(build, "kernel_dir", lambda: tmp_path)
+    monkeypatch.setattr(kattn, "_CHOICES", {})
+    calls = []
+    monkeypatch.setattr(kattn, "measure_attention", lambda: calls.append(1) or (10.0, 20.0))
+    monkeypatch.delenv(kattn.CHOICE_ENV, raising=False)
+    assert kattn.attention_pays() == RUNS_HERE
+    if not RUNS_HERE:
+        assert calls == [] and not (tmp_path / kattn.CHOICE_FILE).exists()
+        return
+    assert calls == [1] and "10.0 ms against PyTorch's 20.0 ms" in kattn.status()
+    monkeypatch.setattr(kattn, "_CHOICES", {})            # a new process reads the measurement kept on disk
+    monkeypatch.setattr(kattn, "measure_attention", lambda: calls.append(2) or (30.0, 20.0))
+    assert kattn.attention_pays() and calls == [1] and "measured before" in kattn.status()
+    (tmp_path / kattn.CHOICE_FILE).write_text("not json")  # a damaged cache: measured again, and rewritten
+    monkeypatch.setattr(kattn, "_CHOICES", {})
+    assert not kattn.attention_pays() and calls == [1, 2]
+    assert "30.0" in (tmp_path / kattn.CHOICE_FILE).read_text()
+    used = []
+    monkeypatch.setattr(layers, "attend", lambda q, k, v: used.append(1) or kattn.attend(q, k, v))
+    layer = Attention(320, 8).eval().bfloat16()
+    x = torch.randn(2, 256, 320).bfloat16()
+    with torch.no_grad():
+        sdpa = layer(x)
+        assert used == []                                  # measured slower here: PyTorch's SDPA
+        monkeypatch.setenv(kattn.CHOICE_ENV, "kernel")
+        kernel = layer(x)
+    assert used == [1] and "SDLITE_BF16_ATTENTION=kernel" in kattn.status()
+    assert _snr(kernel, sdpa.float()) > 35
+    kernel_ms, pytorch_ms = measure(repeats=1)   # the real measurement runs and times both
+    assert kernel_ms > 0 and pytorch_ms > 0

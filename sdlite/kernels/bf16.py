@@ -20,10 +20,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
 import math
+import os
 import threading
+import time
 
 import torch
+import torch.nn.functional as F
 
 from . import build
 
@@ -41,6 +45,15 @@ MIN_WORK = 1 << 22
 MIN_GEGLU_TOKENS = 1024
 # set False to run PyTorch's SDPA instead in this process (bench/profile_unet.py measures both this way)
 enabled = True
+# Whether the attention kernel beats PyTorch's own flash kernel depends on the CPU: on a 2-core Zen 4 it is ~3x
+# faster at SD 1.x's 64x64-latent self-attention, on a 2-core Xeon with AMX (Sapphire Rapids class) ~2.5x slower
+# (PyTorch's flash kernel computes its blocks with oneDNN's brgemm there). So the layers ask :func:`attention_pays`,
+# measured once per CPU, thread count, torch version and kernel build at this shape (B, heads, tokens, head dim) and
+# kept in the kernel cache folder; SDLITE_BF16_ATTENTION=kernel|pytorch settles it without measuring.
+CHOICE_SHAPE = (1, 8, 2048, 40)
+CHOICE_FILE = "attention-choice.json"
+CHOICE_ENV = "SDLITE_BF16_ATTENTION"
+CHOICE_MIN_GAIN = 0.05   # the kernel must be this much faster than PyTorch's to be chosen
 
 
 def cpu_problem(cpu=None) -> str | None:
@@ -83,7 +96,11 @@ def _function():
 def status() -> str:
     """For ``sdlite info --system``: whether bf16 attention and GEGLU run on sdlite's kernels here, and if not why."""
     got = _function()
-    return "sdlite's kernels (AVX512-BF16)" if not isinstance(got, str) else f"PyTorch's ({got})"
+    if isinstance(got, str):
+        return f"PyTorch's ({got})"
+    choice = attention_choice()
+    attention = "sdlite's" if choice["kernel"] else "PyTorch's SDPA"
+    return f"attention: {attention} ({choice['why']}); GEGLU: sdlite's kernel (AVX512-BF16)"
 
 
 _READY = False
@@ -152,8 +169,107 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | 
 
 
 def prepare() -> bool:
-    """Build and load the kernel now, if it applies here (before torch.compile traces a model that uses it)."""
-    return available()
+    """Build and load the kernel now, if it applies here, and settle :func:`attention_pays` (before torch.compile
+    traces a model that uses it)."""
+    if not available():
+        return False
+    attention_pays()
+    return True
+
+
+def attention_pays() -> bool:
+    """Whether :class:`sdlite.models.layers.Attention` should run this kernel rather than PyTorch's SDPA on this
+    machine (see :data:`CHOICE_SHAPE`); False where the kernel is not available. Under torch.compile only a choice
+    already made counts (tracing measures nothing)."""
+    global _LAST
+    if torch.compiler.is_compiling():
+        return _LAST
+    key = _choice_key()
+    if key not in _CHOICES and not _usable():
+        return False
+    _LAST = attention_choice()["kernel"] if key not in _CHOICES else _CHOICES[key]["kernel"]
+    return _LAST
+
+
+_CHOICES: dict = {}
+_LAST = False   # the choice last made in this process: what a torch.compile trace takes
+
+
+def _choice_key() -> str:
+    from ..machine import this_cpu
+
+    return f"{this_cpu().key} | {os.environ.get(CHOICE_ENV, '')}"
+
+
+def attention_choice() -> dict:
+    """``{"kernel": bool, "why": str}`` (with ``kernel_ms`` and ``pytorch_ms`` when measured): which attention
+    :func:`attention_pays` takes here, once per process and thread count."""
+    key = _choice_key()
+    if key in _CHOICES:
+        return _CHOICES[key]
+    forced = os.environ.get(CHOICE_ENV, "").strip().lower()
+    if isinstance(_function(), str):
+        choice = {"kernel": False, "why": str(_function())}
+    elif forced in ("kernel", "pytorch"):
+        choice = {"kernel": forced == "kernel", "why": f"{CHOICE_ENV}={forced}"}
+    else:
+        if forced:
+            build.notice(f"{CHOICE_ENV}={forced!r} is not one of kernel, pytorch: measuring instead")
+        choice = _cached_measurement()
+    _CHOICES[key] = choice
+    return choice
+
+
+def _cached_measurement() -> dict:
+    from ..machine import this_cpu
+
+    path = build.kernel_dir() / CHOICE_FILE
+    lib = build.library_path(NAME, ISA_FLAGS, build.compiler() or "")
+    entry_key = f"{this_cpu().key} | {lib.name}"
+    try:
+        table = json.loads(path.read_text())
+        table = table if isinstance(table, dict) else {}
+    except (OSError, ValueError):
+        table = {}
+    entry = table.get(entry_key)
+    source = "measured before"
+    if not (isinstance(entry, dict) and all(isinstance(entry.get(f), (int, float)) for f in ("kernel_ms", "pytorch_ms"))):
+        kernel_ms, pytorch_ms = measure_attention()
+        entry = {"kernel_ms": round(kernel_ms, 3), "pytorch_ms": round(pytorch_ms, 3), "measured": time.time()}
+        table[entry_key] = entry
+        source = "measured now"
+        try:   # a cache that cannot be written is left alone: the choice still holds in this process
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+    kernel_ms, pytorch_ms = float(entry["kernel_ms"]), float(entry["pytorch_ms"])
+    wins = kernel_ms < pytorch_ms * (1.0 - CHOICE_MIN_GAIN)
+    return {"kernel": wins, "kernel_ms": kernel_ms, "pytorch_ms": pytorch_ms,
+            "why": f"{source}: {kernel_ms:.1f} ms against PyTorch's {pytorch_ms:.1f} ms at (B, heads, tokens, "
+                   f"head dim) {CHOICE_SHAPE}"}
+
+
+def measure_attention(repeats: int = 5) -> tuple[float, float]:
+    """Median ms of this kernel and of PyTorch's SDPA (with the layer's transposes) on one self-attention of
+    :data:`CHOICE_SHAPE`, alternating, after one call of each."""
+    b, h, n, d = CHOICE_SHAPE
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, n, h, d, generator=g).bfloat16().transpose(1, 2) for _ in range(3))
+    calls = (lambda: torch.ops.sdlite.attention_bf16(q, k, v),
+             lambda: F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, h * d))
+    times: tuple[list, list] = ([], [])
+    with torch.no_grad():
+        for fn in calls:
+            fn()
+        for _ in range(repeats):
+            for fn, got in zip(calls, times):
+                t = time.perf_counter()
+                fn()
+                got.append(time.perf_counter() - t)
+    return tuple(1000.0 * sorted(t)[len(t) // 2] for t in times)
 
 
 @torch.library.custom_op("sdlite::geglu_bf16", mutates_args=(), device_types="cpu")

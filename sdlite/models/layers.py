@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import fp32
-from ..kernels.bf16 import attend
+from ..kernels.bf16 import attend, attention_pays
 
 
 def norm_silu(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -88,7 +88,8 @@ class Attention(nn.Module):
         v = self.to_v(context).view(b, -1, h, c // h).transpose(1, 2)   # (B, h, M, D)
         s = self.slice_tokens
         if s is None or (n <= s and b * h == 1):
-            out = attend(q, k, v)                                       # bf16 on AVX512-BF16: (B, N, C), else None
+            # bf16 on AVX512-BF16 where the kernel beats PyTorch's here: (B, N, C), else None
+            out = attend(q, k, v) if q.dtype is torch.bfloat16 and attention_pays() else None
             if out is None and self.fp32_kernels:
                 out = fp32.attend(q, k, v)                              # fp32-fast on AVX2: (B, N, C), else None
             if out is None:
