@@ -213,11 +213,12 @@ def validate(request: Request, native_size: int = 512) -> Request:
         raise RequestError(f"timestep spacing {r.timestep_spacing!r} is not valid: expected one of "
                            f"{', '.join(SPACINGS)}")
     seed = r.seed
-    if not isinstance(seed, int) or not -1 <= seed <= MAX_SEED:
-        raise RequestError(f"seed {seed!r} is not valid: it must be -1 (random) or 0..{MAX_SEED}")
+    top = COMFY_MAX_SEED if r.noise == "comfy" else MAX_SEED   # ComfyUI seeds its one generator with 64 bits
+    if not isinstance(seed, int) or isinstance(seed, bool) or not -1 <= seed <= top:
+        raise RequestError(f"seed {seed!r} is not valid: it must be -1 (random) or 0..{top}")
     if seed == -1:
         seed = random.SystemRandom().randrange(0, MAX_SEED - MAX_BATCH)
-    if seed + r.batch_size - 1 > MAX_SEED:
+    if r.noise != "comfy" and seed + r.batch_size - 1 > MAX_SEED:
         raise RequestError(f"seed {seed} + batch {r.batch_size} runs past the largest seed {MAX_SEED}")
     _validate_sdxl_options(r)
     _validate_slg(r)
@@ -236,6 +237,7 @@ def validate(request: Request, native_size: int = 512) -> Request:
 
 
 # the samplers noise="comfy" runs (the ones ComfyUI's names map to: sdlite.sampling.comfy.COMFY_SAMPLERS)
+COMFY_MAX_SEED = 2**64 - 1
 COMFY_NOISE_SAMPLERS = ("euler", "euler_a", "heun", "lms", "dpmpp_2m", "dpmpp_2m_sde", "dpmpp_sde", "ddpm", "lcm",
                         "unipc")
 

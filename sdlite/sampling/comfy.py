@@ -221,5 +221,5 @@ def step_generator(seed: int, device="cpu") -> torch.Generator:
     another device that device's generator seeded with ``seed``."""
     device = torch.device(device)
     if device.type == "cpu":
-        return torch.Generator().manual_seed(seed + 1)
+        return torch.Generator().manual_seed((seed + 1) % 2**64)
     return torch.Generator(device=device).manual_seed(seed)

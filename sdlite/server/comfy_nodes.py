@@ -26,10 +26,11 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from ..config import CFG_RANGE, MAX_BATCH, MAX_SEED, MAX_STEPS
+from ..config import CFG_RANGE, MAX_BATCH, MAX_STEPS
 from ..errors import RequestError, StopSampling
 from ..pipeline import Request
 from ..pipeline.latents import LatentRun
+from ..pipeline.request import COMFY_MAX_SEED
 from ..sampling.comfy import COMFY_SAMPLERS, COMFY_SAMPLERS_MISSING, COMFY_SCHEDULERS, COMFY_SCHEDULERS_MISSING
 from . import comfy_images as images
 from .limits import admit, check_size
@@ -540,7 +541,7 @@ _SAMPLERS = tuple(COMFY_SAMPLERS)
 
 
 def _sampler_inputs(advanced: bool) -> dict[str, Input]:
-    seed = INT(0, 0, MAX_SEED, control_after_generate=True)
+    seed = INT(0, 0, COMFY_MAX_SEED, control_after_generate=True)
     inputs = {"model": LINK("MODEL")}
     if advanced:
         inputs["add_noise"] = COMBO(("enable", "disable"))
