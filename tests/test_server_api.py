@@ -556,6 +556,7 @@ def test_sd_vae_and_forge_modules_take_a_vae_file(tmp_path, engine):
         options = c.get(f"{API}/options").json()
         assert options["sd_vae"] == "Automatic" and options["forge_additional_modules"] == []
         assert "forge_preset" in options   # what SillyTavern tells Forge by
+        assert c.post(f"{API}/options", json={"sd_checkpoints_limit": 2}).status_code == 200   # both engines kept
 
         payload = {"prompt": PROMPT, "steps": 3, "seed": 8, "width": 64, "height": 64}
         r = c.post(f"{API}/txt2img", json={**payload, "override_settings": {"sd_vae": "sharper.vae.safetensors"}})
