@@ -4,6 +4,7 @@ tools are served over HTTP under ``/mcp`` by ``sdlite serve``."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -55,6 +56,12 @@ def cmd_mcp(args) -> int:
     print(f"sdlite mcp: serving MCP on stdio, model {server.checkpoints.current.name}; {limits.describe()}",
           file=sys.stderr)
     anyio.run(serve_stdio, server)
+    if server.jobs.worker_alive():
+        # a job still inside the engine (the client left mid-call; it was interrupted): the interpreter's own exit
+        # would abort on the thread inside torch, so the process ends here, as sdlite serve's does
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

@@ -6,7 +6,8 @@ Over HTTP, ``/mcp`` is a FastAPI route behind the same dependencies as every oth
 manager then answers it (POST for messages, GET for the server's stream, DELETE to end a session). The manager lives
 as long as the app: :func:`sessions` is entered by the app's lifespan, one manager each time the app starts. When the
 server binds a loopback address only, the SDK's DNS-rebinding protection is on (a Host or Origin of another name is
-refused), as the SDK sets it up for servers on this machine.
+refused), as the SDK sets it up for servers on this machine. On a shutdown the SSE streams are ended once the calls
+being answered are answered, so that a call whose job a SIGTERM's drain interrupted still gets its partial image.
 
     sdlite mcp --model model.safetensors           # an MCP client starts this and talks to it on stdin/stdout
     sdlite serve ...  ->  http://127.0.0.1:7860/mcp
@@ -15,8 +16,10 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import signal
 from contextlib import asynccontextmanager
 
+import anyio
 from fastapi import FastAPI
 from mcp import types
 from mcp.server.lowlevel import Server as McpServer
@@ -71,7 +74,8 @@ class _Endpoint:
     """``/mcp``'s SDK server and its current session manager (one per run of the app)."""
 
     def __init__(self, server: ServerBase):
-        self.app = mcp_app(Tools(server))
+        self.tools = Tools(server)
+        self.app = mcp_app(self.tools)
         self.max_body_bytes = server.max_body_bytes
         self.host = server.flags.get("host")
         self.manager = None
@@ -89,15 +93,48 @@ class _Endpoint:
     @asynccontextmanager
     async def running(self):
         from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+        from sse_starlette.sse import AppStatus
 
+        # the SDK's SSE responses (sse-starlette) end every stream the moment uvicorn is told to exit, which cut the
+        # answer of a job that a SIGTERM's drain had just let finish: the streams are ended here instead, once the
+        # calls are answered (_end_streams)
+        AppStatus.disable_automatic_graceful_drain()
+        AppStatus.should_exit = False   # process-wide: a previous run of an app may have set it
         manager = StreamableHTTPSessionManager(self.app, security_settings=self.security(),
                                                max_request_body_size=self.max_body_bytes)
-        async with manager.run():
+        async with manager.run(), anyio.create_task_group() as tasks:
+            tasks.start_soon(self._end_streams)
             self.manager = manager
             try:
                 yield
             finally:
                 self.manager = None
+                tasks.cancel_scope.cancel()
+
+    async def _end_streams(self) -> None:
+        """sse-starlette's rule, answers kept: once uvicorn is told to exit (sdlite serve: after a SIGTERM's drain),
+        the SSE streams end as soon as no call is being answered (at most ANSWER_WAIT_S later), so that the
+        connections close and the server stops."""
+        from sse_starlette.sse import AppStatus
+
+        while not _uvicorn_exiting():
+            await anyio.sleep(EXIT_POLL_S)
+        with anyio.move_on_after(ANSWER_WAIT_S):
+            while self.tools.in_flight:
+                await anyio.sleep(EXIT_POLL_S / 4)
+            await anyio.sleep(EXIT_POLL_S)   # the last answer's bytes
+        AppStatus.should_exit = True
+
+
+EXIT_POLL_S = 0.2
+ANSWER_WAIT_S = 5.0
+
+
+def _uvicorn_exiting() -> bool:
+    """Whether the uvicorn server running this app was told to exit (its SIGTERM handler is its own bound method,
+    which is how sse-starlette finds it too); False under anything else."""
+    handler = signal.getsignal(signal.SIGTERM)
+    return bool(getattr(getattr(handler, "__self__", None), "should_exit", False))
 
 
 def _is_loopback(host) -> bool:
