@@ -516,7 +516,10 @@ def test_tcd_and_explicit_timesteps(client, engine):
     image, info = run(sampler_name="TCD", steps=3)
     assert info["sampler_name"] == "TCD" and "Eta" not in info["infotexts"][0]
     expected = engine.generate(Request(PROMPT, seed=5, cfg_scale=1, sampler="tcd", steps=3))
-    assert np.array_equal(image, pixels(expected.images[0]))
+    # as above: a whole-file run measured 1/255 on 1 of 12288 values (the server's engine against this one), which the
+    # test alone does not reproduce; a wrong gamma or timestep moves thousands of values by far more
+    differs = np.abs(image - pixels(expected.images[0]))
+    assert differs.max() <= 1 and (differs > 0).mean() < 1e-3
     r = client.post(f"{API}/txt2img", json={"prompt": PROMPT, "sampler_name": "Euler a", "sdlite_timesteps": [999, 499]})
     assert_error(r, 422, "explicit timesteps", "euler, heun")
     r = client.post(f"{API}/txt2img", json={"prompt": PROMPT, "sampler_name": "LCM", "sdlite_timesteps": [499, 999]})
