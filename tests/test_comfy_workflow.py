@@ -289,16 +289,18 @@ def test_ksampler_advanced_split_equals_one_run(env):
     assert torch.equal(untouched, first)
 
 
-def test_inpainting_keeps_the_unmasked_latents(env):
+def test_inpainting_keeps_the_unmasked_latents(env, monkeypatch):
     engine = env[2]
     r = Request(prompt="a red circle", steps=STEPS, cfg_scale=5.0, sampler="euler_a", schedule="normal", seed=2)
-    source = torch.randn(1, 4, SIZE // 8, SIZE // 8, generator=torch.Generator().manual_seed(0))
+    source = torch.randn(2, 4, SIZE // 8, SIZE // 8, generator=torch.Generator().manual_seed(0))
     mask = torch.zeros(1, 1, SIZE, SIZE)
     mask[..., :, SIZE // 2:] = 1
     out = engine.sample_latents(r, LatentRun(source, mask=mask)).latents
     keep = slice(0, SIZE // 16 - 1)     # latent columns whose bilinear mask is 0
-    assert torch.equal(out[..., keep], source[..., keep])
-    assert not torch.allclose(out[..., -2:], source[..., -2:])
+    assert torch.allclose(out[..., keep], source[..., keep], atol=1e-5)   # the last step's x - (x - x0): rounding
+    assert not torch.allclose(out[..., -2:], source[..., -2:], atol=1e-2)
+    monkeypatch.setattr(engine, "unet_piece_bytes", 1, raising=False)   # one image per UNet call: the same
+    assert torch.equal(engine.sample_latents(r, LatentRun(source, mask=mask)).latents, out)
 
 
 def test_img2img_inpaint_hires_lora_controlnet_and_upscale_workflows(env):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..control.apply import ControlledUNet
+from ..engine import budget
 from ..engine.memory import trim_heap
 from ..errors import RequestError, StopSampling
 from ..families.base import latents_to_images
@@ -133,6 +134,7 @@ def run_latents(engine, r: Request, run: LatentRun, callback=None, on_latents=No
         use_cfg = r.cfg_scale > 1.0
         steps = len(sigmas) - 1
         controls = engine.prepare_controls(r, r.width, r.height)
+        unet_piece, _ = budget.pieces(engine, r)
         with networks.applied(engine):
             cond = engine.conditioning(r.replace(prompt=networks.prompt, negative_prompt=networks.negative),
                                        use_cfg, networks.embeddings)
@@ -150,6 +152,10 @@ def run_latents(engine, r: Request, run: LatentRun, callback=None, on_latents=No
                 timesteps = comfy_timesteps(schedule, sigmas[:-1])
                 if timesteps is not None:
                     guided = guided.with_timesteps(sigmas, timesteps)
+                if unet_piece < batch:   # a large batch in pieces, as the A1111 loop runs it (engine.budget)
+                    from .engine import Pieces
+
+                    guided = Pieces(guided, unet_piece, batch)
                 if run.mask is not None:
                     mask = prepare_mask(run.mask, tuple(latent.shape)).to(engine.device)
                     guided = MaskedDenoiser(guided, latent.to(engine.device), noise.to(engine.device), mask,
@@ -183,7 +189,7 @@ def run_latents(engine, r: Request, run: LatentRun, callback=None, on_latents=No
     images = []
     if decode:
         trim_heap()
-        images = latents_to_images(engine.decode_scaled(latents))
+        images = latents_to_images(engine.decode_scaled(latents, piece=budget.pieces(engine, r)[1]))
     t3 = time.perf_counter()
     seeds = [r.seed] * latents.shape[0]
     return Result(images=images, seeds=seeds, request=r, latents=latents, warnings=warnings,

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import CFG_RANGE, MAX_BATCH, MAX_STEPS
+from ..engine import budget
 from ..errors import RequestError, StopSampling
 from ..pipeline import Request
 from ..pipeline.latents import LatentRun
@@ -643,7 +644,10 @@ def vae_decode(ctx, samples, vae):
     if latents.shape[1] != engine.family.latent.channels:
         raise RequestError(f"VAEDecode: {latents.shape[1]}-channel latents; {vae.checkpoint.name}'s VAE decodes "
                            f"{engine.family.latent.channels}")
-    return (images.decoded_to_image(engine.decode_scaled(latents)),)
+    scale = engine.family.latent.downscale
+    size = Request(prompt="", width=latents.shape[3] * scale, height=latents.shape[2] * scale,
+                   batch_size=latents.shape[0])
+    return (images.decoded_to_image(engine.decode_scaled(latents, piece=budget.pieces(engine, size)[1])),)
 
 
 def _encode(ctx, vae: VaeRef, pixels: torch.Tensor) -> torch.Tensor:
