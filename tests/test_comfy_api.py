@@ -399,3 +399,21 @@ def test_a_server_without_a_job_queue_refuses_prompts_clearly(tmp_path):
         assert r.status_code == 501 and "Ray" in r.json()["error"]["details"]
         assert c.get("/queue").json() == {"queue_running": [], "queue_pending": []}
         assert "KSampler" in c.get("/object_info").json()
+
+
+def test_huge_uploads_and_bad_websocket_messages(tmp_path):
+    with TestClient(create_app(comfy_dir=tmp_path, preload=False, max_body_bytes=100_000)) as c:
+        r = c.post("/upload/image", files={"image": ("big.png", b"\0" * 200_000, "image/png")})
+        assert r.status_code == 413 and "cap" in r.json()["detail"]
+        assert list((tmp_path / "input").iterdir()) == []
+        r = c.post("/api/userdata/workflows%2Fbig.json", content=b"[" * 200_000)
+        assert r.status_code == 413 and not (tmp_path / "user" / "default" / "workflows" / "big.json").exists()
+        with c.websocket_connect("/ws?clientId=odd") as ws:
+            assert ws.receive_json()["data"]["sid"] == "odd"
+            ws.send_bytes(b"\xff\x00 not a message")
+            ws.send_text("not json")
+            ws.send_text(json.dumps({"type": "unknown", "data": [1, 2]}))
+            ws.send_text(json.dumps({"type": "feature_flags", "data": {}}))
+            assert ws.receive_json()["type"] == "feature_flags"   # what it cannot read is ignored; it answers on
+        with c.websocket_connect("/api/ws") as ws:   # no clientId: the server names the client
+            assert len(ws.receive_json()["data"]["sid"]) == 32

@@ -159,11 +159,12 @@ def warm_up(server: Fuzzed) -> int:
 def server(tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("fuzz-log") / "server.log"
+    comfy_dir = tmp_path_factory.mktemp("fuzz-comfy")   # what the fuzzed ComfyUI uploads and user data write
     # --log-level debug: uvicorn's access log, one line per request with its status (checked at the end)
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "sdlite", "serve", "--port", str(port), "--threads", "1",
-                                 "--log-level", "debug", *LIMIT_FLAGS], stdout=out, stderr=subprocess.STDOUT,
-                                cwd=ROOT)
+                                 "--log-level", "debug", "--comfy-dir", str(comfy_dir), *LIMIT_FLAGS], stdout=out,
+                                stderr=subprocess.STDOUT, cwd=ROOT)
     fuzzed = Fuzzed(proc, port, log)
 
     def ready():
@@ -247,9 +248,13 @@ def figures(run: dict, operations: set[tuple[str, str]]) -> dict:
     """The figures of one run, for the report and the asserts."""
     statuses = collections.Counter(status for _, _, status in run["sent"])
     per_operation: dict = collections.defaultdict(collections.Counter)
+    # a path with parameters (ComfyUI's /history/{prompt_id} ...) is matched by its template, one segment a parameter
+    templates = [(m, p, re.compile(re.sub(r"\\\{[^}]+\\\}", "[^/]+", re.escape(p)))) for m, p in operations]
     for method, path, status in run["sent"]:
-        if (method, path) in operations:
-            per_operation[f"{method} {path}"][str(status)] += 1
+        for m, template, pattern in templates:
+            if m == method and pattern.fullmatch(path):
+                per_operation[f"{method} {template}"][str(status)] += 1
+                break
     summary = run["summary"]
     return {
         "requests_sent": len(run["sent"]),

@@ -28,6 +28,18 @@ USER_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 MAX_SETTINGS_BYTES = 4 << 20   # a user's settings file at most (the page writes a few kB)
 
 
+def inside(base: Path, relative: str, what: str) -> Path:
+    """``base / relative`` resolved (``base`` itself for ""): 400 when ``relative`` cannot be a path (a NUL, a name
+    too long for the file system), 403 when it leads out of ``base`` (``..``, an absolute path, a link)."""
+    if "\x00" in relative or len(relative) > 1024 or any(len(part.encode("utf-8", "replace")) > 255
+                                                         for part in relative.replace("\\", "/").split("/")):
+        raise HTTPException(400, f"{what} {relative[:120]!r} is not a valid path")
+    path = (base / relative).resolve() if relative else base
+    if path != base and base not in path.parents:
+        raise HTTPException(403, f"{what} {relative[:120]!r} points outside the {base.name} folder")
+    return path
+
+
 def static_dir() -> Path | None:
     """The frontend package's ``static/`` folder, or None when the package is not installed."""
     try:
@@ -103,13 +115,11 @@ class UserFiles:
 
     def path(self, request: Request, relative: str) -> Path:
         """``relative`` in the user's folder; 400 when it is empty or leaves the folder."""
-        base = self.user_dir(request).resolve()
-        if not relative or "\x00" in relative or relative.startswith(("/", "\\")):
-            raise HTTPException(400, f"the user data path {relative[:120]!r} is not valid: a path inside the "
-                                     "user's folder")
-        path = (base / relative).resolve()
-        if base not in path.parents:
-            raise HTTPException(403, f"the user data path {relative[:120]!r} points outside the user's folder")
+        if not relative:
+            raise HTTPException(400, "the user data path is empty: name a file inside the user's folder")
+        path = inside(self.user_dir(request).resolve(), relative, "the user data path")
+        if path == self.user_dir(request).resolve():
+            raise HTTPException(400, f"the user data path {relative[:120]!r} names the user's folder itself")
         return path
 
     # --- settings ---------------------------------------------------------------------------------------------

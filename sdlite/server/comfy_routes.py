@@ -27,7 +27,7 @@ from starlette.concurrency import run_in_threadpool
 from .. import __version__
 from .backend import ServerBase
 from . import comfy_frontend
-from .comfy_frontend import frontend_version, server_features
+from .comfy_frontend import frontend_version, inside, server_features
 from .comfy_queue import EventHub, PromptError, PromptQueue
 from .comfy_workflow import ComfyDirs, Executor, object_info, validate
 from .comfy_workflow import PromptError as WorkflowError
@@ -63,9 +63,11 @@ def add_routes(app: FastAPI, server: ServerBase, dependencies: list) -> None:
     _add_prompt_routes(router, server, queue, hub, dirs)
     _add_file_routes(router, server, dirs)
     _add_listing_routes(router, server, dirs)
-    comfy_frontend.add_api_routes(router, server, user_dir)
+    page = APIRouter(dependencies=dependencies, include_in_schema=False)   # the web page's own start-up routes
+    comfy_frontend.add_api_routes(page, server, user_dir)
     for prefix in PREFIXES:
         app.include_router(router, prefix=prefix, include_in_schema=prefix == "")
+        app.include_router(page, prefix=prefix)
         app.add_api_websocket_route(f"{prefix}/ws" if prefix != "/comfy/api" else f"{UI_PREFIX}/ws",
                                     _websocket(hub, dependencies, server_features(server)))
     internal = APIRouter(dependencies=dependencies, include_in_schema=False)   # ComfyUI's /internal routes
@@ -353,14 +355,10 @@ def _folder(dirs: ComfyDirs, kind: str) -> Path:
 
 
 def _inside(base: Path, subfolder: str, filename: str | None = None) -> Path:
-    """``base/subfolder[/filename]``, refused (403) when it leaves ``base``."""
-    path = (base / subfolder).resolve() if subfolder else base
-    if filename is not None:
-        path = (path / filename).resolve()
-    if path != base and base not in path.parents:
-        raise HTTPException(403, f"subfolder {subfolder!r} with filename {filename!r} points outside the "
-                                 f"{base.name} folder")
-    return path
+    """``base/subfolder[/filename]``: 403 when it leaves ``base``, 400 when it cannot be a path."""
+    folder = inside(base, subfolder, "subfolder")
+    return folder if filename is None else inside(base, (Path(subfolder) / filename).as_posix() if subfolder
+                                                  else filename, "subfolder and filename")
 
 
 def _check_name(filename: str, field: str = "filename") -> None:
