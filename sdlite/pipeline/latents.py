@@ -28,7 +28,7 @@ from ..errors import RequestError, StopSampling
 from ..families.base import latents_to_images
 from ..sampling.comfy import (advanced_sigmas, comfy_noise, comfy_sigmas, comfy_timesteps, denoise_sigmas,
                               inverse_noise_scaling, noise_scaling, step_generator)
-from ..sampling.denoisers import CFGDenoiser, Recorded
+from ..sampling.denoisers import CFGDenoiser, Pieces, Recorded
 from ..sampling.samplers import SAMPLERS, plan
 from ..sampling.schedules import NoiseSchedule, ScheduleError
 from .request import Request, Result
@@ -153,8 +153,6 @@ def run_latents(engine, r: Request, run: LatentRun, callback=None, on_latents=No
                 if timesteps is not None:
                     guided = guided.with_timesteps(sigmas, timesteps)
                 if unet_piece < batch:   # a large batch in pieces, as the A1111 loop runs it (engine.budget)
-                    from .engine import Pieces
-
                     guided = Pieces(guided, unet_piece, batch)
                 if run.mask is not None:
                     mask = prepare_mask(run.mask, tuple(latent.shape)).to(engine.device)

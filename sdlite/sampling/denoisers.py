@@ -209,3 +209,33 @@ class Recorded:
         out = self.denoiser(x, sigma, **extra)
         self._last[0] = out
         return out
+
+
+class Pieces:
+    """A denoiser over a batch of ``batch`` images run ``piece`` images at a time: each argument whose first
+    dimension is the batch is cut along it (a (1, ...) tensor, broadcast to every image, is passed whole), and the
+    pieces' outputs are put back together. Each piece is computed as a batch of ``piece`` images would be."""
+
+    def __init__(self, denoiser, piece: int, batch: int):
+        self.denoiser, self.piece, self.batch = denoiser, piece, batch
+
+    def with_timesteps(self, sigmas: torch.Tensor, timesteps: torch.Tensor) -> "Pieces":
+        inner = self.denoiser
+        if hasattr(inner, "with_timesteps"):
+            inner = inner.with_timesteps(sigmas, timesteps)
+        return Pieces(inner, self.piece, self.batch)
+
+    def _cut(self, value, lo: int, hi: int):
+        if isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape[0] == self.batch:
+            return value[lo:hi]
+        if isinstance(value, dict):
+            return {k: self._cut(v, lo, hi) for k, v in value.items()}
+        return value
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, **extra) -> torch.Tensor:
+        outs = []
+        for lo in range(0, self.batch, self.piece):
+            hi = min(lo + self.piece, self.batch)
+            outs.append(self.denoiser(x[lo:hi], self._cut(sigma, lo, hi),
+                                      **{k: self._cut(v, lo, hi) for k, v in extra.items()}))
+        return torch.cat(outs)
