@@ -45,7 +45,7 @@ def http_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("log") / "serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "sdlite", "serve", "--port", str(port), "--threads", "1",
-                                 "--api-auth", f"{USER}:{PASSWORD}", "--api-key", KEY],
+                                 "--api-auth", f"{USER}:{PASSWORD}", "--api-key", KEY, "--max-steps", "1000"],
                                 stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
         yield f"http://127.0.0.1:{port}", proc, log
@@ -240,6 +240,32 @@ def test_http_inpaint_upscale_lists_and_errors(url):
     assert "no-such-model" in error_text(got["model"][0])
     assert "no-such-upscaler" in error_text(got["upscaler"][0])
     assert "image" in error_text(got["image"][0]) and "base64" in error_text(got["image"][0])
+
+
+def test_http_cancelled_call_stops_its_job(url):
+    """A call the client cancels (the SDK sends notifications/cancelled) interrupts its job: the queue is idle long
+    before the job's 1000 steps could have run."""
+    def idle():
+        r = requests.get(f"{url[:-len('/mcp')]}/sdapi/v1/progress", headers={"Authorization": BASIC}, timeout=5)
+        return r.json()["state"]["job_count"] == 0
+
+    async def scenario(session):
+        started = anyio.Event()
+
+        async def on_progress(done, total, message):
+            started.set()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(session.call_tool, "generate", {**GENERATE, "steps": 1000}, None, on_progress)
+            await started.wait()
+            assert not idle()
+            tasks.cancel_scope.cancel()
+        cancelled = anyio.current_time()
+        while not idle():
+            await anyio.sleep(0.05)
+        return anyio.current_time() - cancelled
+
+    assert http_session(url, {"Authorization": BASIC}, scenario) < 10   # the whole job would run 1000 steps
 
 
 def test_http_refuses_without_credentials(url):
