@@ -393,7 +393,8 @@ def test_auth_covers_routes_and_websocket(tmp_path):
 
 
 def test_a_server_without_a_job_queue_refuses_prompts_clearly(tmp_path):
-    server = ServerBase(comfy_dir=tmp_path)   # as the Ray server: no .jobs in this process
+    server = ServerBase(comfy_dir=tmp_path)
+    server.jobs = object()   # as the Ray cluster's server (sdlite.scale.ingress): its .jobs is a Ray actor's handle
     with TestClient(build_app(server)) as c:
         r = c.post("/prompt", json={"prompt": workflow()})
         assert r.status_code == 501 and "Ray" in r.json()["error"]["details"]
@@ -417,3 +418,10 @@ def test_huge_uploads_and_bad_websocket_messages(tmp_path):
             assert ws.receive_json()["type"] == "feature_flags"   # what it cannot read is ignored; it answers on
         with c.websocket_connect("/api/ws") as ws:   # no clientId: the server names the client
             assert len(ws.receive_json()["data"]["sid"]) == 32
+
+
+def test_serve_refuses_a_comfy_dir_with_ray(tmp_path, capsys):
+    from sdlite.cli import main
+
+    assert main(["serve", "--ray", "--comfy-dir", str(tmp_path)]) == 2
+    assert "--comfy-dir needs a single-machine server" in capsys.readouterr().err

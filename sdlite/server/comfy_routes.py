@@ -29,6 +29,7 @@ from .backend import ServerBase
 from . import comfy_frontend
 from .comfy_frontend import frontend_version, inside, server_features
 from .comfy_queue import EventHub, PromptError, PromptQueue
+from .jobs import Jobs
 from .comfy_workflow import ComfyDirs, Executor, object_info, validate
 from .comfy_workflow import PromptError as WorkflowError
 
@@ -56,7 +57,8 @@ def add_routes(app: FastAPI, server: ServerBase, dependencies: list) -> None:
 
     root = Path(getattr(server, "comfy_dir", None) or cache_dir() / "comfyui")
     dirs, user_dir = comfy_dirs(root)
-    queue = PromptQueue(server, Executor(server, dirs)) if hasattr(server, "jobs") else None
+    # in-process jobs only: a Ray cluster's server (sdlite.scale.ingress) has a Ray actor as its .jobs
+    queue = PromptQueue(server, Executor(server, dirs)) if isinstance(getattr(server, "jobs", None), Jobs) else None
     hub = queue.hub if queue is not None else EventHub(lambda: 0)
     app.state.comfy = queue
     router = APIRouter(dependencies=dependencies)
