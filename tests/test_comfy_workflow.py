@@ -1,5 +1,5 @@
-"""ComfyUI API workflows on the demo model (sdlite/server/comfy_workflow.py, comfy_nodes.py): the node catalog, validation
-with ComfyUI's error shapes, execution (text to image bit-equal to Engine.generate(noise="comfy"), LoRA, ControlNet,
+"""ComfyUI API workflows on the demo model (sdlite/server/comfy_workflow.py, comfy_nodes.py): the node catalog,
+validation with ComfyUI's error shapes, execution (text to image bit-equal to Engine.generate(noise="comfy"), LoRA, ControlNet,
 image to image, inpainting, hires, KSamplerAdvanced's split run, model upscaling), the output cache, saving, interrupts,
 and ComfyUI's schedulers against an independent computation of its published formulas."""
 from __future__ import annotations
@@ -247,8 +247,9 @@ def test_comfy_noise_draws_the_batch_from_one_generator(env):
     one = engine.generate(Request(seed=3, noise="comfy", **base)).latents
     next_seed = engine.generate(Request(seed=4, noise="comfy", **base)).latents
     assert torch.equal(two[:1], one) and not torch.allclose(two[1:], next_seed)
-    for bad, words in ((dict(noise="numpy"), "noise 'numpy'"), (dict(noise="comfy", init_image=Image.new("RGB", (8, 8))),
-                       "init_image does not run with noise='comfy'"),
+    for bad, words in ((dict(noise="numpy"), "noise 'numpy'"),
+                       (dict(noise="comfy", init_image=Image.new("RGB", (8, 8))),
+                        "init_image does not run with noise='comfy'"),
                        (dict(noise="comfy", schedule="kl_optimal"), "schedule 'kl_optimal'"),
                        (dict(noise="comfy", sampler="dpm_2"), "unknown sampler")):
         with pytest.raises(RequestError, match=words):
@@ -440,6 +441,36 @@ def test_comfy_schedulers_follow_the_published_formulas(env, name, steps):
     want = reference_sigmas(schedule.alphas_cumprod.double().numpy(), name, steps)
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+
+
+def flow_reference(kind: str, shift: float, name: str, steps: int) -> np.ndarray:
+    """ComfyUI's flow tables (SD3's ModelSamplingDiscreteFlow, FLUX's ModelSamplingFlux) and two schedulers on them."""
+    n, per_unit = (10000, 1.0) if kind == "flux" else (1000, 1000.0)
+
+    def sigma(t):   # t: the model's timestep
+        s = t / per_unit
+        return math.exp(shift) / (math.exp(shift) + 1 / s - 1) if kind == "flux" else shift * s / (1 + (shift - 1) * s)
+
+    table = np.array([sigma(k / n * per_unit) for k in range(1, n + 1)])
+    if name == "normal":
+        ts = np.linspace(table[-1] * per_unit, table[0] * per_unit, steps)
+        return np.array([sigma(t) for t in ts] + [0.0])
+    return np.array([table[n - 1 - int(i * n / steps)] for i in range(steps)] + [0.0])   # simple
+
+
+@pytest.mark.parametrize("name", ["normal", "simple"])
+def test_comfy_schedulers_on_flow_tables(name):
+    from sdlite.sampling.comfy import flux_shift
+    from sdlite.sampling.flow import FlowSchedule
+
+    sd3 = FlowSchedule.from_config({"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0})
+    flux = FlowSchedule.from_config({"_class_name": "FlowMatchEulerDiscreteScheduler", "use_dynamic_shifting": True,
+                                     "base_shift": 0.5, "max_shift": 1.15, "shift": 3.0})
+    for schedule, kind, shift, given in ((sd3, "sd3", 3.0, None), (sd3, "sd3", 6.0, 6.0), (flux, "flux", 1.15, None),
+                                         (flux, "flux", flux_shift(512, 768), flux_shift(512, 768))):
+        got = comfy_sigmas(schedule, name, 9, given).double().numpy()
+        np.testing.assert_allclose(got, flow_reference(kind, shift, name, 9), rtol=2e-5, atol=1e-6)
+    assert math.isclose(flux_shift(1024, 1024), 1.15) and math.isclose(flux_shift(256, 256), 0.5)
 
 
 def test_beta_scheduler_uses_the_beta_quantiles(env):

@@ -3,15 +3,16 @@ behind a ComfyUI workflow's KSampler / KSamplerAdvanced nodes (:mod:`sdlite.serv
 
 What differs from the A1111 loop of :meth:`Engine.run_pass <sdlite.pipeline.engine.Engine.run_pass>` is ComfyUI's
 (:mod:`sdlite.sampling.comfy`): the sigmas come from ComfyUI's scheduler formulas, cut by KSampler's ``denoise`` or
-KSamplerAdvanced's start and end steps; the initial noise is one draw of the whole batch from a generator seeded with
-the seed, scaled onto the given latent as ComfyUI's ``noise_scaling`` does; the samplers' per-step noise comes from a
-second generator (seeded with seed + 1 on a CPU); a noise mask keeps the unmasked region at the source latent noised to each
-step's level (ComfyUI's ``KSamplerX0Inpaint``); the UNet gets the nearest training timestep of each sigma.
+KSamplerAdvanced's start and end steps; the initial noise is one draw of the whole batch from a generator seeded
+with the seed, scaled onto the given latent as ComfyUI's ``noise_scaling`` does; the samplers' per-step noise comes
+from a second generator (seeded with seed + 1 on a CPU); a noise mask keeps the unmasked region at the source latent
+noised to each step's level (ComfyUI's ``KSamplerX0Inpaint``); the UNet gets the nearest training timestep of each
+sigma.
 
 Latents here are in the sampler's scaling (the VAE's latents times the family's scaling factor), as
 :attr:`Result.latents <sdlite.pipeline.request.Result>` holds them. On a flow-matching model (SD3, FLUX) the sigmas
-are sdlite's own schedule's (ComfyUI's formulas are computed for DDPM-trained models only): see
-:func:`plan_sigmas`.
+come from ComfyUI's flow tables (:class:`sdlite.sampling.comfy.FlowTable`: the model's shift for SD3, ComfyUI's
+1.15 for FLUX.1 dev unless a ModelSamplingFlux node gives another).
 """
 from __future__ import annotations
 
@@ -29,13 +30,8 @@ from ..families.base import latents_to_images
 from ..sampling.comfy import (advanced_sigmas, comfy_noise, comfy_sigmas, comfy_timesteps, denoise_sigmas,
                               inverse_noise_scaling, noise_scaling, step_generator)
 from ..sampling.denoisers import CFGDenoiser, Pieces, Recorded
-from ..sampling.samplers import SAMPLERS, plan
-from ..sampling.schedules import NoiseSchedule, ScheduleError
+from ..sampling.samplers import SAMPLERS
 from .request import Request, Result
-
-# what a flow-matching model's sigmas are planned as for each ComfyUI scheduler name (sdlite's own placements)
-FLOW_KINDS = {"karras": "karras", "exponential": "exponential"}
-
 
 @dataclass
 class LatentRun:
@@ -51,6 +47,7 @@ class LatentRun:
     last_step: int | None = None
     add_noise: bool = True
     force_full_denoise: bool = False
+    shift: float | None = None   # a flow model's: ModelSamplingSD3's shift, ModelSamplingFlux's mu; None: ComfyUI's
 
 
 def plan_sigmas(engine, r: Request, run: LatentRun) -> torch.Tensor | None:
@@ -59,12 +56,7 @@ def plan_sigmas(engine, r: Request, run: LatentRun) -> torch.Tensor | None:
     schedule = engine.schedule_for(r)
 
     def full(steps: int) -> torch.Tensor:
-        if isinstance(schedule, NoiseSchedule):
-            return comfy_sigmas(schedule, r.schedule, steps)
-        try:
-            return plan(r.sampler, schedule, steps, FLOW_KINDS.get(r.schedule, "discrete")).sigmas
-        except ScheduleError as e:
-            raise RequestError(str(e)) from None
+        return comfy_sigmas(schedule, r.schedule, steps, run.shift)
 
     sigmas = denoise_sigmas(full, r.steps, run.denoise)
     if len(sigmas) < 2:

@@ -12,6 +12,9 @@ nearest table index (the UNet gets that integer). Its schedulers:
 * ``karras`` (rho 7) and ``exponential``: between the table's sigma_min and sigma_max, then 0;
 * ``beta``: the table sigmas at ``rint(beta.ppf(1 - i / steps, 0.6, 0.6) * (N - 1))``, repeats dropped, then 0.
 
+The same formulas run on a flow-matching model's table (:class:`FlowTable`: ComfyUI's ``ModelSamplingDiscreteFlow``
+for SD3, ``ModelSamplingFlux`` for FLUX.1 dev), whose ``timestep(sigma)`` is continuous.
+
 KSampler's start latent (``noise_scaling``): an eps / v model's ``latent + sigma * noise``, where noise is scaled by
 ``sqrt(1 + sigma^2)`` instead when the run starts at the schedule's top (``sigma >= sigma_max``); a flow model's
 ``sigma * noise + (1 - sigma) * latent``. What it returns (``inverse_noise_scaling``): the eps / v latent as it is,
@@ -19,9 +22,9 @@ the flow latent divided by ``1 - sigma`` of the last sigma.
 
 Its initial noise is one ``randn`` of the whole latent batch from a CPU generator seeded with the seed; the
 ancestral and DDPM-style samplers draw their per-step noise (the whole batch at once) from another generator on the
-latent's device, seeded with ``seed + 1`` on a CPU and ``seed`` elsewhere (``default_noise_sampler``). The SDE samplers (``dpmpp_sde``, ``dpmpp_2m_sde``) draw theirs
-from torchsde's Brownian tree seeded with the seed: sdlite draws the same law from its own Brownian path
-(:class:`~.samplers.BrownianNoise`), not the same numbers.
+latent's device, seeded with ``seed + 1`` on a CPU and ``seed`` elsewhere (``default_noise_sampler``). The SDE
+samplers (``dpmpp_sde``, ``dpmpp_2m_sde``) draw theirs from torchsde's Brownian tree seeded with the seed: sdlite
+draws the same law from its own Brownian path (:class:`~.samplers.BrownianNoise`), not the same numbers.
 """
 from __future__ import annotations
 
@@ -82,6 +85,57 @@ class ComfyTable:
         return ((1 - w) * self.log_sigmas[low] + w * self.log_sigmas[high]).exp()
 
 
+COMFY_FLUX_SHIFT = 1.15   # ComfyUI's ModelSamplingFlux shift (its mu) unless a ModelSamplingFlux node sets one
+
+
+class FlowTable:
+    """ComfyUI's sampling of a flow-matching model: ``ModelSamplingDiscreteFlow`` (SD3: 1000 timesteps,
+    ``sigma(t) = shift s / (1 + (shift - 1) s)`` with ``s = t / 1000``, ``timestep(sigma) = 1000 sigma``) or, for a
+    model with dynamic shifting (FLUX.1 dev), ``ModelSamplingFlux`` (10000 timesteps, ``sigma(t) = e^mu / (e^mu +
+    1/t - 1)``, ``timestep(sigma) = sigma``, mu = ``shift``, 1.15 unless given). The table holds ``sigma`` of the
+    timesteps 1..N (float32, ascending)."""
+
+    def __init__(self, schedule, shift: float | None = None):
+        self.flux = bool(schedule.use_dynamic_shifting)
+        if self.flux:
+            self.shift, self.multiplier, n = COMFY_FLUX_SHIFT if shift is None else shift, 1.0, 10000
+        else:
+            self.shift, self.multiplier, n = schedule.shift if shift is None else shift, 1000.0, 1000
+        self.sigmas = self.sigma(torch.arange(1, n + 1, dtype=torch.float32) / n * self.multiplier)
+
+    @property
+    def sigma_min(self) -> float:
+        return float(self.sigmas[0])
+
+    @property
+    def sigma_max(self) -> float:
+        return float(self.sigmas[-1])
+
+    def timestep(self, sigma) -> torch.Tensor:
+        return torch.as_tensor(sigma, dtype=torch.float32) * self.multiplier
+
+    def sigma(self, t) -> torch.Tensor:
+        s = torch.as_tensor(t, dtype=torch.float32) / self.multiplier
+        if self.flux:
+            return math.exp(self.shift) / (math.exp(self.shift) + (1 / s - 1))
+        if self.shift == 1.0:
+            return s
+        return self.shift * s / (1 + (self.shift - 1) * s)
+
+
+def comfy_table(schedule, shift: float | None = None):
+    """ComfyUI's sigma table of ``schedule``: :class:`ComfyTable` (DDPM) or :class:`FlowTable` (flow matching, with
+    ``shift``: ModelSamplingSD3's shift or ModelSamplingFlux's mu; None: the model's, ComfyUI's 1.15 for FLUX)."""
+    return ComfyTable(schedule) if isinstance(schedule, NoiseSchedule) else FlowTable(schedule, shift)
+
+
+def flux_shift(width: int, height: int, base_shift: float = 0.5, max_shift: float = 1.15) -> float:
+    """ModelSamplingFlux's shift (mu) for an image of ``width`` x ``height``: linear in its 2x2 latent patches,
+    ``base_shift`` at 256 of them and ``max_shift`` at 4096."""
+    slope = (max_shift - base_shift) / (4096 - 256)
+    return width * height / (8 * 8 * 2 * 2) * slope + (base_shift - slope * 256)
+
+
 def _normal(table: ComfyTable, steps: int, sgm: bool) -> list[float]:
     start = float(table.timestep(torch.tensor(table.sigma_max)))
     end = float(table.timestep(torch.tensor(table.sigma_min)))
@@ -127,18 +181,16 @@ def _beta(table: ComfyTable, steps: int, alpha: float = 0.6, beta: float = 0.6) 
     return sigmas + [0.0]
 
 
-def comfy_sigmas(schedule, name: str, steps: int) -> torch.Tensor:
-    """The float32 sigmas (descending, the last 0) of ComfyUI's scheduler ``name`` over ``steps`` steps on a
-    DDPM ``schedule`` (:class:`~.schedules.NoiseSchedule`). A flow-matching schedule is refused
-    (:class:`ScheduleError`): its ComfyUI schedules are not computed here (the caller plans those by sdlite's)."""
-    if not isinstance(schedule, NoiseSchedule):
-        raise ScheduleError(f"ComfyUI's {name!r} scheduler is computed here for DDPM-trained models only")
+def comfy_sigmas(schedule, name: str, steps: int, shift: float | None = None) -> torch.Tensor:
+    """The float32 sigmas (descending, the last 0) of ComfyUI's scheduler ``name`` over ``steps`` steps on
+    ``schedule`` (a DDPM :class:`~.schedules.NoiseSchedule` or a flow-matching one; ``shift``: see
+    :func:`comfy_table`)."""
     if name not in COMFY_SCHEDULERS:
         raise ScheduleError(f"ComfyUI scheduler {name!r} is not one sdlite computes: expected one of "
                             f"{', '.join(COMFY_SCHEDULERS)}")
     if not isinstance(steps, int) or steps < 1:
         raise ScheduleError(f"steps={steps!r}: expected 1 or more")
-    table = ComfyTable(schedule)
+    table = comfy_table(schedule, shift)
     if name in ("normal", "sgm_uniform"):
         sigmas = _normal(table, steps, sgm=name == "sgm_uniform")
     elif name == "simple":
@@ -191,7 +243,7 @@ def comfy_timesteps(schedule, sigmas: torch.Tensor) -> torch.Tensor | None:
 
 def starts_at_top(schedule, sigma: float) -> bool:
     """ComfyUI's ``max_denoise``: the run starts at (or above) the schedule's largest sigma."""
-    top = float(ComfyTable(schedule).sigma_max) if isinstance(schedule, NoiseSchedule) else schedule.sigma_max
+    top = comfy_table(schedule).sigma_max
     return math.isclose(top, sigma, rel_tol=1e-5) or sigma > top
 
 

@@ -12,8 +12,8 @@ Refused at validation (a ``custom_validation_failed`` error naming the node's in
 loaders (CLIPLoader, DualCLIPLoader, TripleCLIPLoader, UNETLoader, VAELoader: sdlite loads a model's networks from one
 checkpoint), LoraLoaderModelOnly and LoraLoader with different model and clip strengths (sdlite applies a LoRA to
 the UNet and the text encoders at one weight), ConditioningCombine and ConditioningSetArea (no composable or area
-conditioning), the ``bislerp`` latent upscale. At run time: a ModelSamplingSD3 / ModelSamplingFlux whose shift is not
-the model's own, a sampler whose conditionings come from another checkpoint's CLIP or carry other LoRAs.
+conditioning), the ``bislerp`` latent upscale. At run time: ModelSamplingSD3 / ModelSamplingFlux on a model they do
+not fit, a sampler whose conditionings come from another checkpoint's CLIP or carry other LoRAs.
 """
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ from ..errors import RequestError, StopSampling
 from ..pipeline import Request
 from ..pipeline.latents import LatentRun
 from ..pipeline.request import COMFY_MAX_SEED
-from ..sampling.comfy import COMFY_SAMPLERS, COMFY_SAMPLERS_MISSING, COMFY_SCHEDULERS, COMFY_SCHEDULERS_MISSING
+from ..sampling.comfy import (COMFY_SAMPLERS, COMFY_SAMPLERS_MISSING, COMFY_SCHEDULERS, COMFY_SCHEDULERS_MISSING,
+                              flux_shift)
 from . import comfy_images as images
 from .limits import admit, check_size
 
@@ -194,6 +195,7 @@ def LINK(kind: str, required: bool = True) -> Input:
 class ModelRef:
     checkpoint: Any             # a server Checkpoint
     loras: tuple = ()           # (path, weight) pairs
+    shift: float | None = None  # a flow model's: ModelSamplingSD3's shift or ModelSamplingFlux's mu
 
 
 @dataclass(frozen=True)
@@ -451,11 +453,10 @@ def _flow_schedule(ctx, model, node_name: str):
       {"model": LINK("MODEL"), "shift": FLOAT(3.0, 0.0, 100.0, 0.01)}, ("MODEL",))
 def model_sampling_sd3(ctx, model, shift):
     schedule = _flow_schedule(ctx, model, "ModelSamplingSD3")
-    if schedule.use_dynamic_shifting or not math.isclose(schedule.shift, shift, rel_tol=1e-6):
-        own = "dynamic (by image size)" if schedule.use_dynamic_shifting else f"{schedule.shift:g}"
-        raise RequestError(f"ModelSamplingSD3: shift {shift:g} is not this model's own ({own}): sdlite samples with "
-                           "the model's shift only")
-    return (model,)
+    if schedule.use_dynamic_shifting:
+        raise RequestError(f"ModelSamplingSD3: {model.checkpoint.name} shifts its schedule by image size (FLUX.1 dev): "
+                           "use ModelSamplingFlux")
+    return (dataclasses.replace(model, shift=float(shift)),)
 
 
 @node("ModelSamplingFlux", "ModelSamplingFlux", "advanced/model",
@@ -463,11 +464,10 @@ def model_sampling_sd3(ctx, model, shift):
        "width": INT(1024, 16, MAX_RESOLUTION, 8), "height": INT(1024, 16, MAX_RESOLUTION, 8)}, ("MODEL",))
 def model_sampling_flux(ctx, model, max_shift, base_shift, width, height):
     schedule = _flow_schedule(ctx, model, "ModelSamplingFlux")
-    own = (schedule.base_shift, schedule.max_shift) if schedule.use_dynamic_shifting else None
-    if own is None or not all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(own, (base_shift, max_shift))):
-        raise RequestError(f"ModelSamplingFlux: base_shift {base_shift:g} / max_shift {max_shift:g} are not this "
-                           "model's own dynamic shift: sdlite samples with the model's shift only")
-    return (model,)
+    if not schedule.use_dynamic_shifting:
+        raise RequestError(f"ModelSamplingFlux: {model.checkpoint.name} has a fixed shift ({schedule.shift:g}), no "
+                           "shift by image size: use ModelSamplingSD3")
+    return (dataclasses.replace(model, shift=flux_shift(width, height, base_shift, max_shift)),)
 
 
 # --- latents -------------------------------------------------------------------------------------------------
@@ -612,8 +612,8 @@ def _sample(ctx: Context, model: ModelRef, request: Request, latent: dict, **run
             control.set_preview(image, step)
             emit("preview", {"image": image})
 
-    result = engine.sample_latents(request, LatentRun(samples, mask=latent.get("noise_mask"), **run),
-                                   callback=on_step, on_latents=on_latents)
+    run = LatentRun(samples, mask=latent.get("noise_mask"), shift=model.shift, **run)
+    result = engine.sample_latents(request, run, callback=on_step, on_latents=on_latents)
     if result.interrupted or control.interrupted:
         raise StopSampling()
     out = dict(latent)
@@ -741,7 +741,8 @@ _SAVE_HIDDEN = {"prompt": "PROMPT", "extra_pnginfo": "EXTRA_PNGINFO"}
     "STRING", {"default": "ComfyUI"})}, (), output_node=True, hidden=_SAVE_HIDDEN,
       description="Saves the input images to your ComfyUI output directory.")
 def save_image(ctx, filename_prefix="ComfyUI", **kw):
-    entries = images.save_images(kw["images"], ctx.dirs.output, filename_prefix, "output", ctx.prompt, ctx.extra_pnginfo)
+    entries = images.save_images(kw["images"], ctx.dirs.output, filename_prefix, "output", ctx.prompt,
+                                 ctx.extra_pnginfo)
     return {"images": entries}, ()
 
 

@@ -232,8 +232,8 @@ def _validate_node(prompt: dict, node_id: str, lists) -> list[dict]:
         problem = inp.check(value, lists)
         if problem is not None:
             kind, message, details = problem
-            errors.append(_error(kind, message, f"{name}: {details}" if details else name, input_name=name, input_config=config,
-                                 received_value=value))
+            errors.append(_error(kind, message, f"{name}: {details}" if details else name, input_name=name,
+                                 input_config=config, received_value=value))
             continue
         values[name] = inp.convert(value)
     if not errors and spec.refuse is not None:
