@@ -128,9 +128,15 @@ def stdio(http_server, tmp_path_factory):
     params = StdioServerParameters(command=sys.executable, args=["-m", "sdlite", "mcp", "--threads", "1"], cwd=ROOT)
 
     async def session():
-        got = {}
+        got = {"faults": []}
+
+        async def on_message(message):   # a line of stdout that is not a JSON-RPC message arrives as an exception
+            if isinstance(message, Exception):
+                got["faults"].append(message)
+
         with anyio.fail_after(TIMEOUT):
-            async with stdio_client(params) as (read, write), ClientSession(read, write) as s:
+            async with stdio_client(params) as (read, write), \
+                    ClientSession(read, write, message_handler=on_message) as s:
                 got["init"] = await s.initialize()
                 got["tools"] = (await s.list_tools()).tools
                 got["generate"] = await call(s, "generate", GENERATE)
@@ -145,6 +151,7 @@ def stdio(http_server, tmp_path_factory):
 
 def test_stdio_lists_the_tools_with_local_files(stdio):
     assert stdio["init"].server_info.name == "sdlite"
+    assert stdio["faults"] == []   # nothing but MCP's messages on stdout (model loading, generation: all on stderr)
     tools = {t.name: t for t in stdio["tools"]}
     assert set(tools) == TOOLS
     assert "image_path" in tools["img2img"].input_schema["properties"]   # this machine's user: files may be named
@@ -179,7 +186,7 @@ def test_stdio_img2img_reads_a_local_file(stdio):
     assert progress and progress[-1][0] == progress[-1][1]
 
 
-# --- streamable HTTP under /mcp -----------------------------------------------------------------------------------------
+# --- streamable HTTP under /mcp --------------------------------------------------------------------------------------
 
 def http_session(url, headers, scenario):
     async def run():

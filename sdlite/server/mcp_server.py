@@ -68,7 +68,7 @@ async def serve_stdio(server) -> None:
             await server.stop()
 
 
-# --- streamable HTTP under /mcp ----------------------------------------------------------------------------------------
+# --- streamable HTTP under /mcp --------------------------------------------------------------------------------------
 
 class _Endpoint:
     """``/mcp``'s SDK server and its current session manager (one per run of the app)."""
