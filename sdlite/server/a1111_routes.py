@@ -18,7 +18,7 @@ from fastapi import APIRouter, Body, FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from ..images import parameters_of, png_bytes
+from ..images import png_bytes
 from ..pipeline import RequestError
 from . import a1111
 from . import controlnet
@@ -123,24 +123,11 @@ def _add_control_routes(api: APIRouter, server: ServerBase) -> None:
     async def memory():
         return _memory()
 
-    extras_lock = asyncio.Lock()   # one upscale at a time: a network upscale holds its own activations
-
     async def run_extras(req, images: list[tuple[str, Any]]) -> tuple[list[str], str]:
-        from ..upscalers.extras import fields_text, parameters_after, postprocess
+        from ..upscalers.extras import fields_text
 
-        extras, warnings = a1111.extras_plan(req, server.upscaler_dir, server.limits)
-        decoded = []
-        for what, data in images:
-            image = await run_in_threadpool(a1111.decode_image, data, what, server.max_body_bytes)
-            a1111.check_extras_size(image, extras, server.limits, what)
-            decoded.append(image)
-        out, info = [], {}
-        async with extras_lock:
-            for image in decoded:
-                result, info = await run_in_threadpool(postprocess, image, extras, server.upscaler_dir,
-                                                       server.flags.get("device") or "cpu")
-                text = parameters_after(parameters_of(image), info)
-                out.append(base64.b64encode(png_bytes(result, text)).decode("ascii"))
+        results, info, warnings = await server.upscale(req, images)
+        out = [base64.b64encode(png).decode("ascii") for _, png in results]
         html = "<p>" + html_escape(fields_text(info)) + "</p>"
         if warnings:
             html += "".join(f"<p>{html_escape(w)}</p>" for w in warnings)

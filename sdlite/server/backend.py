@@ -19,7 +19,7 @@ from fastapi import HTTPException, Request
 from starlette.concurrency import run_in_threadpool
 
 from ..hires import second_pass_steps
-from ..images import png_bytes
+from ..images import parameters_of, png_bytes
 from ..pipeline import RequestError
 from . import a1111
 from .checkpoints import Checkpoint, Checkpoints, Engines
@@ -60,6 +60,7 @@ class ServerBase:
         self.flags = flags or {}
         self.limits = limits if limits is not None else Limits()
         self._preview_cache: tuple[Any, str] | None = None
+        self._upscale_lock = asyncio.Lock()   # the extras: one upscale at a time (upscale)
 
     # --- options -------------------------------------------------------------------------------------------
 
@@ -93,6 +94,29 @@ class ServerBase:
             if plan.checkpoint is not None:
                 self.checkpoints.current = checkpoint
             self.set_options({k: v for k, v in plan.keep_overrides.items() if k != "sd_model_checkpoint"})
+
+    async def upscale(self, request: a1111.ExtrasSingleImageRequest, images: list[tuple[str, Any]]):
+        """A1111's extras (``request``'s upscalers and size) on ``images``, ``(what, base64)`` each: all checked
+        first (422 on a bad field, 413 on an image too large, the output within the limits), then upscaled in this
+        process, one upscale at a time whichever front-end asked (a network upscale holds its own activations).
+        Returns ``([(image, png), ...], fields, warnings)``: each result with its PNG (the source's ``parameters`` and
+        the fields that record the upscale), the fields, and the warnings of what was ignored."""
+        from ..upscalers.extras import parameters_after, postprocess
+
+        extras, warnings = a1111.extras_plan(request, self.upscaler_dir, self.limits)
+        decoded = []
+        for what, data in images:
+            image = await run_in_threadpool(a1111.decode_image, data, what, self.max_body_bytes)
+            a1111.check_extras_size(image, extras, self.limits, what)
+            decoded.append(image)
+        out, fields = [], {}
+        async with self._upscale_lock:
+            for image in decoded:
+                result, fields = await run_in_threadpool(postprocess, image, extras, self.upscaler_dir,
+                                                         self.flags.get("device") or "cpu")
+                png = await run_in_threadpool(png_bytes, result, parameters_after(parameters_of(image), fields))
+                out.append((result, png))
+        return out, fields, warnings
 
     def preview_b64(self, image) -> str | None:
         if image is None:

@@ -6,7 +6,8 @@ server (:meth:`~.backend.ServerBase.generate`): the same queue, admission and Ra
 images come back as MCP image content (PNG, base64, each with its ``parameters`` chunk), each followed by a text
 block with its seed and A1111 infotext; ``structuredContent`` holds the same as JSON. A job's sampler steps are sent
 as MCP progress notifications when the client gave a progress token (in-process servers; a Ray cluster's replicas do
-not report steps). The upscale runs as A1111's extras do, outside the queue, one at a time.
+not report steps). The upscale is the server's (:meth:`~.backend.ServerBase.upscale`): A1111's extras, outside the
+queue, one upscale at a time with theirs.
 
 Images in are base64 (raw or a ``data:`` URI). Only where the tools serve this machine's user alone (``sdlite mcp``
 on stdio) may a call name a file to read instead (``image_path``, ``mask_path``); over HTTP those arguments are not
@@ -30,10 +31,8 @@ from starlette.concurrency import run_in_threadpool
 
 from ..config import MAX_BATCH, MAX_STEPS
 from ..errors import SDLiteError
-from ..images import parameters_of, png_bytes
 from . import a1111
 from .backend import ServerBase
-from .decode import decode_image
 from .jobs import Unavailable
 
 log = logging.getLogger("sdlite.server")
@@ -221,7 +220,6 @@ class Tools:
 
     def __init__(self, server: ServerBase, local_files: bool = False):
         self.server, self.local_files = server, local_files
-        self._upscale_lock = asyncio.Lock()   # one upscale at a time, as the extras run
         self.in_flight = 0   # calls not answered yet (a shutdown lets them answer before it ends the streams)
 
     def describe(self) -> list[types.Tool]:
@@ -329,23 +327,16 @@ class Tools:
         return types.CallToolResult(content=content, structured_content=structured)
 
     async def _upscale(self, args: UpscaleArguments) -> types.CallToolResult:
-        from ..upscalers.extras import fields_text, parameters_after, postprocess
+        from ..upscalers.extras import fields_text
 
-        server = self.server
         data = await run_in_threadpool(self._image, args.image, args.image_path, "image")
         request = a1111.ExtrasSingleImageRequest(image=data, upscaler_1=args.upscaler, upscaling_resize=args.scale)
-        extras, warnings = await run_in_threadpool(a1111.extras_plan, request, server.upscaler_dir, server.limits)
-        image = await run_in_threadpool(decode_image, data, "image", server.max_body_bytes)
-        a1111.check_extras_size(image, extras, server.limits, "image")
-        async with self._upscale_lock:
-            result, info = await run_in_threadpool(postprocess, image, extras, server.upscaler_dir,
-                                                   server.flags.get("device") or "cpu")
-        png = await run_in_threadpool(png_bytes, result, parameters_after(parameters_of(image), info))
-        text = f"{result.width}x{result.height}: {fields_text(info)}"
+        [(result, png)], fields, warnings = await self.server.upscale(request, [("image", data)])
+        text = f"{result.width}x{result.height}: {fields_text(fields)}"
         content = [types.ImageContent(data=base64.b64encode(png).decode("ascii"), mime_type="image/png"),
                    types.TextContent(text=text + "".join(f"\nwarning: {w}" for w in warnings))]
         return types.CallToolResult(content=content, structured_content={
-            "width": result.width, "height": result.height, "parameters": fields_text(info), "warnings": warnings})
+            "width": result.width, "height": result.height, "parameters": fields_text(fields), "warnings": warnings})
 
     async def _list(self, name: str) -> types.CallToolResult:
         data = await run_in_threadpool(self._models if name == "list_models" else _samplers)
