@@ -481,3 +481,20 @@ def test_beta_scheduler_uses_the_beta_quantiles(env):
     ts = [round(beta.ppf(1 - i / 10, 0.6, 0.6) * 999) for i in range(10)]
     want = [table[t] for k, t in enumerate(ts) if k == 0 or t != ts[k - 1]] + [0.0]
     np.testing.assert_allclose(comfy_sigmas(schedule, "beta", 10).double().numpy(), want, rtol=2e-5)
+
+
+def test_load_image_gives_frames_as_a_batch_and_alpha_as_the_mask(tmp_path):
+    from sdlite.server.comfy_images import ImageFileError, load_image, load_mask
+
+    frames = [Image.new("RGB", (16, 8), (i * 50, 0, 0)) for i in range(3)]
+    frames[0].save(tmp_path / "anim.gif", save_all=True, append_images=frames[1:])
+    pixels, mask = load_image(tmp_path, "anim.gif")
+    assert pixels.shape == (3, 8, 16, 3) and mask.shape == (3, 64, 64) and not mask.any()
+    assert [round(float(v) * 255) for v in pixels[:, 0, 0, 0]] == [0, 50, 100]
+    Image.new("RGBA", (8, 8), (1, 2, 3, 51)).save(tmp_path / "half.png")
+    pixels, mask = load_image(tmp_path, "half.png [input]")
+    assert pixels.shape == (1, 8, 8, 3) and torch.allclose(mask, torch.full((1, 8, 8), 0.8))
+    assert torch.allclose(load_mask(tmp_path, "half.png", "alpha"), mask)
+    assert torch.allclose(load_mask(tmp_path, "half.png", "blue"), torch.full((1, 8, 8), 3 / 255))
+    with pytest.raises(ImageFileError, match="not inside the input folder"):
+        load_image(tmp_path, "../x.png")

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, ImageSequence
 from PIL.PngImagePlugin import PngInfo
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
@@ -61,21 +61,30 @@ def file_stamp(folder: Path | None, name: str):
 
 
 def load_image(folder: Path, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """LoadImage: the image (1, H, W, 3) and its mask (1, H, W): 1 - alpha where it has transparency, else a 64 x 64
-    zero mask (ComfyUI's). The EXIF orientation is applied."""
+    """LoadImage: the image (B, H, W, 3) and its mask (B, H, W): 1 - alpha where it has transparency, else a 64 x 64
+    zero mask (ComfyUI's). The EXIF orientation is applied; the frames of an animation are the batch (those of
+    another size than the first left out, as ComfyUI does; an MPO's first image only)."""
     path = input_path(folder, name)
+    frames, masks = [], []
     try:
         with Image.open(path) as im:
-            im = ImageOps.exif_transpose(im)
-            rgb = np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0
-            if "A" in im.getbands() or (im.mode == "P" and "transparency" in im.info):
-                alpha = np.asarray(im.convert("RGBA").getchannel("A"), dtype=np.float32) / 255.0
-                mask = 1.0 - torch.from_numpy(alpha)
-            else:
-                mask = torch.zeros(64, 64)
+            for frame in ImageSequence.Iterator(im):
+                frame = ImageOps.exif_transpose(frame)
+                if frames and frame.size != (frames[0].shape[1], frames[0].shape[0]):
+                    continue
+                frames.append(np.asarray(frame.convert("RGB"), dtype=np.float32) / 255.0)
+                if "A" in frame.getbands() or (frame.mode == "P" and "transparency" in frame.info):
+                    alpha = np.asarray(frame.convert("RGBA").getchannel("A"), dtype=np.float32) / 255.0
+                    masks.append(1.0 - torch.from_numpy(alpha))
+                else:
+                    masks.append(torch.zeros(64, 64))
+                if im.format == "MPO":
+                    break
     except OSError as e:
         raise ImageFileError(f"image {name!r} cannot be read: {e}") from None
-    return torch.from_numpy(rgb)[None], mask[None]
+    if len({tuple(m.shape) for m in masks}) > 1:   # some frames transparent, some not: each its own mask
+        masks = [m if m.shape[0] == frames[0].shape[0] else torch.zeros(frames[0].shape[:2]) for m in masks]
+    return torch.from_numpy(np.stack(frames)), torch.stack(masks)
 
 
 def load_mask(folder: Path, name: str, channel: str) -> torch.Tensor:
