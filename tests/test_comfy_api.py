@@ -342,6 +342,14 @@ def test_web_page_start_up_routes(client, comfy_dir):
     assert client.get("/comfy/api/i18n").json() == {}
     assert client.get("/comfy/api/features").json()["max_upload_size"] > 0
     assert client.get("/comfy/api/workflow_templates").json() == {}
+    (module,) = client.get("/comfy/templates/index.json").json()
+    (template,) = module["templates"]
+    graph = client.get(f"/comfy/templates/{template['name']}.json").json()
+    widgets = {node["type"]: node["widgets_values"] for node in graph["nodes"]}
+    assert widgets["CheckpointLoaderSimple"] == ["demo"] and widgets["EmptyLatentImage"] == [64, 64, 1]
+    assert len(graph["links"]) == 9 and {n["id"] for n in graph["nodes"]} == {3, 4, 5, 6, 7, 8, 9}
+    thumbnail = client.get(f"/comfy/templates/{template['name']}-1.{template['mediaSubtype']}")
+    assert Image.open(io.BytesIO(thumbnail.content)).size == (256, 256)
     assert client.get("/comfy/api/object_info").json().keys() == client.get("/object_info").json().keys()
     # settings, per user
     assert client.post("/comfy/api/settings", json={"Comfy.Locale": "en", "A": 1}).status_code == 200

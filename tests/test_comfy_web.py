@@ -2,10 +2,10 @@
 browser against the real server.
 
 As in tests/test_web_page.py: Debian's chromium driven by Playwright's sync API, headless, against ``sdlite serve``
-started as a subprocess on a free loopback port with the shipped demo model. The user opens the page, opens
-ComfyUI's classic default text-to-image graph (a workflow file, through the page's own file input: the package's
-built-in default graph is a Z-Image Turbo graph whose loaders and sampling nodes sdlite does not have), points its
-checkpoint at the demo model and a small size, and presses the queue button. The image must come back through the
+started as a subprocess on a free loopback port with the shipped demo model. The user opens the page, picks
+sdlite's template in the template browser the first visit opens (ComfyUI's classic text-to-image graph on the
+server's model at its native size: the package's built-in default graph is a Z-Image Turbo graph whose loaders and
+sampling nodes sdlite does not have), asks for fewer steps, and presses the queue button. The image must come back through the
 websocket and ``/view`` into the page, equal to the file sdlite wrote; every request the page made at start-up must
 have been answered (no 404 but the optional stylesheets and template files ComfyUI answers 404 as well).
 """
@@ -32,44 +32,9 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 TIMEOUT_MS = 120_000
-# what the page may find missing: the user's optional stylesheets, its optional template settings file, and the
-# core templates' logo index (ComfyUI answers 404 to these too when they are absent)
-OPTIONAL = ("/comfy/user.css", "/comfy/api/userdata/user.css", "/comfy/api/userdata/comfy.templates.json",
-            "/comfy/templates/index_logo.json")
-
-# ComfyUI's classic default graph: (id, type, widget values, inputs as (name, type, link), outputs as
-# (name, type, links))
-NODES = [
-    (4, "CheckpointLoaderSimple", ["v1-5-pruned-emaonly-fp16.safetensors"], [],
-     [("MODEL", "MODEL", [1]), ("CLIP", "CLIP", [3, 5]), ("VAE", "VAE", [8])]),
-    (6, "CLIPTextEncode", ["beautiful scenery nature glass bottle landscape, , purple galaxy bottle,"],
-     [("clip", "CLIP", 3)], [("CONDITIONING", "CONDITIONING", [4])]),
-    (7, "CLIPTextEncode", ["text, watermark"], [("clip", "CLIP", 5)], [("CONDITIONING", "CONDITIONING", [6])]),
-    (5, "EmptyLatentImage", [512, 512, 1], [], [("LATENT", "LATENT", [2])]),
-    (3, "KSampler", [156680208700286, "randomize", 20, 8, "euler", "normal", 1],
-     [("model", "MODEL", 1), ("positive", "CONDITIONING", 4), ("negative", "CONDITIONING", 6),
-      ("latent_image", "LATENT", 2)], [("LATENT", "LATENT", [7])]),
-    (8, "VAEDecode", [], [("samples", "LATENT", 7), ("vae", "VAE", 8)], [("IMAGE", "IMAGE", [9])]),
-    (9, "SaveImage", ["ComfyUI"], [("images", "IMAGE", 9)], []),
-]
-LINKS = [[1, 4, 0, 3, 0, "MODEL"], [2, 5, 0, 3, 3, "LATENT"], [3, 4, 1, 6, 0, "CLIP"], [4, 6, 0, 3, 1, "CONDITIONING"],
-         [5, 4, 1, 7, 0, "CLIP"], [6, 7, 0, 3, 2, "CONDITIONING"], [7, 3, 0, 8, 0, "LATENT"], [8, 4, 2, 8, 1, "VAE"],
-         [9, 8, 0, 9, 0, "IMAGE"]]
-
-
-def default_graph() -> dict:
-    """The classic default graph in the page's own workflow format (as its Save writes it)."""
-    nodes = []
-    for order, (node_id, kind, widgets, inputs, outputs) in enumerate(NODES):
-        nodes.append({"id": node_id, "type": kind, "pos": [100 + 300 * (order % 4), 100 + 300 * (order // 4)],
-                      "size": [300, 200], "flags": {}, "order": order, "mode": 0,
-                      "inputs": [{"name": n, "type": t, "link": link} for n, t, link in inputs],
-                      "outputs": [{"name": n, "type": t, "links": links, "slot_index": i}
-                                  for i, (n, t, links) in enumerate(outputs)],
-                      "properties": {"Node name for S&R": kind}, "widgets_values": widgets})
-    return {"last_node_id": 9, "last_link_id": 9, "nodes": nodes, "links": LINKS, "groups": [], "config": {},
-            "extra": {}, "version": 0.4}
-
+# what the page may find missing: the user's optional stylesheets and its optional template settings file (ComfyUI
+# answers 404 to these too when they are absent)
+OPTIONAL = ("/comfy/user.css", "/comfy/api/userdata/user.css", "/comfy/api/userdata/comfy.templates.json")
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
@@ -122,31 +87,25 @@ def page(server):
             browser.close()
 
 
-def test_open_the_default_graph_queue_and_see_the_image(server, page):
+def test_pick_the_template_queue_and_see_the_image(server, page):
     url, comfy_dir = server
     page.goto(url + "/comfy/")
     page.wait_for_function("window.app && window.app.graph && window.app.canvas && "
                            "document.querySelector('[data-testid=queue-button]')")
-    # the first visit opens the template browser (sdlite ships no templates: it says "No templates found"); the
-    # user closes it
-    dialog = page.locator("[role=dialog]")
-    dialog.wait_for(state="visible")
-    assert "No templates found" in dialog.inner_text()
-    page.keyboard.press("Escape")
-    dialog.wait_for(state="hidden")
-    # the user opens ComfyUI's classic default text-to-image graph (Workflow > Open: the page's file input)
-    page.set_input_files("#comfy-file-input", files=[{"name": "default.json", "mimeType": "application/json",
-                                                      "buffer": json.dumps(default_graph()).encode()}])
-    page.wait_for_function("window.app.graph.nodes.length === 7 && "
-                           "window.app.graph.getNodeById(4).widgets[0].value.endsWith('.safetensors')")
-    # ... points the checkpoint at sdlite's demo model (the combo lists it), a small size, a few steps and a seed in
-    # the range sdlite's KSampler offers (the graph's own seed is beyond it)
-    options = page.evaluate("window.app.graph.getNodeById(4).widgets[0].options.values")
-    assert "demo" in options
+    # the first visit opens the template browser; sdlite offers ComfyUI's classic text-to-image graph on the model
+    # it serves (the package's own default graph is a Z-Image Turbo graph, whose nodes sdlite does not have)
+    page.click("[data-testid=template-workflow-sdlite_text_to_image]")
+    page.locator("[role=dialog]").wait_for(state="hidden")
+    page.wait_for_function("window.app.graph.nodes.length === 7")
+    widgets = json.loads(page.evaluate("JSON.stringify(Object.fromEntries(window.app.graph.nodes.map("
+                                       "n => [n.type + n.id, (n.widgets || []).map(w => w.value)])))"))
+    assert widgets["CheckpointLoaderSimple4"] == ["demo"]   # the server's current checkpoint
+    assert widgets["EmptyLatentImage5"] == [64, 64, 1]        # its native size
+    assert "demo" in page.evaluate("window.app.graph.getNodeById(4).widgets[0].options.values")
+    # the user asks for fewer steps, its own prompt and file name
     page.evaluate("""() => {
         const set = (id, name, value) => { window.app.graph.getNodeById(id).widgets.find(w => w.name === name).value = value }
-        set(4, 'ckpt_name', 'demo'); set(5, 'width', 64); set(5, 'height', 64); set(3, 'steps', 4); set(3, 'seed', 3)
-        set(6, 'text', 'a red circle on a blue background'); set(9, 'filename_prefix', 'from_the_page')
+        set(3, 'steps', 4); set(6, 'text', 'a red circle on a blue background'); set(9, 'filename_prefix', 'from_the_page')
     }""")
     # ... and presses the queue button; the image comes back through the websocket and /view
     with page.expect_response(lambda r: "/comfy/api/view?" in r.url and "from_the_page" in r.url

@@ -1,7 +1,8 @@
 """ComfyUI's own web page at ``/comfy/``, from the pinned ``comfyui-frontend-package``, and what the page asks the
 server for besides workflows: the user (one, "default"), its settings and user data (saved workflows, templates
 of its own), the extensions (none: sdlite runs no custom nodes), translations (none beyond the page's own), the
-server's features and the custom nodes' workflow templates (none).
+server's features, and the workflow templates: one, ComfyUI's classic text-to-image graph on the server's current
+checkpoint (the package's own default graph is a Z-Image Turbo graph, whose nodes sdlite does not have).
 
 The page finds its API next to itself: it takes the path it was loaded from (``/comfy/``) as its base and calls
 ``/comfy/api/...`` and ``/comfy/ws``, which :mod:`.comfy_routes` answers as it answers ``/api/...``. A user's files
@@ -65,7 +66,7 @@ def server_features(server) -> dict:
     return {"supports_preview_metadata": False, "max_upload_size": server.max_body_bytes}
 
 
-def mount_page(app: FastAPI, prefix: str, dependencies: list) -> None:
+def mount_page(app: FastAPI, server, prefix: str, dependencies: list) -> None:
     """The page's files under ``prefix`` (``/comfy/``); a clear 404 where the frontend package is missing."""
     static = static_dir()
 
@@ -79,9 +80,26 @@ def mount_page(app: FastAPI, prefix: str, dependencies: list) -> None:
             raise HTTPException(404, "ComfyUI's web page is not installed: pip install 'sdlite[server]' (the "
                                      "comfyui-frontend-package it pins)")
         return
-    @app.get(prefix + "/templates/index.json", include_in_schema=False)
-    async def templates():   # the core workflow templates come from another package, which sdlite does not ship
-        return []
+    # ComfyUI's core templates come from another package, which sdlite does not ship; its template browser offers
+    # sdlite's one instead: the classic text-to-image graph on this server's current checkpoint
+    @app.get(prefix + "/templates/index.json", include_in_schema=False, dependencies=dependencies)
+    async def templates():
+        return [{"moduleName": "default", "title": "sdlite", "type": "image", "category": "sdlite",
+                 "templates": [{"name": TEMPLATE, "title": "Text to image", "mediaType": "image",
+                                "mediaSubtype": "png", "description": "ComfyUI's classic text-to-image graph on the "
+                                                                      "model sdlite serves"}]}]
+
+    @app.get(prefix + "/templates/index_logo.json", include_in_schema=False)
+    async def template_logos():   # no provider logos
+        return {}
+
+    @app.get(f"{prefix}/templates/{TEMPLATE}.json", include_in_schema=False, dependencies=dependencies)
+    async def template():
+        return classic_graph(server.checkpoints.current.name, _native_size(server))
+
+    @app.get(f"{prefix}/templates/{TEMPLATE}-1.png", include_in_schema=False)
+    async def template_thumbnail():
+        return Response(_thumbnail(), media_type="image/png")
 
     favicons = static / "assets" / "images" / "favicon_progress_16x16"
 
@@ -145,6 +163,64 @@ class UserFiles:
             tmp = path.with_suffix(".tmp")
             tmp.write_text(text, encoding="utf-8")
             os.replace(tmp, path)
+
+
+TEMPLATE = "sdlite_text_to_image"
+# ComfyUI's classic default graph: (id, type, widget values, inputs as (name, type, link), outputs as
+# (name, type, links)); the checkpoint and the size are filled in
+CLASSIC_NODES = [
+    (4, "CheckpointLoaderSimple", ["{ckpt}"], [],
+     [("MODEL", "MODEL", [1]), ("CLIP", "CLIP", [3, 5]), ("VAE", "VAE", [8])]),
+    (6, "CLIPTextEncode", ["beautiful scenery nature glass bottle landscape, , purple galaxy bottle,"],
+     [("clip", "CLIP", 3)], [("CONDITIONING", "CONDITIONING", [4])]),
+    (7, "CLIPTextEncode", ["text, watermark"], [("clip", "CLIP", 5)], [("CONDITIONING", "CONDITIONING", [6])]),
+    (5, "EmptyLatentImage", ["{size}", "{size}", 1], [], [("LATENT", "LATENT", [2])]),
+    (3, "KSampler", [156680208, "randomize", 20, 8, "euler", "normal", 1],
+     [("model", "MODEL", 1), ("positive", "CONDITIONING", 4), ("negative", "CONDITIONING", 6),
+      ("latent_image", "LATENT", 2)], [("LATENT", "LATENT", [7])]),
+    (8, "VAEDecode", [], [("samples", "LATENT", 7), ("vae", "VAE", 8)], [("IMAGE", "IMAGE", [9])]),
+    (9, "SaveImage", ["ComfyUI"], [("images", "IMAGE", 9)], []),
+]
+CLASSIC_LINKS = [[1, 4, 0, 3, 0, "MODEL"], [2, 5, 0, 3, 3, "LATENT"], [3, 4, 1, 6, 0, "CLIP"],
+                 [4, 6, 0, 3, 1, "CONDITIONING"], [5, 4, 1, 7, 0, "CLIP"], [6, 7, 0, 3, 2, "CONDITIONING"],
+                 [7, 3, 0, 8, 0, "LATENT"], [8, 4, 2, 8, 1, "VAE"], [9, 8, 0, 9, 0, "IMAGE"]]
+
+
+def classic_graph(ckpt_name: str, size: int) -> dict:
+    """ComfyUI's classic text-to-image graph in the page's own workflow format (as its Save writes it), on the
+    checkpoint ``ckpt_name`` at ``size`` x ``size``; its seed is one sdlite's KSampler takes."""
+    fill = {"{ckpt}": ckpt_name, "{size}": size}
+    nodes = []
+    for order, (node_id, kind, widgets, inputs, outputs) in enumerate(CLASSIC_NODES):
+        nodes.append({"id": node_id, "type": kind, "pos": [100 + 340 * (order % 4), 100 + 320 * (order // 4)],
+                      "size": [315, 220], "flags": {}, "order": order, "mode": 0,
+                      "inputs": [{"name": n, "type": t, "link": link} for n, t, link in inputs],
+                      "outputs": [{"name": n, "type": t, "links": links, "slot_index": i}
+                                  for i, (n, t, links) in enumerate(outputs)],
+                      "properties": {"Node name for S&R": kind},
+                      "widgets_values": [fill.get(w, w) if isinstance(w, str) else w for w in widgets]})
+    return {"last_node_id": 9, "last_link_id": 9, "nodes": nodes, "links": CLASSIC_LINKS, "groups": [],
+            "config": {}, "extra": {}, "version": 0.4}
+
+
+def _native_size(server) -> int:
+    """The current model's native image side when it is loaded in this process, else 512."""
+    engines = getattr(server, "engines", None)
+    engine = engines.loaded(server.checkpoints.current) if engines is not None else None
+    return int(engine.spec.default_size) if engine is not None else 512
+
+
+def _thumbnail() -> bytes:
+    """The template's picture: the demo model's subject, a red circle on blue, drawn."""
+    import io
+
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (256, 256), (40, 70, 200))
+    ImageDraw.Draw(image).ellipse((64, 64, 192, 192), fill=(220, 40, 40))
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
 
 
 def _flag(value: str | None, default: bool) -> bool:

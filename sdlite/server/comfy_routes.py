@@ -80,7 +80,7 @@ def add_routes(app: FastAPI, server: ServerBase, dependencies: list) -> None:
 
     for prefix in ("", UI_PREFIX):
         app.include_router(internal, prefix=prefix)
-    comfy_frontend.mount_page(app, UI_PREFIX, dependencies)
+    comfy_frontend.mount_page(app, server, UI_PREFIX, dependencies)
 
 
 # --- bodies and errors --------------------------------------------------------------------------------------------
