@@ -289,3 +289,38 @@ def test_http_refuses_without_credentials(url):
     assert r.status_code in (403, 421), r.text
     r = requests.post(url, json=initialize, headers={**headers, "Authorization": BASIC}, timeout=TIMEOUT)
     assert r.status_code == 200 and r.headers.get("mcp-session-id")
+
+
+def test_http_bad_requests_get_4xx_and_the_server_goes_on(url):
+    """Hand-written bad input (``/mcp`` is left out of the OpenAPI schema that schemathesis fuzzes): each gets a 4xx
+    saying what is wrong, and the server then serves a session as before."""
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json",
+               "Authorization": BASIC}
+    initialize = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                  "params": {"protocolVersion": "2025-06-18", "capabilities": {},
+                             "clientInfo": {"name": "test", "version": "1"}}}
+    call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "generate", "arguments": {}}}
+    for body, extra, status, words in (
+            (b"not json", {}, 400, "Parse error"),
+            (b'{"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"x": NaN}}', {}, 422, "NaN"),
+            (b"[" * 200 + b"]" * 200, {}, 422, "nested"),
+            (call, {}, 400, "Missing session ID"),                      # a call before any session
+            (initialize, {"Accept": "text/html"}, 406, "Not Acceptable"),
+            (initialize, {"mcp-session-id": "no-such-session"}, 404, "Session not found")):
+        kw = {"json": body} if isinstance(body, dict) else {"data": body}
+        r = requests.post(url, headers={**headers, **extra}, timeout=TIMEOUT, **kw)
+        assert r.status_code == status and words in r.text, (body, r.status_code, r.text)
+    assert requests.put(url, json=initialize, headers=headers, timeout=TIMEOUT).status_code == 405
+
+    r = requests.post(url, json=initialize, headers=headers, timeout=TIMEOUT)   # a session, by hand
+    assert r.status_code == 200
+    headers["mcp-session-id"] = r.headers["mcp-session-id"]
+    requests.post(url, json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=headers, timeout=TIMEOUT)
+    for params, words in (({"name": "paint", "arguments": {}}, "unknown tool 'paint'"),
+                          ({"name": "generate", "arguments": "a cat"}, "Invalid request parameters")):
+        r = requests.post(url, json={**call, "params": params}, headers=headers, timeout=TIMEOUT)
+        assert r.status_code == 200 and '"code":-32602' in r.text and words in r.text, r.text
+    r = requests.post(url, json={**call, "params": {"name": "list_samplers", "arguments": {}}}, headers=headers,
+                      timeout=TIMEOUT)
+    assert r.status_code == 200 and '"result"' in r.text and "Euler a" in r.text, r.text
+    assert requests.delete(url, headers=headers, timeout=TIMEOUT).status_code == 200
