@@ -193,19 +193,22 @@ class PromptQueue:
             entry = Prompt(prompt_id, number, prompt, extra, list(outputs), client_id)
             self._pending[prompt_id] = entry
 
-            def ahead_of(job) -> bool:
-                if front:
-                    return True
-                other = self._by_job.get(job.id)
-                return other is not None and other.number > entry.number
+        def ahead_of(job) -> bool:   # called under the job queue's lock: reads, never takes this queue's lock
+            if front:
+                return True
+            other = self._by_job.get(job.id)
+            return other is not None and other.number > entry.number
 
-            try:
-                entry.job = self.jobs.submit(lambda control: self.run(entry, control), "comfyui prompt",
-                                             ahead_of=ahead_of)
-            except BaseException:
+        # submitted outside this queue's lock: the job queue calls _settled under its own lock (a shutdown's close)
+        try:
+            job = self.jobs.submit(lambda control: self.run(entry, control), "comfyui prompt", ahead_of=ahead_of)
+        except BaseException:
+            with self._lock:
                 del self._pending[prompt_id]
-                raise
-            self._by_job[entry.job.id] = entry
+            raise
+        with self._lock:
+            entry.job = job
+            self._by_job[job.id] = entry
         entry.job.future.add_done_callback(lambda _: self._settled(entry))
         self.hub.status()
         return entry
@@ -234,7 +237,7 @@ class PromptQueue:
         with self._lock:
             entries = [self._pending[i] for i in prompt_ids if i in self._pending]
         for entry in entries:
-            if entry.job.future.cancel():   # the worker skips a cancelled job; _settled removes it
+            if entry.job is not None and entry.job.future.cancel():   # the worker skips it; _settled removes it
                 self.jobs.cancel(entry.job)
 
     def clear(self) -> None:

@@ -314,9 +314,9 @@ def _websocket(hub: EventHub, dependencies: list, features: dict):
         sid = websocket.query_params.get("clientId") or os.urandom(16).hex()
         await websocket.accept()
         outgoing = hub.connect(sid)
-        sender = asyncio.create_task(_send_loop(websocket, outgoing))
+        outgoing.put_nowait(hub.status_message(sid))   # first: the client learns its id from it
+        sender = asyncio.create_task(_send_loop(websocket, outgoing))   # the one task that sends on this socket
         try:
-            await websocket.send_text(hub.status_message(sid))
             while True:
                 message = await websocket.receive()
                 if message["type"] == "websocket.disconnect":
