@@ -127,3 +127,38 @@ def test_pick_the_template_queue_and_see_the_image(server, page):
     unanswered = [(status, u) for status, u in page.failed if u.startswith(url)
                   and not any(u.split("?")[0].endswith(path) for path in OPTIONAL)]
     assert unanswered == []
+
+
+def test_websocket_events_over_a_real_connection(server):
+    """The `websockets` package's client on the real server's /ws (uvicorn's websocket, not the test client's)."""
+    from websockets.sync.client import connect
+
+    url, comfy_dir = server
+    graph = {"4": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "demo"}},
+             "6": {"class_type": "CLIPTextEncode", "inputs": {"text": "a red circle", "clip": ["4", 1]}},
+             "5": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+             "3": {"class_type": "KSampler", "inputs": {"seed": 5, "steps": 3, "cfg": 7.0, "sampler_name": "euler",
+                                                        "scheduler": "normal", "denoise": 1.0, "model": ["4", 0],
+                                                        "positive": ["6", 0], "negative": ["6", 0],
+                                                        "latent_image": ["5", 0]}},
+             "8": {"class_type": "VAEDecode", "inputs": {"samples": ["3", 0], "vae": ["4", 2]}},
+             "9": {"class_type": "PreviewImage", "inputs": {"images": ["8", 0]}}}
+    with connect(url.replace("http", "ws") + "/ws?clientId=real", open_timeout=30) as ws:
+        assert json.loads(ws.recv(timeout=30))["data"]["sid"] == "real"
+        body = json.dumps({"prompt": graph, "client_id": "real"}).encode()
+        request = urllib.request.Request(url + "/api/prompt", data=body, headers={"Content-Type": "application/json"})
+        prompt_id = json.load(urllib.request.urlopen(request, timeout=30))["prompt_id"]
+        kinds = []
+        while True:
+            message = ws.recv(timeout=TIMEOUT_MS / 1000)
+            if isinstance(message, bytes):
+                continue
+            data = json.loads(message)
+            kinds.append(data["type"])
+            if data["type"] == "executing" and data["data"]["node"] is None:
+                break
+    events = [k for k in kinds if k != "status"]
+    assert events[:2] == ["execution_start", "execution_cached"] and events[-2:] == ["execution_success", "executing"]
+    assert events.count("progress") == 3 and "executed" in events
+    (image,) = json.load(urllib.request.urlopen(f"{url}/history/{prompt_id}"))[prompt_id]["outputs"]["9"]["images"]
+    assert image["type"] == "temp" and (comfy_dir / "temp" / image["subfolder"] / image["filename"]).is_file()
