@@ -100,8 +100,9 @@ def cmd_serve(args) -> int:
     jobs = app.state.server.jobs
     GracefulServer = graceful_server_class()
     print(f"sdlite: serving the A1111 API on http://{host}:{args.port}/sdapi/v1, OpenAI's Images API on "
-          f"http://{host}:{args.port}/v1 and MCP on http://{host}:{args.port}/mcp (web page: "
-          f"http://{host}:{args.port}/); {limits.describe()}", file=sys.stderr)
+          f"http://{host}:{args.port}/v1, MCP on http://{host}:{args.port}/mcp and ComfyUI's API on "
+          f"http://{host}:{args.port}/ (web pages: http://{host}:{args.port}/, ComfyUI's "
+          f"http://{host}:{args.port}/comfy/); {limits.describe()}", file=sys.stderr)
     server = GracefulServer(uvicorn.Config(app, host=host, port=args.port, log_level=args.log_level,
                                            access_log=args.log_level == "debug",
                                            timeout_graceful_shutdown=CONNECTIONS_WAIT_S),
