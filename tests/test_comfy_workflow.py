@@ -498,3 +498,38 @@ def test_load_image_gives_frames_as_a_batch_and_alpha_as_the_mask(tmp_path):
     assert torch.allclose(load_mask(tmp_path, "half.png", "blue"), torch.full((1, 8, 8), 3 / 255))
     with pytest.raises(ImageFileError, match="not inside the input folder"):
         load_image(tmp_path, "../x.png")
+
+
+def test_advanced_sampler_noise_mask_and_scaling_workflow(env):
+    _, _, _, dirs = env
+    ck = ckpt_name(env)
+    sampler = {"cfg": 5.0, "sampler_name": "euler", "scheduler": "normal", "model": ["4", 0], "positive": ["6", 0],
+               "negative": ["7", 0], "steps": STEPS, "end_at_step": 10000}
+    prompt = {
+        "4": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": ck}},
+        "6": {"class_type": "CLIPTextEncode", "inputs": {"text": "a red circle", "clip": ["4", 1]}},
+        "7": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["4", 1]}},
+        "12": {"class_type": "LoadImage", "inputs": {"image": "source.png"}},
+        "13": {"class_type": "VAEEncode", "inputs": {"pixels": ["12", 0], "vae": ["4", 2]}},
+        "14": {"class_type": "LoadImageMask", "inputs": {"image": "holed.png", "channel": "alpha"}},
+        "15": {"class_type": "SetLatentNoiseMask", "inputs": {"samples": ["13", 0], "mask": ["14", 0]}},
+        "16": {"class_type": "KSamplerAdvanced", "inputs": {
+            **sampler, "add_noise": "enable", "noise_seed": 3, "start_at_step": 0, "end_at_step": 2,
+            "return_with_leftover_noise": "enable", "latent_image": ["15", 0]}},
+        "17": {"class_type": "KSamplerAdvanced", "inputs": {
+            **sampler, "add_noise": "disable", "noise_seed": 3, "start_at_step": 2,
+            "return_with_leftover_noise": "disable", "latent_image": ["16", 0]}},
+        "18": {"class_type": "LatentUpscale", "inputs": {"samples": ["17", 0], "upscale_method": "bilinear",
+                                                         "width": 2 * SIZE, "height": 0, "crop": "disabled"}},
+        "19": {"class_type": "VAEDecode", "inputs": {"samples": ["18", 0], "vae": ["4", 2]}},
+        "20": {"class_type": "ImageScale", "inputs": {"image": ["19", 0], "upscale_method": "area", "width": SIZE,
+                                                      "height": SIZE, "crop": "center"}},
+        "21": {"class_type": "PreviewImage", "inputs": {"images": ["20", 0]}},
+    }
+    history, events = run(env, prompt)
+    out = saved(dirs, history["21"]["images"][0]).astype(float)
+    assert out.shape == (SIZE, SIZE, 3)
+    assert [d["value"] for e, d in events if e == "progress"] == [1, 2, 1]   # steps 0-2, then step 2-3
+    source = np.asarray(Image.open(dirs.input / "source.png")).astype(float)
+    kept, repainted = slice(0, SIZE // 2 - 8), slice(SIZE // 2 + 8, SIZE)
+    assert np.abs(out[:, kept] - source[:, kept]).mean() < np.abs(out[:, repainted] - source[:, repainted]).mean()
