@@ -433,3 +433,12 @@ def test_serve_refuses_a_comfy_dir_with_ray(tmp_path, capsys):
 
     assert main(["serve", "--ray", "--comfy-dir", str(tmp_path)]) == 2
     assert "--comfy-dir needs a single-machine server" in capsys.readouterr().err
+
+
+def test_a_comfy_dir_that_cannot_be_made_leaves_the_other_routes_serving(tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with TestClient(create_app(comfy_dir=blocker / "comfy", preload=False)) as c:
+        assert "ComfyUI's folders cannot be made" in caplog.text
+        assert c.get("/sdapi/v1/samplers").status_code == 200
+        assert "KSampler" in c.get("/object_info").json()

@@ -120,7 +120,10 @@ class UserFiles:
         self.root = root
         self._lock = threading.Lock()
         for folder in ("workflows", "subgraphs"):   # what the page lists at start-up: empty, not missing
-            (root / DEFAULT_USER / folder).mkdir(parents=True, exist_ok=True)
+            try:
+                (root / DEFAULT_USER / folder).mkdir(parents=True, exist_ok=True)
+            except OSError:   # a folder that cannot be written (comfy_routes warned): its routes answer the error
+                pass
 
     def user_dir(self, request: Request) -> Path:
         """The folder of the request's user: ``Comfy-User`` names it; without one, the default user."""

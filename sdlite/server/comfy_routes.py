@@ -46,8 +46,12 @@ MODEL_FOLDERS = ("checkpoints", "loras", "embeddings", "controlnet", "upscale_mo
 def comfy_dirs(root: Path) -> tuple[ComfyDirs, Path]:
     """The ComfyUI folders under ``root`` (made where missing) and the user folder."""
     dirs = ComfyDirs(input=root / "input", output=root / "output", temp=root / "temp")
-    for path in (dirs.input, dirs.output, dirs.temp, root / "user"):
-        path.mkdir(parents=True, exist_ok=True)
+    try:
+        for path in (dirs.input, dirs.output, dirs.temp, root / "user"):
+            path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:   # the server still serves its other front-ends; ComfyUI's file routes will say why
+        log.warning("ComfyUI's folders cannot be made in %s (%s): its uploads and images will fail; give "
+                    "--comfy-dir a writable folder", root, e)
     return dirs, root / "user"
 
 
