@@ -38,7 +38,6 @@ log = logging.getLogger("sdlite.server")
 PREFIXES = ("", "/api", "/comfy/api")   # the root and /api as ComfyUI; /comfy/api for its web page at /comfy/
 UI_PREFIX = "/comfy"
 FILE_TYPES = ("input", "output", "temp")
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 MODEL_FOLDERS = ("checkpoints", "loras", "embeddings", "controlnet", "upscale_models", "vae", "clip",
                  "text_encoders", "diffusion_models", "unet")   # ComfyUI's folder names that its stock loaders read
 
