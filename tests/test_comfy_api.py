@@ -442,3 +442,26 @@ def test_a_comfy_dir_that_cannot_be_made_leaves_the_other_routes_serving(tmp_pat
         assert "ComfyUI's folders cannot be made" in caplog.text
         assert c.get("/sdapi/v1/samplers").status_code == 200
         assert "KSampler" in c.get("/object_info").json()
+
+
+def test_the_pages_prompt_fields(client):
+    """What ComfyUI's page sends: "" as client_id before its socket has an id (events then go to every client),
+    partial_execution_targets, extra_data with its preview choice and ComfyUI account keys (never kept)."""
+    graph = workflow(seed=30, steps=3)
+    graph["10"] = {"class_type": "PreviewImage", "inputs": {"images": ["8", 0]}}
+    with client.websocket_connect("/ws?clientId=watcher") as ws:
+        ws.receive_json()
+        pid = post_prompt(client, graph, client_id="", partial_execution_targets=["10"],
+                          extra_data={"preview_method": "none", "api_key_comfy_org": "secret",
+                                      "extra_pnginfo": {"workflow": {"nodes": []}}})["prompt_id"]
+        messages, frames = receive_until_done(ws, pid)   # broadcast: no client_id
+    assert frames == []   # preview_method "none"
+    assert [m["data"]["node"] for m in messages if m["type"] == "executed"] == ["10"]
+    history = wait_history(client, pid)
+    assert list(history["outputs"]) == ["10"] and history["outputs"]["10"]["images"][0]["type"] == "temp"
+    assert history["prompt"][4] == ["10"] and "api_key_comfy_org" not in history["prompt"][3]
+    assert "client_id" not in history["prompt"][3]
+    r = client.post("/prompt", json={"prompt": graph, "partial_execution_targets": ["7"]})
+    assert r.status_code == 400 and "7" in r.json()["error"]["message"]
+    r = client.post("/prompt", json={"prompt": graph, "partial_execution_targets": "10"})
+    assert r.status_code == 400 and "partial_execution_targets" in r.json()["error"]["message"]

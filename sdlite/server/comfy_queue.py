@@ -308,12 +308,17 @@ class PromptQueue:
             entry.started = now_ms()
             self._running = entry
         self.hub.status()
-        sid, messages, seen = entry.client_id, [], {"executing": None, "done": []}
+        sid, messages, seen = entry.client_id, [], {"executing": None, "done": [], "step": (0, 0)}
+        previews = entry.extra_data.get("preview_method") != "none"   # the page's per-prompt preview choice
+        wrapped = PreviewControl(control, self.jobs, self.hub, sid, lambda: previews and self._previews_enabled())
 
         def emit(event: str, data: dict) -> None:
-            if event == "preview":
-                self.hub.preview(data["image"], sid)
+            if event == "preview":   # sent when due (a node may make one at every step)
+                if wrapped.preview_due(*seen["step"]):
+                    self.hub.preview(data["image"], sid)
                 return
+            if event == "progress":
+                seen["step"] = (data.get("value", 0), data.get("max", 0))
             if event == "executing":
                 if seen["executing"] is not None and data.get("node") is not None:
                     seen["done"].append(seen["executing"])
@@ -325,7 +330,6 @@ class PromptQueue:
             self.hub.send(event, data, sid)
 
         outputs, completed = {}, False
-        wrapped = PreviewControl(control, self.jobs, self.hub, sid, self._previews_enabled)
         try:
             outputs = self.executor.run(entry.prompt_id, entry.prompt, entry.outputs, wrapped, emit,
                                         extra_data=entry.extra_data)

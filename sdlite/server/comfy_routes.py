@@ -38,6 +38,7 @@ log = logging.getLogger("sdlite.server")
 PREFIXES = ("", "/api", "/comfy/api")   # the root and /api as ComfyUI; /comfy/api for its web page at /comfy/
 UI_PREFIX = "/comfy"
 FILE_TYPES = ("input", "output", "temp")
+SENSITIVE_EXTRA_DATA = ("auth_token_comfy_org", "api_key_comfy_org")
 MODEL_FOLDERS = ("checkpoints", "loras", "embeddings", "controlnet", "upscale_models", "vae", "clip",
                  "text_encoders", "diffusion_models", "unet")   # ComfyUI's folder names that its stock loaders read
 
@@ -129,7 +130,14 @@ def _add_prompt_routes(router: APIRouter, server: ServerBase, queue: PromptQueue
         hub.attach(asyncio.get_running_loop())
         try:
             fields = _prompt_fields(body)
+            targets = fields.pop("targets")
             outputs = await run_in_threadpool(validate, fields["prompt"], server, dirs)
+            if targets is not None:   # the page's "run selected outputs": only those of the valid outputs
+                unknown = [t for t in targets if t not in outputs]
+                if unknown:
+                    raise PromptError("invalid_prompt", "partial_execution_targets names nodes that are not output "
+                                      f"nodes of this prompt: {', '.join(unknown)}")
+                outputs = [o for o in outputs if o in targets]
             entry = queue.submit(fields["prompt"], outputs, **{k: v for k, v in fields.items() if k != "prompt"})
         except (PromptError, WorkflowError) as e:
             return _prompt_error(e)
@@ -295,13 +303,19 @@ def _prompt_fields(body) -> dict:
         extra = {}
     if not isinstance(extra, dict):
         raise PromptError("invalid_prompt", f"extra_data must be a JSON object, not {type(extra).__name__}")
-    client_id = body.get("client_id", extra.get("client_id"))
+    # the page sends "" before its websocket has its id: no client, as ComfyUI takes it
+    client_id = body.get("client_id", extra.get("client_id")) or None
     prompt_id = body.get("prompt_id")
     for name, value in (("client_id", client_id), ("prompt_id", prompt_id)):
         if value is not None and not (isinstance(value, str) and 0 < len(value) <= 200):
             raise PromptError("invalid_prompt", f"{name} must be a string of 1 to 200 characters, not {value!r:.40}")
+    targets = body.get("partial_execution_targets")
+    if targets is not None and not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        raise PromptError("invalid_prompt", "partial_execution_targets must be a list of node ids (strings)")
+    # ComfyUI's account credentials (for its paid API nodes) are neither used nor kept (never shown by /history)
+    extra = {k: v for k, v in extra.items() if k not in SENSITIVE_EXTRA_DATA}
     return {"prompt": prompt, "number": number, "front": bool(body.get("front", False)), "client_id": client_id,
-            "extra_data": extra, "prompt_id": prompt_id}
+            "extra_data": extra, "prompt_id": prompt_id, "targets": targets}
 
 
 # --- the websocket ------------------------------------------------------------------------------------------------
