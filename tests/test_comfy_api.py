@@ -27,6 +27,8 @@ from sdlite.server.app import build_app
 from sdlite.server.backend import ServerBase
 from sdlite.server.limits import Limits
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # the tiny demo model: one torch thread is faster
+
 PROMPT = "a red circle on a blue background"
 WAIT_S = 120
 
