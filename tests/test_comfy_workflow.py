@@ -113,7 +113,8 @@ def test_object_info_describes_the_nodes_with_this_servers_lists(env):
               "ConditioningCombine ConditioningSetArea ControlNetApplyAdvanced EmptyLatentImage EmptySD3LatentImage "
               "LatentUpscale LatentUpscaleBy SetLatentNoiseMask KSampler KSamplerAdvanced VAEDecode VAEEncode "
               "VAEEncodeForInpaint LoadImage LoadImageMask ImageScale ImageScaleBy ImageUpscaleWithModel SaveImage "
-              "PreviewImage FluxGuidance ModelSamplingSD3 ModelSamplingFlux").split()
+              "PreviewImage FluxGuidance ModelSamplingSD3 ModelSamplingFlux UnetLoaderGGUF CLIPLoaderGGUF "
+              "DualCLIPLoaderGGUF TripleCLIPLoaderGGUF").split()
     assert sorted(info) == sorted(wanted)
     ck = info["CheckpointLoaderSimple"]
     assert ck["input"]["required"]["ckpt_name"][0] == [ckpt_name(env)]
@@ -188,15 +189,12 @@ def test_validation_errors_have_comfyuis_shapes(env):
     ({"class_type": "LatentUpscale", "inputs": {"samples": ["5", 0], "upscale_method": "bislerp", "width": 128,
                                                 "height": 128, "crop": "disabled"}}, "upscale_method",
      "latent_image"),
-    ({"class_type": "UNETLoader", "inputs": {"unet_name": None, "weight_dtype": "default"}}, "unet_name", "model"),
 ])
 def test_what_sdlite_cannot_honour_is_refused_naming_the_input(env, node, input_name, feeds):
     prompt = txt2img(ckpt_name(env))
     node = copy.deepcopy(node)
     prompt["20"] = node
     prompt["3"]["inputs"][feeds] = ["20", 0]
-    if node["class_type"] == "UNETLoader":
-        node["inputs"]["unet_name"] = ckpt_name(env)
     body = refusal(env, prompt)
     (error,) = body["node_errors"]["20"]["errors"]
     assert error["type"] == "custom_validation_failed" and error["extra_info"]["input_name"] == input_name

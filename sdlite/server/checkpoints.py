@@ -162,22 +162,24 @@ class Engines:
         self._loaded: collections.OrderedDict[tuple, object] = collections.OrderedDict()   # (path, VAE file)
         self._refiner: tuple[Path, object] | None = None   # (path, engine) of the refiner last asked for
 
-    def get(self, checkpoint: Checkpoint, vae: str | None = None):
-        """The engine of ``checkpoint`` (with the VAE file ``vae`` in place of its own), loaded if needed (dropping
-        the least recently used beyond the limit)."""
-        key = (checkpoint.path, vae)
+    def get(self, checkpoint: Checkpoint, vae: str | None = None, text_encoders: tuple = ()):
+        """The engine of ``checkpoint`` (with the VAE file ``vae`` in place of its own, and the text-encoder files
+        ``text_encoders`` a bare SD3 or FLUX transformer file lacks), loaded if needed (dropping the least recently
+        used beyond the limit)."""
+        key = (checkpoint.path, vae, tuple(text_encoders))
         engine = self._loaded.get(key)
         if engine is None:
             while len(self._loaded) >= max(self.limit, 1):
                 self._loaded.popitem(last=False)
-            engine = self._load(checkpoint, vae)
+            engine = self._load(checkpoint, vae, tuple(text_encoders))
             self._loaded[key] = engine
         self._loaded.move_to_end(key)
         return engine
 
-    def loaded(self, checkpoint: Checkpoint, vae: str | None = None):
-        """The engine of ``checkpoint`` (with ``vae``) if it is loaded, else None (never loads)."""
-        engine = self._loaded.get((checkpoint.path, vae))
+    def loaded(self, checkpoint: Checkpoint, vae: str | None = None, text_encoders: tuple = ()):
+        """The engine of ``checkpoint`` (with ``vae`` and ``text_encoders``) if it is loaded, else None (never
+        loads)."""
+        engine = self._loaded.get((checkpoint.path, vae, tuple(text_encoders)))
         if engine is None and self._refiner is not None and self._refiner[0] == checkpoint.path:
             engine = self._refiner[1]
         return engine
@@ -189,23 +191,29 @@ class Engines:
         if self._refiner is not None and self._refiner[0] == checkpoint.path:
             return self._refiner[1]
         self._refiner = None
-        engine = self._loaded.get((checkpoint.path, None))
+        engine = self._loaded.get((checkpoint.path, None, ()))
         if engine is None:
             engine = self._load(checkpoint)
         self._refiner = (checkpoint.path, engine)
         return engine
 
-    def _load(self, checkpoint: Checkpoint, vae: str | None = None):
+    def _load(self, checkpoint: Checkpoint, vae: str | None = None, text_encoders: tuple = ()):
         """A new engine for ``checkpoint`` (the refiner's, when it is asked for as a base model: never two)."""
         from ..errors import CheckpointError, RequestError
         from ..loader import open_model
         from ..pipeline import Engine
 
-        if vae is None and self._refiner is not None and self._refiner[0] == checkpoint.path:
+        if vae is None and not text_encoders and self._refiner is not None and self._refiner[0] == checkpoint.path:
             return self._refiner[1]
         source = checkpoint.path
+        if text_encoders:
+            # a bare FLUX transformer takes its VAE with its other parts when it is opened
+            files = [*text_encoders, *([vae] if vae is not None and _is_flux(checkpoint.path) else [])]
+            source = open_model(checkpoint.path, text_encoders=files)
+            if vae in files:
+                vae = None
         if vae is not None:
-            source = open_model(checkpoint.path)
+            source = open_model(source) if isinstance(source, Path) else source
             try:
                 source.use_vae(vae)
             except CheckpointError as e:   # the client's choice of VAE, not the server's model, is at fault
@@ -232,3 +240,14 @@ class Engines:
             except TAESDNotFound:
                 self._taesds[variant] = None
         return self._taesds[variant]
+
+
+def _is_flux(path: Path) -> bool:
+    """Whether the single file ``path`` holds a FLUX transformer (read from its keys)."""
+    from ..weights.flux import is_flux_file
+    from ..weights.io import open_checkpoint
+
+    if not Path(path).is_file():
+        return False
+    with open_checkpoint(path) as store:
+        return is_flux_file(store.keys())

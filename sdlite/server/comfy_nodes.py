@@ -8,9 +8,11 @@ guidance, ControlNet units); the sampler encodes it. A LATENT is ComfyUI's dict:
 sampler's scaling (the VAE's latents times the family's scale) and an optional ``noise_mask``. IMAGE and MASK are
 ComfyUI's tensors (:mod:`.comfy_images`).
 
-Refused at validation (a ``custom_validation_failed`` error naming the node's input and value): the separate-file
-loaders (CLIPLoader, DualCLIPLoader, TripleCLIPLoader, UNETLoader, VAELoader: sdlite loads a model's networks from one
-checkpoint), LoraLoaderModelOnly and LoraLoader with different model and clip strengths (sdlite applies a LoRA to
+The separate-file loaders (UNETLoader, CLIPLoader, DualCLIPLoader, TripleCLIPLoader, VAELoader, city96's GGUF
+loaders) are :mod:`.comfy_loaders`'; a MODEL, CLIP or VAE from them names its files instead of a checkpoint.
+
+Refused at validation (a ``custom_validation_failed`` error naming the node's input and value): LoraLoaderModelOnly
+and LoraLoader with different model and clip strengths (sdlite applies a LoRA to
 the UNet and the text encoders at one weight), ConditioningCombine and ConditioningSetArea (no composable or area
 conditioning), the ``bislerp`` latent upscale. At run time: ModelSamplingSD3 / ModelSamplingFlux on a model they do
 not fit, a sampler whose conditionings come from another checkpoint's CLIP or carry other LoRAs.
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 
 from ..config import CFG_RANGE, MAX_BATCH, MAX_STEPS
 from ..engine import budget
-from ..errors import RequestError, StopSampling
+from ..errors import CheckpointError, ConfigError, RequestError, StopSampling
 from ..pipeline import Request
 from ..pipeline.latents import LatentRun
 from ..pipeline.request import COMFY_MAX_SEED
@@ -193,21 +195,26 @@ def LINK(kind: str, required: bool = True) -> Input:
 
 @dataclass(frozen=True)
 class ModelRef:
-    checkpoint: Any             # a server Checkpoint
+    checkpoint: Any             # a server Checkpoint (UNETLoader's: the transformer file)
     loras: tuple = ()           # (path, weight) pairs
     shift: float | None = None  # a flow model's: ModelSamplingSD3's shift or ModelSamplingFlux's mu
+    origin: str = ""            # the separate-file loader node that gave it, for errors
 
 
 @dataclass(frozen=True)
 class ClipRef:
-    checkpoint: Any
+    checkpoint: Any             # None for a CLIP loader's
     loras: tuple = ()
     clip_skip: int = 1          # A1111's numbering: 1 = the last layer
+    files: tuple = ()           # a CLIP loader's text-encoder files
+    origin: str = ""
 
 
 @dataclass(frozen=True)
 class VaeRef:
-    checkpoint: Any
+    checkpoint: Any             # None for VAELoader's
+    file: str | None = None     # VAELoader's file
+    origin: str = ""
 
 
 @dataclass(frozen=True)
@@ -231,6 +238,7 @@ class Context:
     extra_pnginfo: dict | None
     emit: Callable[[str, dict], None]
     node_id: str = ""
+    sampled: tuple | None = None   # (ModelRef, ClipRef) of the last sampler run in this prompt
 
     def engine(self, checkpoint):
         if self.server.engines.loaded(checkpoint) is None:
@@ -291,6 +299,83 @@ def refuse_always(input_name: str, why: str):
     return refuse
 
 
+MODEL_LOADERS = ("CheckpointLoaderSimple", "UNETLoader", "UnetLoaderGGUF")
+CLIP_LOADERS = ("CLIPLoader", "DualCLIPLoader", "TripleCLIPLoader", "CLIPLoaderGGUF", "DualCLIPLoaderGGUF",
+                "TripleCLIPLoaderGGUF")
+
+
+# --- engines: a checkpoint's, or a combination of separate files' (.comfy_loaders' nodes) ---------------------
+
+def engine_for(ctx, model: ModelRef, clip: ClipRef | None = None, vae: VaeRef | None = None):
+    """The engine of ``model``'s file with ``clip``'s text-encoder files and ``vae``'s VAE file (each optional), from
+    the server's engine cache; a combination that does not make a model is a :class:`RequestError` naming the nodes
+    that gave the files."""
+    texts = clip.files if clip is not None else ()
+    vae_file = vae.file if vae is not None else None
+    if not texts and vae_file is None:
+        return ctx.engine(model.checkpoint)
+    engines = ctx.server.engines
+    parts = [model.origin or f"CheckpointLoaderSimple ({model.checkpoint.name})",
+             *(c.origin for c in (clip, vae) if c is not None and c.origin)]
+    if engines.loaded(model.checkpoint, vae_file, texts) is None:
+        ctx.control.info("ComfyUI workflow: loading " + " + ".join(parts))
+    try:
+        return engines.get(model.checkpoint, vae_file, texts)
+    except (CheckpointError, ConfigError, RequestError) as e:
+        raise RequestError(f"{' + '.join(parts)}: these files do not make one model: {e}") from None
+
+
+def _loaders(prompt: dict, classes: tuple[str, ...]) -> list[str]:
+    return [node_id for node_id, n in prompt.items() if isinstance(n, dict) and n.get("class_type") in classes]
+
+
+def _run_loader(ctx, node_id: str) -> tuple:
+    spec = NODES[ctx.prompt[node_id]["class_type"]]
+    inputs = ctx.prompt[node_id].get("inputs", {})
+    args = {n: i.convert(inputs[n]) if n in inputs else i.default for n, i in spec.inputs.items()}
+    return spec.run(dataclasses.replace(ctx, node_id=node_id), **args)
+
+
+def prompt_vae(ctx) -> VaeRef | None:
+    """The VAE file the prompt decodes with, for its sampler's engine: when the prompt loads one model and every VAE
+    input in it comes from VAELoaders naming one file (else None: the model's own VAE, or one found beside it)."""
+    prompt = ctx.prompt
+    if len(_loaders(prompt, MODEL_LOADERS)) != 1:
+        return None
+    sources = {v[0] for n in prompt.values() if isinstance(n, dict)
+               for name, v in n.get("inputs", {}).items() if name == "vae" and isinstance(v, list) and v}
+    if not sources or any(prompt.get(s, {}).get("class_type") != "VAELoader" for s in sources):
+        return None
+    if len({prompt[s]["inputs"].get("vae_name") for s in sources}) != 1:
+        return None
+    return _run_loader(ctx, sorted(sources)[0])[0]
+
+
+def vae_engine(ctx, vae: VaeRef):
+    """The engine that encodes and decodes with ``vae``: a checkpoint's own VAE is its engine's (the one the
+    sampler ran, when that model is the checkpoint with text-encoder files); a VAELoader's file goes with the model
+    a sampler of this prompt ran, else with the prompt's one model loader (and its one CLIP loader, if any)."""
+    sampled = ctx.sampled
+    if vae.file is None:
+        if sampled is not None and sampled[0].checkpoint.path == vae.checkpoint.path:
+            return engine_for(ctx, sampled[0], sampled[1], None)
+        return ctx.engine(vae.checkpoint)
+    if sampled is not None:
+        return engine_for(ctx, sampled[0], sampled[1], vae)
+    models, clips = _loaders(ctx.prompt, MODEL_LOADERS), _loaders(ctx.prompt, CLIP_LOADERS)
+    if len(models) != 1 or len(clips) > 1:
+        raise RequestError(f"{vae.origin}: sdlite encodes and decodes with a whole model's engine, and cannot tell "
+                           f"which model this VAE goes with: no sampler ran before it, and the prompt has "
+                           f"{len(models)} model loaders and {len(clips)} CLIP loaders (one of each at most)")
+    model = _run_loader(ctx, models[0])[0]
+    clip = _run_loader(ctx, clips[0])[0] if clips else None
+    return engine_for(ctx, model, clip, vae)
+
+
+def has_clip_loaders(prompt: dict) -> bool:
+    return bool(_loaders(prompt, CLIP_LOADERS))
+
+
 # --- loaders -------------------------------------------------------------------------------------------------
 
 def _checkpoint(ctx: Context, name: str):
@@ -304,36 +389,9 @@ def _checkpoint(ctx: Context, name: str):
       ("MODEL", "CLIP", "VAE"))
 def checkpoint_loader(ctx, ckpt_name):
     ckpt = _checkpoint(ctx, ckpt_name)
-    ctx.engine(ckpt)   # loaded here, as ComfyUI loads it in this node
+    if not has_clip_loaders(ctx.prompt):   # else loaded with their files by the sampler
+        ctx.engine(ckpt)   # loaded here, as ComfyUI loads it in this node
     return ModelRef(ckpt), ClipRef(ckpt), VaeRef(ckpt)
-
-
-SEPARATE_FILES = ("sdlite loads a model's text encoders, denoiser and VAE from one checkpoint (a single file or a "
-                  "diffusers folder, SD3's text encoders beside it): load it with CheckpointLoaderSimple")
-
-
-def _unsupported_loader(name, display, inputs, outputs, first):
-    @node(name, display, "advanced/loaders" if name != "VAELoader" else "loaders", inputs, outputs,
-          refuse=refuse_always(first, SEPARATE_FILES), description=f"Refused by sdlite: {SEPARATE_FILES}")
-    def run(ctx, **_):
-        raise RequestError(f"{name}: {SEPARATE_FILES}")
-    return run
-
-
-_TEXT_ENCODER_TYPES = ("stable_diffusion", "stable_cascade", "sd3", "stable_audio", "mochi", "ltxv", "pixart",
-                       "cosmos", "lumina2", "wan", "hidream", "chroma", "ace", "omnigen2", "qwen_image")
-_unsupported_loader("CLIPLoader", "Load CLIP", {"clip_name": COMBO(Lists.checkpoints),
-                                                "type": COMBO(_TEXT_ENCODER_TYPES)}, ("CLIP",), "clip_name")
-_unsupported_loader("DualCLIPLoader", "DualCLIPLoader", {
-    "clip_name1": COMBO(Lists.checkpoints), "clip_name2": COMBO(Lists.checkpoints),
-    "type": COMBO(("sdxl", "sd3", "flux", "hunyuan_video", "hidream"))}, ("CLIP",), "clip_name1")
-_unsupported_loader("TripleCLIPLoader", "TripleCLIPLoader", {
-    "clip_name1": COMBO(Lists.checkpoints), "clip_name2": COMBO(Lists.checkpoints),
-    "clip_name3": COMBO(Lists.checkpoints)}, ("CLIP",), "clip_name1")
-_unsupported_loader("UNETLoader", "Load Diffusion Model", {
-    "unet_name": COMBO(Lists.checkpoints),
-    "weight_dtype": COMBO(("default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2"))}, ("MODEL",), "unet_name")
-_unsupported_loader("VAELoader", "Load VAE", {"vae_name": COMBO(Lists.checkpoints)}, ("VAE",), "vae_name")
 
 
 def _same_strengths(values: dict, lists: Lists) -> None:
@@ -569,12 +627,18 @@ def _one(conds: list, what: str) -> Cond:
 def _request(ctx, model: ModelRef, seed, steps, cfg, sampler_name, scheduler, positive, negative) -> Request:
     pos, neg = _one(positive, "positive"), _one(negative, "negative")
     for what, c in (("positive", pos), ("negative", neg)):
-        if c.clip.checkpoint.path != model.checkpoint.path:
+        if not c.clip.files and model.origin:
+            raise RequestError(f"{what}: its CLIP is {c.clip.checkpoint.name}'s, the model {model.origin}'s: a "
+                               "diffusion model takes its text encoders from a CLIP loader (DualCLIPLoader, ...)")
+        if not c.clip.files and c.clip.checkpoint.path != model.checkpoint.path:
             raise RequestError(f"{what}: its CLIP is {c.clip.checkpoint.name}'s, the model {model.checkpoint.name}: "
                                "sdlite encodes the prompts with the sampled model's own text encoders")
         if c.clip.loras != model.loras:
             raise RequestError(f"{what}: its CLIP carries other LoRAs than the model ({list(c.clip.loras)} against "
                                f"{list(model.loras)}): sdlite applies each LoRA to both")
+    if neg.clip.files != pos.clip.files:
+        raise RequestError(f"positive and negative: encoded by other CLIP loaders ({pos.clip.origin} against "
+                           f"{neg.clip.origin}): sdlite encodes both halves with one model's text encoders")
     if neg.clip.clip_skip != pos.clip.clip_skip:
         raise RequestError("positive and negative: encoded at different CLIP layers (CLIPSetLastLayer)")
     if [u.model for u in pos.controls] != [u.model for u in neg.controls]:
@@ -586,8 +650,9 @@ def _request(ctx, model: ModelRef, seed, steps, cfg, sampler_name, scheduler, po
                    embeddings_dir=server.embeddings_dir, noise="comfy")
 
 
-def _sample(ctx: Context, model: ModelRef, request: Request, latent: dict, **run) -> tuple:
-    engine = ctx.engine(model.checkpoint)
+def _sample(ctx: Context, model: ModelRef, clip: ClipRef, request: Request, latent: dict, **run) -> tuple:
+    engine = engine_for(ctx, model, clip, prompt_vae(ctx))
+    ctx.sampled = (model, clip)
     samples = latent["samples"]
     channels = engine.family.latent.channels
     if samples.shape[1] != channels and not samples.any():   # ComfyUI's fix_empty_latent_channels
@@ -624,14 +689,14 @@ def _sample(ctx: Context, model: ModelRef, request: Request, latent: dict, **run
 @node("KSampler", "KSampler", "sampling", _sampler_inputs(False), ("LATENT",))
 def ksampler(ctx, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise=1.0):
     request = _request(ctx, model, seed, steps, cfg, sampler_name, scheduler, positive, negative)
-    return _sample(ctx, model, request, latent_image, denoise=denoise)
+    return _sample(ctx, model, positive[0].clip, request, latent_image, denoise=denoise)
 
 
 @node("KSamplerAdvanced", "KSampler (Advanced)", "sampling", _sampler_inputs(True), ("LATENT",))
 def ksampler_advanced(ctx, model, add_noise, noise_seed, steps, cfg, sampler_name, scheduler, positive, negative,
                       latent_image, start_at_step, end_at_step, return_with_leftover_noise):
     request = _request(ctx, model, noise_seed, steps, cfg, sampler_name, scheduler, positive, negative)
-    return _sample(ctx, model, request, latent_image, start_step=start_at_step, last_step=end_at_step,
+    return _sample(ctx, model, positive[0].clip, request, latent_image, start_step=start_at_step, last_step=end_at_step,
                    add_noise=add_noise == "enable", force_full_denoise=return_with_leftover_noise != "enable")
 
 
@@ -639,11 +704,11 @@ def ksampler_advanced(ctx, model, add_noise, noise_seed, steps, cfg, sampler_nam
 
 @node("VAEDecode", "VAE Decode", "latent", {"samples": LINK("LATENT"), "vae": LINK("VAE")}, ("IMAGE",))
 def vae_decode(ctx, samples, vae):
-    engine = ctx.engine(vae.checkpoint)
+    engine = vae_engine(ctx, vae)
     latents = samples["samples"]
     if latents.shape[1] != engine.family.latent.channels:
-        raise RequestError(f"VAEDecode: {latents.shape[1]}-channel latents; {vae.checkpoint.name}'s VAE decodes "
-                           f"{engine.family.latent.channels}")
+        raise RequestError(f"VAEDecode: {latents.shape[1]}-channel latents; {vae.origin or vae.checkpoint.name}'s "
+                           f"VAE decodes {engine.family.latent.channels}")
     scale = engine.family.latent.downscale
     size = Request(prompt="", width=latents.shape[3] * scale, height=latents.shape[2] * scale,
                    batch_size=latents.shape[0])
@@ -651,7 +716,7 @@ def vae_decode(ctx, samples, vae):
 
 
 def _encode(ctx, vae: VaeRef, pixels: torch.Tensor) -> torch.Tensor:
-    engine = ctx.engine(vae.checkpoint)
+    engine = vae_engine(ctx, vae)
     vae_in = images.image_to_vae(pixels)
     return torch.cat([engine.encode_image(vae_in[i:i + 1], None) for i in range(vae_in.shape[0])]).cpu().float()
 
@@ -752,3 +817,4 @@ def preview_image(ctx, **kw):
     entries = images.save_images(kw["images"], ctx.dirs.temp, images.temp_prefix(), "temp", ctx.prompt,
                                  ctx.extra_pnginfo, compress_level=1)
     return {"images": entries}, ()
+

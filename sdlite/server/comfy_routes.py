@@ -564,8 +564,8 @@ def _files(folder, suffixes) -> list[str]:
 
 def _models(server: ServerBase, folder: str) -> list[str]:
     """The files of a ComfyUI model folder, as sdlite has them: checkpoints (``--model``, ``--models-dir``), LoRAs
-    (``--lora-dir``), embeddings, ControlNets and upscalers from their folders; sdlite keeps no separate VAEs, text
-    encoders or diffusion models (a checkpoint holds them), so those folders are empty."""
+    (``--lora-dir``), embeddings, ControlNets and upscalers from their folders; diffusion models, text encoders and
+    VAEs from ComfyUI's folders under ``--models-dir`` (and ``--vae-dir``), as the separate-file loaders list them."""
     if folder == "checkpoints":
         return [c.name for c in server.checkpoints.list()]
     if folder == "loras":
@@ -577,6 +577,11 @@ def _models(server: ServerBase, folder: str) -> list[str]:
         return list(server.controlnets.titles())
     if folder == "upscale_models":
         return _files(server.upscaler_dir, (".pth", ".pt", ".safetensors"))
+    if folder in ("diffusion_models", "unet", "text_encoders", "clip", "vae"):
+        from .comfy_loaders import MODEL_SUFFIXES, folder_files
+
+        kind = {"unet": "diffusion_models", "clip": "text_encoders"}.get(folder, folder)
+        return list(folder_files(server, kind, (*MODEL_SUFFIXES, ".gguf")))
     return []
 
 
@@ -586,7 +591,14 @@ def _folder_paths(server: ServerBase) -> dict:
     where = {"checkpoints": server.checkpoints.models_dir, "loras": server.lora_dir,
              "embeddings": server.embeddings_dir, "controlnet": server.controlnets.folder,
              "upscale_models": server.upscaler_dir}
-    return {folder: [str(where[folder])] if where.get(folder) is not None else [] for folder in MODEL_FOLDERS}
+    paths = {folder: [str(where[folder])] if where.get(folder) is not None else [] for folder in MODEL_FOLDERS}
+    models_dir = server.checkpoints.models_dir
+    if models_dir is not None:
+        for folder in ("diffusion_models", "unet", "text_encoders", "clip", "vae"):
+            paths[folder] = [str(models_dir / folder)]
+    if getattr(server, "vae_dir", None) is not None:
+        paths["vae"].append(str(server.vae_dir))
+    return paths
 
 
 def _system_stats(server: ServerBase) -> dict:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import StopSampling
-from . import comfy_nodes
+from . import comfy_loaders, comfy_nodes  # noqa: F401  (comfy_loaders registers its nodes)
 from .comfy_nodes import NODES, Context, NodeDef, Refused
 
 __all__ = ["PromptError", "ComfyDirs", "Interrupted", "object_info", "validate", "Executor"]

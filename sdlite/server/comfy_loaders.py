@@ -1,0 +1,190 @@
+"""ComfyUI's separate-file loaders on sdlite: UNETLoader, CLIPLoader, DualCLIPLoader, TripleCLIPLoader and VAELoader,
+and city96's GGUF loaders (UnetLoaderGGUF, CLIPLoaderGGUF, DualCLIPLoaderGGUF, TripleCLIPLoaderGGUF), the way
+ComfyUI users run FLUX.1 and SD3.5.
+
+Their files come from ComfyUI's folders under the server's ``--models-dir``: ``diffusion_models`` (and the older
+``unet``), ``text_encoders`` (and ``clip``), ``vae`` (and ``--vae-dir``). What they output are references
+(:class:`~.comfy_nodes.ModelRef`, :class:`~.comfy_nodes.ClipRef`, :class:`~.comfy_nodes.VaeRef` naming the files and
+the node that gave them); sdlite loads a whole model into one engine, so when a node needs a network the
+combination of files becomes one engine of the server's engine cache (:meth:`Engines.get
+<sdlite.server.checkpoints.Engines.get>` keyed by the transformer file, the text-encoder files and the VAE file):
+the sampler's engine is its model's file with the text encoders of its conditioning's CLIP and the VAE the prompt
+decodes with (when every VAE input of the prompt comes from VAELoaders naming one file, and the prompt loads one
+model), so a VAEDecode after it finds the same engine, and a queued-again prompt loads nothing.
+
+Refused at validation: text-encoder types other than SD3's and FLUX's (sdlite takes separate text-encoder files for
+those two families only), a file that is not what its input takes (a VAE given as a text encoder, a FLUX pair without
+T5 or CLIP, a CLIP-G for FLUX), a file that is not a VAE for VAELoader, UNETLoader's fp8 ``weight_dtype`` (sdlite
+computes in the engine's precision). At run time a combination that does not make a model (a FLUX VAE for an SD 1.5
+checkpoint, CLIP widths that are not the transformer's) is an error naming the nodes, inputs and files.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import CheckpointError
+from .checkpoints import Checkpoint
+from .comfy_nodes import COMBO, ClipRef, Input, Lists, ModelRef, Refused, VaeRef, node
+
+MODEL_SUFFIXES = (".safetensors", ".sft", ".ckpt", ".pt", ".pth", ".bin")
+FOLDERS = {"diffusion_models": ("diffusion_models", "unet"), "text_encoders": ("text_encoders", "clip"),
+           "vae": ("vae",)}
+# ComfyUI's type lists; sdlite takes separate text-encoder files for SD3 and FLUX only
+CLIP_TYPES = ("stable_diffusion", "stable_cascade", "sd3", "stable_audio", "mochi", "ltxv", "pixart", "cosmos",
+              "lumina2", "wan", "hidream", "chroma", "ace", "omnigen2", "qwen_image")
+DUAL_CLIP_TYPES = ("sdxl", "sd3", "flux", "hunyuan_video", "hidream")
+WEIGHT_DTYPES = ("default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2")
+TAKEN_TYPES = ("sd3", "flux")
+
+
+# --- the folders ---------------------------------------------------------------------------------------------
+
+def folder_files(server, kind: str, suffixes: tuple[str, ...]) -> dict[str, Path]:
+    """The files of ComfyUI's ``kind`` folder(s) under ``--models-dir`` (``vae`` also ``--vae-dir``), by their path
+    relative to their folder; a name in an earlier folder hides the same name in a later one."""
+    models_dir = getattr(server.checkpoints, "models_dir", None)
+    roots = [models_dir / sub for sub in FOLDERS[kind]] if models_dir is not None else []
+    if kind == "vae" and getattr(server, "vae_dir", None) is not None:
+        roots.append(Path(server.vae_dir))
+    found: dict[str, Path] = {}
+    for root in roots:
+        if root.is_dir():
+            for path in sorted(root.rglob("*")):
+                if path.is_file() and path.suffix.lower() in suffixes:
+                    found.setdefault(path.relative_to(root).as_posix(), path)
+    return found
+
+
+def _listed(kind: str, suffixes: tuple[str, ...]):
+    def files(lists: Lists) -> dict[str, Path]:
+        return lists._get(f"{kind}{suffixes}", lambda: folder_files(lists.server, kind, suffixes))
+    return files
+
+
+unets = _listed("diffusion_models", MODEL_SUFFIXES)
+gguf_unets = _listed("diffusion_models", (".gguf",))
+text_encoders = _listed("text_encoders", MODEL_SUFFIXES)
+gguf_text_encoders = _listed("text_encoders", (*MODEL_SUFFIXES, ".gguf"))   # city96's lists both
+vaes = _listed("vae", MODEL_SUFFIXES)
+
+
+def _names(files) -> Input:
+    return COMBO(lambda lists: list(files(lists)))
+
+
+# --- what a file holds -----------------------------------------------------------------------------------------
+
+def file_kind(path: Path) -> str:
+    """What a separate file holds, read from its keys: "T5", "CLIP-L" (768 wide), "CLIP-G" (1280), "CLIP" (another
+    width), "VAE", or "unknown"."""
+    from ..weights.io import open_checkpoint
+    from ..weights.t5_keys import find_t5_prefix
+
+    with open_checkpoint(path) as store:
+        keys = list(store.keys())
+        if find_t5_prefix(keys) is not None:
+            return "T5"
+        embed = next((k for k in keys if k.endswith("embeddings.token_embedding.weight")), None)
+        if embed is not None:
+            return {768: "CLIP-L", 1280: "CLIP-G"}.get(tuple(store.shape(embed))[1], "CLIP")
+        if any(k.endswith("decoder.conv_in.weight") for k in keys):
+            return "VAE"
+    return "unknown"
+
+
+def _kinds(values: dict, names: list[str], files) -> dict[str, str]:
+    kinds = {}
+    for name in names:
+        try:
+            kinds[name] = file_kind(files[values[name]])
+        except (CheckpointError, OSError, ValueError) as e:
+            raise Refused(name, f"{values[name]!r} cannot be read: {e}") from None
+    return kinds
+
+
+def _refuse_clips(names: list[str], files, fixed_type: str | None = None):
+    """The validation of a CLIP loader: its type is one sdlite takes, and its files are what that type needs."""
+    def refuse(values: dict, lists: Lists) -> None:
+        kind_of = fixed_type or values.get("type")
+        if kind_of not in TAKEN_TYPES:
+            raise Refused("type", f"{kind_of!r}: sdlite takes separate text-encoder files for SD3 (sd3) and FLUX.1 "
+                          "(flux) only; other models load their text encoders from their checkpoint "
+                          "(CheckpointLoaderSimple)")
+        kinds = _kinds(values, names, files(lists))
+        for name, kind in kinds.items():
+            if kind in ("VAE", "unknown"):
+                raise Refused(name, f"{values[name]!r} holds {'a VAE' if kind == 'VAE' else 'no text encoder'} "
+                              "(no T5 'encoder.block...' nor CLIP 'text_model.embeddings...' keys)")
+            if kind_of == "flux" and kind == "CLIP-G":
+                raise Refused(name, f"{values[name]!r} is a CLIP-G (1280 wide): FLUX.1 takes CLIP-L and T5")
+        if kind_of == "flux" and len(names) > 1:
+            got = sorted("T5" if k == "T5" else "CLIP" for k in kinds.values())
+            if got != ["CLIP", "T5"]:
+                wrong = names[-1] if got == ["CLIP", "CLIP"] else names[0]
+                raise Refused(wrong, f"{values[wrong]!r}: FLUX.1 takes one CLIP-L and one T5; the files are "
+                              + ", ".join(f"{name} {kinds[name]}" for name in names))
+    return refuse
+
+
+# --- the nodes ------------------------------------------------------------------------------------------------
+
+def _origin(ctx, class_type: str, values: dict) -> str:
+    return f"{class_type} (node {ctx.node_id}) " + ", ".join(f"{k} {v!r}" for k, v in values.items())
+
+
+def _refuse_dtype(values: dict, lists: Lists) -> None:
+    if values.get("weight_dtype", "default") != "default":
+        raise Refused("weight_dtype", f"{values['weight_dtype']!r}: sdlite computes in the engine's precision "
+                      "(fp8 files are read as they are stored): use 'default'")
+
+
+def _unet_node(name: str, display: str, category: str, files, extra: dict):
+    @node(name, display, category, {"unet_name": _names(files), **extra}, ("MODEL",),
+          refuse=_refuse_dtype if extra else None)
+    def run(ctx, unet_name, **_):
+        path = files(Lists(ctx.server, ctx.dirs))[unet_name]
+        checkpoint = Checkpoint(path, f"diffusion_models/{unet_name}")
+        return (ModelRef(checkpoint, origin=_origin(ctx, name, {"unet_name": unet_name})),)
+    return run
+
+
+_unet_node("UNETLoader", "Load Diffusion Model", "advanced/loaders", unets,
+           {"weight_dtype": COMBO(WEIGHT_DTYPES)})
+_unet_node("UnetLoaderGGUF", "Unet Loader (GGUF)", "bootleg", gguf_unets, {})
+
+
+def _clip_node(name: str, display: str, category: str, files, names: list[str], types: tuple | None):
+    inputs = {n: _names(files) for n in names}
+    if types is not None:
+        inputs["type"] = COMBO(types)
+    if not name.startswith("Triple") and not name.endswith("GGUF"):
+        inputs["device"] = Input("COMBO", {"advanced": True}, choices=("default", "cpu"), required=False)
+
+    @node(name, display, category, inputs, ("CLIP",),
+          refuse=_refuse_clips(names, files, None if types is not None else "sd3"))
+    def run(ctx, **values):
+        found = files(Lists(ctx.server, ctx.dirs))
+        paths = tuple(str(found[values[n]]) for n in names)
+        return (ClipRef(None, files=paths, origin=_origin(ctx, name, {n: values[n] for n in names})),)
+    return run
+
+
+for _suffix, _category, _files in (("", "advanced/loaders", text_encoders), ("GGUF", "bootleg", gguf_text_encoders)):
+    _clip_node(f"CLIPLoader{_suffix}", "Load CLIP" + (" (GGUF)" if _suffix else ""), _category, _files,
+               ["clip_name"], CLIP_TYPES)
+    _clip_node(f"DualCLIPLoader{_suffix}", "DualCLIPLoader" + (" (GGUF)" if _suffix else ""), _category, _files,
+               ["clip_name1", "clip_name2"], DUAL_CLIP_TYPES)
+    _clip_node(f"TripleCLIPLoader{_suffix}", "TripleCLIPLoader" + (" (GGUF)" if _suffix else ""), _category,
+               _files, ["clip_name1", "clip_name2", "clip_name3"], None)
+
+
+def _refuse_vae(values: dict, lists: Lists) -> None:
+    kind = _kinds(values, ["vae_name"], vaes(lists))["vae_name"]
+    if kind != "VAE":
+        raise Refused("vae_name", f"{values['vae_name']!r} is not a VAE (no 'decoder.conv_in.weight' key)")
+
+
+@node("VAELoader", "Load VAE", "loaders", {"vae_name": _names(vaes)}, ("VAE",), refuse=_refuse_vae)
+def vae_loader(ctx, vae_name):
+    path = vaes(Lists(ctx.server, ctx.dirs))[vae_name]
+    return (VaeRef(None, file=str(path), origin=_origin(ctx, "VAELoader", {"vae_name": vae_name})),)

@@ -1,0 +1,164 @@
+"""ComfyUI's separate-file loaders (sdlite/server/comfy_loaders.py) on a tiny FLUX.1 dev written as the files ComfyUI
+users have (BFL's transformer in diffusion_models/, clip_l and T5 in text_encoders/, ae in vae/): UNETLoader +
+DualCLIPLoader(flux) + VAELoader, and city96's GGUF loaders, give sdlite's own image of those files
+(Engine.generate(noise="comfy")); VAELoader with a normal checkpoint; the refusals of what does not fit."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+from PIL import Image
+from safetensors.torch import save_file
+
+from sdlite.demo import model_path
+from sdlite.loader import open_model
+from sdlite.pipeline import Engine, Request
+from sdlite.server.backend import Server
+from sdlite.server.comfy_workflow import ComfyDirs, Executor, PromptError, object_info, validate
+from tests.test_comfy_workflow import Control, txt2img
+from tests.test_flux_files import TEXT_L, TRANSFORMER, _parts, _write_gguf
+from tests.test_flux_pipeline import SIZE, _pipeline
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+STEPS = 2
+PROMPT = "a red circle"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """A server whose --models-dir has ComfyUI's folders with the tiny FLUX.1 dev's files (and a GGUF copy of its
+    transformer), the demo checkpoint as --model and a copy of the demo's VAE in vae/."""
+    root = tmp_path_factory.mktemp("comfy-loaders")
+    models = root / "models"
+    for sub in ("diffusion_models", "text_encoders", "vae", "checkpoints"):
+        (models / sub).mkdir(parents=True)
+    parts = _parts(_pipeline(root, "dev", text_l=TEXT_L, save=False, **TRANSFORMER))
+    save_file(parts["transformer"], models / "diffusion_models" / "flux1-dev.safetensors")
+    _write_gguf(models / "diffusion_models" / "flux1-dev-Q8.gguf", parts["transformer"], "flux")
+    save_file(parts["clip_l"], models / "text_encoders" / "clip_l.safetensors")
+    save_file(parts["t5"], models / "text_encoders" / "t5xxl_fp16.safetensors")
+    save_file(parts["vae"], models / "vae" / "ae.safetensors")
+    save_file(parts["vae"], models / "text_encoders" / "not_a_text_encoder.safetensors")
+    demo = open_model(model_path())
+    with demo:
+        vae = demo.load("vae")
+    save_file({k: v.contiguous() for k, v in vae.state_dict().items()}, models / "vae" / "demo_vae.safetensors")
+    dirs = ComfyDirs(root / "input", root / "output", root / "temp")
+    for folder in (dirs.input, dirs.output, dirs.temp):
+        folder.mkdir()
+    server = Server(model_path(), models, preload=False)
+    yield server, Executor(server, dirs), models, dirs
+    server.jobs.stop(1)
+
+
+def run(env, prompt):
+    server, executor, _, dirs = env
+    history = executor.run("pid", prompt, validate(prompt, server), Control(), lambda *a: None)
+    with Image.open(dirs.output / history["9"]["images"][0]["filename"]) as im:
+        return np.asarray(im.convert("RGB"))
+
+
+def flux_workflow(unet="UNETLoader", clip="DualCLIPLoader", unet_name="flux1-dev.safetensors", seed=5):
+    model = {"unet_name": unet_name} | ({"weight_dtype": "default"} if unet == "UNETLoader" else {})
+    return {
+        "1": {"class_type": unet, "inputs": model},
+        "2": {"class_type": clip, "inputs": {"clip_name1": "clip_l.safetensors", "clip_name2": "t5xxl_fp16.safetensors",
+                                             "type": "flux"}},
+        "10": {"class_type": "VAELoader", "inputs": {"vae_name": "ae.safetensors"}},
+        "5": {"class_type": "EmptySD3LatentImage", "inputs": {"width": SIZE, "height": SIZE, "batch_size": 1}},
+        "6": {"class_type": "CLIPTextEncode", "inputs": {"text": PROMPT, "clip": ["2", 0]}},
+        "11": {"class_type": "FluxGuidance", "inputs": {"conditioning": ["6", 0], "guidance": 3.5}},
+        "7": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["2", 0]}},
+        "3": {"class_type": "KSampler", "inputs": {
+            "seed": seed, "steps": STEPS, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0,
+            "model": ["1", 0], "positive": ["11", 0], "negative": ["7", 0], "latent_image": ["5", 0]}},
+        "8": {"class_type": "VAEDecode", "inputs": {"samples": ["3", 0], "vae": ["10", 0]}},
+        "9": {"class_type": "SaveImage", "inputs": {"filename_prefix": "flux", "images": ["8", 0]}},
+    }
+
+
+def own_image(env, transformer: str, seed=5) -> np.ndarray:
+    server, _, models, _ = env
+    source = open_model(models / "diffusion_models" / transformer, text_encoders=[
+        models / "text_encoders" / "clip_l.safetensors", models / "text_encoders" / "t5xxl_fp16.safetensors",
+        models / "vae" / "ae.safetensors"])
+    engine = Engine.load(source, **server.engines.load_options)
+    r = Request(prompt=PROMPT, negative_prompt="", width=SIZE, height=SIZE, steps=STEPS, cfg_scale=1.0,
+                sampler="euler", schedule="simple", seed=seed, guidance=3.5, noise="comfy")
+    return np.asarray(engine.generate(r).images[0])
+
+
+def refusal(env, prompt) -> dict:
+    with pytest.raises(PromptError) as caught:
+        validate(prompt, env[0])
+    return caught.value.node_errors
+
+
+def test_the_folders_make_the_combo_lists(env):
+    info = object_info(env[0])
+    assert info["UNETLoader"]["input"]["required"]["unet_name"][0] == ["flux1-dev.safetensors"]
+    assert info["UnetLoaderGGUF"]["input"]["required"]["unet_name"][0] == ["flux1-dev-Q8.gguf"]
+    assert info["DualCLIPLoader"]["input"]["required"]["clip_name1"][0] == [
+        "clip_l.safetensors", "not_a_text_encoder.safetensors", "t5xxl_fp16.safetensors"]
+    assert "flux" in info["DualCLIPLoader"]["input"]["required"]["type"][0]
+    assert info["VAELoader"]["input"]["required"]["vae_name"][0] == ["ae.safetensors", "demo_vae.safetensors"]
+    from sdlite.server.comfy_routes import _models   # GET /models/{folder}
+
+    assert _models(env[0], "unet") == ["flux1-dev-Q8.gguf", "flux1-dev.safetensors"]
+    assert _models(env[0], "vae") == ["ae.safetensors", "demo_vae.safetensors"]
+
+
+def test_unet_dual_clip_and_vae_loaders_give_sdlites_own_image(env):
+    """UNETLoader + DualCLIPLoader(flux) + VAELoader + FluxGuidance: one engine of the three files, the image of
+    sdlite's Engine on them; queued again with a new seed, nothing is loaded again."""
+    got = run(env, flux_workflow())
+    assert np.array_equal(got, own_image(env, "flux1-dev.safetensors"))
+    engines = env[0].engines
+    loaded = dict(engines._loaded)
+    assert len(loaded) == 1 and next(iter(loaded))[1].endswith("ae.safetensors")
+    again = run(env, flux_workflow(seed=6))
+    assert dict(engines._loaded) == loaded and not np.array_equal(again, got)
+
+
+def test_gguf_loaders_give_sdlites_own_image(env):
+    got = run(env, flux_workflow("UnetLoaderGGUF", "DualCLIPLoaderGGUF", "flux1-dev-Q8.gguf"))
+    assert np.array_equal(got, own_image(env, "flux1-dev-Q8.gguf"))
+
+
+def test_vae_loader_with_a_checkpoint(env):
+    """A normal checkpoint with an external VAE file (the demo's own VAE, copied): the checkpoint's image."""
+    prompt = txt2img(env[0].checkpoints.current.name)
+    plain = run(env, prompt)
+    prompt["10"] = {"class_type": "VAELoader", "inputs": {"vae_name": "demo_vae.safetensors"}}
+    prompt["8"]["inputs"]["vae"] = ["10", 0]
+    assert np.array_equal(run(env, prompt), plain)
+
+
+def test_a_vae_that_does_not_fit_the_model_is_an_error_naming_the_node(env):
+    prompt = txt2img(env[0].checkpoints.current.name)
+    prompt["10"] = {"class_type": "VAELoader", "inputs": {"vae_name": "ae.safetensors"}}
+    prompt["8"]["inputs"]["vae"] = ["10", 0]
+    with pytest.raises(Exception) as caught:
+        run(env, prompt)
+    assert "VAELoader (node 10) vae_name 'ae.safetensors'" in str(caught.value)
+    assert "cannot be used with" in str(caught.value)
+
+
+@pytest.mark.parametrize("node,change,input_name,words", [
+    ("2", {"clip_name2": "not_a_text_encoder.safetensors"}, "clip_name2", "holds a VAE"),
+    ("2", {"clip_name2": "clip_l.safetensors"}, "clip_name2", "one CLIP-L and one T5"),
+    ("2", {"type": "sdxl"}, "type", "SD3 (sd3) and FLUX.1 (flux) only"),
+    ("1", {"weight_dtype": "fp8_e4m3fn"}, "weight_dtype", "engine's precision"),
+    ("10", {"vae_name": "ae.safetensors"}, None, None),
+])
+def test_files_that_do_not_fit_their_input_are_refused_naming_it(env, node, change, input_name, words):
+    prompt = flux_workflow()
+    prompt[node]["inputs"].update(change)
+    if input_name is None:   # the unchanged workflow passes
+        assert validate(copy.deepcopy(prompt), env[0]) == ["9"]
+        return
+    (error,) = refusal(env, prompt)[node]["errors"]
+    assert error["type"] == "custom_validation_failed" and error["extra_info"]["input_name"] == input_name
+    assert words in error["details"]
