@@ -48,11 +48,7 @@ def add_routes(app: FastAPI, server: ServerBase, dependencies: list) -> None:
 
 def _add_generation_routes(api: APIRouter, server: ServerBase) -> None:
     async def generate(body: a1111.Txt2ImgRequest, request: Request):
-        options = server.options_snapshot()
-        plan = await run_in_threadpool(a1111.build_plan, body, options, max_image_bytes=server.max_body_bytes,
-                                       lora_dir=server.lora_dir, embeddings_dir=server.embeddings_dir,
-                                       limits=server.limits, upscaler_dir=server.upscaler_dir,
-                                       controlnets=server.controlnets, vae_dir=server.vae_dir)
+        plan = await run_in_threadpool(server.build_plan, body)
         if plan.checkpoint is not None:
             server.find_checkpoint(plan.checkpoint)   # 404 now rather than after the queue
         if plan.refiner_name is not None:   # resolved here, so that the plan carries the refiner to any worker

@@ -78,6 +78,14 @@ class ServerBase:
             enabled, every = self.options["live_previews_enable"], self.options["show_progress_every_n_steps"]
         return enabled and (step == total if every == -1 else step % every == 0)
 
+    def build_plan(self, req: a1111.Txt2ImgRequest, options: dict | None = None) -> a1111.Plan:
+        """:func:`~.a1111.build_plan` with this server's folders, limits and ControlNets: what every front-end's request
+        becomes (``options``: a snapshot of the options; None: the current ones)."""
+        return a1111.build_plan(req, self.options_snapshot() if options is None else options,
+                                max_image_bytes=self.max_body_bytes, lora_dir=self.lora_dir,
+                                embeddings_dir=self.embeddings_dir, limits=self.limits, upscaler_dir=self.upscaler_dir,
+                                controlnets=self.controlnets, vae_dir=self.vae_dir)
+
     def find_checkpoint(self, name: Any, field: str | None = None) -> Checkpoint:
         """The checkpoint ``name`` means (404 when there is none; ``field`` names the request field it came from)."""
         if not isinstance(name, str) or self.checkpoints.find(name) is None:

@@ -304,10 +304,7 @@ class Tools:
         server = self.server
         fields = await run_in_threadpool(self._fields, tool, args)
         request = (a1111.Txt2ImgRequest if tool == "generate" else a1111.Img2ImgRequest)(**fields)
-        plan = await run_in_threadpool(a1111.build_plan, request, server.options_snapshot(),
-                                       max_image_bytes=server.max_body_bytes, lora_dir=server.lora_dir,
-                                       embeddings_dir=server.embeddings_dir, limits=server.limits,
-                                       upscaler_dir=server.upscaler_dir, controlnets=server.controlnets)
+        plan = await run_in_threadpool(server.build_plan, request)
         if plan.checkpoint is not None:   # before the queue, naming the argument
             await run_in_threadpool(server.find_checkpoint, plan.checkpoint, "model")
         progress = StepProgress(session)

@@ -389,11 +389,7 @@ def _a1111_request(fields: dict, edit: bool) -> a1111.Txt2ImgRequest:
 
 async def _run(request: Request, server: ServerBase, fields: dict, answer: dict, edit: bool, store: ImageStore):
     req = _a1111_request(fields, edit)
-    plan = await run_in_threadpool(a1111.build_plan, req, server.options_snapshot(),
-                                   max_image_bytes=server.max_body_bytes, lora_dir=server.lora_dir,
-                                   embeddings_dir=server.embeddings_dir, limits=server.limits,
-                                   upscaler_dir=server.upscaler_dir, controlnets=server.controlnets,
-                                   vae_dir=server.vae_dir)
+    plan = await run_in_threadpool(server.build_plan, req)
     outcome = await server.generate(plan, request)
     if outcome is None:   # the client went away
         return Response(status_code=499)
