@@ -184,8 +184,6 @@ def test_validation_errors_have_comfyuis_shapes(env):
                                                       "y": 0, "strength": 1.0}}, "width", "positive"),
     ({"class_type": "ConditioningCombine", "inputs": {"conditioning_1": ["6", 0], "conditioning_2": ["7", 0]}},
      "conditioning_2", "positive"),
-    ({"class_type": "LoraLoader", "inputs": {"model": ["4", 0], "clip": ["4", 1], "lora_name": "demo_teal.safetensors",
-                                             "strength_model": 1.0, "strength_clip": 0.5}}, "strength_clip", "model"),
     ({"class_type": "LatentUpscale", "inputs": {"samples": ["5", 0], "upscale_method": "bislerp", "width": 128,
                                                 "height": 128, "crop": "disabled"}}, "upscale_method",
      "latent_image"),
@@ -390,6 +388,34 @@ def test_lora_workflow_equals_generate_with_the_lora(env):
     got = saved(env[3], history["9"]["images"][0])
     assert np.array_equal(got, want)
     assert not np.array_equal(got, generate(env, seed=5, sampler="euler", schedule="normal")[0])
+
+
+def test_lora_strengths_for_model_and_clip(env):
+    """LoraLoader with strength_model != strength_clip, and LoraLoaderModelOnly: generate with the LoRA's weight per
+    network ({"unet": strength_model, "text_encoder": strength_clip}, 0 for the CLIP of the model-only one)."""
+    from sdlite.adapters.lora_files import find_lora
+
+    lora = find_lora("demo_teal")
+    prompt = txt2img(ckpt_name(env), seed=5, prefix="lora2")
+    prompt["10"] = {"class_type": "LoraLoader", "inputs": {"model": ["4", 0], "clip": ["4", 1], "lora_name":
+                                                           "demo_teal.safetensors", "strength_model": 0.9,
+                                                           "strength_clip": 0.2}}
+    prompt["3"]["inputs"]["model"] = ["10", 0]
+    for n in ("6", "7"):
+        prompt[n]["inputs"]["clip"] = ["10", 1]
+    history, _ = run(env, prompt)
+    got = saved(env[3], history["9"]["images"][0])
+    kw = dict(seed=5, sampler="euler", schedule="normal")
+    assert np.array_equal(got, generate(env, loras=((lora, {"unet": 0.9, "text_encoder": 0.2}),), **kw)[0])
+    assert not np.array_equal(got, generate(env, loras=((lora, 0.9),), **kw)[0])
+    model_only = txt2img(ckpt_name(env), seed=5, prefix="lora3")
+    model_only["10"] = {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["4", 0], "lora_name":
+                                                                        "demo_teal.safetensors", "strength_model": 0.9}}
+    model_only["3"]["inputs"]["model"] = ["10", 0]
+    history, _ = run(env, model_only)
+    got = saved(env[3], history["9"]["images"][0])
+    assert np.array_equal(got, generate(env, loras=((lora, {"unet": 0.9, "text_encoder": 0.0}),), **kw)[0])
+    assert not np.array_equal(got, generate(env, **kw)[0])
 
 
 def test_interrupt_stops_the_workflow(env):

@@ -14,12 +14,12 @@ import re
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from sdlite.adapters import lora as L
 from sdlite.engine.packing import PackedConv2d, PackedLinear, prepack_available
 from sdlite.loader import open_model
-from sdlite.pipeline import Engine, Request
+from sdlite.pipeline import Engine, Request, RequestError
 from tests.reference import diffusers_pipeline, saved_pipeline, use_scheduler, with_contrast
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -345,6 +345,52 @@ def test_engine_image_matches_diffusers(tiny_parity, case):
     assert diff(got, expected) <= 2
     assert np.abs(got - base).mean() > 8, "the LoRA should change the image clearly"
     assert np.array_equal(pixels(engine.generate(parity_request(64))), base)
+
+
+def test_separate_unet_and_text_encoder_weights(tiny, tiny_nets, tiny_parity, tmp_path):
+    """A weight per network ({"unet": a, "text_encoder": b}, ComfyUI's strength_model and strength_clip): the UNet
+    and text-encoder outputs equal diffusers' set_adapters with the same per-component weights, and each network
+    gets what its single weight gives it; through Request.loras, equal weights give the single weight's latents bit
+    for bit and text-encoder weight 0 those of the file without its text-encoder layers."""
+    pytest.importorskip("peft", reason="diffusers' load_lora_weights needs the PEFT backend (pip install peft)")
+    pipe = tiny[0]
+    unet, te, inputs, ids = tiny_nets
+    ((file, _),) = _tiny_case("kohya-r4", tiny, tmp_path)
+    split = {"unet": 0.8, "text_encoder": -0.6}
+    pipe.load_lora_weights(str(file), adapter_name="split")
+    try:
+        pipe.set_adapters(["split"], adapter_weights=[split])
+        with torch.no_grad():
+            ref_unet, ref_te = pipe.unet(inputs[0], inputs[1], encoder_hidden_states=inputs[2]).sample, \
+                pipe.text_encoder(ids)[0]
+    finally:
+        pipe.unload_lora_weights()
+
+    def outputs(weight):
+        handles = [L.merge(unet, [(file, weight)], "unet"), L.merge(te, [(file, weight)], "text_encoder")]
+        try:
+            return our_outputs(unet, te, inputs, ids)
+        finally:
+            for h in reversed(handles):
+                h.restore()
+    got_unet, got_te = outputs(split)
+    assert rel(got_unet, ref_unet) < 1e-5 and rel(got_te, ref_te) < 1e-5
+    assert torch.equal(got_unet, outputs(0.8)[0]) and torch.equal(got_te, outputs(-0.6)[1])
+    assert rel(got_te, outputs(0.8)[1]) > 0.05
+
+    _, engine, _, files = tiny_parity
+    ((file, _),) = files["kohya-r4"]
+    r = parity_request(64)
+    whole = engine.generate(r.replace(loras=((str(file), 0.8),))).latents
+    same = engine.generate(r.replace(loras=((str(file), {"unet": 0.8, "text_encoder": 0.8}),))).latents
+    assert torch.equal(same, whole)
+    unet_only = tmp_path / "unet_only.safetensors"
+    save_file({k: v for k, v in load_file(str(file)).items() if not k.startswith("lora_te")}, str(unet_only))
+    no_text = engine.generate(r.replace(loras=((str(file), {"unet": 0.8, "text_encoder": 0}),))).latents
+    assert torch.equal(no_text, engine.generate(r.replace(loras=((str(unet_only), 0.8),))).latents)
+    assert not torch.equal(no_text, whole)
+    with pytest.raises(RequestError, match="'clip'"):
+        engine.generate(r.replace(loras=((str(file), {"clip": 1.0}),)))
 
 
 def test_legacy_diffusers_keys_equal_peft(tiny, tiny_nets, tmp_path):

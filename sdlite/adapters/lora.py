@@ -137,7 +137,7 @@ def _plan(module: nn.Module, loras: Sequence[tuple[Lora, Weight]], component: st
                                 lora.path)
             _check_shapes(lora.path, layer, name, shape)
             pad = shape[1] - layer.in_features if len(shape) == 4 else 0
-            if not materialise:
+            if not materialise or multiplier == 0:   # a network at weight 0 (e.g. ComfyUI's strength_clip 0) is left
                 continue
             dev = device or _device_of(target)
             up = layer.up.reshape(layer.out_features, layer.rank).to(dev, torch.float32)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,12 +19,13 @@ from .request import Request
 
 @dataclass
 class PromptNetworks:
-    """A request's add-ons, resolved: the prompts without network tags, the LoRAs to apply ((path, weight)),
+    """A request's add-ons, resolved: the prompts without network tags, the LoRAs to apply ((path, weight); a weight
+    may be a mapping of networks to weights),
     the embeddings, and warnings about tags that were ignored."""
 
     prompt: str
     negative: str
-    loras: list[tuple[str, float]]
+    loras: list[tuple[str, float | dict[str, float]]]
     embeddings: EmbeddingDB | None
     warnings: list[str]
     lora_names: list[str] = field(default_factory=list)   # as the "Lora hashes" parameter names them
@@ -66,7 +68,7 @@ def prompt_networks(engine, r: Request) -> "PromptNetworks":
         negative = negative.strip() if negative_tags else negative
     except EmbeddingError as e:
         raise RequestError(str(e)) from None
-    loras = [(path, float(weight)) for path, weight in r.loras]
+    loras = [(path, _weight(path, weight)) for path, weight in r.loras]
     names = [Path(path).stem for path, _ in r.loras]
     for tag in tags:
         if tag.kind == "lora":
@@ -81,6 +83,23 @@ def prompt_networks(engine, r: Request) -> "PromptNetworks":
     if loras:
         engine.family.check_loras([path for path, _ in loras])
     return PromptNetworks(prompt, negative, loras, db, warnings, names)
+
+
+WEIGHT_PARTS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+def _weight(path, weight) -> float | dict[str, float]:
+    """A ``Request.loras`` weight: one number for every network, or a mapping of networks to numbers, e.g.
+    ``{"unet": 1.0, "text_encoder": 0.5}`` (ComfyUI's strength_model / strength_clip; ``unet`` stands for a
+    transformer too, ``text_encoder`` for the second and third text encoders unless they are named; a network not
+    named gets 1.0)."""
+    if not isinstance(weight, Mapping):
+        return float(weight)
+    unknown = [k for k in weight if k not in WEIGHT_PARTS]
+    if unknown:
+        raise RequestError(f"LoRA {Path(path).name}: weight for {unknown[0]!r}: expected networks among "
+                           f"{', '.join(WEIGHT_PARTS)}")
+    return {k: float(v) for k, v in weight.items()}
 
 
 def embedding_db(engine, folder) -> EmbeddingDB | None:

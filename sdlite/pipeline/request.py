@@ -55,7 +55,8 @@ class Request:
     resize_mode: str = "just-resize"  # just-resize | crop | fill: how a source of another size is fitted
     mask_from_alpha: bool = False     # the init image's transparency is the mask
     # add-ons
-    loras: tuple = ()                 # (path, weight) pairs, besides the prompt's <lora:name:weight> tags
+    loras: tuple = ()                 # (path, weight) pairs, besides the prompt's <lora:name:weight> tags;
+                                      # a weight may be {"unet": a, "text_encoder": b} (networks.py)
     lora_dir: str | None = None       # where <lora:name:...> tags are looked up
     embeddings_dir: str | None = None  # textual-inversion embeddings: a prompt word equal to a file stem uses it
     # SDXL's size conditioning, (height, width) and (top, left) as diffusers takes them; None: the output size.

@@ -11,11 +11,13 @@ ComfyUI's tensors (:mod:`.comfy_images`).
 The separate-file loaders (UNETLoader, CLIPLoader, DualCLIPLoader, TripleCLIPLoader, VAELoader, city96's GGUF
 loaders) are :mod:`.comfy_loaders`'; a MODEL, CLIP or VAE from them names its files instead of a checkpoint.
 
-Refused at validation (a ``custom_validation_failed`` error naming the node's input and value): LoraLoaderModelOnly
-and LoraLoader with different model and clip strengths (sdlite applies a LoRA to
-the UNet and the text encoders at one weight), ConditioningCombine and ConditioningSetArea (no composable or area
-conditioning), the ``bislerp`` latent upscale. At run time: ModelSamplingSD3 / ModelSamplingFlux on a model they do
-not fit, a sampler whose conditionings come from another checkpoint's CLIP or carry other LoRAs.
+LoraLoader puts a LoRA on the MODEL at ``strength_model`` and on the CLIP at ``strength_clip``, LoraLoaderModelOnly
+on the MODEL only; the sampler gives each file a weight per network (:func:`lora_weights`).
+
+Refused at validation (a ``custom_validation_failed`` error naming the node's input and value): ConditioningCombine
+and ConditioningSetArea (no composable or area conditioning), the ``bislerp`` latent upscale. At run time:
+ModelSamplingSD3 / ModelSamplingFlux on a model they do not fit, a sampler whose conditionings come from another
+checkpoint's CLIP, or whose positive and negative were encoded by CLIPs with other LoRAs.
 """
 from __future__ import annotations
 
@@ -394,30 +396,41 @@ def checkpoint_loader(ctx, ckpt_name):
     return ModelRef(ckpt), ClipRef(ckpt), VaeRef(ckpt)
 
 
-def _same_strengths(values: dict, lists: Lists) -> None:
-    if values["strength_model"] != values["strength_clip"]:
-        raise Refused("strength_clip", f"{values['strength_clip']!r}: sdlite applies a LoRA to the UNet and the text "
-                      f"encoders at one weight; strength_model is {values['strength_model']!r} (give both the same)")
-
-
 @node("LoraLoader", "Load LoRA", "loaders",
       {"model": LINK("MODEL"), "clip": LINK("CLIP"), "lora_name": COMBO(Lists.loras),
        "strength_model": FLOAT(1.0, -100.0, 100.0), "strength_clip": FLOAT(1.0, -100.0, 100.0)},
-      ("MODEL", "CLIP"), refuse=_same_strengths)
+      ("MODEL", "CLIP"))
 def lora_loader(ctx, model, clip, lora_name, strength_model, strength_clip):
-    if strength_model == 0 and strength_clip == 0:
-        return model, clip
-    lora = (Lists(ctx.server, ctx.dirs).lora_path(lora_name), float(strength_model))
-    return (dataclasses.replace(model, loras=model.loras + (lora,)),
-            dataclasses.replace(clip, loras=clip.loras + (lora,)))
+    path = Lists(ctx.server, ctx.dirs).lora_path(lora_name)
+    if strength_model != 0:
+        model = dataclasses.replace(model, loras=model.loras + ((path, float(strength_model)),))
+    if strength_clip != 0:
+        clip = dataclasses.replace(clip, loras=clip.loras + ((path, float(strength_clip)),))
+    return model, clip
 
 
 @node("LoraLoaderModelOnly", "LoraLoaderModelOnly", "loaders",
       {"model": LINK("MODEL"), "lora_name": COMBO(Lists.loras), "strength_model": FLOAT(1.0, -100.0, 100.0)},
-      ("MODEL",), refuse=refuse_always("lora_name", "sdlite applies a LoRA to the UNet and the text encoders "
-                                        "together: use LoraLoader with strength_clip equal to strength_model"))
-def lora_model_only(ctx, **_):
-    raise RequestError("LoraLoaderModelOnly is not supported")
+      ("MODEL",))
+def lora_model_only(ctx, model, lora_name, strength_model):
+    if strength_model == 0:
+        return (model,)
+    path = Lists(ctx.server, ctx.dirs).lora_path(lora_name)
+    return (dataclasses.replace(model, loras=model.loras + ((path, float(strength_model)),)),)
+
+
+def lora_weights(model_loras: tuple, clip_loras: tuple) -> tuple:
+    """``Request.loras`` of a MODEL's and a CLIP's LoRAs: a file on both, paired in order, at one weight when the
+    strengths are equal, else ``{"unet": strength_model, "text_encoder": strength_clip}``; a file on one of them
+    at weight 0 on the other."""
+    left = list(clip_loras)
+    out = []
+    for path, weight in model_loras:
+        match = next((i for i, (p, _) in enumerate(left) if p == path), None)
+        clip_weight = left.pop(match)[1] if match is not None else 0.0
+        out.append((path, weight if weight == clip_weight else {"unet": weight, "text_encoder": clip_weight}))
+    out += [(path, {"unet": 0.0, "text_encoder": weight}) for path, weight in left]
+    return tuple(out)
 
 
 @node("ControlNetLoader", "Load ControlNet Model", "loaders", {"control_net_name": COMBO(Lists.controlnets)},
@@ -633,12 +646,12 @@ def _request(ctx, model: ModelRef, seed, steps, cfg, sampler_name, scheduler, po
         if not c.clip.files and c.clip.checkpoint.path != model.checkpoint.path:
             raise RequestError(f"{what}: its CLIP is {c.clip.checkpoint.name}'s, the model {model.checkpoint.name}: "
                                "sdlite encodes the prompts with the sampled model's own text encoders")
-        if c.clip.loras != model.loras:
-            raise RequestError(f"{what}: its CLIP carries other LoRAs than the model ({list(c.clip.loras)} against "
-                               f"{list(model.loras)}): sdlite applies each LoRA to both")
     if neg.clip.files != pos.clip.files:
         raise RequestError(f"positive and negative: encoded by other CLIP loaders ({pos.clip.origin} against "
                            f"{neg.clip.origin}): sdlite encodes both halves with one model's text encoders")
+    if neg.clip.loras != pos.clip.loras:
+        raise RequestError(f"positive and negative: their CLIPs carry other LoRAs ({list(pos.clip.loras)} against "
+                           f"{list(neg.clip.loras)}): sdlite encodes both halves with one text encoder")
     if neg.clip.clip_skip != pos.clip.clip_skip:
         raise RequestError("positive and negative: encoded at different CLIP layers (CLIPSetLastLayer)")
     if [u.model for u in pos.controls] != [u.model for u in neg.controls]:
@@ -646,8 +659,8 @@ def _request(ctx, model: ModelRef, seed, steps, cfg, sampler_name, scheduler, po
     server = ctx.server
     return Request(prompt=pos.text, negative_prompt=neg.text, steps=steps, cfg_scale=cfg,
                    sampler=COMFY_SAMPLERS[sampler_name], schedule=scheduler, seed=seed, clip_skip=pos.clip.clip_skip,
-                   loras=model.loras, guidance=pos.guidance, controls=pos.controls, lora_dir=server.lora_dir,
-                   embeddings_dir=server.embeddings_dir, noise="comfy")
+                   loras=lora_weights(model.loras, pos.clip.loras), guidance=pos.guidance, controls=pos.controls,
+                   lora_dir=server.lora_dir, embeddings_dir=server.embeddings_dir, noise="comfy")
 
 
 def _sample(ctx: Context, model: ModelRef, clip: ClipRef, request: Request, latent: dict, **run) -> tuple:
