@@ -136,6 +136,46 @@ def test_vae_loader_with_a_checkpoint(env):
     assert np.array_equal(run(env, prompt), plain)
 
 
+@pytest.fixture(scope="module")
+def sd3(env, tmp_path_factory):
+    """A tiny SD3.5 as Stability publishes it without its text encoders (checkpoints/, transformer and VAE) and its
+    CLIP-L, CLIP-G and T5 files in text_encoders/; the server's list refreshed."""
+    from tests.test_sd3_files import CLIP_G, CLIP_L, T5, T5_WIDTH, TEXT_G, _single_file_parts
+    from tests.test_sd3_files import TEXT_L as SD3_TEXT_L
+    from tests.test_sd3_pipeline import _pipeline as sd3_pipeline
+
+    server, _, models, _ = env
+    parts = _single_file_parts(sd3_pipeline(tmp_path_factory.mktemp("sd3"), text_l=SD3_TEXT_L, text_g=TEXT_G,
+                                            t5_width=T5_WIDTH))
+    save_file({**parts["transformer"], **parts["vae"]}, models / "checkpoints" / "sd3.5_medium.safetensors")
+    names = {"clip_l": ("sd3_clip_l.safetensors", CLIP_L), "clip_g": ("sd3_clip_g.safetensors", CLIP_G),
+             "t5": ("sd3_t5xxl.safetensors", T5)}
+    for part, (name, prefix) in names.items():
+        save_file({k[len(prefix):]: v for k, v in parts[part].items()}, models / "text_encoders" / name)
+    server.checkpoints.refresh()
+    yield [models / "text_encoders" / name for name, _ in names.values()]
+    for name, _ in names.values():
+        (models / "text_encoders" / name).unlink()
+
+
+def test_sd35_checkpoint_with_triple_clip_loader(env, sd3):
+    """SD3.5's ComfyUI workflow: CheckpointLoaderSimple (a file without text encoders; its CLIP output unused) +
+    TripleCLIPLoader, decoded with the checkpoint's VAE: the image of sdlite's Engine on those files."""
+    server, _, models, _ = env
+    prompt = txt2img("checkpoints/sd3.5_medium.safetensors", seed=3, scheduler="simple", prefix="sd3")
+    prompt["2"] = {"class_type": "TripleCLIPLoader", "inputs": {"clip_name1": sd3[0].name, "clip_name2": sd3[1].name,
+                                                                "clip_name3": sd3[2].name}}
+    prompt["5"]["class_type"] = "EmptySD3LatentImage"
+    for n in ("6", "7"):
+        prompt[n]["inputs"]["clip"] = ["2", 0]
+    got = run(env, prompt)
+    source = open_model(models / "checkpoints" / "sd3.5_medium.safetensors", text_encoders=sd3)
+    engine = Engine.load(source, **server.engines.load_options)
+    r = Request(prompt="a red circle", negative_prompt="blurry", width=64, height=64, steps=3, cfg_scale=6.0,
+                sampler="euler", schedule="simple", seed=3, noise="comfy")
+    assert np.array_equal(got, np.asarray(engine.generate(r).images[0]))
+
+
 def test_a_vae_that_does_not_fit_the_model_is_an_error_naming_the_node(env):
     prompt = txt2img(env[0].checkpoints.current.name)
     prompt["10"] = {"class_type": "VAELoader", "inputs": {"vae_name": "ae.safetensors"}}
