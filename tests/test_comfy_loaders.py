@@ -39,6 +39,11 @@ def env(tmp_path_factory):
     _write_gguf(models / "diffusion_models" / "flux1-dev-Q8.gguf", parts["transformer"], "flux")
     save_file(parts["clip_l"], models / "text_encoders" / "clip_l.safetensors")
     save_file(parts["t5"], models / "text_encoders" / "t5xxl_fp16.safetensors")
+    import gguf   # T5 in llama.cpp's names, as city96's T5 GGUF files hold it
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.T5ENCODER, 8)
+    _write_gguf(models / "text_encoders" / "t5-Q8.gguf",
+                {names.get_name(k.removesuffix(".weight")) + ".weight": v for k, v in parts["t5"].items()}, "t5encoder")
     save_file(parts["vae"], models / "vae" / "ae.safetensors")
     save_file(parts["vae"], models / "text_encoders" / "not_a_text_encoder.safetensors")
     demo = open_model(model_path())
@@ -79,10 +84,10 @@ def flux_workflow(unet="UNETLoader", clip="DualCLIPLoader", unet_name="flux1-dev
     }
 
 
-def own_image(env, transformer: str, seed=5) -> np.ndarray:
+def own_image(env, transformer: str, seed=5, t5="t5xxl_fp16.safetensors") -> np.ndarray:
     server, _, models, _ = env
     source = open_model(models / "diffusion_models" / transformer, text_encoders=[
-        models / "text_encoders" / "clip_l.safetensors", models / "text_encoders" / "t5xxl_fp16.safetensors",
+        models / "text_encoders" / "clip_l.safetensors", models / "text_encoders" / t5,
         models / "vae" / "ae.safetensors"])
     engine = Engine.load(source, **server.engines.load_options)
     r = Request(prompt=PROMPT, negative_prompt="", width=SIZE, height=SIZE, steps=STEPS, cfg_scale=1.0,
@@ -102,6 +107,8 @@ def test_the_folders_make_the_combo_lists(env):
     assert info["UnetLoaderGGUF"]["input"]["required"]["unet_name"][0] == ["flux1-dev-Q8.gguf"]
     assert info["DualCLIPLoader"]["input"]["required"]["clip_name1"][0] == [
         "clip_l.safetensors", "not_a_text_encoder.safetensors", "t5xxl_fp16.safetensors"]
+    assert info["DualCLIPLoaderGGUF"]["input"]["required"]["clip_name2"][0] == [
+        "clip_l.safetensors", "not_a_text_encoder.safetensors", "t5-Q8.gguf", "t5xxl_fp16.safetensors"]
     assert "flux" in info["DualCLIPLoader"]["input"]["required"]["type"][0]
     assert info["VAELoader"]["input"]["required"]["vae_name"][0] == ["ae.safetensors", "demo_vae.safetensors"]
     from sdlite.server.comfy_routes import _models   # GET /models/{folder}
@@ -123,8 +130,10 @@ def test_unet_dual_clip_and_vae_loaders_give_sdlites_own_image(env):
 
 
 def test_gguf_loaders_give_sdlites_own_image(env):
-    got = run(env, flux_workflow("UnetLoaderGGUF", "DualCLIPLoaderGGUF", "flux1-dev-Q8.gguf"))
-    assert np.array_equal(got, own_image(env, "flux1-dev-Q8.gguf"))
+    """city96's UnetLoaderGGUF and DualCLIPLoaderGGUF with a GGUF transformer and a GGUF T5."""
+    prompt = flux_workflow("UnetLoaderGGUF", "DualCLIPLoaderGGUF", "flux1-dev-Q8.gguf")
+    prompt["2"]["inputs"]["clip_name2"] = "t5-Q8.gguf"
+    assert np.array_equal(run(env, prompt), own_image(env, "flux1-dev-Q8.gguf", t5="t5-Q8.gguf"))
 
 
 def test_vae_loader_with_a_checkpoint(env):
