@@ -182,8 +182,6 @@ def test_validation_errors_have_comfyuis_shapes(env):
 @pytest.mark.parametrize("node,input_name,feeds", [
     ({"class_type": "ConditioningSetArea", "inputs": {"conditioning": ["6", 0], "width": 64, "height": 64, "x": 0,
                                                       "y": 0, "strength": 1.0}}, "width", "positive"),
-    ({"class_type": "ConditioningCombine", "inputs": {"conditioning_1": ["6", 0], "conditioning_2": ["7", 0]}},
-     "conditioning_2", "positive"),
     ({"class_type": "LatentUpscale", "inputs": {"samples": ["5", 0], "upscale_method": "bislerp", "width": 128,
                                                 "height": 128, "crop": "disabled"}}, "upscale_method",
      "latent_image"),
@@ -416,6 +414,40 @@ def test_lora_strengths_for_model_and_clip(env):
     got = saved(env[3], history["9"]["images"][0])
     assert np.array_equal(got, generate(env, loras=((lora, {"unet": 0.9, "text_encoder": 0.0}),), **kw)[0])
     assert not np.array_equal(got, generate(env, **kw)[0])
+
+
+def test_conditioning_combine_averages_the_predictions(env):
+    """ConditioningCombine on both halves: one Euler step from noise ends at the denoised estimate, so the combined
+    run's latents are the mean of the four single (prompt, negative) runs' (guidance is affine in each half's
+    prediction); a workflow gives the engine's combined run's image."""
+    from sdlite.families.base import latents_to_images
+
+    engine = env[2]
+    zeros = torch.zeros(1, engine.family.latent.channels, SIZE // 8, SIZE // 8)
+    r = Request(prompt="a red circle", negative_prompt="blurry", width=SIZE, height=SIZE, steps=1, cfg_scale=6.0,
+                sampler="euler", schedule="normal", seed=4)
+
+    def latents(request, steps=1, **run):
+        return engine.sample_latents(request.replace(steps=steps), LatentRun(zeros, **run)).latents
+    combined = latents(r, prompts=("a blue square",), negative_prompts=("ugly",))
+    singles = [latents(r.replace(prompt=p, negative_prompt=n)) for p in ("a red circle", "a blue square")
+               for n in ("blurry", "ugly")]
+    mean = sum(singles) / 4
+    assert (combined - mean).abs().max() <= 1e-5 * mean.abs().max()
+    assert (combined - singles[0]).abs().max() > 0.01 * mean.abs().max()
+
+    prompt = txt2img(ckpt_name(env), seed=4, prefix="combined")
+    prompt["20"] = {"class_type": "CLIPTextEncode", "inputs": {"text": "a blue square", "clip": ["4", 1]}}
+    prompt["21"] = {"class_type": "CLIPTextEncode", "inputs": {"text": "ugly", "clip": ["4", 1]}}
+    prompt["22"] = {"class_type": "ConditioningCombine", "inputs": {"conditioning_1": ["6", 0],
+                                                                    "conditioning_2": ["20", 0]}}
+    prompt["23"] = {"class_type": "ConditioningCombine", "inputs": {"conditioning_1": ["7", 0],
+                                                                    "conditioning_2": ["21", 0]}}
+    prompt["3"]["inputs"].update(positive=["22", 0], negative=["23", 0])
+    history, _ = run(env, prompt)
+    want = latents(r, STEPS, prompts=("a blue square",), negative_prompts=("ugly",))
+    image = latents_to_images(engine.decode_scaled(want))[0]
+    assert np.array_equal(saved(env[3], history["9"]["images"][0]), np.asarray(image))
 
 
 def test_interrupt_stops_the_workflow(env):

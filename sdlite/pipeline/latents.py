@@ -29,7 +29,7 @@ from ..errors import RequestError, StopSampling
 from ..families.base import latents_to_images
 from ..sampling.comfy import (advanced_sigmas, comfy_noise, comfy_sigmas, comfy_timesteps, denoise_sigmas,
                               inverse_noise_scaling, noise_scaling, step_generator)
-from ..sampling.denoisers import CFGDenoiser, Pieces, Recorded
+from ..sampling.denoisers import Averaged, CFGDenoiser, Pieces, Recorded
 from ..sampling.samplers import SAMPLERS
 from .request import Request, Result
 
@@ -38,7 +38,11 @@ class LatentRun:
     """What a KSampler node gives the engine besides the request: the start ``latents`` (B, C, h, w) in the
     sampler's scaling (zeros: text to image), a ``mask`` (ComfyUI's noise mask: (B or 1, 1, H, W) at any size,
     1 = denoise), KSampler's ``denoise`` and KSamplerAdvanced's ``start_step`` / ``last_step`` (None: not given),
-    ``add_noise`` and ``force_full_denoise`` (False: return with the leftover noise)."""
+    ``add_noise`` and ``force_full_denoise`` (False: return with the leftover noise). ``prompts`` /
+    ``negative_prompts``: more prompts for each guidance half (ComfyUI's ConditioningCombine): the run's denoised
+    estimate is the mean over every (prompt, negative prompt) pair of the guided estimate, which is the negative
+    prompts' mean prediction plus the scale times (the prompts' mean minus it), as ComfyUI averages the predictions
+    of combined conditionings."""
 
     latents: torch.Tensor
     mask: torch.Tensor | None = None
@@ -48,6 +52,8 @@ class LatentRun:
     add_noise: bool = True
     force_full_denoise: bool = False
     shift: float | None = None   # a flow model's: ModelSamplingSD3's shift, ModelSamplingFlux's mu; None: ComfyUI's
+    prompts: tuple = ()
+    negative_prompts: tuple = ()
 
 
 def plan_sigmas(engine, r: Request, run: LatentRun) -> torch.Tensor | None:
@@ -100,6 +106,25 @@ class MaskedDenoiser:
         return out * self.mask + self.latent * keep
 
 
+def _combined(engine, r: Request, run: LatentRun, networks, use_cfg: bool) -> list:
+    """The conditionings of every (prompt, negative prompt) pair of ``run``'s combined prompts but the request's own
+    pair (the negative ones only with guidance). Their ``<lora:...>`` tags must be the request's: a LoRA is applied
+    for the whole run."""
+    negatives = [r.negative_prompt, *run.negative_prompts] if use_cfg else [r.negative_prompt]
+    conds = []
+    for i, prompt in enumerate([r.prompt, *run.prompts]):
+        for j, negative in enumerate(negatives):
+            if i == j == 0:
+                continue
+            pair = engine.prompt_networks(r.replace(prompt=prompt, negative_prompt=negative))
+            if pair.loras != networks.loras:
+                raise RequestError(f"combined prompt {prompt!r}: its <lora:...> tags are not the first prompt's; "
+                                   "sdlite applies LoRAs for the whole run")
+            conds.append(engine.conditioning(r.replace(prompt=pair.prompt, negative_prompt=pair.negative), use_cfg,
+                                             networks.embeddings))
+    return conds
+
+
 def run_latents(engine, r: Request, run: LatentRun, callback=None, on_latents=None, *,
                 decode: bool = False) -> Result:
     """Sample ``run``'s latents for the checked request ``r`` (its prompts, guidance, sampler, ComfyUI scheduler
@@ -128,10 +153,14 @@ def run_latents(engine, r: Request, run: LatentRun, callback=None, on_latents=No
         controls = engine.prepare_controls(r, r.width, r.height)
         unet_piece, _ = budget.pieces(engine, r)
         with networks.applied(engine):
-            cond = engine.conditioning(r.replace(prompt=networks.prompt, negative_prompt=networks.negative),
-                                       use_cfg, networks.embeddings)
-            warnings += [w for w in cond.warnings if w not in warnings]
-            extra = cond.extra_at(0, batch)
+            conds = [engine.conditioning(r.replace(prompt=networks.prompt, negative_prompt=networks.negative),
+                                         use_cfg, networks.embeddings)]
+            if run.prompts or (use_cfg and run.negative_prompts):
+                conds += _combined(engine, r, run, networks, use_cfg)
+            for cond in conds:
+                warnings += [w for w in cond.warnings if w not in warnings]
+            extras = [cond.extra_at(0, batch) for cond in conds]
+            extra = extras[0]
             t1 = time.perf_counter()
             network = engine.spec.denoiser
             with torch.no_grad(), engine.models.use(network) as unet:
@@ -146,6 +175,8 @@ def run_latents(engine, r: Request, run: LatentRun, callback=None, on_latents=No
                     guided = guided.with_timesteps(sigmas, timesteps)
                 if unet_piece < batch:   # a large batch in pieces, as the A1111 loop runs it (engine.budget)
                     guided = Pieces(guided, unet_piece, batch)
+                if len(conds) > 1:
+                    guided = Averaged(guided, extras)
                 if run.mask is not None:
                     mask = prepare_mask(run.mask, tuple(latent.shape)).to(engine.device)
                     guided = MaskedDenoiser(guided, latent.to(engine.device), noise.to(engine.device), mask,
@@ -155,8 +186,9 @@ def run_latents(engine, r: Request, run: LatentRun, callback=None, on_latents=No
                 def on_step(i, total, _x):
                     if controlled is not None:
                         controlled.step = i + 1
-                    if cond.changes and i + 1 < total:
-                        extra.update(cond.extra_at(i + 1, batch))
+                    for cond, its_extra in zip(conds, extras):
+                        if cond.changes and i + 1 < total:
+                            its_extra.update(cond.extra_at(i + 1, batch))
                     if on_latents is not None:
                         on_latents(i + 1, total, denoised.value)
                     if callback is not None:

@@ -190,6 +190,25 @@ class CFGDenoiser:
         return guided
 
 
+class Averaged:
+    """The mean of a denoiser's outputs over several conditionings (ComfyUI's ConditioningCombine: each one's
+    prediction, summed and divided by their count): ``extras`` are the keyword arguments of each (dicts a run may
+    update between steps); the ones the sampler passes are the first's, and are not used."""
+
+    def __init__(self, denoiser, extras: list[dict]):
+        self.denoiser, self.extras = denoiser, extras
+
+    def with_timesteps(self, sigmas: torch.Tensor, timesteps: torch.Tensor) -> "Averaged":
+        return Averaged(self.denoiser.with_timesteps(sigmas, timesteps), self.extras)
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, **_) -> torch.Tensor:
+        total = None
+        for extra in self.extras:
+            out = self.denoiser(x, sigma, **extra)
+            total = out if total is None else total + out
+        return total / len(self.extras)
+
+
 @dataclass(frozen=True, eq=False)
 class Recorded:
     """A denoiser that keeps its latest output (the estimate of the final latents) in ``value``, for step

@@ -14,8 +14,11 @@ loaders) are :mod:`.comfy_loaders`'; a MODEL, CLIP or VAE from them names its fi
 LoraLoader puts a LoRA on the MODEL at ``strength_model`` and on the CLIP at ``strength_clip``, LoraLoaderModelOnly
 on the MODEL only; the sampler gives each file a weight per network (:func:`lora_weights`).
 
-Refused at validation (a ``custom_validation_failed`` error naming the node's input and value): ConditioningCombine
-and ConditioningSetArea (no composable or area conditioning), the ``bislerp`` latent upscale. At run time:
+ConditioningCombine's conditionings reach the sampler as more prompts of a guidance half, whose predictions it
+averages (:class:`~sdlite.pipeline.latents.LatentRun`).
+
+Refused at validation (a ``custom_validation_failed`` error naming the node's input and value): ConditioningSetArea
+(no area conditioning), the ``bislerp`` latent upscale. At run time:
 ModelSamplingSD3 / ModelSamplingFlux on a model they do not fit, a sampler whose conditionings come from another
 checkpoint's CLIP, or whose positive and negative were encoded by CLIPs with other LoRAs.
 """
@@ -460,14 +463,9 @@ def clip_text_encode(ctx, text, clip):
     return ([Cond(text, clip)],)
 
 
-def _refuse_combine() -> None:
-    raise Refused("conditioning_2", "a second conditioning: sdlite has no composable conditioning (one prompt per "
-                  "guidance half): write both prompts in one CLIPTextEncode")
-
-
 @node("ConditioningCombine", "Conditioning (Combine)", "conditioning",
       {"conditioning_1": LINK("CONDITIONING"), "conditioning_2": LINK("CONDITIONING")}, ("CONDITIONING",),
-      refuse=lambda values, lists: _refuse_combine())
+      description="The sampler averages the predictions of the combined conditionings.")
 def conditioning_combine(ctx, conditioning_1, conditioning_2):
     return (conditioning_1 + conditioning_2,)
 
@@ -631,14 +629,29 @@ def _sampler_inputs(advanced: bool) -> dict[str, Input]:
     return inputs
 
 
-def _one(conds: list, what: str) -> Cond:
-    if len(conds) != 1:
-        raise RequestError(f"{what}: {len(conds)} conditionings; sdlite samples one prompt per guidance half")
-    return conds[0]
+def _first(conds: list, what: str) -> Cond:
+    """The first of a guidance half's conditionings; the others (ConditioningCombine's) must differ from it in
+    their text only."""
+    if not conds:
+        raise RequestError(f"{what}: no conditioning")
+    first = conds[0]
+    for c in conds[1:]:
+        if c.clip != first.clip:
+            raise RequestError(f"{what}: combined conditionings encoded by other CLIPs (other LoRAs, CLIP layers or "
+                               "files): sdlite encodes a guidance half's prompts with one text encoder")
+        if c.guidance != first.guidance or [u.model for u in c.controls] != [u.model for u in first.controls]:
+            raise RequestError(f"{what}: combined conditionings with other FluxGuidance or ControlNets: sdlite "
+                               "applies one guidance and one set of ControlNets to a guidance half")
+    return first
+
+
+def _combined(positive: list, negative: list) -> dict:
+    """The LatentRun fields of ConditioningCombine's further prompts."""
+    return {"prompts": tuple(c.text for c in positive[1:]), "negative_prompts": tuple(c.text for c in negative[1:])}
 
 
 def _request(ctx, model: ModelRef, seed, steps, cfg, sampler_name, scheduler, positive, negative) -> Request:
-    pos, neg = _one(positive, "positive"), _one(negative, "negative")
+    pos, neg = _first(positive, "positive"), _first(negative, "negative")
     for what, c in (("positive", pos), ("negative", neg)):
         if not c.clip.files and model.origin:
             raise RequestError(f"{what}: its CLIP is {c.clip.checkpoint.name}'s, the model {model.origin}'s: a "
@@ -702,7 +715,8 @@ def _sample(ctx: Context, model: ModelRef, clip: ClipRef, request: Request, late
 @node("KSampler", "KSampler", "sampling", _sampler_inputs(False), ("LATENT",))
 def ksampler(ctx, model, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image, denoise=1.0):
     request = _request(ctx, model, seed, steps, cfg, sampler_name, scheduler, positive, negative)
-    return _sample(ctx, model, positive[0].clip, request, latent_image, denoise=denoise)
+    return _sample(ctx, model, positive[0].clip, request, latent_image, denoise=denoise,
+                   **_combined(positive, negative))
 
 
 @node("KSamplerAdvanced", "KSampler (Advanced)", "sampling", _sampler_inputs(True), ("LATENT",))
@@ -710,7 +724,8 @@ def ksampler_advanced(ctx, model, add_noise, noise_seed, steps, cfg, sampler_nam
                       latent_image, start_at_step, end_at_step, return_with_leftover_noise):
     request = _request(ctx, model, noise_seed, steps, cfg, sampler_name, scheduler, positive, negative)
     return _sample(ctx, model, positive[0].clip, request, latent_image, start_step=start_at_step, last_step=end_at_step,
-                   add_noise=add_noise == "enable", force_full_denoise=return_with_leftover_noise != "enable")
+                   add_noise=add_noise == "enable", force_full_denoise=return_with_leftover_noise != "enable",
+                   **_combined(positive, negative))
 
 
 # --- images --------------------------------------------------------------------------------------------------
