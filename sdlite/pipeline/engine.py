@@ -206,15 +206,12 @@ class Engine(LoadedModel):
         result.infotext.update(cache_infotext(r))
         return result
 
-    # -- ControlNet ------------------------------------------------------------------------------------------------
-
     # -- what a run uses: a source image, ControlNets, LoRAs and embeddings, a hires checkpoint ---------------
 
     def prepare_source(self, r: Request) -> Source:
         """The source image (and mask) of an image-to-image request, prepared as A1111 does
         (:func:`sdlite.sources.prepare`)."""
         return sources.prepare(r)
-
 
     def controlnet(self, path) -> tuple[torch.nn.Module, str]:
         """The ControlNet at ``path`` for this model and its A1111 label (:func:`sdlite.pipeline.controls.controlnet`)."""
