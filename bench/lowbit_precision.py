@@ -12,7 +12,7 @@ and the dequantising alone; torch's weight-only kernels ``aten._weight_int8pack_
 channel; run on 128 tokens and scaled, its time being linear in the tokens) and ``aten._weight_int4pack_mm_for_cpu``
 (4-bit, groups of 64 with bf16 scales and zeros, packed by ``_convert_weight_to_int4pack_for_cpu``). Medians.
 
-``quality``: a diffusers folder whose transformer has the released widths but few blocks (``--blocks``; FLUX.1
+``quality`` (also GGUF's Q8_0 and Q4_0, see :data:`GGUF_TYPES`): a diffusers folder whose transformer has the released widths but few blocks (``--blocks``; FLUX.1
 schnell: 3072 wide, 24 heads, by default 2 double + 4 single blocks, 1.29B parameters; SD3.5 Large: 2432 wide, 38
 heads, qk RMS norms, by default 4 joint blocks), PyTorch's default initialisation (uniform, 1/sqrt(fan-in)), with the tests' tiny text encoders and VAE
 beside it, all saved in bf16 (so every precision reads the same values). Each precision runs in its own process
@@ -42,6 +42,13 @@ sys.path.insert(0, str(HERE))   # the other bench scripts
 from lowbit import timed        # noqa: E402
 from parity import cpu_name     # noqa: E402
 PRECISIONS = ("exact", "bf16", "int8", "int4")
+# GGUF's block types, in the quality run only: the bf16 folder's transformer with every 2-D weight of 1024 values or
+# more (rows a whole number of 32-value blocks) replaced by what the type holds (the gguf package's own quantize and
+# dequantize), computed as sdlite computes a GGUF transformer (bf16). A GGUF file's generation equals the one from the
+# values it holds (tests/test_flux_files.py), so this is a Q8_0 / Q4_0 file's image. city96's files keep a few small
+# tensors unquantised; quantizing them too makes these rows a bound from below. Q4_K has no quantizer in the package.
+GGUF_TYPES = ("Q8_0", "Q4_0")
+QUALITY_PRECISIONS = PRECISIONS + tuple(f"gguf-{t}" for t in GGUF_TYPES)
 RESULTS = ROOT / "bench" / "lowbit_precision.json"
 # blocks of the bench's transformers: FLUX (double, single), SD3.5 (joint)
 DEFAULT_BLOCKS = {"flux": (2, 4), "sd3": (4,)}
@@ -134,7 +141,10 @@ def run_one(folder: Path, precision: str, seeds: int, steps: int, size: int, out
     from sdlite.pipeline import Engine, Request
 
     start = time.perf_counter()
-    engine = Engine.load(folder, precision=precision)
+    gguf_type = precision.removeprefix("gguf-") if precision.startswith("gguf-") else None
+    engine = Engine.load(folder, precision="bf16" if gguf_type else precision)
+    if gguf_type:
+        _hold_as_gguf(engine, gguf_type)
     loaded = time.perf_counter() - start
     rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     with engine.models.use("transformer") as transformer:
@@ -155,6 +165,26 @@ def run_one(folder: Path, precision: str, seeds: int, steps: int, size: int, out
                               "transformer_bytes": stored, "peak_rss_after_load": rss_loaded,
                               "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                               "dtype": str(engine.precision.dtype)}))
+
+
+def _hold_as_gguf(engine, type_name: str) -> int:
+    """Replace the engine's transformer weights by the values a GGUF file of ``type_name`` holds for them (see
+    :data:`GGUF_TYPES`); returns how many tensors were replaced."""
+    import gguf
+    import numpy as np
+    import torch
+
+    qtype = getattr(gguf.GGMLQuantizationType, type_name)
+    count = 0
+    with engine.models.use("transformer") as transformer, torch.no_grad():
+        for name, p in transformer.named_parameters():
+            if p.dim() == 2 and p.numel() >= 1024 and p.shape[1] % 32 == 0:
+                a = p.float().numpy()
+                held = gguf.quants.dequantize(gguf.quants.quantize(a, qtype), qtype)
+                p.copy_(torch.from_numpy(np.ascontiguousarray(held)).reshape(p.shape))
+                count += 1
+    print(f"{type_name}: {count} transformer weights held as the file would hold them", flush=True)
+    return count
 
 
 def _resident() -> dict:
@@ -207,7 +237,7 @@ def quality(family: str, seeds: int, steps: int, size: int, work: Path, blocks: 
         params = build(family, folder, blocks)
         print(f"{family}: built {folder.name} ({params / 1e9:.2f}B transformer parameters)", flush=True)
     runs = {}
-    for p in PRECISIONS:
+    for p in QUALITY_PRECISIONS:
         out = work / f"{family}-{p}.npz"
         subprocess.run([sys.executable, __file__, "run", "--folder", str(folder), "--precision", p, "--seeds",
                         str(seeds), "--steps", str(steps), "--size", str(size), "--out", str(out)], check=True)
@@ -229,6 +259,11 @@ def quality(family: str, seeds: int, steps: int, size: int, work: Path, blocks: 
                    for i in range(seeds)]
             row.update(psnr_min=min(psnrs), psnr_mean=float(np.mean(psnrs)), latent_rel_mean=float(np.mean(rel)),
                        latent_rel_max=max(rel))
+            if p.startswith("gguf-"):   # against the bf16 run of the same dense values
+                vs_bf16 = [_psnr(m["pixels"][i], runs["bf16"]["pixels"][i]) for i in range(seeds)]
+                row.update(psnr_vs_bf16_min=min(vs_bf16), psnr_vs_bf16_mean=float(np.mean(vs_bf16)))
+                print(f"{family} {p}: against bf16, PSNR min {min(vs_bf16):.2f} dB, mean {np.mean(vs_bf16):.2f} dB",
+                      flush=True)
             print(f"{family} {p}: PSNR min {min(psnrs):.2f} dB, mean {np.mean(psnrs):.2f} dB; latents relative "
                   f"error mean {np.mean(rel):.4f}, max {max(rel):.4f}", flush=True)
         result["precisions"][p] = row
@@ -264,6 +299,13 @@ def write_markdown(results: dict, path: Path) -> None:
                          f"{row['transformer_bytes'] / 2**30:.2f} GiB | {row['load_s']:.1f} s | "
                          f"{row['generate_s']:.1f} s |")
         lines.append("")
+        ggufs = [(p, row) for p, row in q["precisions"].items() if "psnr_vs_bf16_min" in row]
+        if ggufs:
+            lines += ["The gguf- rows: the values a GGUF file of that type holds, computed in bf16 as sdlite computes a "
+                      "GGUF transformer (held dense here, so their memory column is bf16's). Against the bf16 row, "
+                      "PSNR min / mean: " + "; ".join(f"{p} {row['psnr_vs_bf16_min']:.2f} / "
+                                                      f"{row['psnr_vs_bf16_mean']:.2f} dB" for p, row in ggufs) + ".",
+                      ""]
     for family in ("flux", "sd3"):
         m = results.get(f"{family}_memory")
         if not m:
