@@ -12,6 +12,7 @@ kernels). The *effective* flags are those the caps leave usable: a CPU with AVX5
 from __future__ import annotations
 
 import functools
+import json
 import os
 import platform
 import subprocess
@@ -227,6 +228,33 @@ def cache_dir(environ=None) -> Path:
     if environ.get("XDG_CACHE_HOME"):
         return Path(environ["XDG_CACHE_HOME"]) / "sdlite"
     return Path.home() / ".cache" / "sdlite"
+
+
+def read_measurements(path: Path) -> dict:
+    """A file of measurements kept per machine (a JSON object of sections, each keyed by what a measurement depends
+    on, e.g. :attr:`CPUInfo.key`); {} where it is missing or unreadable."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def record_measurement(path: Path, section: str, key: str, entry: dict) -> None:
+    """Put ``entry`` under ``section`` / ``key`` in the measurements file ``path`` (replaced whole, atomically); a file
+    that cannot be written is left alone (the measurement still holds in this process)."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = read_measurements(path)
+        table = data.get(section) if isinstance(data.get(section), dict) else {}
+        table[key] = entry
+        data[section] = table
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def check_device(device: str | torch.device) -> torch.device:

@@ -29,8 +29,6 @@ docstrings of :mod:`.packing` and :mod:`.quant`):
 from __future__ import annotations
 
 import functools
-import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -38,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from ..machine import CACHE_FILE, SHOWN_FLAGS, CPUInfo, cache_dir, this_cpu
+from ..machine import CACHE_FILE, SHOWN_FLAGS, CPUInfo, cache_dir, read_measurements, record_measurement, this_cpu
 
 # --- int8 -------------------------------------------------------------------------------------------------
 
@@ -208,29 +206,6 @@ def _flags_decide(cpu: CPUInfo) -> PrepackChoice | None:
     return None
 
 
-def _read_cache(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _write_cache(path: Path, key: str, entry: dict) -> None:
-    """Adds ``entry`` under ``key``; a cache that cannot be written is left alone (the choice still holds)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = _read_cache(path)
-        prepack = data.get("prepack") if isinstance(data.get("prepack"), dict) else {}
-        prepack[key] = entry
-        data["prepack"] = prepack
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError:
-        pass
-
-
 def prepack_choice(cpu: CPUInfo | None = None, cache: Path | None = None, measure=measure_prepack) -> PrepackChoice:
     """Whether fp32 CPU weights are prepacked by default (see the module docstring).
 
@@ -247,13 +222,13 @@ def prepack_choice(cpu: CPUInfo | None = None, cache: Path | None = None, measur
     if decided is not None:
         return decided
     path = cache_dir() / CACHE_FILE if cache is None else cache
-    entry = _read_cache(path).get("prepack", {}).get(cpu.key)
+    entry = read_measurements(path).get("prepack", {}).get(cpu.key)
     source = "cached"
     if not (isinstance(entry, dict) and isinstance(entry.get("plain_ms"), (int, float))
             and isinstance(entry.get("packed_ms"), (int, float))):
         plain_ms, packed_ms = measure()
         entry = {"plain_ms": round(plain_ms, 3), "packed_ms": round(packed_ms, 3), "measured": time.time()}
-        _write_cache(path, cpu.key, entry)
+        record_measurement(path, "prepack", cpu.key, entry)
         source = "measured"
     plain_ms, packed_ms = float(entry["plain_ms"]), float(entry["packed_ms"])
     use = packed_ms < plain_ms * (1.0 - MIN_GAIN)

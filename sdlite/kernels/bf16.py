@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import json
 import math
 import os
 import threading
@@ -221,30 +220,18 @@ def attention_choice() -> dict:
 
 
 def _cached_measurement() -> dict:
-    from ..machine import this_cpu
+    from ..machine import read_measurements, record_measurement, this_cpu
 
     path = build.kernel_dir() / CHOICE_FILE
     lib = build.library_path(NAME, ISA_FLAGS, build.compiler() or "")
     entry_key = f"{this_cpu().key} | {lib.name}"
-    try:
-        table = json.loads(path.read_text())
-        table = table if isinstance(table, dict) else {}
-    except (OSError, ValueError):
-        table = {}
-    entry = table.get(entry_key)
+    entry = read_measurements(path).get("attention", {}).get(entry_key)
     source = "measured before"
     if not (isinstance(entry, dict) and all(isinstance(entry.get(f), (int, float)) for f in ("kernel_ms", "pytorch_ms"))):
         kernel_ms, pytorch_ms = measure_attention()
         entry = {"kernel_ms": round(kernel_ms, 3), "pytorch_ms": round(pytorch_ms, 3), "measured": time.time()}
-        table[entry_key] = entry
+        record_measurement(path, "attention", entry_key, entry)
         source = "measured now"
-        try:   # a cache that cannot be written is left alone: the choice still holds in this process
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
-            os.replace(tmp, path)
-        except OSError:
-            pass
     kernel_ms, pytorch_ms = float(entry["kernel_ms"]), float(entry["pytorch_ms"])
     wins = kernel_ms < pytorch_ms * (1.0 - CHOICE_MIN_GAIN)
     return {"kernel": wins, "kernel_ms": kernel_ms, "pytorch_ms": pytorch_ms,
