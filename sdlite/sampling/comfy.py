@@ -56,13 +56,11 @@ COMFY_SAMPLERS_MISSING = (
 )
 
 
-class ComfyTable:
-    """ComfyUI's ``ModelSamplingDiscrete`` of a DDPM schedule: the float32 sigma table and its two maps."""
+class _SigmaTable:
+    """A ComfyUI model-sampling table: ``sigmas`` ascending in the timestep, and ``timestep`` / ``sigma`` mapping
+    between them (the subclasses)."""
 
-    def __init__(self, schedule: NoiseSchedule):
-        ac = schedule.alphas_cumprod.float()   # as ComfyUI keeps it: float32, the sigmas computed from it so
-        self.sigmas = ((1 - ac) / ac) ** 0.5    # ascending in t
-        self.log_sigmas = self.sigmas.log()
+    sigmas: torch.Tensor
 
     @property
     def sigma_min(self) -> float:
@@ -71,6 +69,15 @@ class ComfyTable:
     @property
     def sigma_max(self) -> float:
         return float(self.sigmas[-1])
+
+
+class ComfyTable(_SigmaTable):
+    """ComfyUI's ``ModelSamplingDiscrete`` of a DDPM schedule: the float32 sigma table and its two maps."""
+
+    def __init__(self, schedule: NoiseSchedule):
+        ac = schedule.alphas_cumprod.float()   # as ComfyUI keeps it: float32, the sigmas computed from it so
+        self.sigmas = ((1 - ac) / ac) ** 0.5    # ascending in t
+        self.log_sigmas = self.sigmas.log()
 
     def timestep(self, sigma) -> torch.Tensor:
         """The nearest table index of each sigma (in log sigma)."""
@@ -88,7 +95,7 @@ class ComfyTable:
 COMFY_FLUX_SHIFT = 1.15   # ComfyUI's ModelSamplingFlux shift (its mu) unless a ModelSamplingFlux node sets one
 
 
-class FlowTable:
+class FlowTable(_SigmaTable):
     """ComfyUI's sampling of a flow-matching model: ``ModelSamplingDiscreteFlow`` (SD3: 1000 timesteps,
     ``sigma(t) = shift s / (1 + (shift - 1) s)`` with ``s = t / 1000``, ``timestep(sigma) = 1000 sigma``) or, for a
     model with dynamic shifting (FLUX.1 dev), ``ModelSamplingFlux`` (10000 timesteps, ``sigma(t) = e^mu / (e^mu +
@@ -102,14 +109,6 @@ class FlowTable:
         else:
             self.shift, self.multiplier, n = schedule.shift if shift is None else shift, 1000.0, 1000
         self.sigmas = self.sigma(torch.arange(1, n + 1, dtype=torch.float32) / n * self.multiplier)
-
-    @property
-    def sigma_min(self) -> float:
-        return float(self.sigmas[0])
-
-    @property
-    def sigma_max(self) -> float:
-        return float(self.sigmas[-1])
 
     def timestep(self, sigma) -> torch.Tensor:
         return torch.as_tensor(sigma, dtype=torch.float32) * self.multiplier

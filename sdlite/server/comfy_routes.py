@@ -151,17 +151,22 @@ def _add_prompt_routes(router: APIRouter, server: ServerBase, queue: PromptQueue
     async def get_queue():
         return queue.queue() if queue is not None else {"queue_running": [], "queue_pending": []}
 
-    @router.post("/queue")
-    async def post_queue(request: Request):
+    async def clear_or_delete(request: Request, clear: str, delete: str) -> Response:
+        """POST /queue and /history: ``{"clear": true}`` calls the queue's method ``clear``, ``{"delete": [ids]}``
+        its method ``delete``."""
         body = await _json(request, {})
         if not isinstance(body, dict):
             raise HTTPException(400, "the body must be a JSON object with 'clear' or 'delete'")
         if queue is not None:
             if body.get("clear"):
-                queue.clear()
+                getattr(queue, clear)()
             if "delete" in body:
-                queue.delete(_ids(body["delete"], "delete"))
+                getattr(queue, delete)(_ids(body["delete"], "delete"))
         return Response(status_code=200)
+
+    @router.post("/queue")
+    async def post_queue(request: Request):
+        return await clear_or_delete(request, "clear", "delete")
 
     @router.post("/interrupt")
     async def post_interrupt(request: Request):
@@ -183,15 +188,7 @@ def _add_prompt_routes(router: APIRouter, server: ServerBase, queue: PromptQueue
 
     @router.post("/history")
     async def post_history(request: Request):
-        body = await _json(request, {})
-        if not isinstance(body, dict):
-            raise HTTPException(400, "the body must be a JSON object with 'clear' or 'delete'")
-        if queue is not None:
-            if body.get("clear"):
-                queue.clear_history()
-            if "delete" in body:
-                queue.delete_history(_ids(body["delete"], "delete"))
-        return Response(status_code=200)
+        return await clear_or_delete(request, "clear_history", "delete_history")
 
     @router.post("/free")
     async def post_free(request: Request):
