@@ -13,24 +13,16 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import shutil
-import subprocess
-import sys
-import time
 import urllib.request
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from tests.loopback import free_port
+from tests.loopback import CHROMIUM, CHROMIUM_ARGS, serve
 
 from playwright import sync_api  # noqa: E402  (the test extra; the browser is Debian's chromium)
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 TIMEOUT_MS = 120_000
 # what the page may find missing: the user's optional stylesheets and its optional template settings file (ComfyUI
 # answers 404 to these too when they are absent)
@@ -39,35 +31,10 @@ OPTIONAL = ("/comfy/user.css", "/comfy/api/userdata/user.css", "/comfy/api/userd
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """``sdlite serve`` with the demo model and its ComfyUI folders in a temporary folder."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     comfy_dir = tmp_path_factory.mktemp("comfy")
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "sdlite", "serve", "--host", "127.0.0.1", "--port", str(port),
-                                 "--comfy-dir", str(comfy_dir)], stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"sdlite serve exited with {proc.returncode}:\n{log_path.read_text()}")
-            try:
-                with urllib.request.urlopen(url + "/api/prompt", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"sdlite serve did not answer within 120 s:\n{log_path.read_text()}")
-            time.sleep(0.2)
+    with serve(["--comfy-dir", str(comfy_dir)], log_path, "/api/prompt") as url:
         yield url, comfy_dir
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="module")

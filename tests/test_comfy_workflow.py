@@ -371,14 +371,19 @@ def test_img2img_inpaint_hires_lora_controlnet_and_upscale_workflows(env):
     assert saved(dirs, history["38"]["images"][0]).shape == (2 * SIZE, 2 * SIZE, 3)
 
 
-def test_lora_workflow_equals_generate_with_the_lora(env):
-    prompt = txt2img(ckpt_name(env), seed=5, prefix="lora")
+def with_lora(prompt: dict, strength_model: float, strength_clip: float) -> dict:
+    """``prompt`` with the demo LoRA's LoraLoader (node 10) between its checkpoint and its sampler and text encoders."""
     prompt["10"] = {"class_type": "LoraLoader", "inputs": {"model": ["4", 0], "clip": ["4", 1], "lora_name":
-                                                           "demo_teal.safetensors", "strength_model": 1.0,
-                                                           "strength_clip": 1.0}}
+                                                           "demo_teal.safetensors", "strength_model": strength_model,
+                                                           "strength_clip": strength_clip}}
     prompt["3"]["inputs"]["model"] = ["10", 0]
     for n in ("6", "7"):
         prompt[n]["inputs"]["clip"] = ["10", 1]
+    return prompt
+
+
+def test_lora_workflow_equals_generate_with_the_lora(env):
+    prompt = with_lora(txt2img(ckpt_name(env), seed=5, prefix="lora"), 1.0, 1.0)
     history, _ = run(env, prompt)
     from sdlite.adapters.lora_files import find_lora
 
@@ -394,13 +399,7 @@ def test_lora_strengths_for_model_and_clip(env):
     from sdlite.adapters.lora_files import find_lora
 
     lora = find_lora("demo_teal")
-    prompt = txt2img(ckpt_name(env), seed=5, prefix="lora2")
-    prompt["10"] = {"class_type": "LoraLoader", "inputs": {"model": ["4", 0], "clip": ["4", 1], "lora_name":
-                                                           "demo_teal.safetensors", "strength_model": 0.9,
-                                                           "strength_clip": 0.2}}
-    prompt["3"]["inputs"]["model"] = ["10", 0]
-    for n in ("6", "7"):
-        prompt[n]["inputs"]["clip"] = ["10", 1]
+    prompt = with_lora(txt2img(ckpt_name(env), seed=5, prefix="lora2"), 0.9, 0.2)
     history, _ = run(env, prompt)
     got = saved(env[3], history["9"]["images"][0])
     kw = dict(seed=5, sampler="euler", schedule="normal")

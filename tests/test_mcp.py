@@ -21,11 +21,12 @@ import pytest
 import requests
 from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
-from PIL import Image, ImageDraw
+from PIL import Image
 
 from sdlite.demo import model_path
 from sdlite.pipeline import Engine, Request
 from tests.loopback import free_port, wait_for
+from tests.test_server_api import source_and_mask
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "a red circle on a blue background"
@@ -76,14 +77,6 @@ def url(http_server):
 @pytest.fixture(scope="module")
 def engine():
     return Engine.load(model_path())
-
-
-def source_and_mask():
-    source = Image.new("RGB", (64, 64), (0, 0, 255))
-    ImageDraw.Draw(source).ellipse((22, 22, 42, 42), fill=(255, 0, 0))
-    mask = Image.new("L", (64, 64), 0)
-    ImageDraw.Draw(mask).rectangle((16, 16, 47, 47), fill=255)
-    return source, mask
 
 
 def b64png(image) -> str:

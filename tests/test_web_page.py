@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import base64
 import io
-import os
-import shutil
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -25,15 +21,10 @@ from sdlite.demo import DEFAULT_PROMPT
 from sdlite.demo import data as D
 from sdlite.demo.classify import classify
 from tests import demo_controlnet
-from tests.loopback import free_port
+from tests.loopback import CHROMIUM, CHROMIUM_ARGS, serve
 
 from playwright import sync_api  # noqa: E402  (the test extra; the browser is Debian's chromium, see below)
 
-# make setup installs Debian's chromium where it is missing: Playwright's own browser download cannot work offline
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 SEED = 3                 # the demo draws a red circle on blue for this seed (checked with Engine directly)
 PROGRESS_STEPS = 100     # enough that the page's 0.2 s progress polls catch the run part way (~1.5 s idle)
 TIMEOUT_MS = 180_000     # for any one thing the page has to show (a busy 2-core machine is slow)
@@ -44,41 +35,12 @@ IDS = ["prompt", "negative", "steps", "cfg", "sampler", "seed", "width", "height
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """``sdlite serve`` with the demo model on a free loopback port; stopped (and its log shown) at the end."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     controlnets = tmp_path_factory.mktemp("controlnets")
     demo_controlnet.write(controlnets)   # two tiny ControlNets for the demo model, for the ControlNet panel
-    # one thread: the demo model is tiny, and two threads stall on a busy machine (as in tests/test_demo.py)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
-           "OMP_NUM_THREADS": "1"}
-    with open(log_path, "wb") as log:
-        # --max-steps: the interrupt test runs 1000 steps, over the server's default limit of 150
-        proc = subprocess.Popen([sys.executable, "-m", "sdlite", "serve", "--host", "127.0.0.1", "--port", str(port),
-                                 "--max-steps", "1000", "--controlnet-dir", str(controlnets)], stdout=log,
-                                stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"sdlite serve exited with {proc.returncode}:\n{log_path.read_text()}")
-            try:
-                with urllib.request.urlopen(url + "/sdapi/v1/samplers", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"sdlite serve did not answer within 120 s:\n{log_path.read_text()}")
-            time.sleep(0.2)
+    # --max-steps: the interrupt test runs 1000 steps, over the server's default limit of 150
+    with serve(["--max-steps", "1000", "--controlnet-dir", str(controlnets)], log_path, "/sdapi/v1/samplers") as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
 
 
 @pytest.fixture(scope="module")
