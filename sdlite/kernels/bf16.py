@@ -194,10 +194,10 @@ _CHOICES: dict = {}
 _LAST = False   # the choice last made in this process: what a torch.compile trace takes
 
 
-def _choice_key() -> str:
-    from ..machine import this_cpu
-
-    return f"{this_cpu().key} | {os.environ.get(CHOICE_ENV, '')}"
+def _choice_key() -> tuple[int, str]:
+    """What the choice depends on within one process (called on every bf16 attention layer, so kept cheap): the
+    thread count, and the override; the CPU and torch are this process's (the cached measurement's key names them)."""
+    return torch.get_num_threads(), os.environ.get(CHOICE_ENV, "")
 
 
 def attention_choice() -> dict:
