@@ -40,11 +40,12 @@ def wait_for(predicate, timeout: float, every: float):
 
 
 @contextmanager
-def serve(args: list[str], log_path: Path, ready: str, timeout: float = 120):
+def serve(args: list[str], log_path: Path, ready: str, timeout: float = 120, headers: dict | None = None):
     """``sdlite serve --host 127.0.0.1 --port <free> *args`` as a subprocess on one torch thread (the demo model is
     tiny, and two threads stall on a busy machine), its output in ``log_path``; yields its base URL once ``GET
     url + ready`` answers 200 (the test fails, showing the log, if the process exits or ``timeout`` s pass first).
-    Stopped at the end: SIGTERM, then SIGKILL after 15 s."""
+    Stopped at the end: SIGTERM, then SIGKILL after 15 s. ``headers``: sent with the readiness request (a server
+    behind auth)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
@@ -58,7 +59,7 @@ def serve(args: list[str], log_path: Path, ready: str, timeout: float = 120):
             if proc.poll() is not None:
                 pytest.fail(f"sdlite serve exited with {proc.returncode}:\n{log_path.read_text()}")
             try:
-                with urllib.request.urlopen(url + ready, timeout=2) as r:
+                with urllib.request.urlopen(urllib.request.Request(url + ready, headers=headers or {}), timeout=2) as r:
                     if r.status == 200:
                         break
             except OSError:

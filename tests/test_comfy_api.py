@@ -117,7 +117,8 @@ def test_prompt_events_history_view_and_cache(client, comfy_dir):
         assert hello == {"type": "status", "data": {"status": {"exec_info": {"queue_remaining": 0}}, "sid": "me"}}
         ws.send_text(json.dumps({"type": "feature_flags", "data": {"supports_preview_metadata": False}}))
         assert ws.receive_json()["type"] == "feature_flags"
-        body = post_prompt(client, workflow(seed=3), client_id="me")
+        # previews on for this prompt (the page's "Live preview method"); the server's default is ComfyUI's, none
+        body = post_prompt(client, workflow(seed=3), client_id="me", extra_data={"preview_method": "auto"})
         assert set(body) == {"prompt_id", "number", "node_errors"} and body["node_errors"] == {}
         pid = body["prompt_id"]
         messages, frames = receive_until_done(ws, pid)
@@ -150,7 +151,7 @@ def test_prompt_events_history_view_and_cache(client, comfy_dir):
                                                                  "execution_success"]
         assert history["outputs"]["9"]["images"] == [image_ref]
         assert history["prompt"][1] == pid and history["prompt"][2] == workflow(seed=3)
-        assert history["prompt"][3]["client_id"] == "me" and history["prompt"][4] == ["9"]
+        assert history["prompt"][3] == {"client_id": "me", "preview_method": "auto"} and history["prompt"][4] == ["9"]
         r = client.get("/api/view", params=image_ref)
         assert r.status_code == 200 and r.headers["content-type"] == "image/png"
         on_disk = comfy_dir / "output" / image_ref["subfolder"] / image_ref["filename"]
@@ -160,7 +161,8 @@ def test_prompt_events_history_view_and_cache(client, comfy_dir):
         assert np.asarray(image.convert("RGB")).std() > 5   # a picture, not a flat fill
         # the same graph with a new seed: the loader and the text encodings come from the cache
         pid2 = post_prompt(client, workflow(seed=4), client_id="me")["prompt_id"]
-        messages2, _ = receive_until_done(ws, pid2)
+        messages2, frames2 = receive_until_done(ws, pid2)
+        assert frames2 == []   # no preview_method: the server's --preview-method, none as ComfyUI's
         cached = next(m["data"]["nodes"] for m in messages2 if m["type"] == "execution_cached")
         assert {"4", "6", "7", "5"} <= set(cached) and "3" not in cached
         ran = [m["data"]["node"] for m in messages2 if m["type"] == "executing"][:-1]

@@ -9,6 +9,8 @@ from pathlib import Path
 from ..errors import SDLiteError
 from .options import add_compile_option, add_precision_option, check_precision_option
 
+PREVIEW_METHODS = ("none", "auto", "latent2rgb", "taesd")   # ComfyUI's --preview-method choices
+
 
 def _is_loopback(host: str) -> bool:
     import ipaddress
@@ -74,7 +76,8 @@ def cmd_serve(args) -> int:
     flags = {"listen": args.listen, "host": host, "port": args.port, "ckpt": args.model, "models_dir": args.models_dir,
              "lora_dir": args.lora_dir, "embeddings_dir": args.embeddings, "upscaler_dir": args.upscaler_dir,
              "controlnet_dir": args.controlnet_dir, "vae_dir": args.vae_dir, "queue_size": args.queue_size,
-             "device": args.device, "precision": precision, "nowebui": False}
+             "device": args.device, "precision": precision, "nowebui": False,
+             "preview_method": args.preview_method}
     ray_options = [flag for flag, value in (("--address", args.address), ("--replicas", args.replicas),
                                             ("--autoscale", args.autoscale), ("--replica-cpus", args.replica_cpus),
                                             ("--replica-gpus", args.replica_gpus)) if value is not None]
@@ -205,6 +208,11 @@ def add_parser(sub) -> None:
                    help="ComfyUI's folders for its API and web page (/comfy/): input/ (uploads, LoadImage), output/ "
                         "(SaveImage), temp/ (PreviewImage) and user/ (the page's settings and workflows); made where "
                         "missing (default: comfyui in sdlite's cache folder, ~/.cache/sdlite/comfyui)")
+    v.add_argument("--preview-method", choices=PREVIEW_METHODS, default="none",
+                   help="live previews of ComfyUI prompts on /ws, as ComfyUI's flag: none (ComfyUI's default: API "
+                        "clients that take binary frames for images get only the images), or auto / latent2rgb / "
+                        "taesd (each sends sdlite's preview, as A1111's live-preview options make it); a prompt's "
+                        "extra_data.preview_method overrides it (the web page's 'Live preview method')")
     v.add_argument("--vae-dir", metavar="DIR", default=None,
                    help="VAE files a request may take in place of the model's own (A1111's models/VAE): by name in "
                         "the option sd_vae or Forge's forge_additional_modules, as /sdapi/v1/sd-vae lists them")

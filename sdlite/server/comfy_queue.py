@@ -136,6 +136,15 @@ class EventHub:
             queue.put_nowait(message)
 
 
+def preview_method(extra_data: dict, flags: dict) -> str:
+    """A prompt's live-preview method: its ``extra_data.preview_method`` (the web page's per-prompt choice) unless
+    that is missing or "default", else the server's ``--preview-method`` (ComfyUI's default: "none")."""
+    chosen = extra_data.get("preview_method")
+    if chosen in (None, "default"):
+        chosen = flags.get("preview_method") or "none"
+    return chosen
+
+
 class PreviewControl:
     """The job's :class:`~.jobs.JobControl` as the executor sees it: previews are due at the server's preview
     interval while the prompt's websocket client is connected (a ComfyUI client polls no ``/progress``)."""
@@ -148,6 +157,11 @@ class PreviewControl:
 
     def preview_due(self, step: int, total: int) -> bool:
         return self._enabled() and self._hub.connected(self._sid) and self._jobs.preview_every(step, total)
+
+    def preview_wanted(self) -> bool:
+        """Whether a preview made now would be seen: by the prompt's websocket client (with previews on for the
+        prompt; ComfyUI sends them to that client only), or by an A1111 client polling ``/progress`` for one."""
+        return (self._enabled() and self._hub.connected(self._sid)) or self._control.preview_wanted()
 
 
 class PromptError(Exception):
@@ -309,7 +323,7 @@ class PromptQueue:
             self._running = entry
         self.hub.status()
         sid, messages, seen = entry.client_id, [], {"executing": None, "done": [], "step": (0, 0)}
-        previews = entry.extra_data.get("preview_method") != "none"   # the page's per-prompt preview choice
+        previews = preview_method(entry.extra_data, self.server.flags) != "none"
         wrapped = PreviewControl(control, self.jobs, self.hub, sid, lambda: previews and self._previews_enabled())
 
         def emit(event: str, data: dict) -> None:
