@@ -59,14 +59,16 @@ setup-sdcpp: $(SDCPP_VENV)/.installed
 # then the CPU-dependent tests again as an AVX2-only CPU runs them (no AVX-512, no VNNI: 7-bit int8
 # activations, no prepacking by default), by capping oneDNN's and PyTorch's kernels on this one; the Winograd
 # convolutions and the chunked text encoding, whose summation orders follow the kernels, with them; and the
-# precision policy, whose auto is exact there and which refuses bf16; and the hand-written kernels, which stand aside
+# precision policy, whose auto is exact there and which refuses bf16; the hand-written kernels, which stand aside; and
+# TAESD in bf16, whose fused oneDNN convolutions stand aside there too
 test: setup
 	$(BIN)/python -m pytest -q -ra -n 2 --dist loadfile -m one_thread
 	$(BIN)/python -m pytest -q -ra -m "not one_thread"
 	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(BIN)/python -m pytest -q -ra \
 		tests/test_cpu.py tests/test_quant.py tests/test_packing.py tests/test_sdxl_engine_paths.py \
 		tests/test_winograd.py tests/test_conditioning.py tests/test_precision.py tests/test_kernels.py \
-		tests/test_kernels_fp32.py
+		tests/test_kernels_fp32.py \
+		tests/test_taesd.py::test_bf16_runs_fused_convolutions_close_to_the_unfused_and_to_diffusers
 
 # one image from the shipped demo model, no download: prints where the PNG is
 run: setup

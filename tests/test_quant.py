@@ -136,6 +136,21 @@ def test_weight_quantization_roundtrip():
     assert (err <= scale.view(-1, 1, 1, 1) / 2 + 1e-7).all()
 
 
+@pytest.mark.parametrize("shape, dtype", [((1280, 12), torch.float32), ((96, 640, 3, 3), torch.bfloat16),
+                                          ((3, 70000), torch.float16), ((7, 1), torch.float32)])
+def test_weight_quantization_in_chunks_equals_the_whole_tensor_formula(shape, dtype):
+    """Row blocks through one buffer (rows wider and narrower than a chunk, bf16/fp16 weights, a zero row) give
+    exactly round(w / (max |w| / 127)) in float32 over the whole tensor at once."""
+    w = (torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape))) * 0.02).to(dtype)
+    w[1] = 0.0
+    q, scale = quantize_weight(w)
+    whole = w.float()
+    amax = whole.abs().reshape(shape[0], -1).amax(dim=1)
+    want_scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    want = torch.round(whole / want_scale.view(-1, *([1] * (len(shape) - 1)))).clamp(-127, 127).to(torch.int8)
+    assert torch.equal(scale, want_scale) and torch.equal(q, want) and q.shape == shape
+
+
 def test_activation_quantization_covers_range_and_keeps_zero_exact():
     x = torch.tensor([[-1.0, 0.0, 0.25, 3.0]])
     q, scale, zp = quantize_activation(x)

@@ -177,13 +177,30 @@ def _check_bf16_int8() -> str:
 # --- int8 -------------------------------------------------------------------------------------------------
 
 
+QUANTIZE_CHUNK = 1 << 16   # weights quantized this many at a time: the float32 temporaries stay in the CPU's cache
+
+
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8, ``w ~= q * scale[:, None, ...]``. Returns (int8 q, fp32 scale)."""
-    w = w.detach().float()
-    amax = w.abs().reshape(w.shape[0], -1).amax(dim=1)
+    """Symmetric per-output-channel int8, ``w ~= q * scale[:, None, ...]``, ``q = round(w / scale)`` in float32
+    (half to even). Returns (int8 q, fp32 scale).
+
+    Run a few rows at a time through one float32 buffer, in place: a whole UNet's weights pass through here at
+    every load, and whole-tensor temporaries (the float32 copy, the quotient, the rounding) cost 3x the time in
+    memory traffic and fresh pages. The codes are the same either way (the same operations on each value)."""
+    w = w.detach()
+    flat = w.reshape(w.shape[0], -1)
+    amax = torch.maximum(flat.amax(dim=1), -flat.amin(dim=1)).float()          # exact: max |w| per row (one
+    # reduction each: torch.aminmax is 3x slower on bf16 here)
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))          # an all-zero row: any scale
-    q = torch.round(w / scale.view(-1, *([1] * (w.dim() - 1)))).clamp_(-127, 127).to(torch.int8)
-    return q, scale
+    q = torch.empty(flat.shape, dtype=torch.int8)
+    rows = max(1, QUANTIZE_CHUNK // max(1, flat.shape[1]))
+    buffer = torch.empty(min(rows, flat.shape[0]), flat.shape[1])
+    for start in range(0, flat.shape[0], rows):
+        stop = min(start + rows, flat.shape[0])
+        t = buffer[:stop - start]
+        t.copy_(flat[start:stop]).div_(scale[start:stop, None]).round_().clamp_(-127, 127)
+        q[start:stop].copy_(t)
+    return q.reshape(w.shape), scale
 
 
 def check_activation_bits(bits) -> int:

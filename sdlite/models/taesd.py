@@ -8,6 +8,8 @@ works in as they are (SD's VAE latents times its scaling factor; diffusers' ``Au
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -21,6 +23,48 @@ def _conv(n_in: int, n_out: int, stride: int = 1, bias: bool = True) -> nn.Conv2
     return nn.Conv2d(n_in, n_out, 3, stride=stride, padding=1, bias=bias)
 
 
+@functools.cache
+def _onednn_bf16() -> bool:
+    """Whether oneDNN runs bf16 convolutions on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; not under
+    ``ONEDNN_MAX_CPU_ISA=AVX2``, where PyTorch's own bf16 convolution runs instead)."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _fusable(x: torch.Tensor) -> bool:
+    """Whether the convolutions on ``x`` take their ReLU (and a Block's sum) inside oneDNN's convolution: bf16 on a
+    CPU where oneDNN runs bf16. The sum and the ReLU are then applied to the float32 result before its one rounding to bf16 (unfused: the
+    convolution's output is rounded, then the sum's), and the activations are not read and written again for each.
+    Never on the exact (float32) path."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and _onednn_bf16()
+
+
+def _fused(conv: nn.Conv2d, x: torch.Tensor, relu: bool, add: torch.Tensor | None = None) -> torch.Tensor:
+    """``relu(conv(x) [+ add])`` as one oneDNN convolution (see :func:`_fusable`)."""
+    args = (conv.weight, conv.bias, list(conv.padding), list(conv.stride), list(conv.dilation), conv.groups)
+    unary = "relu" if relu else "none"
+    if add is None:
+        return torch.ops.mkldnn._convolution_pointwise(x, *args, unary, [None], "")
+    return torch.ops.mkldnn._convolution_pointwise(x, add, *args, "add", None, unary, [None], "")
+
+
+def _run(layers: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    """``layers(x)``, with each convolution followed by a ReLU fused into it where :func:`_fusable`."""
+    if not _fusable(x):
+        return layers(x)
+    mods = list(layers)
+    i = 0
+    while i < len(mods):
+        m = mods[i]
+        if isinstance(m, nn.Conv2d):
+            relu = i + 1 < len(mods) and isinstance(mods[i + 1], nn.ReLU)
+            x = _fused(m, x, relu)
+            i += 2 if relu else 1
+        else:
+            x = m(x)
+            i += 1
+    return x
+
+
 class Block(nn.Module):
     """conv-ReLU-conv-ReLU-conv plus the input, then a ReLU (the skip is the identity: in == out channels)."""
 
@@ -29,6 +73,9 @@ class Block(nn.Module):
         self.conv = nn.Sequential(_conv(ch, ch), nn.ReLU(), _conv(ch, ch), nn.ReLU(), _conv(ch, ch))
 
     def forward(self, x):
+        if _fusable(x):
+            c = self.conv
+            return _fused(c[4], _fused(c[2], _fused(c[0], x, True), True), True, add=x)
         return torch.relu(self.conv(x) + x)
 
 
@@ -49,7 +96,7 @@ class TinyEncoder(nn.Module):
         self.layers = nn.Sequential(*layers)
 
     def forward(self, x):
-        return self.layers(x.add(1).div(2))   # TAESD's images are in [0, 1]
+        return _run(self.layers, x.add(1).div(2))   # TAESD's images are in [0, 1]
 
 
 class TinyDecoder(nn.Module):
@@ -70,7 +117,7 @@ class TinyDecoder(nn.Module):
 
     def forward(self, z):
         x = torch.tanh(z / 3) * 3             # a soft clamp of the latents to (-3, 3)
-        return self.layers(x).mul(2).sub(1)   # [0, 1] -> [-1, 1]
+        return _run(self.layers, x).mul(2).sub(1)   # [0, 1] -> [-1, 1]
 
 
 class TinyAutoencoder(nn.Module):
