@@ -406,10 +406,10 @@ def test_auth_covers_routes_and_websocket(tmp_path):
 
 def test_a_server_without_a_job_queue_refuses_prompts_clearly(tmp_path):
     server = ServerBase(comfy_dir=tmp_path)
-    server.jobs = object()   # as the Ray cluster's server (sdlite.scale.ingress): its .jobs is a Ray actor's handle
+    server.jobs = object()   # a job table that is no in-process queue, and no comfy_queue of its own
     with TestClient(build_app(server)) as c:
         r = c.post("/prompt", json={"prompt": workflow()})
-        assert r.status_code == 501 and "Ray" in r.json()["error"]["details"]
+        assert r.status_code == 501 and "no job queue for ComfyUI workflows" in r.json()["error"]["message"]
         assert c.get("/queue").json() == {"queue_running": [], "queue_pending": []}
         assert "KSampler" in c.get("/object_info").json()
 
@@ -432,11 +432,16 @@ def test_huge_uploads_and_bad_websocket_messages(tmp_path):
             assert len(ws.receive_json()["data"]["sid"]) == 32
 
 
-def test_serve_refuses_a_comfy_dir_with_ray(tmp_path, capsys):
+def test_serve_hands_a_comfy_dir_to_the_ray_server(tmp_path, monkeypatch):
+    """`sdlite serve --ray --comfy-dir DIR` is served (ComfyUI's prompts then run on the replicas:
+    tests/test_scale_ray.py); here only that the CLI hands the folder on, without starting Ray."""
     from sdlite.cli import main
+    from sdlite.scale import ray_serve
 
-    assert main(["serve", "--ray", "--comfy-dir", str(tmp_path)]) == 2
-    assert "--comfy-dir needs a single-machine server" in capsys.readouterr().err
+    seen = {}
+    monkeypatch.setattr(ray_serve, "serve_cli", lambda args, host, flags, limits: seen.update(dir=args.comfy_dir) or 0)
+    assert main(["serve", "--ray", "--comfy-dir", str(tmp_path)]) == 0
+    assert seen == {"dir": str(tmp_path)}
 
 
 def test_a_comfy_dir_that_cannot_be_made_leaves_the_other_routes_serving(tmp_path, caplog):

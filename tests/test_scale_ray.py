@@ -7,7 +7,8 @@ the partial image and the queued ones 503, and exits 0 within the grace + 5 s; 1
 across the cluster; interrupt and previews reach the replica running the job; killing a replica's actor mid-run
 loses no request (each completes or gets a clear 503, which then succeeds on retry) and Ray Serve restores the
 replica; a job past the job time limit is interrupted in its replica and answered with a warning; a ControlNet unit
-and an SD3 model run on replicas as in one process.
+and an SD3 model run on replicas as in one process; a ComfyUI workflow queued on the ingress runs on a replica (its image,
+its /ws events, /history and /view as in one process) and /interrupt stops it there.
 
 Timeouts: a wait for generation work is derived from the work (the duration of one job, measured on the cluster just
 before, times the jobs ahead), with a wide margin, so that a machine busy with other work slows the test down
@@ -114,6 +115,8 @@ def test_sigterm_answers_every_client_and_exits_0_within_the_grace(tmp_path):
     starts): a long job runs and two wait; SIGTERM. New requests get 503 at once, the two waiting ones get 503 with
     Retry-After before the running one is answered; past the grace the running one is interrupted and its client
     gets the partial image with the shutdown warning; the process exits 0 within the grace + 5 s of the signal."""
+    from tests.test_comfy_api import workflow as comfy_workflow
+
     grace = 3
     port = free_port()
     api = f"http://127.0.0.1:{port}/sdapi/v1"
@@ -121,7 +124,8 @@ def test_sigterm_answers_every_client_and_exits_0_within_the_grace(tmp_path):
     log = tmp_path / "serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "sdlite", "serve", "--ray", "--port", str(port), "--threads",
-                                 "1", "--max-steps", "1000", "--shutdown-grace", str(grace)],
+                                 "1", "--max-steps", "1000", "--shutdown-grace", str(grace),
+                                 "--comfy-dir", str(tmp_path / "comfy")],
                                 stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
 
     def tail() -> str:
@@ -145,6 +149,15 @@ def test_sigterm_answers_every_client_and_exits_0_within_the_grace(tmp_path):
                 return None if proc.poll() is None else "exited"
 
         assert wait_for(ready, timeout=STARTUP_S, every=0.2) != "exited", tail()
+        # --comfy-dir with --ray: ComfyUI's API is served, and a workflow runs on the replica, which writes its image
+        # into the folder given (the ingress's prompt thread and the stream of events, as deployed)
+        root = f"http://127.0.0.1:{port}"
+        assert requests.get(f"{root}/prompt", timeout=REACT_S).json() == {"exec_info": {"queue_remaining": 0}}
+        pid = requests.post(f"{root}/prompt", json={"prompt": comfy_workflow(steps=2)}, timeout=REACT_S).json()
+        done = wait_for(lambda: requests.get(f"{root}/history/{pid['prompt_id']}", timeout=30).json(),
+                        timeout=STARTUP_S)[pid["prompt_id"]]
+        assert done["status"]["completed"], done["status"]
+        assert (tmp_path / "comfy" / "output" / done["outputs"]["9"]["images"][0]["filename"]).is_file()
         clients = [threading.Thread(target=send, args=("running", {"prompt": PROMPT, **LONG_LIGHT, "seed": 5}))]
         clients[0].start()
         wait_for(lambda: progress()["state"]["sampling_step"] > 0)
@@ -459,3 +472,66 @@ def test_sd3_model_runs_on_a_replica(cluster, tmp_path):
     finally:
         torch.set_num_threads(threads)
     assert np.array_equal(pixels(r.json()["images"][0]), pixels(expected.images[0]))
+
+
+def test_comfy_prompt_runs_on_a_replica(cluster, engine, tmp_path):
+    """ComfyUI's /prompt on a ClusterServer (config.comfy_dir, what serve --ray --comfy-dir sets) in this process,
+    over the module's Generator replicas: the workflow runs on a replica, which writes the image into the ingress's
+    output folder; its image (by /view) is the engine's for the same settings; the /ws events are those of one
+    process, previews included; a second, long prompt shows in /queue and in A1111's /progress (one job table) and
+    /interrupt with its prompt_id stops it on its replica; front is refused with the reason."""
+    from fastapi.testclient import TestClient
+
+    from sdlite.scale.ray_serve import ClusterServer
+    from sdlite.server.app import build_app
+    from tests.test_comfy_api import post_prompt, receive_until_done, wait_history, workflow
+
+    config = dataclasses.replace(cluster.config, comfy_dir=str(tmp_path / "comfy"))
+    server = ClusterServer(config, serve.get_deployment_handle("Generator", app_name=config.app_name))
+    server.set_options({"show_progress_every_n_steps": 1})
+    with TestClient(build_app(server)) as client, client.websocket_connect("/ws?clientId=me") as ws:
+        assert ws.receive_json()["data"]["status"]["exec_info"]["queue_remaining"] == 0
+        pid = post_prompt(client, workflow(seed=3), client_id="me", extra_data={"preview_method": "auto"})["prompt_id"]
+        messages, frames = receive_until_done(ws, pid)
+        run = [m["type"] for m in messages if m["type"] != "status"]
+        assert run[:2] == ["execution_start", "execution_cached"] and run[-3:] == ["executed", "execution_success",
+                                                                                   "executing"], run
+        assert [m["data"]["value"] for m in messages if m["type"] == "progress"] == [1, 2, 3, 4]
+        executing = [m["data"]["node"] for m in messages if m["type"] == "executing"]
+        assert executing[-1] is None and set(executing[:-1]) == set(workflow())
+        assert ws.receive_json()["data"]["status"]["exec_info"]["queue_remaining"] == 0   # after the final executing
+        assert frames and all(f[:8] == bytes([0, 0, 0, 1, 0, 0, 0, 1]) for f in frames)   # JPEG previews
+        saved = wait_history(client, pid)["outputs"]["9"]["images"][0]
+        view = client.get("/view", params={"filename": saved["filename"], "type": "output"})
+        assert view.status_code == 200 and (tmp_path / "comfy" / "output" / saved["filename"]).is_file()
+        expected = engine.generate(Request(PROMPT, negative_prompt="", steps=4, seed=3, cfg_scale=7.0,
+                                           sampler="euler", schedule="normal", noise="comfy"))
+        assert np.array_equal(pixels(Image.open(io.BytesIO(view.content))), pixels(expected.images[0]))
+
+        refused = client.post("/prompt", json={"prompt": workflow(), "front": True})
+        assert refused.status_code == 400 and "Ray" in refused.json()["error"]["message"]
+
+        # two long prompts, one per replica (the second's events go to a client that is not connected), and a third
+        # that waits for a replica until it is deleted
+        long = post_prompt(client, workflow(seed=4, steps=1000), client_id="me")["prompt_id"]
+        other = post_prompt(client, workflow(seed=5, steps=1000), client_id="elsewhere")["prompt_id"]
+        while ws.receive_json()["type"] != "progress":
+            pass
+        wait_for(lambda: len(client.get("/queue").json()["queue_running"]) == 2)
+        waiting = post_prompt(client, workflow(seed=6), client_id="me")["prompt_id"]
+        queue = client.get("/queue").json()
+        assert {item[1] for item in queue["queue_running"]} == {long, other}
+        assert [item[1] for item in queue["queue_pending"]] == [waiting]
+        assert cluster.progress()["state"]["job_count"] == 3   # A1111's /progress: the cluster's one job table
+        assert client.post("/queue", json={"delete": [waiting]}).status_code == 200
+        assert client.get("/queue").json()["queue_pending"] == []
+        for prompt_id in (long, other):   # each stopped on its own replica
+            assert client.post("/interrupt", json={"prompt_id": prompt_id}).status_code == 200
+        messages, _ = receive_until_done(ws, long)
+        assert "execution_interrupted" in [m["type"] for m in messages]
+        assert not [m for m in messages if m["data"].get("prompt_id") == waiting]
+        for prompt_id in (long, other):
+            assert wait_history(client, prompt_id)["status"]["completed"] is False
+        # the deleted prompt reached a replica, which found it gone: it leaves the job table and no history
+        wait_for(lambda: cluster.progress()["state"]["job_count"] == 0)
+        assert client.get(f"/history/{waiting}").json() == {}

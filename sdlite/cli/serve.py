@@ -83,9 +83,6 @@ def cmd_serve(args) -> int:
                                             ("--replica-gpus", args.replica_gpus)) if value is not None]
     if ray_options and not args.ray:
         raise SDLiteError(f"{', '.join(ray_options)} need{'s' if len(ray_options) == 1 else ''} --ray")
-    if args.ray and args.comfy_dir is not None:
-        raise SDLiteError("--comfy-dir needs a single-machine server: with --ray, ComfyUI workflows (/prompt) are not "
-                          "run; leave out --ray to serve them")
     if args.ray:
         from ..scale.ray_serve import serve_cli
 

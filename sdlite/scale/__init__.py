@@ -1,4 +1,4 @@
-"""Past one machine: ``sdlite serve --ray`` (:mod:`.ray_serve`, the A1111 API on Ray Serve replicas) and
+"""Past one machine: ``sdlite serve --ray`` (:mod:`.ray_serve`, the A1111 and ComfyUI APIs on Ray Serve replicas) and
 ``sdlite batch`` (:mod:`.batch`, bulk generation from a JSONL file, locally or over a pool of Ray actors).
 
 Ray is optional (the ``ray`` extra: ``pip install 'sdlite[ray]'``); this package imports it only when it is used.

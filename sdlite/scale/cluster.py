@@ -33,6 +33,8 @@ class ClusterConfig:
     upscaler_dir: str | None = None
     vae_dir: str | None = None        # VAE files by name (sd_vae), at the same path on every node
     controlnet_dir: str | None = None   # ControlNet models by name, at the same path on every node
+    comfy_dir: str | None = None      # ComfyUI's folders (input/, output/, temp/, user/): one folder at the same path
+                                      # on every node (default: comfyui in the ingress's cache folder)
     engine_options: dict = field(default_factory=dict)   # Engine.load's: device, dtype, memory_mode, ...
     threads: int | None = None        # torch threads in each replica (1 is fastest for the demo model)
     replicas: int = 1

@@ -46,7 +46,7 @@ class ClusterServer(ServerBase):
         super().__init__(config.model, config.models_dir, config.api_auth, lora_dir=config.lora_dir,
                          embeddings_dir=config.embeddings_dir, flags=config.flags, limits=config.limits,
                          upscaler_dir=config.upscaler_dir, controlnet_dir=config.controlnet_dir,
-                         api_key=config.api_key, vae_dir=config.vae_dir)
+                         api_key=config.api_key, vae_dir=config.vae_dir, comfy_dir=config.comfy_dir)
         self.config = config
         self.generator = generator
         self.jobs = ensure_jobs_actor(config)
@@ -179,6 +179,12 @@ class ClusterServer(ServerBase):
             self.checkpoints.remember_hash(current, await self.generator.load.remote(dataclasses.replace(current)))
         except Exception as e:  # noqa: BLE001 - the first job will tell it
             log.warning("the model's hash is not known yet: %s", e)
+
+    def comfy_queue(self, dirs):
+        """ComfyUI's prompt queue here: its prompts run on the replicas (:mod:`.comfy`)."""
+        from .comfy import ClusterPrompts
+
+        return ClusterPrompts(self, dirs)
 
     def text_width(self) -> int | None:
         from ..loader import open_model

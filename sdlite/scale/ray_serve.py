@@ -32,11 +32,16 @@ Where things live::
   get the grace, then are interrupted (their clients get the partial images), and a job that still does not stop
   is abandoned (its client gets a ``503``); then the application is deleted.
 
+* **ComfyUI prompts** (``/prompt``, ``/ws``, ``/history``, ``/view``): admitted and ordered as the other jobs, run on
+  a replica (``handle.run_comfy``, a stream of ComfyUI's events back to the ingress's websocket clients); see
+  :mod:`.comfy` for what differs from one machine.
+
 The model path must be readable at the same path on every node (a shared folder, or the same copy).
 
 The modules: :mod:`.cluster` (:class:`ClusterConfig`, the :class:`ClusterJobs` actor), :mod:`.replica` (the
 :class:`Generator` replicas and their :class:`RemoteControl`), :mod:`.ingress` (:class:`ClusterServer` and the
-:class:`Ingress` deployment); this one builds and deletes the application and stops it (:func:`drain`,
+:class:`Ingress` deployment), :mod:`.comfy` (ComfyUI's ``/prompt``: the queue and history on the ingress, the
+workflows run on the replicas); this one builds and deletes the application and stops it (:func:`drain`,
 :func:`serve_cli`). Their names stay importable from here.
 """
 from __future__ import annotations
@@ -46,6 +51,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 import ray
 from ray import serve
@@ -245,6 +251,8 @@ def serve_cli(args, host: str, flags: dict, limits: Limits | None = None) -> int
                                lora_dir=args.lora_dir, embeddings_dir=args.embeddings,
                                upscaler_dir=getattr(args, "upscaler_dir", None), vae_dir=getattr(args, "vae_dir", None),
                                controlnet_dir=getattr(args, "controlnet_dir", None), engine_options=engine_options,
+                               comfy_dir=str(Path(args.comfy_dir).resolve()) if getattr(args, "comfy_dir", None)
+                               else None,   # the ingress and the replicas run elsewhere than this folder
                                threads=args.threads,
                                replicas=args.replicas if args.replicas is not None else 1, autoscale=autoscale,
                                replica_cpus=args.replica_cpus if args.replica_cpus is not None else 1.0,
@@ -281,8 +289,9 @@ def serve_cli(args, host: str, flags: dict, limits: Limits | None = None) -> int
             raise SDLiteError(str(e)) from None
         serve.run(app, name=config.app_name, route_prefix="/", blocking=False)
         replicas = f"{autoscale[0]}..{autoscale[1]} (autoscaled)" if autoscale else str(config.replicas)
-        print(f"sdlite: serving the A1111 API on http://{host}:{args.port}/sdapi/v1 with Ray Serve, {replicas} "
-              f"replica(s); {config.limits.describe()}; Ctrl-C stops it", file=sys.stderr)
+        print(f"sdlite: serving the A1111 API on http://{host}:{args.port}/sdapi/v1 and ComfyUI's on "
+              f"http://{host}:{args.port}/ with Ray Serve, {replicas} replica(s); {config.limits.describe()}; "
+              "Ctrl-C stops it", file=sys.stderr)
         signals.requested.wait()
         outcome = None
         if not signals.at_once:

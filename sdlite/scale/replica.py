@@ -15,6 +15,7 @@ from ..server import a1111
 from ..server.backend import run_plan
 from ..server.checkpoints import Checkpoint, Checkpoints, Engines
 from .cluster import ClusterConfig, ensure_jobs_actor
+from .comfy import ReplicaPrompts
 
 REPORT_EVERY_S = 0.05    # a replica reports its steps at most this often (and always the last one)
 
@@ -102,8 +103,16 @@ class RemoteControl:
         if (self._interrupted or self._skipped) and step < total:
             raise StopSampling()
 
+    def stop(self) -> None:
+        """Stop the job at its next step (its client let go of it)."""
+        self._interrupted = True
+
+    def preview_wanted(self) -> bool:
+        """Whether a client asked ``/progress`` for a preview lately (and previews are on)."""
+        return self._wanted and self._preview_enabled
+
     def preview_due(self, step: int, total: int) -> bool:
-        if not (self._wanted and self._preview_enabled):
+        if not self.preview_wanted():
             return False
         return step == total if self._preview_every == -1 else step % self._preview_every == 0
 
@@ -123,6 +132,8 @@ class Generator:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside Serve (a direct test): a name of our own
             self.replica_id = f"replica-{id(self):x}"
+        self.config, self.model_path = config, model_path
+        self.prompts: ReplicaPrompts | None = None   # ComfyUI's executor, made for the first prompt
         self.checkpoints = Checkpoints(model_path, None)
         self.engines = Engines(self.checkpoints, limit=1, **config.engine_options)
         self.engines.get(self.checkpoints.current)   # the model is loaded before the replica takes requests
@@ -138,6 +149,22 @@ class Generator:
         control = RemoteControl(self.jobs, job_id, flags, work["preview"],
                                 job_timeout=limits.job_timeout if limits is not None else 0.0)
         return await asyncio.to_thread(self._run, work, control)
+
+    async def run_comfy(self, job_id: int, work: dict):
+        """A ComfyUI prompt (:mod:`.comfy`): a stream of its events, then its end; ("gone",) when the job left the
+        queue while it waited."""
+        flags = await self.jobs.start.remote(job_id, self.replica_id)
+        if flags is None:
+            yield ("gone",)
+            return
+        if self.prompts is None:
+            self.prompts = ReplicaPrompts(self.config, self.model_path, self.engines)
+        limits = work["limits"]
+        control = RemoteControl(self.jobs, job_id, flags, (work["options"]["live_previews_enable"],
+                                                           work["options"]["show_progress_every_n_steps"]),
+                                job_timeout=limits.job_timeout if limits is not None else 0.0)
+        async for item in self.prompts.events(work, control):
+            yield item
 
     def _run(self, work: dict, control: RemoteControl) -> a1111.Outcome:
         self.engines.limit = work["limit"]

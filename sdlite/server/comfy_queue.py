@@ -183,7 +183,7 @@ class PromptQueue:
         self._counter = 0
         self._pending: dict[str, Prompt] = {}
         self._by_job: dict[int, Prompt] = {}
-        self._running: Prompt | None = None
+        self._running: dict[str, Prompt] = {}   # one in this process; one per busy replica on a Ray cluster
         self._history: dict[str, dict] = {}   # insertion order: oldest first
         self._times: dict[str, tuple] = {}    # prompt_id -> (queued, started, ended), ms since the epoch
 
@@ -198,7 +198,7 @@ class PromptQueue:
         with self._lock:
             if prompt_id is None:
                 prompt_id = str(uuid.uuid4())
-            elif prompt_id in self._pending or (self._running is not None and self._running.prompt_id == prompt_id):
+            elif prompt_id in self._pending or prompt_id in self._running:
                 raise PromptError("invalid_prompt", f"prompt_id {prompt_id!r} is already queued",
                                   "a prompt_id must not repeat one that is queued or running")
             if number is None:
@@ -238,11 +238,11 @@ class PromptQueue:
     def remaining(self) -> int:
         """ComfyUI's ``queue_remaining``: the ComfyUI prompts waiting or running."""
         with self._lock:
-            return len(self._pending) + (self._running is not None)
+            return len(self._pending) + len(self._running)
 
     def queue(self) -> dict:
         with self._lock:
-            running = [self._running.item()] if self._running is not None else []
+            running = [p.item() for p in self._running.values()]
             pending = [p.item() for p in self._pending.values() if p.started is None]
         return {"queue_running": running, "queue_pending": sorted(pending, key=lambda item: item[0])}
 
@@ -265,22 +265,20 @@ class PromptQueue:
         not the one running)."""
         if prompt_id is not None:
             with self._lock:
-                if self._running is None or self._running.prompt_id != prompt_id:
+                if prompt_id not in self._running:
                     return False
         self.jobs.interrupt()
         return True
 
     def status_of(self, prompt_id: str) -> Prompt | None:
         with self._lock:
-            if self._running is not None and self._running.prompt_id == prompt_id:
-                return self._running
-            return self._pending.get(prompt_id)
+            return self._running.get(prompt_id) or self._pending.get(prompt_id)
 
     def pending(self) -> list[Prompt]:
-        """The waiting prompts and the running one, in queue order (the running one first)."""
+        """The waiting prompts and the running ones, in queue order (the running ones first)."""
         with self._lock:
             waiting = sorted((p for p in self._pending.values() if p.started is None), key=lambda p: p.number)
-            return ([self._running] if self._running is not None else []) + waiting
+            return list(self._running.values()) + waiting
 
     # --- history --------------------------------------------------------------------------------------------
 
@@ -316,17 +314,17 @@ class PromptQueue:
     # --- running (in the worker thread) ---------------------------------------------------------------------
 
     def run(self, entry: Prompt, control) -> None:
-        """Execute ``entry``'s workflow and record it in the history; its events go to its client."""
-        with self._lock:
-            self._pending.pop(entry.prompt_id, None)
-            entry.started = now_ms()
-            self._running = entry
-        self.hub.status()
+        """Execute ``entry``'s workflow and record it in the history; its events go to its client. The prompt runs
+        from its ``execution_start`` event on (at once in this process; when a replica takes it on a Ray cluster,
+        whose executor may raise before that when the prompt was dropped while it waited: it then leaves no
+        history)."""
         sid, messages, seen = entry.client_id, [], {"executing": None, "done": [], "step": (0, 0)}
         previews = preview_method(entry.extra_data, self.server.flags) != "none"
         wrapped = PreviewControl(control, self.jobs, self.hub, sid, lambda: previews and self._previews_enabled())
 
         def emit(event: str, data: dict) -> None:
+            if event == "execution_start":
+                self._start(entry)
             if event == "preview":   # sent when due (a node may make one at every step)
                 if wrapped.preview_due(*seen["step"]):
                     self.hub.preview(data["image"], sid)
@@ -352,6 +350,8 @@ class PromptQueue:
             emit("execution_success", {"prompt_id": entry.prompt_id, "timestamp": now_ms()})
             completed = True
         except BaseException as e:  # noqa: BLE001 - reported to the client and kept in the history
+            if entry.started is None:   # it never ran: the job's future carries the error
+                raise
             node = getattr(e, "node_id", None) or seen["executing"]
             where = {"prompt_id": entry.prompt_id, "node_id": node,
                      "node_type": _class_of(entry.prompt, node), "executed": list(dict.fromkeys(seen["done"])),
@@ -360,26 +360,40 @@ class PromptQueue:
                 emit("execution_interrupted", where)
             else:
                 log.warning("ComfyUI prompt %s failed at node %s: %s", entry.prompt_id, node, e)
-                emit("execution_error", {**where, "exception_message": str(e), "exception_type": type(e).__name__,
-                                         "traceback": traceback.format_exception(e),
+                # a replica's error carries its type's name and its traceback from there (.remote_error)
+                kind, lines = getattr(e, "remote_error", None) or (type(e).__name__, traceback.format_exception(e))
+                emit("execution_error", {**where, "exception_message": str(e), "exception_type": kind,
+                                         "traceback": lines,
                                          "current_inputs": getattr(e, "current_inputs", {}),
                                          "current_outputs": getattr(e, "current_outputs", {})})
             outputs = getattr(e, "outputs", None) or {}
         finally:
-            self.hub.send("executing", {"node": None, "prompt_id": entry.prompt_id}, sid)
-            record = {"prompt": entry.item(), "outputs": outputs,
-                      "status": {"status_str": "success" if completed else "error", "completed": completed,
-                                 "messages": messages},
-                      "meta": {node: {"node_id": node, "display_node": node, "parent_node": None,
-                                      "real_node_id": node} for node in outputs}}
-            with self._lock:
-                self._history[entry.prompt_id] = record
-                self._times[entry.prompt_id] = (entry.created, entry.started, now_ms())
-                while len(self._history) > MAX_HISTORY:
-                    self._times.pop(next(iter(self._history)), None)
-                    del self._history[next(iter(self._history))]
-                self._running = None
-            self.hub.status()
+            if entry.started is not None:
+                self._finish(entry, outputs, completed, messages)
+
+    def _start(self, entry: Prompt) -> None:
+        with self._lock:
+            self._pending.pop(entry.prompt_id, None)
+            entry.started = now_ms()
+            self._running[entry.prompt_id] = entry
+        self.hub.status()
+
+    def _finish(self, entry: Prompt, outputs: dict, completed: bool, messages: list) -> None:
+        """The prompt is over: the final ``executing`` (node null), its history entry, and the queue's status."""
+        self.hub.send("executing", {"node": None, "prompt_id": entry.prompt_id}, entry.client_id)
+        record = {"prompt": entry.item(), "outputs": outputs,
+                  "status": {"status_str": "success" if completed else "error", "completed": completed,
+                             "messages": messages},
+                  "meta": {node: {"node_id": node, "display_node": node, "parent_node": None,
+                                  "real_node_id": node} for node in outputs}}
+        with self._lock:
+            self._history[entry.prompt_id] = record
+            self._times[entry.prompt_id] = (entry.created, entry.started, now_ms())
+            while len(self._history) > MAX_HISTORY:
+                self._times.pop(next(iter(self._history)), None)
+                del self._history[next(iter(self._history))]
+            self._running.pop(entry.prompt_id, None)
+        self.hub.status()
 
     def _previews_enabled(self) -> bool:
         return bool(self.server.options_snapshot().get("live_previews_enable", True))

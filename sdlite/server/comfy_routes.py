@@ -61,8 +61,11 @@ def add_routes(app: FastAPI, server: ServerBase, dependencies: list) -> None:
 
     root = Path(getattr(server, "comfy_dir", None) or cache_dir() / "comfyui")
     dirs, user_dir = comfy_dirs(root)
-    # in-process jobs only: a Ray cluster's server (sdlite.scale.ingress) has a Ray actor as its .jobs
-    queue = PromptQueue(server, Executor(server, dirs)) if isinstance(getattr(server, "jobs", None), Jobs) else None
+    # a server with a queue of its own for them (a Ray cluster's: sdlite.scale.comfy) makes it; else the prompts
+    # run in this process's job queue, where there is one
+    make = getattr(server, "comfy_queue", None)
+    queue = make(dirs) if make is not None else \
+        PromptQueue(server, Executor(server, dirs)) if isinstance(getattr(server, "jobs", None), Jobs) else None
     hub = queue.hub if queue is not None else EventHub(lambda: 0)
     app.state.comfy = queue
     router = APIRouter(dependencies=dependencies)
@@ -122,10 +125,10 @@ def _add_prompt_routes(router: APIRouter, server: ServerBase, queue: PromptQueue
             return _prompt_error(PromptError("invalid_prompt", "the request body is not JSON", e.detail))
         if queue is None:
             return JSONResponse({"error": {"type": "not_supported", "extra_info": {},
-                                           "message": "ComfyUI workflows run only on a single-machine server",
-                                           "details": "this server runs its jobs on a Ray cluster (sdlite serve "
-                                                      "--ray), where /prompt is not offered yet; use the A1111 "
-                                                      "API (/sdapi/v1) or serve without --ray"},
+                                           "message": "this server has no job queue for ComfyUI workflows",
+                                           "details": "its server object runs no jobs of its own (neither a job "
+                                                      "queue in this process nor a Ray cluster's); use the A1111 "
+                                                      "API (/sdapi/v1)"},
                                  "node_errors": {}}, status_code=501)
         hub.attach(asyncio.get_running_loop())
         try:
@@ -138,7 +141,9 @@ def _add_prompt_routes(router: APIRouter, server: ServerBase, queue: PromptQueue
                     raise PromptError("invalid_prompt", "partial_execution_targets names nodes that are not output "
                                       f"nodes of this prompt: {', '.join(unknown)}")
                 outputs = [o for o in outputs if o in targets]
-            entry = queue.submit(fields["prompt"], outputs, **{k: v for k, v in fields.items() if k != "prompt"})
+            # in a thread: a Ray cluster's queue asks its job table to admit the prompt
+            entry = await run_in_threadpool(lambda: queue.submit(fields["prompt"], outputs, **{
+                k: v for k, v in fields.items() if k != "prompt"}))
         except (PromptError, WorkflowError) as e:
             return _prompt_error(e)
         return {"prompt_id": entry.prompt_id, "number": entry.number, "node_errors": {}}
