@@ -1,7 +1,9 @@
 """ComfyUI's separate-file loaders (sdlite/server/comfy_loaders.py) on a tiny FLUX.1 dev written as the files ComfyUI
 users have (BFL's transformer in diffusion_models/, clip_l and T5 in text_encoders/, ae in vae/): UNETLoader +
 DualCLIPLoader(flux) + VAELoader, and city96's GGUF loaders, give sdlite's own image of those files
-(Engine.generate(noise="comfy")); VAELoader with a normal checkpoint; the refusals of what does not fit."""
+(Engine.generate(noise="comfy")); UNETLoader's fp8 weight_dtype gives the image of the transformer file whose Linear
+weights were cast to fp8 and back, from a transformer holding one byte a weight; VAELoader with a normal checkpoint;
+the refusals of what does not fit."""
 from __future__ import annotations
 
 import copy
@@ -9,7 +11,8 @@ import copy
 import numpy as np
 import pytest
 from PIL import Image
-from safetensors.torch import save_file
+import torch
+from safetensors.torch import load_file, save_file
 
 from sdlite.demo import model_path
 from sdlite.loader import open_model
@@ -199,7 +202,6 @@ def test_a_vae_that_does_not_fit_the_model_is_an_error_naming_the_node(env):
     ("2", {"clip_name2": "not_a_text_encoder.safetensors"}, "clip_name2", "holds a VAE"),
     ("2", {"clip_name2": "clip_l.safetensors"}, "clip_name2", "one CLIP-L and one T5"),
     ("2", {"type": "sdxl"}, "type", "SD3 (sd3) and FLUX.1 (flux) only"),
-    ("1", {"weight_dtype": "fp8_e4m3fn"}, "weight_dtype", "engine's precision"),
     ("10", {"vae_name": "ae.safetensors"}, None, None),
 ])
 def test_files_that_do_not_fit_their_input_are_refused_naming_it(env, node, change, input_name, words):
@@ -211,3 +213,141 @@ def test_files_that_do_not_fit_their_input_are_refused_naming_it(env, node, chan
     (error,) = refusal(env, prompt)[node]["errors"]
     assert error["type"] == "custom_validation_failed" and error["extra_info"]["input_name"] == input_name
     assert words in error["details"]
+
+
+# --- UNETLoader's fp8 weight_dtype ------------------------------------------------------------------------------
+
+FP8 = {"fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+@pytest.fixture(scope="module")
+def fp8_files(env):
+    """For each fp8 type, the independent reference: the transformer file with every 2-D weight (FLUX's are exactly
+    its Linear weights) cast to that fp8 type and back by torch; and an SD 1.5 UNet file (the demo's), in
+    diffusion_models/ for as long as these tests run."""
+    server, _, models, _ = env
+    folder = models / "diffusion_models"
+    transformer = load_file(folder / "flux1-dev.safetensors")
+    made = []
+    for name, dtype in FP8.items():
+        made.append(folder / f"flux1-dev-{name}-rounded.safetensors")
+        save_file({k: v.to(dtype).to(v.dtype) if v.ndim == 2 and k.endswith(".weight") else v
+                   for k, v in transformer.items()}, made[-1])
+    demo = open_model(model_path())
+    with demo:
+        unet = demo.load("unet")
+    made.append(folder / "sd15_unet.safetensors")
+    save_file({k: v.contiguous() for k, v in unet.state_dict().items()}, made[-1])
+    yield {name: path.name for name, path in zip(FP8, made)}
+    for path in made:
+        path.unlink()
+
+
+def _transformer(engine):
+    with engine.models.use("transformer") as transformer:
+        return transformer
+
+
+@pytest.mark.parametrize("weight_dtype", ["fp8_e4m3fn", "fp8_e5m2"])
+def test_unet_loader_fp8_weight_dtype_keeps_fp8_weights(env, fp8_files, weight_dtype):
+    """UNETLoader weight_dtype fp8: the image of the file whose Linear weights were rounded to fp8 by torch (loaded
+    by default), from an engine of its own whose transformer holds every Linear weight as one fp8 byte: those
+    rounded weights, half the bytes of the reference's bf16 ones (a quarter of fp32)."""
+    from sdlite.engine.lowbit import LowBitLinear
+
+    engines = env[0].engines
+    prompt = flux_workflow()
+    prompt["1"]["inputs"]["weight_dtype"] = weight_dtype
+    got = run(env, prompt)
+    (key,) = [k for k in engines._loaded if k[-1] == weight_dtype]
+    fp8 = _transformer(engines._loaded[key])
+    want = run(env, flux_workflow(unet_name=fp8_files[weight_dtype]))
+    assert np.array_equal(got, want)
+    (reference,) = [_transformer(e) for k, e in engines._loaded.items() if k[0].name == fp8_files[weight_dtype]]
+    dense = {name: m for name, m in reference.named_modules() if isinstance(m, torch.nn.Linear)}
+    stored = {name: m for name, m in fp8.named_modules() if isinstance(m, (LowBitLinear, torch.nn.Linear))}
+    assert dense and stored.keys() == dense.keys()
+    assert all(isinstance(m, LowBitLinear) and m.weight.dtype == torch.uint8 for m in stored.values())
+    assert {m.qtype for m in stored.values()} == {"F8_E4M3" if weight_dtype == "fp8_e4m3fn" else "F8_E5M2"}
+    values = sum(m.weight.numel() for m in dense.values())
+    assert sum(m.weight.numel() * m.weight.element_size() for m in stored.values()) == values   # a byte a weight
+    assert sum(m.weight.numel() * m.weight.element_size() for m in dense.values()) >= 2 * values
+    for name, m in stored.items():
+        held = m.weight.view(FP8[weight_dtype]).view(m.out_features, m.in_features)
+        assert torch.equal(held.float(), dense[name].weight.float()), name
+
+
+def test_the_fast_variant_is_the_same_storage(env, fp8_files):
+    """fp8_e4m3fn_fast (fp8 matrix products on GPUs, in ComfyUI) is the fp8_e4m3fn engine here: the same image as
+    the reference, and its engine's key says fp8_e4m3fn."""
+    prompt = flux_workflow()
+    prompt["1"]["inputs"]["weight_dtype"] = "fp8_e4m3fn_fast"
+    got = run(env, prompt)
+    assert [k[-1] for k in env[0].engines._loaded] == ["fp8_e4m3fn"]
+    assert np.array_equal(got, run(env, flux_workflow(unet_name=fp8_files["fp8_e4m3fn"])))
+
+
+@pytest.mark.parametrize("unet_name,options,words", [
+    ("sd15_unet.safetensors", {}, "for FLUX.1 and SD3 transformers; 'sd15_unet.safetensors' is neither"),
+    ("flux1-dev.safetensors", {"memory_mode": 0}, "memory mode 0"),
+    ("flux1-dev.safetensors", {"precision": "int4"}, "precision 'int4' keeps the transformer's weights"),
+])
+def test_fp8_weight_dtype_refused_where_it_cannot_be_kept(env, fp8_files, unet_name, options, words):
+    engines = env[0].engines
+    saved = dict(engines.load_options)
+    engines.load_options.update(options)
+    try:
+        prompt = flux_workflow(unet_name=unet_name)
+        prompt["1"]["inputs"]["weight_dtype"] = "fp8_e5m2"
+        (error,) = refusal(env, prompt)["1"]["errors"]
+    finally:
+        engines.load_options.clear()
+        engines.load_options.update(saved)
+    assert error["extra_info"]["input_name"] == "weight_dtype" and error["type"] == "custom_validation_failed"
+    assert "'fp8_e5m2'" in error["details"] and words in error["details"]
+
+
+def test_engine_weight_storage_refusals(env):
+    """Engine.load's weight_storage: a UNet model, an unknown name, memory mode 0 and an int8 precision are refused
+    saying why."""
+    from sdlite.engine.memory import MemoryModeError
+    from sdlite.engine.precision import PrecisionError
+
+    models = env[2]
+    with pytest.raises(PrecisionError, match="this model .* has a UNet"):
+        Engine.load(model_path(), weight_storage="fp8_e4m3fn")
+    with pytest.raises(PrecisionError, match="weight storage 'fp16' is not valid: expected one of default, fp8_e4m3fn"):
+        Engine.load(model_path(), weight_storage="fp16")
+    with pytest.raises(PrecisionError, match="weight storage 'fp8_e4m3fn' and precision 'int8' both"):
+        Engine.load(models / "diffusion_models" / "flux1-dev.safetensors", precision="int8",
+                    weight_storage="fp8_e4m3fn")
+    source = open_model(models / "diffusion_models" / "flux1-dev.safetensors", text_encoders=[
+        models / "text_encoders" / "clip_l.safetensors", models / "text_encoders" / "t5xxl_fp16.safetensors"])
+    with pytest.raises(MemoryModeError, match="weight storage 'fp8_e5m2' keeps the transformer's weights"):
+        Engine.load(source, memory_mode=0, weight_storage="fp8_e5m2")
+
+
+def test_sd35_transformer_in_fp8(env, sd3, tmp_path):
+    """SD3.5's MMDiT kept in fp8 (Engine.load's weight_storage, what UNETLoader's weight_dtype asks for): the image of
+    the checkpoint whose transformer Linear weights were cast to fp8 and back by torch; every Linear one byte a
+    weight."""
+    from sdlite.engine.lowbit import LowBitLinear
+
+    models = env[2]
+    checkpoint = models / "checkpoints" / "sd3.5_medium.safetensors"
+    rounded = tmp_path / "sd3.5_medium_rounded.safetensors"
+    save_file({k: v.to(torch.float8_e4m3fn).to(v.dtype)
+               if k.startswith("model.diffusion_model.") and k.endswith(".weight") and v.ndim == 2 else v
+               for k, v in load_file(checkpoint).items()}, rounded)
+    r = Request(prompt="a red circle", negative_prompt="blurry", width=64, height=64, steps=2, cfg_scale=6.0,
+                sampler="euler", schedule="simple", seed=3, noise="comfy")
+
+    def image(path, **storage):
+        engine = Engine.load(open_model(path, text_encoders=sd3), **env[0].engines.load_options, **storage)
+        return engine, np.asarray(engine.generate(r).images[0])
+
+    fp8, got = image(checkpoint, weight_storage="fp8_e4m3fn")
+    assert np.array_equal(got, image(rounded)[1])
+    linears = [m for m in _transformer(fp8).modules() if isinstance(m, (LowBitLinear, torch.nn.Linear))]
+    assert linears and all(isinstance(m, LowBitLinear) and m.qtype == "F8_E4M3" and m.nbytes == m.weight.numel()
+                           == m.in_features * m.out_features for m in linears)

@@ -110,7 +110,8 @@ def test_object_info_describes_the_nodes_with_this_servers_lists(env):
     info = object_info(env[0])
     wanted = ("CheckpointLoaderSimple CLIPLoader DualCLIPLoader TripleCLIPLoader UNETLoader VAELoader LoraLoader "
               "LoraLoaderModelOnly ControlNetLoader UpscaleModelLoader CLIPSetLastLayer CLIPTextEncode "
-              "ConditioningCombine ConditioningSetArea ControlNetApplyAdvanced EmptyLatentImage EmptySD3LatentImage "
+              "ConditioningCombine ConditioningSetArea ConditioningSetAreaPercentage ConditioningSetAreaStrength "
+              "ControlNetApplyAdvanced EmptyLatentImage EmptySD3LatentImage "
               "LatentUpscale LatentUpscaleBy SetLatentNoiseMask KSampler KSamplerAdvanced VAEDecode VAEEncode "
               "VAEEncodeForInpaint LoadImage LoadImageMask ImageScale ImageScaleBy ImageUpscaleWithModel SaveImage "
               "PreviewImage FluxGuidance ModelSamplingSD3 ModelSamplingFlux UnetLoaderGGUF CLIPLoaderGGUF "
@@ -180,8 +181,6 @@ def test_validation_errors_have_comfyuis_shapes(env):
 
 
 @pytest.mark.parametrize("node,input_name,feeds", [
-    ({"class_type": "ConditioningSetArea", "inputs": {"conditioning": ["6", 0], "width": 64, "height": 64, "x": 0,
-                                                      "y": 0, "strength": 1.0}}, "width", "positive"),
     ({"class_type": "LatentUpscale", "inputs": {"samples": ["5", 0], "upscale_method": "bislerp", "width": 128,
                                                 "height": 128, "crop": "disabled"}}, "upscale_method",
      "latent_image"),

@@ -29,7 +29,7 @@ from sdlite.engine.precision import PrecisionError, resolve
 from sdlite.models.flux import Flux
 from sdlite.models.mmdit import MMDiT
 from sdlite.pipeline import Engine, Request
-from sdlite.weights.quants import QuantizedTensorError, quantize_int4_groups, quantize_int8_rows
+from sdlite.weights.quants import QuantizedTensorError, cast_fp8, quantize_int4_groups, quantize_int8_rows
 from tests.reference import seed_all
 from tests.test_flux_pipeline import PROMPT, SIZE, _pipeline, _pixels
 
@@ -73,6 +73,26 @@ def test_block_types_round_to_the_nearest_grid_value():
         quantize_int4_groups(torch.zeros(4, 96))
     with pytest.raises(QuantizedTensorError, match="2-D floating-point"):
         quantize_int8_rows(torch.zeros(4, 8, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_storage_is_torchs_cast_and_converts_exactly(dtype):
+    """The fp8 storages (ComfyUI's UNETLoader weight_dtype): one byte a value, torch's rounding, converted exactly into
+    bf16 and fp32 (also from a weight stored in fp8 already); a LowBitLinear over it is F.linear with the rounded
+    weight; a weight beyond the type's range is refused, naming its largest value."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(24, 40, generator=g) * 0.05
+    q = cast_fp8(w, dtype)
+    rounded = w.to(dtype).float()
+    assert q.nbytes == w.numel() and torch.equal(q.dequantize(), rounded)
+    assert torch.equal(q.dequantize(torch.bfloat16), rounded.bfloat16()) and torch.equal(rounded.bfloat16().float(),
+                                                                                          rounded)
+    assert torch.equal(cast_fp8(w.to(dtype), dtype).dequantize(), rounded)
+    x = torch.randn(3, 40, generator=g)
+    layer = LowBitLinear(q, torch.zeros(24))
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, rounded, torch.zeros(24)))
+    with pytest.raises(QuantizedTensorError, match=r"values reach 1e\+06, beyond torch.float8"):
+        cast_fp8(torch.full((2, 2), 1e6), dtype)
 
 
 def _flux_inputs(g):

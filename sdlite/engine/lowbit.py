@@ -41,6 +41,12 @@ minimum: the form of ``_weight_int4pack_mm_for_cpu``, which takes bf16 scales an
 were measured again against dequantise-then-``F.linear`` by ``bench/lowbit_precision.py kernels`` (BENCHMARKS.md,
 "int8 / int4 transformers"): at FLUX's shapes on 1536 tokens they are an order of magnitude slower than LowBitLinear,
 so LowBitLinear dequantises here too.
+
+ComfyUI's UNETLoader ``weight_dtype`` (``fp8_e4m3fn``, ``fp8_e5m2``) is a third such storage of a transformer
+(:data:`FP8_MODES`): every Linear weight of the network cast to that fp8 type as it loads (as ComfyUI's
+``manual_cast`` layers hold the whole diffusion model in it), one byte a value, converted exactly into the compute
+dtype per call. Biases, norms, SD3's patch-embedding convolution and position table stay in the compute dtype (under
+0.1 % of the bytes; ComfyUI casts them too). T5 and the other networks are not touched.
 """
 from __future__ import annotations
 
@@ -48,11 +54,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..weights.quants import (INT4_GROUP, QuantizedTensor, QuantizedTensorError, quantize_int4_groups,
+from ..weights.quants import (INT4_GROUP, QuantizedTensor, QuantizedTensorError, cast_fp8, quantize_int4_groups,
                               quantize_int8_rows)
 
 __all__ = ["LowBitLinear", "replace_linears", "lowbit_bytes", "quantized_linears", "load_low_bit",
-           "LOW_BIT_MODES", "quantize_weight", "lowbit_targets", "load_quantized"]
+           "LOW_BIT_MODES", "FP8_MODES", "quantize_weight", "lowbit_targets", "load_quantized"]
 
 
 class LowBitLinear(nn.Module):
@@ -174,7 +180,11 @@ LOW_BIT_MODES = {
     "int8": "int8, one fp32 scale per output channel (I8_ROW: 8 bits a value and 4 bytes a row)",
     "int4": f"4 bits in groups of {INT4_GROUP} values with an fp16 scale and minimum (I4_G{INT4_GROUP}: 4.5 bits a "
             "value)",
+    "fp8_e4m3fn": "every Linear weight cast to float8_e4m3fn (ComfyUI's UNETLoader weight_dtype): 8 bits a value",
+    "fp8_e5m2": "every Linear weight cast to float8_e5m2 (ComfyUI's UNETLoader weight_dtype): 8 bits a value",
 }
+#: the fp8 storages: their torch dtype (ComfyUI's names for them)
+FP8_MODES = {"fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 #: the Linear layers quantised: those of the repeated blocks (FLUX's double and single blocks, SD3's joint blocks, T5's
 #: encoder blocks), over 97 % of each network's weights. The embedders (of the latent patches, the text, the timestep
 #: and guidance, the pooled text), the final norm's modulation and the output projection stay in the compute dtype:
@@ -194,16 +204,19 @@ def quantize_weight(weight: torch.Tensor, mode: str) -> QuantizedTensor:
     """A dense Linear weight (out, in) quantised as ``mode`` (:data:`LOW_BIT_MODES`) asks."""
     if check_low_bit_mode(mode) == "int8":
         return quantize_int8_rows(weight)
+    if mode in FP8_MODES:
+        return cast_fp8(weight, FP8_MODES[mode])
     return quantize_int4_groups(weight, INT4_GROUP)
 
 
 def lowbit_targets(module: nn.Module, mode: str) -> list[str]:
     """The weight keys of ``module``'s Linear layers that ``mode`` quantises: those under :data:`BLOCK_PREFIXES`
-    (for int4, whose inputs are a whole number of groups: every layer of the released FLUX, SD3(.5) and T5-XXL)."""
+    (for int4, whose inputs are a whole number of groups: every layer of the released FLUX, SD3(.5) and T5-XXL); for
+    the fp8 modes every Linear, as ComfyUI casts the whole network."""
     check_low_bit_mode(mode)
     return [f"{name}.weight" for name, layer in module.named_modules()
-            if isinstance(layer, nn.Linear) and name.startswith(BLOCK_PREFIXES)
-            and (mode == "int8" or layer.in_features % INT4_GROUP == 0)]
+            if isinstance(layer, nn.Linear) and (mode in FP8_MODES or name.startswith(BLOCK_PREFIXES))
+            and (mode != "int4" or layer.in_features % INT4_GROUP == 0)]
 
 
 def load_quantized(ckpt, component: str, dtype: torch.dtype, device, mode: str) -> nn.Module:
@@ -218,7 +231,10 @@ def load_quantized(ckpt, component: str, dtype: torch.dtype, device, mode: str) 
         if key in weights:
             continue
         dense = ckpt.tensor(component, key)
-        weights[key] = quantize_weight(dense, mode).to(device)
+        try:
+            weights[key] = quantize_weight(dense, mode).to(device)
+        except QuantizedTensorError as e:
+            raise QuantizedTensorError(f"{component} weight {key!r} cannot be stored as {mode}: {e}") from None
         read += dense.numel() * dense.element_size()
         del dense
         if read > _RELEASE_EVERY:

@@ -29,7 +29,7 @@ from ..models.clip import Embeddings, EncoderLayer
 from ..models.layers import Downsample, ResnetBlock, Upsample
 from ..models.flux import DoubleBlock, SingleBlock
 from ..weights.quants import QuantizedTensor
-from .lowbit import check_low_bit_mode, load_low_bit, load_quantized, quantized_linears
+from .lowbit import FP8_MODES, check_low_bit_mode, load_low_bit, load_quantized, quantized_linears
 from ..models.mmdit import JointBlock
 from ..config.t5 import T5Config
 from ..models.t5 import T5LayerFF
@@ -299,13 +299,15 @@ class ModelManager:
         if quantize != "none" and (mode == 0 or weight_dtype is not None):
             raise MemoryModeError(f"quantize mode {quantize!r} needs the UNet loaded whole: use memory mode 1 or 2 "
                                   "and no weight dtype")
-        # the transformer's block Linears kept in int8 / int4 (engine.lowbit; T5's in int8): quantised as they load
+        # the transformer's block Linears kept in int8 / int4 (engine.lowbit; T5's in int8), or all its Linears in
+        # fp8: quantised as they load
         if lowbit != "none":
             check_low_bit_mode(lowbit)
             if mode == 0 or weight_dtype is not None:
-                raise MemoryModeError(f"precision {lowbit!r} keeps the transformer's weights quantised in memory; "
-                                      "memory mode 0 streams them from the file block by block instead: use memory "
-                                      "mode 1 or 2 (or, for mode 0, a GGUF file or --precision bf16)")
+                what = "weight storage" if lowbit in FP8_MODES else "precision"
+                raise MemoryModeError(f"{what} {lowbit!r} keeps the transformer's weights quantised in memory; memory "
+                                      "mode 0 (or a weight dtype) streams them from the file block by block instead: "
+                                      "use memory mode 1 or 2 (or, for mode 0, a GGUF file or --precision bf16)")
         self.lowbit = lowbit
         self._resident: dict[str, nn.Module] = {}
         if preloaded is not None:
@@ -386,9 +388,12 @@ class ModelManager:
     def low_bit_mode(self, name: str) -> str:
         """How the int8 / int4 precisions store network ``name``'s block Linears: the transformer as the precision
         says, T5 (``text_encoder_3``) in int8 under both (4-bit T5 is not measured against exact; int8 halves its 9.5
-        GB of bf16 weights), every other network "none"."""
+        GB of bf16 weights), every other network "none". The fp8 storages (ComfyUI's UNETLoader ``weight_dtype``) are
+        the transformer's alone."""
         if self.lowbit == "none" or name not in LOW_BIT_NETWORKS:
             return "none"
+        if self.lowbit in FP8_MODES:
+            return self.lowbit if name == "transformer" else "none"
         return self.lowbit if name == "transformer" else "int8"
 
     def _load_whole(self, name: str) -> nn.Module:

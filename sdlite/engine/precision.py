@@ -61,6 +61,7 @@ OpenVINO's default 45.3 s on the same machine (0.78x); the bf16-int8 image is at
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 
@@ -69,6 +70,7 @@ import torch
 from ..errors import SDLiteError
 from ..machine import BF16_FLAGS, CPUInfo, this_cpu
 from .cpu import bf16_int8_problem, bf16_support
+from .lowbit import FP8_MODES
 from .quant import BF16Warning, check_quantize_mode
 
 PRECISIONS = {
@@ -121,7 +123,7 @@ class Precision:
     reason: str = ""              # why (for auto: why this one on this device)
     fp32_kernels: bool = False    # attention and GEGLU on sdlite's fp32 kernels (fp32-fast)
     t5_dtype: torch.dtype | None = None   # T5's, where it is not text_dtype (None: text_dtype)
-    lowbit: str = "none"          # a transformer's Linear weights kept in int8 / int4 (sdlite.engine.lowbit)
+    lowbit: str = "none"          # a transformer's Linear weights kept in int8 / int4 / fp8 (sdlite.engine.lowbit)
 
     @property
     def label(self) -> str:
@@ -268,6 +270,28 @@ def _weight_only(name: str, requested: str, device: torch.device, cpu: CPUInfo |
                          lowbit=name, reason=reason)
     fp32 = torch.float32
     return Precision(name, requested, fp32, fp32, fp32, lowbit=name, reason=reason)
+
+
+#: the weight storages of a transformer an engine takes beside its precision (ComfyUI's UNETLoader weight_dtype)
+WEIGHT_STORAGES = ("default", *FP8_MODES)
+
+
+def stored_as(plan: Precision, storage: str, spec=None) -> Precision:
+    """``plan`` with a transformer's Linear weights kept as ``storage`` says: ``default`` as the plan keeps them,
+    ``fp8_e4m3fn`` / ``fp8_e5m2`` cast to that fp8 type and converted into the plan's compute dtype layer by layer as
+    they run (:mod:`sdlite.engine.lowbit`). A UNet model (``spec``; None: not known yet) and a precision that already
+    stores them low-bit (int8, int4) are refused, saying why."""
+    if storage == "default":
+        return plan
+    if storage not in FP8_MODES:
+        raise PrecisionError(f"weight storage {storage!r} is not valid: expected one of {', '.join(WEIGHT_STORAGES)}")
+    if spec is not None and spec.unet is not None:
+        raise PrecisionError(f"weight storage {storage!r} keeps a transformer's (FLUX, SD3) Linear weights in fp8; "
+                             f"this model ({spec.family}) has a UNet, whose weights sdlite keeps in its precision")
+    if plan.lowbit != "none":
+        raise PrecisionError(f"weight storage {storage!r} and precision {plan.name!r} both say how the transformer's "
+                             "weights are stored: ask for one (precision bf16 or exact with fp8 storage)")
+    return dataclasses.replace(plan, lowbit=storage)
 
 
 def _check_bf16_int8(cpu: CPUInfo | None) -> None:

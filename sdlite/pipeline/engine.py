@@ -26,7 +26,7 @@ import torch
 from .. import sources
 from ..engine import budget
 from ..engine.memory import ModelManager, check_memory_mode, trim_heap, tune_heap
-from ..engine.precision import choose_precision, whole_unet
+from ..engine.precision import choose_precision, stored_as, whole_unet
 from ..engine.stepcache import StepCache, StepCacheError, cache_infotext
 from ..errors import RequestError, StopSampling
 from ..families import family_for
@@ -77,7 +77,7 @@ class Engine(LoadedModel):
              weight_dtype: torch.dtype | None = None, quantize: str = "none",
              vae_tile: int | None = None, prepack: bool | None = None,
              winograd: bool | None = None, precision: str | None = None,
-             compile: bool = False, text_encoders=()) -> "Engine":
+             compile: bool = False, text_encoders=(), weight_storage: str = "default") -> "Engine":
         """Open ``path`` (or take an already opened :class:`~sdlite.loader.Checkpoint`) and prepare it in
         ``memory_mode`` (see :data:`~sdlite.engine.memory.MEMORY_MODES`).
 
@@ -97,11 +97,14 @@ class Engine(LoadedModel):
         (:mod:`sdlite.engine.winograd`; None: wherever the compute is fp32 on a CPU); ``compile`` whether the UNet
         runs through ``torch.compile`` (:mod:`sdlite.engine.compile`: per input shape, cached on disk; eager, with one
         line on stderr saying why, where it does not apply); ``text_encoders`` the files of the text encoders a
-        single-file SD3 model lacks (:func:`sdlite.loader.open_model`).
+        single-file SD3 model lacks (:func:`sdlite.loader.open_model`); ``weight_storage`` how a transformer's (FLUX,
+        SD3) Linear weights are kept: ``default`` (as the precision says), ``fp8_e4m3fn`` or ``fp8_e5m2`` (ComfyUI's
+        UNETLoader ``weight_dtype``: one byte a weight, converted into the compute dtype layer by layer as they run;
+        :func:`sdlite.engine.precision.stored_as`).
         """
         check_memory_mode(memory_mode)
         device = check_device(device)
-        choose_precision(precision, dtype, quantize, device)   # bad names and options refused before the open
+        stored_as(choose_precision(precision, dtype, quantize, device), weight_storage)   # refused before the open
         if device.type == "cpu":
             tune_heap()   # activations stay in the heap from step to step (engine.memory.tune_heap)
         # a Checkpoint already opened (headers read) by the caller is used as it is
@@ -109,6 +112,7 @@ class Engine(LoadedModel):
                                                                     text_encoders=text_encoders)
         plan = whole_unet(choose_precision(precision, dtype, quantize, device, spec=ckpt.spec),
                           streams=memory_mode == 0 or weight_dtype is not None)
+        plan = stored_as(plan, weight_storage, ckpt.spec)
         dtype, quantize = plan.dtype, plan.quantize
         # what the family keeps its weights and decodes in (SDXL on a CPU: half-precision weights computed in fp32,
         # its VAE in fp32 under fp16)

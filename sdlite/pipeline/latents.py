@@ -30,6 +30,7 @@ from ..families.base import latents_to_images
 from ..sampling.comfy import (advanced_sigmas, comfy_noise, comfy_sigmas, comfy_timesteps, denoise_sigmas,
                               inverse_noise_scaling, noise_scaling, step_generator)
 from ..sampling.denoisers import Averaged, CFGDenoiser, Pieces, Recorded
+from ..sampling.regions import WHOLE, Regional, plan, refuse
 from ..sampling.samplers import SAMPLERS
 from .request import Request, Result
 
@@ -42,7 +43,11 @@ class LatentRun:
     ``negative_prompts``: more prompts for each guidance half (ComfyUI's ConditioningCombine): the run's denoised
     estimate is the mean over every (prompt, negative prompt) pair of the guided estimate, which is the negative
     prompts' mean prediction plus the scale times (the prompts' mean minus it), as ComfyUI averages the predictions
-    of combined conditionings."""
+    of combined conditionings. ``regions`` / ``negative_regions``: where each prompt of a half applies and at what
+    strength (:class:`~sdlite.sampling.regions.Region`, one per prompt, the request's first; ComfyUI's
+    ConditioningSetArea and ConditioningSetAreaStrength), empty for the whole latent at strength 1: with them each
+    half's prediction is ComfyUI's weighted blend of its prompts' predictions on their areas
+    (:class:`~sdlite.sampling.regions.Regional`)."""
 
     latents: torch.Tensor
     mask: torch.Tensor | None = None
@@ -54,6 +59,8 @@ class LatentRun:
     shift: float | None = None   # a flow model's: ModelSamplingSD3's shift, ModelSamplingFlux's mu; None: ComfyUI's
     prompts: tuple = ()
     negative_prompts: tuple = ()
+    regions: tuple = ()
+    negative_regions: tuple = ()
 
 
 def plan_sigmas(engine, r: Request, run: LatentRun) -> torch.Tensor | None:
@@ -106,23 +113,44 @@ class MaskedDenoiser:
         return out * self.mask + self.latent * keep
 
 
-def _combined(engine, r: Request, run: LatentRun, networks, use_cfg: bool) -> list:
+def _combined(engine, r: Request, run: LatentRun, networks, use_cfg: bool, regional: bool = False) -> list:
     """The conditionings of every (prompt, negative prompt) pair of ``run``'s combined prompts but the request's own
-    pair (the negative ones only with guidance). Their ``<lora:...>`` tags must be the request's: a LoRA is applied
-    for the whole run."""
+    pair (the negative ones only with guidance); ``regional``: of each further prompt with the first negative prompt,
+    then of the first prompt with each further negative prompt (each half's prompts run on their own). Their
+    ``<lora:...>`` tags must be the request's: a LoRA is applied for the whole run."""
+    prompts = [r.prompt, *run.prompts]
     negatives = [r.negative_prompt, *run.negative_prompts] if use_cfg else [r.negative_prompt]
+    if regional:
+        pairs = [(i, 0) for i in range(1, len(prompts))] + [(0, j) for j in range(1, len(negatives))]
+    else:
+        pairs = [(i, j) for i in range(len(prompts)) for j in range(len(negatives)) if i or j]
     conds = []
-    for i, prompt in enumerate([r.prompt, *run.prompts]):
-        for j, negative in enumerate(negatives):
-            if i == j == 0:
-                continue
-            pair = engine.prompt_networks(r.replace(prompt=prompt, negative_prompt=negative))
-            if pair.loras != networks.loras:
-                raise RequestError(f"combined prompt {prompt!r}: its <lora:...> tags are not the first prompt's; "
-                                   "sdlite applies LoRAs for the whole run")
-            conds.append(engine.conditioning(r.replace(prompt=pair.prompt, negative_prompt=pair.negative), use_cfg,
-                                             networks.embeddings))
+    for i, j in pairs:
+        prompt, negative = prompts[i], negatives[j]
+        pair = engine.prompt_networks(r.replace(prompt=prompt, negative_prompt=negative))
+        if pair.loras != networks.loras:
+            raise RequestError(f"combined prompt {prompt!r}: its <lora:...> tags are not the first prompt's; "
+                               "sdlite applies LoRAs for the whole run")
+        conds.append(engine.conditioning(r.replace(prompt=pair.prompt, negative_prompt=pair.negative), use_cfg,
+                                         networks.embeddings))
     return conds
+
+
+def _parts(run: LatentRun, schedule, controls, shape: tuple):
+    """The parts of each guidance half (:func:`sdlite.sampling.regions.plan`) of a run with areas or strengths, the
+    denoiser arguments of :func:`_combined`'s regional order; None when every prompt conditions the whole latent at
+    strength 1."""
+    prompts, negatives = 1 + len(run.prompts), 1 + len(run.negative_prompts)
+    regions = tuple(run.regions) or (WHOLE,) * prompts
+    negative_regions = tuple(run.negative_regions) or (WHOLE,) * negatives
+    if all(g == WHOLE for g in regions + negative_regions):
+        return None
+    if len(regions) != prompts or len(negative_regions) != negatives:
+        raise RequestError(f"{len(regions)} regions for {prompts} prompts and {len(negative_regions)} negative regions "
+                           f"for {negatives} negative prompts: one for each")
+    refuse(regions + negative_regions, schedule.latent_form == "flow", bool(controls))
+    negative = [(0 if j == 0 else prompts - 1 + j, g) for j, g in enumerate(negative_regions)]
+    return plan(list(enumerate(regions)), negative, shape[2], shape[3])
 
 
 def run_latents(engine, r: Request, run: LatentRun, callback=None, on_latents=None, *,
@@ -152,11 +180,12 @@ def run_latents(engine, r: Request, run: LatentRun, callback=None, on_latents=No
         steps = len(sigmas) - 1
         controls = engine.prepare_controls(r, r.width, r.height)
         unet_piece, _ = budget.pieces(engine, r)
+        parts = _parts(run, schedule, controls, tuple(latent.shape))
         with networks.applied(engine):
             conds = [engine.conditioning(r.replace(prompt=networks.prompt, negative_prompt=networks.negative),
                                          use_cfg, networks.embeddings)]
-            if run.prompts or (use_cfg and run.negative_prompts):
-                conds += _combined(engine, r, run, networks, use_cfg)
+            if parts is not None or run.prompts or (use_cfg and run.negative_prompts):
+                conds += _combined(engine, r, run, networks, use_cfg, parts is not None)
             for cond in conds:
                 warnings += [w for w in cond.warnings if w not in warnings]
             extras = [cond.extra_at(0, batch) for cond in conds]
@@ -168,15 +197,24 @@ def run_latents(engine, r: Request, run: LatentRun, callback=None, on_latents=No
                 model = engine.models.runner(network, unet)
                 if controls:
                     model = controlled = ControlledUNet(unet, controls, use_cfg, steps, 0)
-                guided = CFGDenoiser(engine.family.denoiser(model, schedule, unet.dtype),
-                                     r.cfg_scale if use_cfg else 1.0)
                 timesteps = comfy_timesteps(schedule, sigmas[:-1])
-                if timesteps is not None:
-                    guided = guided.with_timesteps(sigmas, timesteps)
-                if unet_piece < batch:   # a large batch in pieces, as the A1111 loop runs it (engine.budget)
-                    guided = Pieces(guided, unet_piece, batch)
-                if len(conds) > 1:
-                    guided = Averaged(guided, extras)
+                if parts is not None:   # each prompt on its own, on its area (no ControlNets: refused)
+                    guided = engine.family.denoiser(model, schedule, unet.dtype)
+                    if timesteps is not None:
+                        guided = guided.with_timesteps(sigmas, timesteps)
+                    if unet_piece < batch:
+                        guided = Pieces(guided, unet_piece, batch)
+                    guided = Regional(guided, extras, parts[0], parts[1] if use_cfg else None,
+                                      r.cfg_scale if use_cfg else 1.0, *latent.shape[2:])
+                else:
+                    guided = CFGDenoiser(engine.family.denoiser(model, schedule, unet.dtype),
+                                         r.cfg_scale if use_cfg else 1.0)
+                    if timesteps is not None:
+                        guided = guided.with_timesteps(sigmas, timesteps)
+                    if unet_piece < batch:   # a large batch in pieces, as the A1111 loop runs it (engine.budget)
+                        guided = Pieces(guided, unet_piece, batch)
+                    if len(conds) > 1:
+                        guided = Averaged(guided, extras)
                 if run.mask is not None:
                     mask = prepare_mask(run.mask, tuple(latent.shape)).to(engine.device)
                     guided = MaskedDenoiser(guided, latent.to(engine.device), noise.to(engine.device), mask,

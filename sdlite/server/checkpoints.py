@@ -162,24 +162,27 @@ class Engines:
         self._loaded: collections.OrderedDict[tuple, object] = collections.OrderedDict()   # (path, VAE file)
         self._refiner: tuple[Path, object] | None = None   # (path, engine) of the refiner last asked for
 
-    def get(self, checkpoint: Checkpoint, vae: str | None = None, text_encoders: tuple = ()):
-        """The engine of ``checkpoint`` (with the VAE file ``vae`` in place of its own, and the text-encoder files
-        ``text_encoders`` a bare SD3 or FLUX transformer file lacks), loaded if needed (dropping the least recently
-        used beyond the limit)."""
-        key = (checkpoint.path, vae, tuple(text_encoders))
+    def get(self, checkpoint: Checkpoint, vae: str | None = None, text_encoders: tuple = (),
+            weight_storage: str = "default"):
+        """The engine of ``checkpoint`` (with the VAE file ``vae`` in place of its own, the text-encoder files
+        ``text_encoders`` a bare SD3 or FLUX transformer file lacks, and its transformer's weights kept as
+        ``weight_storage`` says: ComfyUI's fp8 ``weight_dtype``, :meth:`Engine.load <sdlite.pipeline.Engine.load>`),
+        loaded if needed (dropping the least recently used beyond the limit)."""
+        key = _key(checkpoint, vae, text_encoders, weight_storage)
         engine = self._loaded.get(key)
         if engine is None:
             while len(self._loaded) >= max(self.limit, 1):
                 self._loaded.popitem(last=False)
-            engine = self._load(checkpoint, vae, tuple(text_encoders))
+            engine = self._load(checkpoint, vae, tuple(text_encoders), weight_storage)
             self._loaded[key] = engine
         self._loaded.move_to_end(key)
         return engine
 
-    def loaded(self, checkpoint: Checkpoint, vae: str | None = None, text_encoders: tuple = ()):
-        """The engine of ``checkpoint`` (with ``vae`` and ``text_encoders``) if it is loaded, else None (never
-        loads)."""
-        engine = self._loaded.get((checkpoint.path, vae, tuple(text_encoders)))
+    def loaded(self, checkpoint: Checkpoint, vae: str | None = None, text_encoders: tuple = (),
+               weight_storage: str = "default"):
+        """The engine of ``checkpoint`` (with ``vae``, ``text_encoders`` and ``weight_storage``) if it is loaded, else
+        None (never loads)."""
+        engine = self._loaded.get(_key(checkpoint, vae, text_encoders, weight_storage))
         if engine is None and self._refiner is not None and self._refiner[0] == checkpoint.path:
             engine = self._refiner[1]
         return engine
@@ -191,19 +194,21 @@ class Engines:
         if self._refiner is not None and self._refiner[0] == checkpoint.path:
             return self._refiner[1]
         self._refiner = None
-        engine = self._loaded.get((checkpoint.path, None, ()))
+        engine = self._loaded.get(_key(checkpoint))
         if engine is None:
             engine = self._load(checkpoint)
         self._refiner = (checkpoint.path, engine)
         return engine
 
-    def _load(self, checkpoint: Checkpoint, vae: str | None = None, text_encoders: tuple = ()):
+    def _load(self, checkpoint: Checkpoint, vae: str | None = None, text_encoders: tuple = (),
+              weight_storage: str = "default"):
         """A new engine for ``checkpoint`` (the refiner's, when it is asked for as a base model: never two)."""
         from ..errors import CheckpointError, RequestError
         from ..loader import open_model
         from ..pipeline import Engine
 
-        if vae is None and not text_encoders and self._refiner is not None and self._refiner[0] == checkpoint.path:
+        if vae is None and not text_encoders and weight_storage == "default" and self._refiner is not None \
+                and self._refiner[0] == checkpoint.path:
             return self._refiner[1]
         source = checkpoint.path
         if text_encoders:
@@ -222,7 +227,8 @@ class Engines:
             except BaseException:
                 source.close()
                 raise
-        engine = Engine.load(source, **self.load_options)
+        storage = {} if weight_storage == "default" else {"weight_storage": weight_storage}
+        engine = Engine.load(source, **self.load_options, **storage)
         self.checkpoints.hash_of(checkpoint)
         if self.taesd is not None:
             engine.set_preview_decoder(self._preview_taesd(engine))
@@ -240,6 +246,14 @@ class Engines:
             except TAESDNotFound:
                 self._taesds[variant] = None
         return self._taesds[variant]
+
+
+def _key(checkpoint: Checkpoint, vae: str | None = None, text_encoders: tuple = (),
+         weight_storage: str = "default") -> tuple:
+    """An engine's key in the cache: the model's path, the VAE file, the text-encoder files, and the transformer's
+    weight storage where it is not the default (so a default engine's key is the three)."""
+    key = (checkpoint.path, vae, tuple(text_encoders))
+    return key if weight_storage == "default" else (*key, weight_storage)
 
 
 def _is_flux(path: Path) -> bool:

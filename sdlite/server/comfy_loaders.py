@@ -12,10 +12,20 @@ the sampler's engine is its model's file with the text encoders of its condition
 decodes with (when every VAE input of the prompt comes from VAELoaders naming one file, and the prompt loads one
 model), so a VAEDecode after it finds the same engine, and a queued-again prompt loads nothing.
 
+UNETLoader's fp8 ``weight_dtype`` (``fp8_e4m3fn``, ``fp8_e5m2``) is honoured for FLUX.1 and SD3 transformer files as
+ComfyUI stores the model: every Linear weight of the transformer cast to that fp8 type as it loads (torch's rounding)
+and kept so in memory, one byte a weight, converted exactly into the engine's compute dtype layer by layer as it runs
+(:mod:`sdlite.engine.lowbit`). ComfyUI casts the biases, norms and embeddings too; sdlite keeps those (under 0.1 % of
+the bytes) in the compute dtype. ComfyUI on a CPU computes in fp32; sdlite in its engine's precision (bf16 on CPUs
+with native bf16). ``fp8_e4m3fn_fast`` (fp8 matrix products on GPUs that have them, in ComfyUI) is the same storage
+as ``fp8_e4m3fn`` here, on every device. The storage is part of the engine's key: a default engine and an fp8 one of
+the same file are two engines.
+
 Refused at validation: text-encoder types other than SD3's and FLUX's (sdlite takes separate text-encoder files for
 those two families only), a file that is not what its input takes (a VAE given as a text encoder, a FLUX pair without
-T5 or CLIP, a CLIP-G for FLUX), a file that is not a VAE for VAELoader, UNETLoader's fp8 ``weight_dtype`` (sdlite
-computes in the engine's precision). At run time a combination that does not make a model (a FLUX VAE for an SD 1.5
+T5 or CLIP, a CLIP-G for FLUX), a file that is not a VAE for VAELoader, an fp8 ``weight_dtype`` for a file that is no
+FLUX or SD3 transformer (a UNet's weights stay in the engine's precision) or on a server in memory mode 0 or under
+``--precision int8`` / ``int4``. At run time a combination that does not make a model (a FLUX VAE for an SD 1.5
 checkpoint, CLIP widths that are not the transformer's) is an error naming the nodes, inputs and files.
 """
 from __future__ import annotations
@@ -132,19 +142,54 @@ def _origin(ctx, class_type: str, values: dict) -> str:
     return f"{class_type} (node {ctx.node_id}) " + ", ".join(f"{k} {v!r}" for k, v in values.items())
 
 
+def weight_storage(weight_dtype: str) -> str:
+    """The engine's weight storage for UNETLoader's ``weight_dtype`` (:data:`WEIGHT_DTYPES`): the ``_fast`` variant
+    (fp8 matrix products on GPUs that have them, in ComfyUI) is the same storage here, converted per layer."""
+    return weight_dtype.removesuffix("_fast")
+
+
 def _refuse_dtype(values: dict, lists: Lists) -> None:
-    if values.get("weight_dtype", "default") != "default":
-        raise Refused("weight_dtype", f"{values['weight_dtype']!r}: sdlite computes in the engine's precision "
-                      "(fp8 files are read as they are stored): use 'default'")
+    """UNETLoader's fp8 ``weight_dtype``: for a FLUX or SD3 transformer file, on a server whose engines can hold it
+    (not memory mode 0, nor a precision that keeps the weights in int8 / int4)."""
+    from ..engine.precision import PrecisionError, check_precision
+    from ..weights.flux import is_flux_file
+    from ..weights.io import open_checkpoint
+    from ..weights.sd3 import is_sd3_file
+
+    value = values.get("weight_dtype", "default")
+    if value == "default":
+        return
+    path = unets(lists)[values["unet_name"]]
+    try:
+        with open_checkpoint(path) as store:
+            keys = list(store.keys())
+    except (CheckpointError, OSError, ValueError) as e:
+        raise Refused("unet_name", f"{values['unet_name']!r} cannot be read: {e}") from None
+    if not (is_flux_file(keys) or is_sd3_file(keys)):
+        raise Refused("weight_dtype", f"{value!r}: sdlite keeps fp8 weights for FLUX.1 and SD3 transformers; "
+                      f"{values['unet_name']!r} is neither (a UNet's weights stay in the engine's precision): use "
+                      "'default'")
+    options = getattr(getattr(lists.server, "engines", None), "load_options", None) or {}
+    if options.get("memory_mode", 1) == 0:
+        raise Refused("weight_dtype", f"{value!r}: this server runs in memory mode 0, which streams the transformer "
+                      "from its file block by block rather than keeping its weights in memory: use 'default'")
+    try:
+        precision = check_precision(options.get("precision") or "auto")
+    except PrecisionError:
+        return   # the server's own option, refused when its engines load
+    if precision in ("int8", "int4"):
+        raise Refused("weight_dtype", f"{value!r}: this server's precision {precision!r} keeps the transformer's "
+                      "weights in its own low-bit form: use 'default'")
 
 
 def _unet_node(name: str, display: str, category: str, files, extra: dict):
     @node(name, display, category, {"unet_name": _names(files), **extra}, ("MODEL",),
           refuse=_refuse_dtype if extra else None)
-    def run(ctx, unet_name, **_):
+    def run(ctx, unet_name, weight_dtype="default"):
         path = files(Lists(ctx.server, ctx.dirs))[unet_name]
         checkpoint = Checkpoint(path, f"diffusion_models/{unet_name}")
-        return (ModelRef(checkpoint, origin=_origin(ctx, name, {"unet_name": unet_name})),)
+        shown = {"unet_name": unet_name} | ({"weight_dtype": weight_dtype} if weight_dtype != "default" else {})
+        return (ModelRef(checkpoint, origin=_origin(ctx, name, shown), weight_storage=weight_storage(weight_dtype)),)
     return run
 
 

@@ -15,12 +15,14 @@ LoraLoader puts a LoRA on the MODEL at ``strength_model`` and on the CLIP at ``s
 on the MODEL only; the sampler gives each file a weight per network (:func:`lora_weights`).
 
 ConditioningCombine's conditionings reach the sampler as more prompts of a guidance half, whose predictions it
-averages (:class:`~sdlite.pipeline.latents.LatentRun`).
+averages (:class:`~sdlite.pipeline.latents.LatentRun`); ConditioningSetArea, ConditioningSetAreaPercentage and
+ConditioningSetAreaStrength give a conditioning its :class:`~sdlite.sampling.regions.Region`, and the sampler blends
+the predictions as ComfyUI does.
 
-Refused at validation (a ``custom_validation_failed`` error naming the node's input and value): ConditioningSetArea
-(no area conditioning), the ``bislerp`` latent upscale. At run time:
-ModelSamplingSD3 / ModelSamplingFlux on a model they do not fit, a sampler whose conditionings come from another
-checkpoint's CLIP, or whose positive and negative were encoded by CLIPs with other LoRAs.
+Refused at validation (a ``custom_validation_failed`` error naming the node's input and value): the ``bislerp`` latent
+upscale. At run time: ModelSamplingSD3 / ModelSamplingFlux on a model they do not fit, a sampler whose conditionings
+come from another checkpoint's CLIP, or whose positive and negative were encoded by CLIPs with other LoRAs; an area
+outside the latent, an area on a flow model, areas with ControlNets (:func:`sdlite.sampling.regions.refuse`).
 """
 from __future__ import annotations
 
@@ -35,12 +37,15 @@ import torch.nn.functional as F
 
 from ..config import CFG_RANGE, MAX_BATCH, MAX_STEPS
 from ..engine import budget
+from ..engine.memory import MemoryModeError
+from ..engine.precision import PrecisionError
 from ..errors import CheckpointError, ConfigError, RequestError, StopSampling
 from ..pipeline import Request
 from ..pipeline.latents import LatentRun
 from ..pipeline.request import COMFY_MAX_SEED
 from ..sampling.comfy import (COMFY_SAMPLERS, COMFY_SAMPLERS_MISSING, COMFY_SCHEDULERS, COMFY_SCHEDULERS_MISSING,
                               flux_shift)
+from ..sampling.regions import WHOLE, Region
 from . import comfy_images as images
 from .limits import admit, check_size
 
@@ -204,6 +209,7 @@ class ModelRef:
     loras: tuple = ()           # (path, weight) pairs
     shift: float | None = None  # a flow model's: ModelSamplingSD3's shift or ModelSamplingFlux's mu
     origin: str = ""            # the separate-file loader node that gave it, for errors
+    weight_storage: str = "default"   # UNETLoader's fp8 weight_dtype: the engine's (Engine.load's weight_storage)
 
 
 @dataclass(frozen=True)
@@ -228,6 +234,7 @@ class Cond:
     clip: ClipRef
     guidance: float | None = None
     controls: tuple = ()        # sdlite ControlUnits
+    region: Region = WHOLE      # ConditioningSetArea's area and strength
 
 
 @dataclass
@@ -312,22 +319,25 @@ CLIP_LOADERS = ("CLIPLoader", "DualCLIPLoader", "TripleCLIPLoader", "CLIPLoaderG
 # --- engines: a checkpoint's, or a combination of separate files' (.comfy_loaders' nodes) ---------------------
 
 def engine_for(ctx, model: ModelRef, clip: ClipRef | None = None, vae: VaeRef | None = None):
-    """The engine of ``model``'s file with ``clip``'s text-encoder files and ``vae``'s VAE file (each optional), from
-    the server's engine cache; a combination that does not make a model is a :class:`RequestError` naming the nodes
-    that gave the files."""
+    """The engine of ``model``'s file (its transformer's weights stored as its ``weight_storage``) with ``clip``'s
+    text-encoder files and ``vae``'s VAE file (each optional), from the server's engine cache; a combination that does
+    not make a model is a :class:`RequestError` naming the nodes that gave the files."""
     texts = clip.files if clip is not None else ()
     vae_file = vae.file if vae is not None else None
-    if not texts and vae_file is None:
+    storage = model.weight_storage
+    if not texts and vae_file is None and storage == "default":
         return ctx.engine(model.checkpoint)
     engines = ctx.server.engines
     parts = [model.origin or f"CheckpointLoaderSimple ({model.checkpoint.name})",
              *(c.origin for c in (clip, vae) if c is not None and c.origin)]
-    if engines.loaded(model.checkpoint, vae_file, texts) is None:
+    if engines.loaded(model.checkpoint, vae_file, texts, storage) is None:
         ctx.control.info("ComfyUI workflow: loading " + " + ".join(parts))
     try:
-        return engines.get(model.checkpoint, vae_file, texts)
+        return engines.get(model.checkpoint, vae_file, texts, storage)
     except (CheckpointError, ConfigError, RequestError) as e:
         raise RequestError(f"{' + '.join(parts)}: these files do not make one model: {e}") from None
+    except (PrecisionError, MemoryModeError) as e:   # an fp8 weight_dtype this server's engines cannot hold
+        raise RequestError(f"{parts[0]}: {e}") from None
 
 
 def _loaders(prompt: dict, classes: tuple[str, ...]) -> list[str]:
@@ -470,18 +480,34 @@ def conditioning_combine(ctx, conditioning_1, conditioning_2):
     return (conditioning_1 + conditioning_2,)
 
 
-def _refuse_area(values: dict, lists: Lists) -> None:
-    area = f"{values.get('width')}x{values.get('height')} at ({values.get('x')}, {values.get('y')})"
-    raise Refused("width", f"area {area}, strength {values.get('strength')}: sdlite has no area conditioning (a "
-                  "prompt conditions the whole image)")
+def _set_region(conditioning: list, **values) -> list:
+    return [dataclasses.replace(c, region=dataclasses.replace(c.region, **values)) for c in conditioning]
 
 
 @node("ConditioningSetArea", "Conditioning (Set Area)", "conditioning",
       {"conditioning": LINK("CONDITIONING"), "width": INT(64, 64, MAX_RESOLUTION, 8),
        "height": INT(64, 64, MAX_RESOLUTION, 8), "x": INT(0, 0, MAX_RESOLUTION, 8), "y": INT(0, 0, MAX_RESOLUTION, 8),
-       "strength": FLOAT(1.0, 0.0, 10.0)}, ("CONDITIONING",), refuse=_refuse_area)
-def conditioning_set_area(ctx, **_):
-    raise RequestError("ConditioningSetArea is not supported")
+       "strength": FLOAT(1.0, 0.0, 10.0)}, ("CONDITIONING",))
+def conditioning_set_area(ctx, conditioning, width, height, x, y, strength):
+    return (_set_region(conditioning, area=(height // 8, width // 8, y // 8, x // 8), percentage=False,
+                        strength=float(strength), origin=f"ConditioningSetArea (node #{ctx.node_id})"),)
+
+
+@node("ConditioningSetAreaPercentage", "Conditioning (Set Area with Percentage)", "conditioning",
+      {"conditioning": LINK("CONDITIONING"), "width": FLOAT(1.0, 0, 1.0), "height": FLOAT(1.0, 0, 1.0),
+       "x": FLOAT(0, 0, 1.0), "y": FLOAT(0, 0, 1.0), "strength": FLOAT(1.0, 0.0, 10.0)}, ("CONDITIONING",))
+def conditioning_set_area_percentage(ctx, conditioning, width, height, x, y, strength):
+    return (_set_region(conditioning, area=(height, width, y, x), percentage=True, strength=float(strength),
+                        origin=f"ConditioningSetAreaPercentage (node #{ctx.node_id})"),)
+
+
+@node("ConditioningSetAreaStrength", "ConditioningSetAreaStrength", "conditioning",
+      {"conditioning": LINK("CONDITIONING"), "strength": FLOAT(1.0, 0.0, 10.0)}, ("CONDITIONING",))
+def conditioning_set_area_strength(ctx, conditioning, strength):
+    name = f"ConditioningSetAreaStrength (node #{ctx.node_id})"
+    return ([dataclasses.replace(c, region=dataclasses.replace(c.region, strength=float(strength),
+                                                               origin=c.region.origin or name))
+             for c in conditioning],)
 
 
 @node("ControlNetApplyAdvanced", "Apply ControlNet", "conditioning/controlnet",
@@ -631,7 +657,7 @@ def _sampler_inputs(advanced: bool) -> dict[str, Input]:
 
 def _first(conds: list, what: str) -> Cond:
     """The first of a guidance half's conditionings; the others (ConditioningCombine's) must differ from it in
-    their text only."""
+    their text and region only."""
     if not conds:
         raise RequestError(f"{what}: no conditioning")
     first = conds[0]
@@ -646,8 +672,11 @@ def _first(conds: list, what: str) -> Cond:
 
 
 def _combined(positive: list, negative: list) -> dict:
-    """The LatentRun fields of ConditioningCombine's further prompts."""
-    return {"prompts": tuple(c.text for c in positive[1:]), "negative_prompts": tuple(c.text for c in negative[1:])}
+    """The LatentRun fields of ConditioningCombine's further prompts, and of the areas and strengths if any."""
+    fields = {"prompts": tuple(c.text for c in positive[1:]), "negative_prompts": tuple(c.text for c in negative[1:])}
+    if any(c.region != WHOLE for c in positive + negative):
+        fields.update(regions=tuple(c.region for c in positive), negative_regions=tuple(c.region for c in negative))
+    return fields
 
 
 def _request(ctx, model: ModelRef, seed, steps, cfg, sampler_name, scheduler, positive, negative) -> Request:

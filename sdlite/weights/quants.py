@@ -33,9 +33,9 @@ Q6_K        256    210     128 bytes of low nibbles, 64 bytes of 2-bit high part
                            x = d sc (q - 32)
 ==========  ======  =====  ==================================================================================
 
-Two block types of sdlite's own, in the same form, for weights quantised at load from a dense file (the ``int8`` and
-``int4`` precisions of a transformer, :mod:`sdlite.engine.lowbit`; never read from or written to a file, so they have
-no GGUF number):
+Types of sdlite's own, in the same form, for weights quantised at load from a dense file (the ``int8`` and ``int4``
+precisions of a transformer, and ComfyUI's fp8 ``weight_dtype``: :mod:`sdlite.engine.lowbit`; never read from or
+written to a file, so they have no GGUF number):
 
 ==========  ========  =========  ==============================================================================
 type        values    bytes      one block
@@ -44,7 +44,12 @@ I8_ROW      one row   4 + row    fp32 d; the row's int8 q (-127..127); x = q d: 
                                  channel (:func:`quantize_int8_rows`)
 I4_G64      64        36         fp16 d, fp16 m; 32 bytes of 4-bit q as Q4_0's (low nibbles: values 0-31, high:
                                  32-63); x = q d + m (:func:`quantize_int4_groups`; Q4_1's arithmetic over 64 values)
+F8_E4M3     1         1          the value as torch's ``float8_e4m3fn`` (4 exponent bits, 3 mantissa, up to 448)
+F8_E5M2     1         1          the value as ``float8_e5m2`` (5 exponent bits, 2 mantissa, up to 57344)
 ==========  ========  =========  ==============================================================================
+
+The fp8 types are plain values (:func:`cast_fp8`: torch's cast, round to nearest); they convert to bf16, fp16 and fp32
+exactly.
 """
 from __future__ import annotations
 
@@ -57,7 +62,8 @@ import torch
 from ..errors import CheckpointError
 
 __all__ = ["QuantizedTensor", "QuantizedTensorError", "GGMLType", "GGML_TYPES", "ggml_type", "SUPPORTED_TYPES",
-           "int8_rows_type", "int4_groups_type", "quantize_int8_rows", "quantize_int4_groups", "INT4_GROUP"]
+           "int8_rows_type", "int4_groups_type", "quantize_int8_rows", "quantize_int4_groups", "INT4_GROUP",
+           "FP8_TYPES", "cast_fp8"]
 
 
 #: values decoded per step of :meth:`QuantizedTensor.dequantize`. Decoding a whole 12288 x 3072 weight at once
@@ -345,6 +351,33 @@ def quantize_int4_groups(w: torch.Tensor, group: int = INT4_GROUP) -> QuantizedT
         block[..., 2:4] = m.view(torch.uint8)
         block[..., 4:] = q[..., :half] | (q[..., half:] << 4)
     return QuantizedTensor(out.view(-1), kind, (rows, cols))
+
+
+#: the fp8 types by torch dtype: one byte a value, the bytes are the value
+FP8_TYPES: dict[torch.dtype, GGMLType] = {
+    dtype: GGMLType(name, -1, 1, 1, _plain(dtype), dtype)
+    for name, dtype in (("F8_E4M3", torch.float8_e4m3fn), ("F8_E5M2", torch.float8_e5m2))}
+
+
+def cast_fp8(w: torch.Tensor, dtype: torch.dtype) -> QuantizedTensor:
+    """``w`` (out, in) cast to the fp8 ``dtype`` (a key of :data:`FP8_TYPES`), as ComfyUI stores a model loaded with an
+    fp8 ``weight_dtype``: torch's conversion, rounding to the nearest fp8 value. A weight with values beyond the
+    type's range (which the conversion would clip to 448 for e4m3fn, or make infinite for e5m2) is refused, naming
+    the largest value."""
+    w = _dense_2d(w, "fp8")
+    if dtype not in FP8_TYPES:
+        raise QuantizedTensorError(f"{dtype} is not an fp8 type: expected one of "
+                                   f"{', '.join(str(d) for d in FP8_TYPES)}")
+    if w.dtype == dtype:   # stored in this fp8 type already (an fp8 file)
+        return QuantizedTensor(w.contiguous().view(torch.uint8).reshape(-1).clone(), FP8_TYPES[dtype], w.shape)
+    if w.dtype in FP8_TYPES:   # the other fp8 type: exact in bf16
+        w = w.to(torch.bfloat16)
+    largest = w.abs().amax().item() if w.numel() else 0.0
+    if not largest <= torch.finfo(dtype).max:
+        raise QuantizedTensorError(f"this weight's values reach {largest:g}, beyond {dtype}'s range "
+                                   f"({torch.finfo(dtype).max:g})")
+    data = w.to(dtype, copy=True).view(torch.uint8).reshape(-1)
+    return QuantizedTensor(data, FP8_TYPES[dtype], w.shape)
 
 
 def ggml_type(qtype: str | int | GGMLType) -> GGMLType:
