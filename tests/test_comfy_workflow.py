@@ -26,15 +26,21 @@ STEPS = 3
 
 
 class Control:
-    """A JobControl stand-in: counts steps, interrupts after ``stop_after`` of them."""
+    """A JobControl stand-in: counts steps and previews, interrupts after ``stop_after`` steps; ``watched``: what
+    ``preview_wanted`` says (whether a client would see a preview)."""
 
-    def __init__(self, stop_after: int | None = None):
-        self.stop_after, self.steps, self.interrupted = stop_after, 0, False
+    def __init__(self, stop_after: int | None = None, watched: bool = True):
+        self.stop_after, self.steps, self.interrupted, self.watched, self.previews = stop_after, 0, False, watched, 0
 
     def begin(self, *a): pass
     def iteration(self, *a): pass
     def info(self, *a): pass
-    def set_preview(self, *a): pass
+
+    def set_preview(self, *a):
+        self.previews += 1
+
+    def preview_wanted(self):
+        return self.watched
 
     def step(self, step, total):
         self.steps += 1
@@ -216,6 +222,16 @@ def test_txt2img_equals_generate_and_saves_as_comfyui(env):
     progress = [d for e, d in events if e == "progress"]
     assert [p["value"] for p in progress] == [1, 2, 3] and progress[0]["node"] == "3"
     assert any(e == "preview" and isinstance(d["image"], Image.Image) for e, d in events)
+
+
+def test_previews_are_made_only_while_someone_would_see_them(env):
+    """KSampler makes a preview at each step while the control says a client would see it, and none otherwise."""
+    for seed, watched in ((21, False), (22, True)):
+        control = Control(watched=watched)
+        _, events = run(env, txt2img(ckpt_name(env), seed=seed, prefix="watched"), control)
+        previews = [data["image"] for event, data in events if event == "preview"]
+        assert control.steps == STEPS and control.previews == len(previews) == (STEPS if watched else 0)
+        assert all(image.size == (SIZE, SIZE) for image in previews)
 
 
 def test_a_new_seed_reruns_only_the_sampler_onward(env):

@@ -726,8 +726,8 @@ def _sample(ctx: Context, model: ModelRef, clip: ClipRef, request: Request, late
         emit("progress", {"value": step, "max": total, "prompt_id": ctx.prompt_id, "node": ctx.node_id})
         control.step(step, total)
 
-    def on_latents(step, total, estimate):
-        if previews and estimate is not None:
+    def on_latents(step, total, estimate):   # a preview only when someone would see it (control.preview_wanted)
+        if previews and estimate is not None and control.preview_wanted():
             image = engine.preview(estimate[:1])[0]
             control.set_preview(image, step)
             emit("preview", {"image": image})

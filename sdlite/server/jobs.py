@@ -394,11 +394,14 @@ class JobControl:
         if stop and step < total:
             raise StopSampling()
 
+    def preview_wanted(self) -> bool:
+        """Whether a client asked for a preview lately (A1111's ``/progress`` with ``current_image``)."""
+        with self._jobs._cv:
+            return time.monotonic() - self._jobs._preview_wanted < PREVIEW_WANTED_S
+
     def preview_due(self, step: int, total: int) -> bool:
         """Whether a preview should be made now: one is due at this step and a client asked for one lately."""
-        with self._jobs._cv:
-            wanted = time.monotonic() - self._jobs._preview_wanted < PREVIEW_WANTED_S
-        return wanted and self._jobs.preview_every(step, total)
+        return self.preview_wanted() and self._jobs.preview_every(step, total)
 
     def set_preview(self, image, step: int) -> None:
         with self._jobs._cv:
