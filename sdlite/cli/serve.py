@@ -106,7 +106,7 @@ def cmd_serve(args) -> int:
     server = GracefulServer(uvicorn.Config(app, host=host, port=args.port, log_level=args.log_level,
                                            access_log=args.log_level == "debug",
                                            timeout_graceful_shutdown=CONNECTIONS_WAIT_S),
-                            drain=lambda: jobs.drain(limits.shutdown_grace),
+                            drain=lambda: _drain(app, jobs, limits.shutdown_grace),
                             stop_now=lambda: (jobs.close(), jobs.interrupt("stop")))
     server.run()
     status = 0 if server.started else 1
@@ -117,6 +117,17 @@ def cmd_serve(args) -> int:
         sys.stderr.flush()
         os._exit(status)
     return status
+
+
+def _drain(app, jobs, grace: float) -> str:
+    """A SIGTERM's drain: the running job finishes (or is interrupted after ``grace``), then the MCP calls being
+    answered are answered (their answers pass through the MCP SDK's tasks after the job) before uvicorn closes the
+    connections. Returns the job's outcome (:data:`SHUTDOWN_OUTCOMES`)."""
+    from ..server import mcp_server
+
+    outcome = jobs.drain(grace)
+    mcp_server.wait_answered(app)
+    return outcome
 
 
 API_KEY_ENV = "SDLITE_API_KEY"   # --api-key's default, so that the key need not show in the process list

@@ -6,8 +6,10 @@ Over HTTP, ``/mcp`` is a FastAPI route behind the same dependencies as every oth
 manager then answers it (POST for messages, GET for the server's stream, DELETE to end a session). The manager lives
 as long as the app: :func:`sessions` is entered by the app's lifespan, one manager each time the app starts. When the
 server binds a loopback address only, the SDK's DNS-rebinding protection is on (a Host or Origin of another name is
-refused), as the SDK sets it up for servers on this machine. On a shutdown the SSE streams are ended once the calls
-being answered are answered, so that a call whose job a SIGTERM's drain interrupted still gets its partial image.
+refused), as the SDK sets it up for servers on this machine. On a shutdown the calls being answered are answered
+before anything closes: ``sdlite serve``'s drain waits for them (:func:`wait_answered`) after the running job, and the
+SSE streams are ended only once no POST is being answered, so that a call whose job a SIGTERM's drain let finish or
+interrupted still gets its image.
 
     sdlite mcp --model model.safetensors           # an MCP client starts this and talks to it on stdin/stdout
     sdlite serve ...  ->  http://127.0.0.1:7860/mcp
@@ -17,6 +19,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import signal
+import threading
 from contextlib import asynccontextmanager
 
 import anyio
@@ -79,6 +82,39 @@ class _Endpoint:
         self.max_body_bytes = server.max_body_bytes
         self.host = server.flags.get("host")
         self.manager = None
+        # POSTs being answered: a tool call's answer is written on its POST's SSE stream, so a call is answered when
+        # that request is done (the tool's return is earlier: the answer still passes through the SDK's session and
+        # transport tasks); a shutdown waits for these
+        self._answering = 0
+        self._answered = threading.Condition()
+
+    async def answer(self, scope, receive, send) -> None:
+        """The SDK's session manager answers the request; a POST is counted while it is being answered."""
+        manager = self.manager
+        if manager is None:
+            return await Response("MCP sessions are not running: the app was not started (its lifespan)",
+                                  503)(scope, receive, send)
+        if scope["method"] != "POST":   # GET: the server's stream, open until the end; DELETE: a session's end
+            return await manager.handle_request(scope, receive, send)
+        with self._answered:
+            self._answering += 1
+        try:
+            await manager.handle_request(scope, receive, send)
+        finally:
+            with self._answered:
+                self._answering -= 1
+                self._answered.notify_all()
+
+    @property
+    def answering(self) -> int:
+        with self._answered:
+            return self._answering
+
+    def wait_answered(self, timeout: float) -> bool:
+        """Wait (in a thread other than the event loop's) until no POST is being answered, at most ``timeout``
+        seconds; whether none is."""
+        with self._answered:
+            return self._answered.wait_for(lambda: self._answering == 0, timeout)
 
     def security(self):
         from mcp.server.transport_security import TransportSecuritySettings
@@ -112,17 +148,17 @@ class _Endpoint:
                 tasks.cancel_scope.cancel()
 
     async def _end_streams(self) -> None:
-        """sse-starlette's rule, answers kept: once uvicorn is told to exit (sdlite serve: after a SIGTERM's drain),
-        the SSE streams end as soon as no call is being answered (at most ANSWER_WAIT_S later), so that the
-        connections close and the server stops."""
+        """sse-starlette's rule, answers kept: once uvicorn is told to exit (sdlite serve: after a SIGTERM's drain,
+        which waited for the answers), the SSE streams end as soon as no POST is being answered (at most
+        ANSWER_WAIT_S later), so that the connections close and the server stops. Ending them while a POST's answer
+        was still on its way through the SDK (after the tool had returned) lost that answer."""
         from sse_starlette.sse import AppStatus
 
         while not _uvicorn_exiting():
             await anyio.sleep(EXIT_POLL_S)
         with anyio.move_on_after(ANSWER_WAIT_S):
-            while self.tools.in_flight:
+            while self.answering:
                 await anyio.sleep(EXIT_POLL_S / 4)
-            await anyio.sleep(EXIT_POLL_S)   # the last answer's bytes
         AppStatus.should_exit = True
 
 
@@ -149,12 +185,12 @@ def _is_loopback(host) -> bool:
 class _Handover(Response):
     """The route's answer: the SDK's session manager answers the request itself (an SSE stream or JSON)."""
 
-    def __init__(self, manager):
+    def __init__(self, endpoint: _Endpoint):
         super().__init__()
-        self.manager = manager
+        self.endpoint = endpoint
 
     async def __call__(self, scope, receive, send) -> None:
-        await self.manager.handle_request(scope, receive, send)
+        await self.endpoint.answer(scope, receive, send)
 
 
 def add_routes(app: FastAPI, server: ServerBase, dependencies: list) -> None:
@@ -164,11 +200,15 @@ def add_routes(app: FastAPI, server: ServerBase, dependencies: list) -> None:
 
     @app.api_route("/mcp", methods=["GET", "POST", "DELETE"], dependencies=dependencies, include_in_schema=False)
     async def mcp():
-        if endpoint.manager is None:
-            return Response("MCP sessions are not running: the app was not started (its lifespan)", 503)
-        return _Handover(endpoint.manager)
+        return _Handover(endpoint)
 
 
 def sessions(app: FastAPI):
     """The context in which ``/mcp``'s sessions live: entered by the app's lifespan."""
     return app.state.mcp.running()
+
+
+def wait_answered(app: FastAPI, timeout: float = ANSWER_WAIT_S) -> bool:
+    """A shutdown's wait (from a thread other than the event loop's) for ``/mcp``'s calls being answered: at most
+    ``timeout`` seconds; whether all were."""
+    return app.state.mcp.wait_answered(timeout)

@@ -220,7 +220,6 @@ class Tools:
 
     def __init__(self, server: ServerBase, local_files: bool = False):
         self.server, self.local_files = server, local_files
-        self.in_flight = 0   # calls not answered yet (a shutdown lets them answer before it ends the streams)
 
     def describe(self) -> list[types.Tool]:
         return [types.Tool(name=name, title=title, description=description,
@@ -231,13 +230,6 @@ class Tools:
     async def call(self, name: str, arguments: dict[str, Any], session) -> types.CallToolResult:
         """Run tool ``name``; a bad argument or a refused or failed job is an error result saying why.
         ``session``: the MCP session the progress notifications go to."""
-        self.in_flight += 1
-        try:
-            return await self._call(name, arguments, session)
-        finally:
-            self.in_flight -= 1
-
-    async def _call(self, name: str, arguments: dict[str, Any], session) -> types.CallToolResult:
         model = TOOLS[name][0]
         try:
             try:
