@@ -504,6 +504,40 @@ def test_bf16_int8_unet_against_bf16_and_fp32(cfg):
         assert conv(h.contiguous()).is_contiguous()
 
 
+@pytest.mark.parametrize("stored", [torch.float16, torch.float32])
+def test_one_pass_bf16_int8_load_equals_load_then_quantize(tiny_model, tmp_path, stored):
+    """load_bf16_int8 quantizes the int8 layers straight from the file's tensors as bf16 holds them: the very same
+    network as loading it in bf16 and quantizing it (its scales, its outputs), from an fp16 and an fp32 file; the
+    memory manager loads a bf16-int8 UNet that way."""
+    from sdlite.engine.memory import ModelManager
+    from sdlite.engine.quant import load_bf16_int8
+    from sdlite.export import save_diffusers
+    from sdlite.loader import open_model
+
+    save_diffusers(tiny_model, tmp_path / "m", dtype=stored)
+    ckpt = open_model(tmp_path / "m")
+    if not BF16_INT8_RUNS:
+        with pytest.raises(QuantizeError, match="bf16-int8 needs"):
+            load_bf16_int8(ckpt, "unet")
+        return
+    cfg = tiny_model.spec.unet
+    x, t, ctx = unet_inputs(cfg)
+    two_step = quantize_model(ckpt.load("unet", torch.bfloat16, "cpu"), "bf16-int8")
+    one_pass = load_bf16_int8(ckpt, "unet", torch.bfloat16)
+    assert [type(m) for m in one_pass.modules()] == [type(m) for m in two_step.modules()]
+    assert not any(p.is_meta for p in [*one_pass.parameters(), *one_pass.buffers()])
+    assert all(torch.equal(a, b) for a, b in zip(one_pass.buffers(), two_step.buffers()))
+    assert all(torch.equal(a, b) for a, b in zip(one_pass.parameters(), two_step.parameters()))
+    with torch.no_grad():
+        out = one_pass(x.bfloat16(), t, ctx.bfloat16())
+        assert torch.equal(out, two_step(x.bfloat16(), t, ctx.bfloat16()))
+    assert cosine(out.float(), tiny_model.unet(x, t, ctx)) > 0.99
+    with ModelManager(ckpt, mode=1, dtype=torch.bfloat16, quantize="bf16-int8").use("unet") as unet:
+        assert isinstance(unet.down_blocks[0].resnets[0].conv1, Int8Conv2d)
+        with torch.no_grad():
+            assert torch.equal(unet(x.bfloat16(), t, ctx.bfloat16()), out)
+
+
 def test_int8_linear_halves_are_its_two_products():
     torch.manual_seed(0)
     linear = nn.Linear(64, 96)

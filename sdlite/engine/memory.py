@@ -37,7 +37,7 @@ from ..models.unet import TransformerBlock
 from .cpu import default_prepack
 from .packing import load_prepacked, prepack_available, prepack_model, release_packed
 from .winograd import WinogradConv2d, release_workspace, winograd_available, winograd_model
-from .quant import check_quantize_supported, quantize_model
+from .quant import check_quantize_supported, load_bf16_int8, quantize_model
 
 MEMORY_MODES = {
     0: "low: each sub-model loaded when needed and freed after; UNet weights streamed block by block",
@@ -412,9 +412,12 @@ class ModelManager:
         if self._prepacks(name) and not quantized:
             # the same as loading and then prepacking, in one pass
             return self._kernels(name, load_prepacked(self.ckpt, name, winograd=winograd))
-        module = self.ckpt.load(name, self.dtype_of(name), self.device)
-        if quantized:
-            module = quantize_model(module, self.quantize)
+        if quantized and self.quantize == "bf16-int8" and torch.device(self.device).type == "cpu":
+            module = load_bf16_int8(self.ckpt, name, self.dtype_of(name))   # no bf16 copy of the int8 layers
+        else:
+            module = self.ckpt.load(name, self.dtype_of(name), self.device)
+            if quantized:
+                module = quantize_model(module, self.quantize)
         if winograd:
             # the weights are plain here (a prepacked load returned above), so the wide rule applies
             module = winograd_model(module, wide=True, fast=self.fp32_kernels)

@@ -97,6 +97,7 @@ from torch import nn
 
 from ..errors import SDLiteError
 from ..kernels import bf16 as kernels
+from ..loader import RELEASE_EVERY
 from ..machine import this_cpu
 from .cpu import bf16_int8_problem, bf16_support, int8_activation_bits
 
@@ -177,20 +178,26 @@ def _check_bf16_int8() -> str:
 # --- int8 -------------------------------------------------------------------------------------------------
 
 
-QUANTIZE_CHUNK = 1 << 16   # weights quantized this many at a time: the float32 temporaries stay in the CPU's cache
+QUANTIZE_CHUNK = 1 << 22   # weights quantized this many at a time, through one reused float32 buffer
 
 
-def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(w: torch.Tensor, stored_as: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8, ``w ~= q * scale[:, None, ...]``, ``q = round(w / scale)`` in float32
-    (half to even). Returns (int8 q, fp32 scale).
+    (half to even). Returns (int8 q, fp32 scale). ``stored_as``: the codes of ``w.to(stored_as)`` (a weight as the
+    model would hold it, e.g. a file's fp16 weight in a bf16 model), without converting the whole tensor.
 
-    Run a few rows at a time through one float32 buffer, in place: a whole UNet's weights pass through here at
-    every load, and whole-tensor temporaries (the float32 copy, the quotient, the rounding) cost 3x the time in
-    memory traffic and fresh pages. The codes are the same either way (the same operations on each value)."""
+    Run in blocks of rows (:data:`QUANTIZE_CHUNK` values) through one float32 buffer, in place: a whole UNet's
+    weights pass through here at every load, and whole-tensor temporaries (the float32 copy, the quotient, the
+    rounding) cost fresh pages each. Blocks of 4M values: smaller ones (cache-sized, 64K) were 3x faster on a quiet
+    2-core machine but 3-4x slower than whole tensors on a busy one, where each of their many small parallel
+    operations waits for a descheduled thread. The codes are the same either way (the same operations on each
+    value)."""
     w = w.detach()
     flat = w.reshape(w.shape[0], -1)
-    amax = torch.maximum(flat.amax(dim=1), -flat.amin(dim=1)).float()          # exact: max |w| per row (one
-    # reduction each: torch.aminmax is 3x slower on bf16 here)
+    amax = torch.maximum(flat.amax(dim=1), -flat.amin(dim=1))                  # exact: max |w| per row (one
+    # reduction each: torch.aminmax is 3x slower on bf16 here); rounding is monotonic and symmetric, so the max of
+    # the values as stored_as holds them is this max in stored_as
+    amax = (amax if stored_as is None else amax.to(stored_as)).float()
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))          # an all-zero row: any scale
     q = torch.empty(flat.shape, dtype=torch.int8)
     rows = max(1, QUANTIZE_CHUNK // max(1, flat.shape[1]))
@@ -198,7 +205,8 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     for start in range(0, flat.shape[0], rows):
         stop = min(start + rows, flat.shape[0])
         t = buffer[:stop - start]
-        t.copy_(flat[start:stop]).div_(scale[start:stop, None]).round_().clamp_(-127, 127)
+        rows_in = flat[start:stop] if stored_as is None else flat[start:stop].to(stored_as)
+        t.copy_(rows_in).div_(scale[start:stop, None]).round_().clamp_(-127, 127)
         q[start:stop].copy_(t)
     return q.reshape(w.shape), scale
 
@@ -254,11 +262,12 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
 class Int8Linear(nn.Module):
     """``nn.Linear`` with int8 weights on oneDNN's u8 x s8 GEMM; the output has the input's dtype (fp32/bf16)."""
 
-    def __init__(self, linear: nn.Linear, activation_bits: int = 8, split: bool = False):
+    def __init__(self, linear: nn.Linear, activation_bits: int = 8, split: bool = False,
+                 stored_as: torch.dtype | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.activation_bits = check_activation_bits(activation_bits)
-        q, scale = quantize_weight(linear.weight)
+        q, scale = quantize_weight(linear.weight, stored_as)
         self.register_buffer("weight_scale", scale)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
         # oneDNN's blocked int8 layout is an opaque tensor (no storage to save or copy): a plain attribute
@@ -304,7 +313,7 @@ class Int8Conv2d(nn.Module):
     oneDNN writes NHWC; the output is made NCHW-contiguous again, since model code may ``view`` it.
     """
 
-    def __init__(self, conv: nn.Conv2d, activation_bits: int = 8):
+    def __init__(self, conv: nn.Conv2d, activation_bits: int = 8, stored_as: torch.dtype | None = None):
         super().__init__()
         if conv.groups != 1 or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
             raise QuantizeError(f"int8 convolutions need groups=1 and numeric zero padding; this one has "
@@ -313,7 +322,7 @@ class Int8Conv2d(nn.Module):
         self.activation_bits = check_activation_bits(activation_bits)
         self.kernel_size, self.stride = tuple(conv.kernel_size), list(conv.stride)
         self.padding, self.dilation = list(conv.padding), list(conv.dilation)
-        q, scale = quantize_weight(conv.weight)
+        q, scale = quantize_weight(conv.weight, stored_as)
         self.register_buffer("weight_scale", scale)
         self.register_buffer("bias", None if conv.bias is None else conv.bias.detach().float().contiguous())
         self.packed_weight = torch.ops.onednn.qconv_prepack(q, scale, 1.0, 0, self.stride, self.padding,
@@ -462,6 +471,34 @@ def bf16_int8_targets(module: nn.Module) -> list[tuple[str, nn.Module, bool]]:
                 parent = owner.get_submodule(name.rpartition(".")[0]) if "." in name else owner
                 found.append((prefix + name, layer, isinstance(parent, GEGLU) and layer.out_features % 2 == 0))
     return found
+
+
+def load_bf16_int8(ckpt, component: str, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """``quantize_model(ckpt.load(component, dtype), "bf16-int8")`` in one pass: the same module, bit for bit.
+
+    The two-step way converts every weight into ``dtype`` (a fresh copy of the network) and then quantizes it. Here
+    the layers :func:`bf16_int8_targets` names are quantized straight from the file's tensors, as ``dtype`` would
+    hold them (:func:`quantize_weight`'s ``stored_as``), so their ``dtype`` copy never exists; the file's pages are
+    handed back as they are read, as :meth:`~sdlite.loader.Checkpoint.load` does. On the CPU only."""
+    _check_bf16_int8()
+    module = ckpt.build_empty(component)
+    targets = bf16_int8_targets(module)
+    deferred = frozenset(f"{name}.weight" for name, _, _ in targets)
+    module = ckpt.load_into(module, component, dtype, "cpu", defer=deferred)
+    read = 0
+    for name, layer, split in targets:
+        stored = ckpt.tensor(component, f"{name}.weight")
+        if not torch.is_tensor(stored):                        # a GGUF block format: dequantised into dtype
+            stored = stored.dequantize(dtype)
+        layer.weight = nn.Parameter(stored, requires_grad=False)
+        module.set_submodule(name, Int8Linear(layer, 8, split=split, stored_as=dtype) if split else
+                             _CONVERTERS["int8", type(layer)](layer, 8, stored_as=dtype))
+        read += stored.numel() * stored.element_size()
+        if read > RELEASE_EVERY:
+            ckpt.release_pages()
+            read = 0
+    ckpt.release_pages()
+    return module
 
 
 def _rest_to_fp32(module: nn.Module) -> None:
