@@ -15,6 +15,7 @@ import io
 import threading
 
 import httpx
+import jsonschema
 import numpy as np
 import openai
 import pytest
@@ -244,6 +245,8 @@ def test_bad_generations_name_the_param(http):
     assert_openai_error(post({"prompt": PROMPT, "output_compression": 101}), 400, "output_compression")
     assert_openai_error(post({"prompt": PROMPT, "background": "transparent"}), 400, "background", None, "opaque")
     assert_openai_error(post({"prompt": PROMPT, "stream": True}), 400, "stream")
+    assert_openai_error(post({"prompt": PROMPT, "stream": 0}), 400, "stream")   # equal to false, not false
+    assert_openai_error(post({"prompt": PROMPT, "response_format": {}}), 400, "response_format")
     assert_openai_error(post({"prompt": PROMPT, "sampler_name": "Euler"}), 400, "sampler_name", "unknown_parameter")
     assert_openai_error(post({"prompt": PROMPT, "steps": "many"}), 400, "steps", "invalid_type")
     assert_openai_error(post({"prompt": PROMPT, "steps": 5000}), 400, "steps", None, "--max-steps")
@@ -260,6 +263,37 @@ def test_bad_generations_name_the_param(http):
     assert_openai_error(broken, 400, None, "invalid_json")
     assert_openai_error(http.get("/v1/images/generations"), 405, None)
     assert http.post("/v1/images/generations", json={"prompt": PROMPT, "size": "64x64", "steps": 2}).status_code == 200
+
+
+def test_the_routes_are_published_with_their_bodies(http):
+    """/openapi.json describes the four routes (what tests/test_server_fuzz.py fuzzes): the generation's JSON body
+    and the edit's form with this server's limits, the answers and OpenAI's error shape; what the schema refuses,
+    the server refuses with a 400."""
+    schema = http.get("/openapi.json").json()
+    assert {(method.upper(), path) for path, item in schema["paths"].items() for method in item
+            if path.startswith("/v1/")} == {("POST", "/v1/images/generations"), ("POST", "/v1/images/edits"),
+                                            ("GET", "/v1/models"), ("GET", "/v1/models/{model_id}")}
+    generations = schema["paths"]["/v1/images/generations"]["post"]
+    body = jsonschema.Draft202012Validator(generations["requestBody"]["content"]["application/json"]["schema"])
+    assert body.is_valid({"prompt": PROMPT, "n": 2, "size": "64x64", "response_format": None, "steps": 1000,
+                          "seed": -1, "sampler": "Euler a", "quality": "high", "user": "me"})
+    for param, bad in (("prompt", {"n": 1}), ("sampler_name", {"sampler_name": "Euler"}), ("steps", {"steps": 1001}),
+                       ("stream", {"stream": True}), ("size", {"size": "big"}), ("n", {"n": 0}),
+                       ("background", {"background": "transparent"}), ("output_format", {"output_format": "gif"})):
+        bad = bad if param == "prompt" else {"prompt": PROMPT, **bad}
+        assert not body.is_valid(bad), bad
+        assert_openai_error(http.post("/v1/images/generations", json=bad), 400, param)
+    assert set(generations["responses"]) == {"200", "400", "401", "404", "413", "503"}
+    error = jsonschema.Draft202012Validator(generations["responses"]["400"]["content"]["application/json"]["schema"])
+    assert error.is_valid(http.post("/v1/images/generations", json={}).json())
+    form = schema["paths"]["/v1/images/edits"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+    assert form["required"] == ["image", "prompt"] and form["additionalProperties"] is False
+    assert form["properties"]["image"]["format"] == form["properties"]["mask"]["format"] == "binary"
+    models = schema["paths"]["/v1/models/{model_id}"]["get"]
+    assert set(models["responses"]) == {"200", "401", "404"}   # no FastAPI 422: /v1 answers 400s in OpenAI's shape
+    listed = jsonschema.Draft202012Validator(schema["paths"]["/v1/models"]["get"]["responses"]["200"]["content"][
+        "application/json"]["schema"])
+    assert listed.is_valid(http.get("/v1/models").json())
 
 
 def test_bad_edits_name_the_param(http):

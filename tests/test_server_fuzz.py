@@ -4,7 +4,12 @@ schemathesis (PyPI) drives every operation of the server's own OpenAPI schema (/
 subprocess (`st run`), one request at a time, with a fixed (deterministic) generation and a fixed number of examples
 per operation:
 
-* the schema as published: every phase (coverage, fuzzing, stateful), valid and invalid data;
+* the schema as published: every phase (coverage, fuzzing, stateful), valid and invalid data; A1111's routes,
+  OpenAI's Images API (/v1: the generation's JSON, the edit's multipart form, the models) and ComfyUI's API routes.
+  Not in the schema, so not fuzzed here: /mcp (JSON-RPC over streamable HTTP, which OpenAPI cannot describe:
+  tests/test_mcp.py sends it bad input by hand), ComfyUI's /ws (a websocket) and the routes of ComfyUI's web page
+  (/comfy/, its settings and user data: the page's own, with no published schema), and the images /v1 answers by
+  URL (unguessable names);
 * the generation routes (txt2img, img2img, png-info) with the schema narrowed to what the server's limits and the
   model accept (steps, sizes, samplers, base64 images ...), valid data only, so that most requests make images
   instead of stopping at a 422.

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import functools
 import io
 import re
 import secrets
@@ -210,6 +211,12 @@ def _choice(value: Any, param: str, choices) -> str:
     return value
 
 
+def _given(body: dict, name: str, default: str) -> Any:
+    """``body[name]``, or ``default`` where it is left out, null or empty (an empty form field)."""
+    value = body.get(name)
+    return default if value is None or value == "" else value
+
+
 def _size(value: Any, limits) -> tuple[int | None, int | None]:
     if value is None or value == "auto":
         return None, None
@@ -260,15 +267,16 @@ def _options(body: dict, server: ServerBase, edit: bool, form: bool = False) -> 
     n = 1 if body.get("n") is None else _integer(body["n"], "n", 1, most, form)
     width, height = _size(body.get("size"), limits)
     stream = body.get("stream")
-    if stream not in (None, False) and not (form and isinstance(stream, str) and stream.lower() == "false"):
+    if stream is not None and stream is not False and not (form and isinstance(stream, str)
+                                                            and stream.lower() == "false"):
         raise _invalid("stream", "streaming (partial images) is not supported by sdlite: leave stream out or false")
     if body.get("background") not in (None, "auto", "opaque"):
         raise _invalid("background", f"{body['background']!r} is not supported: sdlite makes opaque images only "
                                      "('auto' or 'opaque')")
     answer = {
-        "response_format": _choice(body.get("response_format") or "b64_json", "response_format",
+        "response_format": _choice(_given(body, "response_format", "b64_json"), "response_format",
                                    ("b64_json", "url")),
-        "output_format": _choice(body.get("output_format") or "png", "output_format", tuple(OUTPUT_FORMATS)),
+        "output_format": _choice(_given(body, "output_format", "png"), "output_format", tuple(OUTPUT_FORMATS)),
         "quality": 100 if body.get("output_compression") is None else
         _integer(body["output_compression"], "output_compression", 0, 100, form),
     }
@@ -426,6 +434,97 @@ def _model_entry(model_id: str, checkpoint) -> dict:
     return {"id": model_id, "object": "model", "created": created, "owned_by": "sdlite"}
 
 
+# --- the routes' OpenAPI description ---------------------------------------------------------------------------
+# The routes read their bodies themselves (OpenAI's errors, a form's files); what they take is published in
+# /openapi.json from these tables, the limits of this server included, so that clients and fuzzers see it.
+
+def _nullable(schema: dict) -> dict:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _field_schemas(server: ServerBase, form: bool) -> dict[str, dict]:
+    """Every field a request may carry (the edit's files aside), as JSON Schema; a form's ignored fields are text."""
+    limits = server.limits
+    most = min(MAX_BATCH, limits.max_images) if limits is not None else MAX_BATCH
+    prompt: dict[str, Any] = {"type": "string", "description": "what to draw"}
+    steps: dict[str, Any] = {"type": "integer", "minimum": 1, "description": "sampler steps (sdlite's; default "
+                                                                             f"{DEFAULTS['steps']})"}
+    if limits is not None:
+        prompt["maxLength"] = limits.max_prompt_chars
+        steps["maximum"] = limits.max_steps
+    text = {"type": "string"}
+    return {
+        "prompt": prompt,
+        "n": {"type": "integer", "minimum": 1, "maximum": most, "description": "images, one batch (default 1)"},
+        "size": {"type": "string", "pattern": r"^(auto|[0-9]{1,5}x[0-9]{1,5})$",
+                 "description": "WIDTHxHEIGHT, each side at least 8, within the server's --max-pixels; auto: the "
+                                "model's native size (an edit: the image's)"},
+        "response_format": {"enum": ["b64_json", "url", ""], "description": "empty: b64_json"},
+        "model": {"type": "string", "description": "a checkpoint as /v1/models lists it; dall-e-* and gpt-image-*: "
+                                                   "the current one"},
+        "output_format": {"enum": [*OUTPUT_FORMATS, ""], "description": "empty: png"},
+        "output_compression": {"type": "integer", "minimum": 0, "maximum": 100},
+        "background": {"enum": ["auto", "opaque"], "description": "sdlite makes opaque images only"},
+        "stream": {"type": "boolean", "enum": [False], "description": "streaming is not supported"},
+        "steps": steps,
+        "seed": {"type": "integer", "minimum": -1, "maximum": MAX_SEED, "description": "-1: random"},
+        "sampler": {"type": "string", "description": "A1111's or sdlite's sampler name"},
+        "scheduler": {"type": "string", "description": "A1111's or sdlite's scheduler name"},
+        "negative_prompt": text,
+        "cfg_scale": {"type": "number"},
+        "strength": {"type": "number", "description": "A1111's denoising strength (default 1.0 with an area to "
+                                                      "repaint, else 0.75)"},
+    } | {name: (text if form else {}) | {"description": "accepted and ignored"} for name in _IGNORED}
+
+
+def _body_schema(server: ServerBase, edit: bool) -> dict:
+    """The request body's schema: the edit's multipart form (its image and mask files) or the generation's JSON."""
+    fields = _field_schemas(server, form=edit)
+    names = ((_EDIT - {"image", "image[]", "mask", "markup"}) | _EDIT_EXTRAS) if edit else (_GENERATION | _EXTRAS)
+    properties = {name: fields[name] if name in ("prompt", *_IGNORED) or edit else _nullable(fields[name])
+                  for name in sorted(names | _IGNORED)}
+    if not edit:
+        return {"type": "object", "required": ["prompt"], "properties": properties, "additionalProperties": False}
+    image = {"type": "string", "format": "binary"}
+    properties = {"image": {**image, "description": "the image to edit (PNG, JPEG, WebP ...; also taken as "
+                                                   "image[])"},
+                  "mask": {**image, "description": "a PNG of the image's size: its fully transparent pixels are "
+                                                   "the area to repaint"}} | properties
+    return {"type": "object", "required": ["image", "prompt"], "properties": properties,
+            "additionalProperties": False}
+
+
+_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+_MODEL_SCHEMA = {"type": "object", "required": ["id", "object", "created", "owned_by"],
+                 "properties": {"id": {"type": "string"}, "object": {"const": "model"},
+                                "created": {"type": "integer"}, "owned_by": {"type": "string"}}}
+_IMAGES_SCHEMA = {"type": "object", "required": ["created", "data", "background", "output_format", "size"],
+                  "properties": {"created": {"type": "integer"},
+                                 "data": {"type": "array", "items": {"type": "object", "properties": {
+                                     "b64_json": {"type": "string"}, "url": {"type": "string"}}}},
+                                 "background": {"type": "string"}, "output_format": {"enum": list(OUTPUT_FORMATS)},
+                                 "size": {"type": "string"}}}
+_ERROR_WHEN = {400: "a bad request: the error names the param", 401: "no valid credentials (--api-auth, --api-key)",
+               404: "the model (or image) does not exist", 413: "the request body or an image is over the cap",
+               503: "the queue is full, the server is stopping or has no memory now: retry after Retry-After "
+                    "seconds"}
+
+
+def _responses(ok: dict, what: str, auth: bool, *statuses: int) -> dict:
+    """An operation's answers for the OpenAPI schema: 200 with ``ok``, the ``statuses`` (and 401 behind auth) with
+    OpenAI's error."""
+    out: dict[int | str, dict] = {200: {"description": what, "content": {"application/json": {"schema": ok}}}}
+    for status in sorted({*statuses, *((401,) if auth else ())}):
+        out[status] = {"description": _ERROR_WHEN[status],
+                       "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+        if status == 503:
+            out[status]["headers"] = {"Retry-After": {"schema": {"type": "string"}, "required": True}}
+    return out
+
+
 def add_routes(app: FastAPI, server: ServerBase, dependencies: list) -> None:
     """OpenAI's routes on ``app`` over ``server``, behind ``dependencies`` (the auth check), their errors in OpenAI's
     shape. The images answered by URL are served without auth: their names are unguessable and expire."""
@@ -437,9 +536,12 @@ def add_routes(app: FastAPI, server: ServerBase, dependencies: list) -> None:
     async def openai_error(request, e: OpenAIError):
         return error_response(e.status, e.message, e.param, e.code, e.headers)
 
-    api = APIRouter(prefix=PREFIX, dependencies=dependencies, include_in_schema=False)
+    api = APIRouter(prefix=PREFIX, dependencies=dependencies, tags=["OpenAI Images API"])
+    auth = bool(dependencies)
+    images = functools.partial(_responses, _IMAGES_SCHEMA, "the images", auth, 400, 404, 413, 503)
 
-    @api.post("/images/generations")
+    @api.post("/images/generations", responses=images(), openapi_extra={"requestBody": {
+        "required": True, "content": {"application/json": {"schema": _body_schema(server, edit=False)}}}})
     async def generations(request: Request):
         try:
             body = await request.json()
@@ -452,7 +554,8 @@ def add_routes(app: FastAPI, server: ServerBase, dependencies: list) -> None:
         fields, answer = _options(body, server, edit=False)
         return await _run(request, server, fields, answer, False, store)
 
-    @api.post("/images/edits")
+    @api.post("/images/edits", responses=images(), openapi_extra={"requestBody": {
+        "required": True, "content": {"multipart/form-data": {"schema": _body_schema(server, edit=True)}}}})
     async def edits(request: Request):
         body, image_b64, mask_b64 = await _edit_body(request)
         fields, answer = _options(body, server, edit=True, form=True)
@@ -462,12 +565,17 @@ def add_routes(app: FastAPI, server: ServerBase, dependencies: list) -> None:
         fields.setdefault("denoising_strength", MASKED_STRENGTH if masked else WHOLE_STRENGTH)
         return await _run(request, server, fields, answer, True, store)
 
-    @api.get("/models")
+    @api.get("/models", responses=_responses({"type": "object", "required": ["object", "data"], "properties": {
+        "object": {"const": "list"}, "data": {"type": "array", "items": _MODEL_SCHEMA}}}, "the models", auth))
     async def models():
         return {"object": "list", "data": [_model_entry(c.model_name, c) for c in server.checkpoints.list()]}
 
-    @api.get("/models/{model_id:path}")
-    async def model(model_id: str):
+    # the id is read from the path here, not declared as a FastAPI parameter (whose 422 answer /v1 never gives)
+    @api.get("/models/{model_id:path}", responses=_responses(_MODEL_SCHEMA, "the model", auth, 404),
+             openapi_extra={"parameters": [{"name": "model_id", "in": "path", "required": True,
+                                            "schema": {"type": "string"}}]})
+    async def model(request: Request):
+        model_id = request.path_params["model_id"]
         if model_id.lower().startswith(OPENAI_MODELS):
             return _model_entry(model_id, server.checkpoints.current)
         found = server.checkpoints.find(model_id)
