@@ -351,3 +351,47 @@ def test_sd35_transformer_in_fp8(env, sd3, tmp_path):
     linears = [m for m in _transformer(fp8).modules() if isinstance(m, (LowBitLinear, torch.nn.Linear))]
     assert linears and all(isinstance(m, LowBitLinear) and m.qtype == "F8_E4M3" and m.nbytes == m.weight.numel()
                            == m.in_features * m.out_features for m in linears)
+
+
+def test_model_sampling_flux_shifts_the_sampler_and_loads_no_engine_of_its_own(env, monkeypatch):
+    """ModelSamplingFlux after a UNETLoader: the sampler runs ComfyUI's flow table at the node's mu (the image of
+    sdlite's engine sampling at that shift), and no engine of the bare transformer file is loaded for the node."""
+    from sdlite.pipeline.latents import LatentRun
+    from sdlite.server import comfy_images
+    from sdlite.server.comfy_nodes import flux_shift
+
+    engines = env[0].engines
+    asked, get = [], engines.get
+    monkeypatch.setattr(engines, "get", lambda checkpoint, *a, **k: asked.append((checkpoint, a, k)) or
+                        get(checkpoint, *a, **k))
+    prompt = flux_workflow(seed=7)
+    prompt["12"] = {"class_type": "ModelSamplingFlux", "inputs": {"model": ["1", 0], "max_shift": 2.0,
+                                                                  "base_shift": 0.3, "width": SIZE, "height": SIZE}}
+    prompt["3"]["inputs"]["model"] = ["12", 0]
+    got = run(env, prompt)
+    assert asked and all(a for _, a, _ in asked)   # each engine asked for names its text encoders and VAE
+    checkpoint, a, k = asked[-1]
+    engine = get(checkpoint, *a, **k)
+    latent = engine.family.latent
+    r = Request(prompt=PROMPT, negative_prompt="", steps=STEPS, cfg_scale=1.0, sampler="euler", schedule="simple",
+                seed=7, guidance=3.5)
+    empty = torch.zeros(1, latent.channels, SIZE // latent.downscale, SIZE // latent.downscale)
+    latents = engine.sample_latents(r, LatentRun(empty, shift=flux_shift(SIZE, SIZE, 0.3, 2.0))).latents
+    want = np.asarray(comfy_images.to_pil(comfy_images.decoded_to_image(engine.decode_scaled(latents)))[0])
+    assert np.array_equal(got, want)
+    assert not np.array_equal(got, run(env, flux_workflow(seed=7)))   # ComfyUI's default mu (1.15) differs
+
+
+@pytest.mark.parametrize("node, inputs, flux, words", [
+    ("ModelSamplingSD3", {"shift": 3.0}, True, "shifts its schedule by image size (FLUX.1 dev): use ModelSamplingFlux"),
+    ("ModelSamplingFlux", {"max_shift": 1.15, "base_shift": 0.5, "width": 64, "height": 64}, False,
+     "is no flow-matching model"),
+])
+def test_model_sampling_that_does_not_fit_the_model_is_an_error_naming_the_node(env, node, inputs, flux, words):
+    prompt = flux_workflow() if flux else txt2img(env[0].checkpoints.current.name)
+    model = ["1", 0] if flux else ["4", 0]
+    prompt["12"] = {"class_type": node, "inputs": {"model": model, **inputs}}
+    prompt["3"]["inputs"]["model"] = ["12", 0]
+    with pytest.raises(Exception) as caught:
+        run(env, prompt)
+    assert f"{node}: " in str(caught.value) and words in str(caught.value)

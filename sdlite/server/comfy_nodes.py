@@ -20,7 +20,8 @@ ConditioningSetAreaStrength give a conditioning its :class:`~sdlite.sampling.reg
 the predictions as ComfyUI does.
 
 Refused at validation (a ``custom_validation_failed`` error naming the node's input and value): the ``bislerp`` latent
-upscale. At run time: ModelSamplingSD3 / ModelSamplingFlux on a model they do not fit, a sampler whose conditionings
+upscale. At run time: ModelSamplingSD3 / ModelSamplingFlux on a model they do not fit (checked by the sampler, on its
+engine: :func:`check_sampling`), a sampler whose conditionings
 come from another checkpoint's CLIP, or whose positive and negative were encoded by CLIPs with other LoRAs; an area
 outside the latent, an area on a flow model, areas with ControlNets (:func:`sdlite.sampling.regions.refuse`).
 """
@@ -208,6 +209,7 @@ class ModelRef:
     checkpoint: Any             # a server Checkpoint (UNETLoader's: the transformer file)
     loras: tuple = ()           # (path, weight) pairs
     shift: float | None = None  # a flow model's: ModelSamplingSD3's shift or ModelSamplingFlux's mu
+    sampling: str = ""          # the ModelSampling node that set the shift, checked against the model by the sampler
     origin: str = ""            # the separate-file loader node that gave it, for errors
     weight_storage: str = "default"   # UNETLoader's fp8 weight_dtype: the engine's (Engine.load's weight_storage)
 
@@ -533,36 +535,40 @@ def flux_guidance(ctx, conditioning, guidance):
     return ([dataclasses.replace(c, guidance=float(guidance)) for c in conditioning],)
 
 
-def _flow_schedule(ctx, model, node_name: str):
+def check_sampling(engine, model: ModelRef) -> None:
+    """That the ModelSampling node which set ``model``'s shift fits the model the sampler runs: a flow-matching model
+    (SD3, FLUX), with a fixed shift for ModelSamplingSD3 and one by image size for ModelSamplingFlux. Checked by the
+    sampler, on the engine it samples with: the nodes themselves load nothing (after a UNETLoader the bare file's
+    engine would be one more engine than the sampler's)."""
     from ..sampling.flow import FlowSchedule
 
-    engine = ctx.engine(model.checkpoint)
-    schedule = engine.schedule_for(Request(prompt=""))
+    if not model.sampling:
+        return
+    name = model.origin or model.checkpoint.name
+    schedule = engine.schedule_for(Request(prompt="", width=1024, height=1024))   # its kind, whatever the size
     if not isinstance(schedule, FlowSchedule):
-        raise RequestError(f"{node_name}: {model.checkpoint.name} ({engine.spec.family}) is no flow-matching model "
-                           "(SD3, FLUX): leave the node out")
-    return schedule
+        raise RequestError(f"{model.sampling}: {name} ({engine.spec.family}) is no flow-matching model (SD3, FLUX): "
+                           "leave the node out")
+    if model.sampling == "ModelSamplingSD3" and schedule.use_dynamic_shifting:
+        raise RequestError(f"ModelSamplingSD3: {name} shifts its schedule by image size (FLUX.1 dev): use "
+                           "ModelSamplingFlux")
+    if model.sampling == "ModelSamplingFlux" and not schedule.use_dynamic_shifting:
+        raise RequestError(f"ModelSamplingFlux: {name} has a fixed shift ({schedule.shift:g}), no shift by image "
+                           "size: use ModelSamplingSD3")
 
 
 @node("ModelSamplingSD3", "ModelSamplingSD3", "advanced/model",
       {"model": LINK("MODEL"), "shift": FLOAT(3.0, 0.0, 100.0, 0.01)}, ("MODEL",))
 def model_sampling_sd3(ctx, model, shift):
-    schedule = _flow_schedule(ctx, model, "ModelSamplingSD3")
-    if schedule.use_dynamic_shifting:
-        raise RequestError(f"ModelSamplingSD3: {model.checkpoint.name} shifts its schedule by image size (FLUX.1 dev): "
-                           "use ModelSamplingFlux")
-    return (dataclasses.replace(model, shift=float(shift)),)
+    return (dataclasses.replace(model, shift=float(shift), sampling="ModelSamplingSD3"),)
 
 
 @node("ModelSamplingFlux", "ModelSamplingFlux", "advanced/model",
       {"model": LINK("MODEL"), "max_shift": FLOAT(1.15, 0.0, 100.0), "base_shift": FLOAT(0.5, 0.0, 100.0),
        "width": INT(1024, 16, MAX_RESOLUTION, 8), "height": INT(1024, 16, MAX_RESOLUTION, 8)}, ("MODEL",))
 def model_sampling_flux(ctx, model, max_shift, base_shift, width, height):
-    schedule = _flow_schedule(ctx, model, "ModelSamplingFlux")
-    if not schedule.use_dynamic_shifting:
-        raise RequestError(f"ModelSamplingFlux: {model.checkpoint.name} has a fixed shift ({schedule.shift:g}), no "
-                           "shift by image size: use ModelSamplingSD3")
-    return (dataclasses.replace(model, shift=flux_shift(width, height, base_shift, max_shift)),)
+    return (dataclasses.replace(model, shift=flux_shift(width, height, base_shift, max_shift),
+                                sampling="ModelSamplingFlux"),)
 
 
 # --- latents -------------------------------------------------------------------------------------------------
@@ -707,6 +713,7 @@ def _request(ctx, model: ModelRef, seed, steps, cfg, sampler_name, scheduler, po
 
 def _sample(ctx: Context, model: ModelRef, clip: ClipRef, request: Request, latent: dict, **run) -> tuple:
     engine = engine_for(ctx, model, clip, prompt_vae(ctx))
+    check_sampling(engine, model)
     ctx.sampled = (model, clip)
     samples = latent["samples"]
     channels = engine.family.latent.channels
