@@ -429,8 +429,7 @@ def quantize_model(module: nn.Module, mode: str, keep: tuple[str, ...] = KEEP_FP
                                 f"{t.device} (load the model on the CPU, with its weights, before quantizing)")
     if mode == "bf16-int8":
         for name, layer, split in bf16_int8_targets(module):
-            module.set_submodule(name, Int8Linear(layer, 8, split=True) if split else
-                                 _CONVERTERS["int8", type(layer)](layer, 8))
+            module.set_submodule(name, _bf16_int8_layer(layer, split))
         return module
     _rest_to_fp32(module)
     linear_as, conv_as = _PLAN[mode]
@@ -473,6 +472,13 @@ def bf16_int8_targets(module: nn.Module) -> list[tuple[str, nn.Module, bool]]:
     return found
 
 
+def _bf16_int8_layer(layer: nn.Module, split: bool, stored_as: torch.dtype | None = None) -> nn.Module:
+    """One of :func:`bf16_int8_targets`' layers made int8 (8-bit activations; a GEGLU projection split in halves)."""
+    if split:
+        return Int8Linear(layer, 8, split=True, stored_as=stored_as)
+    return _CONVERTERS["int8", type(layer)](layer, 8, stored_as=stored_as)
+
+
 def load_bf16_int8(ckpt, component: str, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     """``quantize_model(ckpt.load(component, dtype), "bf16-int8")`` in one pass: the same module, bit for bit.
 
@@ -491,8 +497,7 @@ def load_bf16_int8(ckpt, component: str, dtype: torch.dtype = torch.bfloat16) ->
         if not torch.is_tensor(stored):                        # a GGUF block format: dequantised into dtype
             stored = stored.dequantize(dtype)
         layer.weight = nn.Parameter(stored, requires_grad=False)
-        module.set_submodule(name, Int8Linear(layer, 8, split=split, stored_as=dtype) if split else
-                             _CONVERTERS["int8", type(layer)](layer, 8, stored_as=dtype))
+        module.set_submodule(name, _bf16_int8_layer(layer, split, stored_as=dtype))
         read += stored.numel() * stored.element_size()
         if read > RELEASE_EVERY:
             ckpt.release_pages()

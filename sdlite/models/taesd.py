@@ -32,9 +32,9 @@ def _onednn_bf16() -> bool:
 
 def _fusable(x: torch.Tensor) -> bool:
     """Whether the convolutions on ``x`` take their ReLU (and a Block's sum) inside oneDNN's convolution: bf16 on a
-    CPU where oneDNN runs bf16. The sum and the ReLU are then applied to the float32 result before its one rounding to bf16 (unfused: the
-    convolution's output is rounded, then the sum's), and the activations are not read and written again for each.
-    Never on the exact (float32) path."""
+    CPU where oneDNN runs bf16. The sum and the ReLU are then applied to the float32 result before its one rounding
+    to bf16 (unfused: the convolution's output is rounded, then the sum's), and the activations are not read and
+    written again for each. Never on the exact (float32) path."""
     return x.dtype == torch.bfloat16 and x.device.type == "cpu" and _onednn_bf16()
 
 

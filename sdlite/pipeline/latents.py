@@ -197,24 +197,20 @@ def run_latents(engine, r: Request, run: LatentRun, callback=None, on_latents=No
                 model = engine.models.runner(network, unet)
                 if controls:
                     model = controlled = ControlledUNet(unet, controls, use_cfg, steps, 0)
+                scale = r.cfg_scale if use_cfg else 1.0
+                guided = engine.family.denoiser(model, schedule, unet.dtype)
+                if parts is None:   # with areas each prompt runs on its own (Regional guides them; no ControlNets)
+                    guided = CFGDenoiser(guided, scale)
                 timesteps = comfy_timesteps(schedule, sigmas[:-1])
-                if parts is not None:   # each prompt on its own, on its area (no ControlNets: refused)
-                    guided = engine.family.denoiser(model, schedule, unet.dtype)
-                    if timesteps is not None:
-                        guided = guided.with_timesteps(sigmas, timesteps)
-                    if unet_piece < batch:
-                        guided = Pieces(guided, unet_piece, batch)
-                    guided = Regional(guided, extras, parts[0], parts[1] if use_cfg else None,
-                                      r.cfg_scale if use_cfg else 1.0, *latent.shape[2:])
-                else:
-                    guided = CFGDenoiser(engine.family.denoiser(model, schedule, unet.dtype),
-                                         r.cfg_scale if use_cfg else 1.0)
-                    if timesteps is not None:
-                        guided = guided.with_timesteps(sigmas, timesteps)
-                    if unet_piece < batch:   # a large batch in pieces, as the A1111 loop runs it (engine.budget)
-                        guided = Pieces(guided, unet_piece, batch)
-                    if len(conds) > 1:
-                        guided = Averaged(guided, extras)
+                if timesteps is not None:
+                    guided = guided.with_timesteps(sigmas, timesteps)
+                if unet_piece < batch:   # a large batch in pieces, as the A1111 loop runs it (engine.budget)
+                    guided = Pieces(guided, unet_piece, batch)
+                if parts is not None:
+                    guided = Regional(guided, extras, parts[0], parts[1] if use_cfg else None, scale,
+                                      *latent.shape[2:])
+                elif len(conds) > 1:
+                    guided = Averaged(guided, extras)
                 if run.mask is not None:
                     mask = prepare_mask(run.mask, tuple(latent.shape)).to(engine.device)
                     guided = MaskedDenoiser(guided, latent.to(engine.device), noise.to(engine.device), mask,

@@ -155,13 +155,17 @@ class PreviewControl:
     def __getattr__(self, name):
         return getattr(self._control, name)
 
+    def _watched(self) -> bool:
+        """Previews are on for the prompt and its websocket client is connected (ComfyUI sends them to it only)."""
+        return self._enabled() and self._hub.connected(self._sid)
+
     def preview_due(self, step: int, total: int) -> bool:
-        return self._enabled() and self._hub.connected(self._sid) and self._jobs.preview_every(step, total)
+        return self._watched() and self._jobs.preview_every(step, total)
 
     def preview_wanted(self) -> bool:
-        """Whether a preview made now would be seen: by the prompt's websocket client (with previews on for the
-        prompt; ComfyUI sends them to that client only), or by an A1111 client polling ``/progress`` for one."""
-        return (self._enabled() and self._hub.connected(self._sid)) or self._control.preview_wanted()
+        """Whether a preview made now would be seen: by the prompt's websocket client, or by an A1111 client polling
+        ``/progress`` for one."""
+        return self._watched() or self._control.preview_wanted()
 
 
 class PromptError(Exception):
