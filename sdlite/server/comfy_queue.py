@@ -383,8 +383,9 @@ class PromptQueue:
         self.hub.status()
 
     def _finish(self, entry: Prompt, outputs: dict, completed: bool, messages: list) -> None:
-        """The prompt is over: the final ``executing`` (node null), its history entry, and the queue's status."""
-        self.hub.send("executing", {"node": None, "prompt_id": entry.prompt_id}, entry.client_id)
+        """The prompt is over: its history entry, then the final ``executing`` (node null), and the queue's status.
+        The history and the queue are updated first, so that a client acting on the final message (clients read
+        ``/history`` on it) finds the prompt done."""
         record = {"prompt": entry.item(), "outputs": outputs,
                   "status": {"status_str": "success" if completed else "error", "completed": completed,
                              "messages": messages},
@@ -397,6 +398,7 @@ class PromptQueue:
                 self._times.pop(next(iter(self._history)), None)
                 del self._history[next(iter(self._history))]
             self._running.pop(entry.prompt_id, None)
+        self.hub.send("executing", {"node": None, "prompt_id": entry.prompt_id}, entry.client_id)
         self.hub.status()
 
     def _previews_enabled(self) -> bool:
