@@ -18,6 +18,22 @@ from sdlite.kernels import build
 from sdlite.models.layers import Attention
 
 RUNS_HERE = kattn.cpu_problem() is None and build.compiler() is not None and not build.disabled()
+# the AMX attention (amx_bf16.cpp) runs here: a CPU with AMX tiles, Linux granting them
+AMX_HERE = RUNS_HERE and kattn.amx_problem() is None
+# the attention kernels: "amx" where the CPU has tiles, "avx512" (AVX512-BF16 dot products) on every CPU that runs
+# the kernels; on an AMX CPU the tests check both (kattn.use_amx picks)
+KERNELS = ["avx512", "amx"]
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request, monkeypatch):
+    """Which attention kernel the test runs: "avx512", or "amx", which on a CPU without tiles checks that the
+    AVX512-BF16 kernel runs instead and the reason names what is missing."""
+    monkeypatch.setattr(kattn, "use_amx", request.param == "amx")
+    if request.param == "amx" and RUNS_HERE and not AMX_HERE:
+        assert "amx" in kattn.amx_problem().lower() or "tile" in kattn.amx_problem(), kattn.amx_problem()
+        assert "AVX512-BF16" in kattn._attention_kernel()[2]
+    return request.param
 # (batch, heads, queries, keys, head dim): SD 1.x's three levels (head dims 40, 80, 160), self and cross
 # (77 keys), SD 2.x/SDXL's 64, the VAE's single 512-wide head, and odd sizes (tails of every block)
 SHAPES = [(2, 8, 1024, 1024, 40), (2, 8, 1024, 77, 40), (2, 8, 256, 256, 80), (2, 8, 256, 77, 160),
@@ -47,6 +63,10 @@ def test_cpu_problem_names_what_is_missing():
     assert "ONEDNN_MAX_CPU_ISA=AVX2" in kattn.cpu_problem(capped)
     full = this_cpu().__class__(model="x", arch="x86_64", cores=2, flags=flags | {"avx512_bf16"})
     assert kattn.cpu_problem(full) is None
+    # the AMX attention needs the tiles too; without them the AVX512-BF16 kernel runs
+    assert "amx_tile" in build.cpu_problem(kattn.AMX_REQUIRED, "AMX-BF16", full)
+    tiles = this_cpu().__class__(model="x", arch="x86_64", cores=2, flags=flags | {"avx512_bf16", "amx_tile", "amx_bf16"})
+    assert build.cpu_problem(kattn.AMX_REQUIRED, "AMX-BF16", tiles) is None
     arm = this_cpu().__class__(model="x", arch="aarch64", cores=2, flags=frozenset({"asimd"}))
     assert "x86" in kattn.cpu_problem(arm)
 
@@ -66,7 +86,7 @@ def test_used_exactly_where_it_applies():
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_attention_matches_fp32_as_closely_as_pytorchs_bf16_kernel(shape):
+def test_attention_matches_fp32_as_closely_as_pytorchs_bf16_kernel(shape, kernel):
     b, h, n, m, d = shape
     q, k, v = _qkv(*shape)
     if not RUNS_HERE:  # e.g. under ONEDNN_MAX_CPU_ISA=AVX2: PyTorch's kernel, never a half-supported one
@@ -83,7 +103,7 @@ def test_attention_matches_fp32_as_closely_as_pytorchs_bf16_kernel(shape):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 5])
-def test_thread_counts_do_not_change_any_kernels_result(threads):
+def test_thread_counts_do_not_change_any_kernels_result(threads, kernel):
     """Every kernel splits its work over PyTorch's OpenMP threads (torch.set_num_threads); 1, 2, an odd 3 and more
     threads than cores give the same bits as one thread: each query row, GEGLU row and value is computed by one
     thread the same way, and every part of the work is done once (the min/max of a split is merged)."""
@@ -206,10 +226,14 @@ def test_build_is_cached_across_processes(tmp_path):
         assert "FALLBACK" in first.stdout and "COMPILED 0" in first.stdout
         assert not (tmp_path / build.KERNEL_DIR).exists()
         return
-    assert "USED" in first.stdout and "COMPILED 1" in first.stdout, first.stdout
+    # the AVX512-BF16 library, and where the CPU has AMX tiles the AMX attention's too
+    assert "USED" in first.stdout and f"COMPILED {1 + AMX_HERE}" in first.stdout, first.stdout
     assert "USED" in second.stdout and "COMPILED 0" in second.stdout, second.stdout   # loaded from the cache
+    assert ("sdlite's (AMX)" in first.stdout) == (AMX_HERE and "sdlite's" in first.stdout), first.stdout
     libraries = list((tmp_path / build.KERNEL_DIR).glob("avx512_bf16-*.so"))
-    assert len(libraries) == 1 and not list((tmp_path / build.KERNEL_DIR).glob(".*"))   # no temporaries left
+    amx = list((tmp_path / build.KERNEL_DIR).glob("amx_bf16-*.so"))
+    assert len(libraries) == 1 and len(amx) == AMX_HERE
+    assert not list((tmp_path / build.KERNEL_DIR).glob(".*"))   # no temporaries left
 
 
 def test_without_a_compiler_pytorchs_kernel_runs_and_one_line_says_why(tmp_path):

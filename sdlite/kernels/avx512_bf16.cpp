@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "attention.h"
 #include "parallel.h"
 
 namespace {
@@ -53,25 +54,8 @@ inline __m512 exp2_nonpositive(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-// 2^x for the softmax, whose probabilities are rounded to bf16 (relative step 2^-8) right after: 2^(x - floor x) by
-// a degree-3 polynomial (relative error below 7.5e-5, a 50th of that step), times 2^floor(x) by scalef (which gives
-// 0 for very negative x). Five instructions where exp2_nonpositive takes nine.
-inline __m512 exp2_softmax(__m512 x) {
-    const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // x - floor(x), in [0, 1)
-    __m512 p = _mm512_set1_ps(7.802446323500599e-2f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.2606731455057738e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.958334433670675e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999252309395568e-1f));
-    return _mm512_scalef_ps(p, x);
-}
-
-struct Problem {
-    const uint16_t *q, *k, *v;
-    uint16_t* o;
-    int B, H, N, M, D;
-    int64_t qs[3], ks[3], vs[3], os[3];  // element strides of batch, head, token (the last dim is contiguous)
-    float scale;
-};
+using Problem = sdl::AttentionProblem;
+using sdl::exp2_softmax;
 
 struct Buffers {
     uint32_t *kp = nullptr, *vp = nullptr, *qb = nullptr;
@@ -231,15 +215,7 @@ int run(const Problem& a, int64_t begin, int64_t end) {
                 }
             }
         }
-        uint16_t* obase = a.o + b * a.os[0] + h * a.os[1];
-        for (int r = 0; r < rows; ++r) {
-            const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(lsum[r]));
-            uint16_t* dst = obase + (r0 + r) * a.os[2];
-            for (int d = 0; d < a.D; d += 16) {
-                const __m256i y = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(buf.o + (size_t)r * DV + d), inv));
-                _mm256_mask_storeu_epi16(dst + d, (__mmask16)((1u << std::min(16, a.D - d)) - 1), y);
-            }
-        }
+        sdl::write_rows(a, b, h, r0, rows, buf.o, DV, lsum);
     }
     return 0;
 }
@@ -252,11 +228,7 @@ int run(const Problem& a, int64_t begin, int64_t end) {
 extern "C" int sdl_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int B, int H,
                                   int N, int M, int D, const int64_t* qs, const int64_t* ks, const int64_t* vs,
                                   const int64_t* os, float scale, int threads) {
-    if (D < 1 || D > 512 || B < 1 || H < 1 || N < 1 || M < 1) return 1;
-    const Problem a{q, k, v, out, B, H, N, M, D, {qs[0], qs[1], qs[2]}, {ks[0], ks[1], ks[2]}, {vs[0], vs[1], vs[2]},
-                    {os[0], os[1], os[2]}, scale};
-    return sdl::parallel_parts((int64_t)B * H * ((N + QB - 1) / QB), threads,
-                               [&](int64_t begin, int64_t end) { return run(a, begin, end); });
+    return sdl::attention_call(q, k, v, out, B, H, N, M, D, qs, ks, vs, os, scale, threads, QB, run);
 }
 
 // --- GEGLU ----------------------------------------------------------------------------------------------------------

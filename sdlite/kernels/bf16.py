@@ -4,7 +4,8 @@ own operations as the fallback.
 :func:`attend` is what :class:`sdlite.models.layers.Attention` calls for bf16 tensors on a CPU; it returns None
 (the caller runs ``F.scaled_dot_product_attention``) wherever the kernel does not apply: another dtype or device,
 a head dim over 512, problems too small to gain (under :data:`MIN_WORK`), strides it does not take, kernels turned off, a CPU without
-AVX512-BF16 (or ``ONEDNN_MAX_CPU_ISA`` capping below it), or no compiler to build it. Outputs agree with PyTorch's
+AVX512-BF16 (or ``ONEDNN_MAX_CPU_ISA`` capping below it), or no compiler to build it. On CPUs with AMX tiles the same attention runs with both
+products on the tiles (``amx_bf16.cpp``, its own library; the same roundings). Outputs agree with PyTorch's
 flash kernel to bf16 rounding (both sum bf16 products in fp32 and round the probabilities to bf16):
 ``tests/test_kernels.py``.
 
@@ -35,6 +36,12 @@ NAME = "avx512_bf16"
 ISA_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp")
 MAX_HEAD_DIM = 512
 REQUIRED = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+# the same attention with both products on AMX tiles (``amx_bf16.cpp``), where the CPU has them: AVX512-BF16's dot
+# products are 16 times slower than the tiles, so there the kernel above loses to PyTorch's (which runs oneDNN's AMX
+# GEMMs) and this one wins
+AMX_NAME = "amx_bf16"
+AMX_ISA_FLAGS = ISA_FLAGS + ("-mamx-tile", "-mamx-bf16")
+AMX_REQUIRED = REQUIRED + ("amx_tile", "amx_bf16")
 # below this much work (batch x heads x queries x keys x head dim) PyTorch's kernel is as fast or faster (the call and
 # the threads cost ~0.1 ms): measured on a 2-core Zen 4, (2, 8, 64, 77, 40) = 3.2M breaks even, (2, 4, 128, 128, 16) =
 # 2.1M runs 0.17 ms here against SDPA's 0.11 ms, (2, 8, 128, 128, 40) = 10.5M 0.26 against 0.36 ms
@@ -44,6 +51,8 @@ MIN_WORK = 1 << 22
 MIN_GEGLU_TOKENS = 1024
 # set False to run PyTorch's SDPA instead in this process (bench/profile_unet.py measures both this way)
 enabled = True
+# set False to run the AVX512-BF16 attention on a CPU with AMX too (the tests check both kernels this way)
+use_amx = True
 # Whether the attention kernel beats PyTorch's own flash kernel depends on the CPU: on a 2-core Zen 4 it is ~3x
 # faster at SD 1.x's 64x64-latent self-attention, on a 2-core Xeon with AMX (Sapphire Rapids class) ~2.5x slower
 # (PyTorch's flash kernel computes its blocks with oneDNN's brgemm there). So the layers ask :func:`attention_pays`,
@@ -92,13 +101,54 @@ def _function():
     return fn
 
 
+@functools.cache
+def _amx_attention():
+    """The AMX attention's entry point, or the reason there is none (a string), once per process."""
+    base = _function()
+    if isinstance(base, str):
+        return base
+    problem = build.cpu_problem(AMX_REQUIRED, "AMX-BF16")
+    if problem:
+        return problem
+    try:
+        lib = build.load(AMX_NAME, AMX_ISA_FLAGS)
+    except build.KernelUnavailable as e:
+        build.notice(f"bf16 attention runs without AMX tiles: {e}")
+        return str(e)
+    if not lib.sdl_amx_permitted():
+        return "Linux did not grant this process the AMX tile state"
+    fn = lib.sdl_attention_amx
+    fn.restype = ctypes.c_int
+    fn.argtypes = base.argtypes
+    return fn
+
+
+@functools.cache
+def _library_name(name: str, flags: tuple[str, ...]) -> str:
+    return build.library_path(name, flags, build.compiler() or "").name
+
+
+def amx_problem() -> str | None:
+    """Why the AMX attention does not run here (None: it does, unless :data:`use_amx` is False)."""
+    got = _amx_attention()
+    return got if isinstance(got, str) else None
+
+
+def _attention_kernel():
+    """(entry point or why none, library name, in words) of the attention kernel this process runs: AMX's where it
+    runs (and :data:`use_amx`), else AVX512-BF16's."""
+    if use_amx and amx_problem() is None:
+        return _amx_attention(), _library_name(AMX_NAME, AMX_ISA_FLAGS), "AMX"
+    return _function(), _library_name(NAME, ISA_FLAGS), "AVX512-BF16"
+
+
 def status() -> str:
     """For ``sdlite info --system``: whether bf16 attention and GEGLU run on sdlite's kernels here, and if not why."""
     got = _function()
     if isinstance(got, str):
         return f"PyTorch's ({got})"
     choice = attention_choice()
-    attention = "sdlite's" if choice["kernel"] else "PyTorch's SDPA"
+    attention = f"sdlite's ({_attention_kernel()[2]})" if choice["kernel"] else "PyTorch's SDPA"
     return f"attention: {attention} ({choice['why']}); GEGLU: sdlite's kernel (AVX512-BF16)"
 
 
@@ -130,7 +180,7 @@ def _strides(t: torch.Tensor):
 def attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The kernel as a PyTorch operator (so that torch.compile keeps it whole): q (B, h, N, D), k and v
     (B, h, M, D), bf16, contiguous along D -> (B, N, h*D)."""
-    fn = _function()
+    fn = _attention_kernel()[0]
     if isinstance(fn, str):
         raise RuntimeError(f"sdlite's bf16 attention kernel is not available: {fn}")
     b, h, n, d = q.shape
@@ -194,10 +244,10 @@ _CHOICES: dict = {}
 _LAST = False   # the choice last made in this process: what a torch.compile trace takes
 
 
-def _choice_key() -> tuple[int, str]:
+def _choice_key() -> tuple[int, str, bool]:
     """What the choice depends on within one process (called on every bf16 attention layer, so kept cheap): the
-    thread count, and the override; the CPU and torch are this process's (the cached measurement's key names them)."""
-    return torch.get_num_threads(), os.environ.get(CHOICE_ENV, "")
+    thread count, the override and which kernel (use_amx); the CPU and torch are this process's (the cached measurement's key names them)."""
+    return torch.get_num_threads(), os.environ.get(CHOICE_ENV, ""), use_amx
 
 
 def attention_choice() -> dict:
@@ -223,8 +273,7 @@ def _cached_measurement() -> dict:
     from ..machine import read_measurements, record_measurement, this_cpu
 
     path = build.kernel_dir() / CHOICE_FILE
-    lib = build.library_path(NAME, ISA_FLAGS, build.compiler() or "")
-    entry_key = f"{this_cpu().key} | {lib.name}"
+    entry_key = f"{this_cpu().key} | {_attention_kernel()[1]}"
     entry = read_measurements(path).get("attention", {}).get(entry_key)
     source = "measured before"
     if not (isinstance(entry, dict) and all(isinstance(entry.get(f), (int, float)) for f in ("kernel_ms", "pytorch_ms"))):
