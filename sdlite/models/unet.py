@@ -75,6 +75,10 @@ class TransformerBlock(nn.Module):
         return residual(x, self.ff(self.norm3(x)))
 
 
+def _channels_last(x: torch.Tensor) -> bool:
+    return x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+
+
 class SpatialTransformer(nn.Module):
     """GroupNorm, project in, transformer blocks over the H*W tokens, project out, residual.
 
@@ -103,7 +107,10 @@ class SpatialTransformer(nn.Module):
         if self.linear:
             h = self.proj_out(h).reshape(b, hgt, wid, c).permute(0, 3, 1, 2)     # (B, C, H, W)
         else:
-            h = self.proj_out(h.reshape(b, hgt, wid, c).permute(0, 3, 1, 2).contiguous())
+            # the tokens are already a channels-last image: kept so where the model runs channels-last (no copy;
+            # every later layer stays channels-last), made NCHW as diffusers does where it does not
+            layout = torch.channels_last if _channels_last(x) else torch.contiguous_format
+            h = self.proj_out(h.reshape(b, hgt, wid, c).permute(0, 3, 1, 2).contiguous(memory_format=layout))
         return residual(x, h)
 
 
