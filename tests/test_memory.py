@@ -179,9 +179,10 @@ def test_tiled_decode_with_streamed_weights(model_dir):
 
 
 @pytest.mark.parametrize("stored", [torch.float16, torch.float32])
-def test_mode_1_keeps_a_half_precision_text_encoder_as_stored(model_dir, tmp_path, stored):
-    """Mode 1 keeps a half-precision file's text encoder weights as stored (zero-copy, up-cast block by block
-    while it runs): the same encodings as the fp32-converted network. An fp32 file's are used as they are."""
+def test_mode_1_holds_the_text_encoder_in_its_compute_dtype(model_dir, tmp_path, stored):
+    """Mode 1 converts a half-precision file's text encoder weights to fp32 once, at load, and keeps them: a warm
+    engine up-casts nothing per prompt (holding them as stored, up-cast block by block, cost 0.04 s a prompt on the
+    full-size SD 1.5 for 250 MB less). The same encodings as the fp32-converted network, from either file."""
     from sdlite.export import save_diffusers
     from sdlite.loader import load_model
 
@@ -194,10 +195,8 @@ def test_mode_1_keeps_a_half_precision_text_encoder_as_stored(model_dir, tmp_pat
         manager = ModelManager(ckpt, mode=1)
         with manager.use("text_encoder") as text:
             got = text(ids)
-            kept = hasattr(text, "_streamer")
+            streamed = hasattr(text, "_streamer")
+            dtypes = {p.dtype for p in text.parameters()}
         assert torch.equal(got, expected)
-    assert kept == (stored == torch.float16)
+    assert not streamed and dtypes == {torch.float32}
     assert manager.resident() == ["text_encoder"]
-    # other modes and an explicit weight dtype are unchanged
-    assert not ModelManager(ckpt, mode=2)._keeps_as_stored("text_encoder")
-    assert not ModelManager(ckpt, mode=1)._keeps_as_stored("unet")

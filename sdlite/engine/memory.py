@@ -332,8 +332,7 @@ class ModelManager:
         """Whether the network's weights are streamed block by block (on the meta device between blocks)."""
         if self.low_bit_mode(name) != "none":
             return False
-        return self._streams_from_file(name) or (self.weight_dtype is not None and self.weight_dtype != self.dtype) \
-            or self._keeps_as_stored(name)
+        return self._streams_from_file(name) or (self.weight_dtype is not None and self.weight_dtype != self.dtype)
 
     def _streams_from_file(self, name: str) -> bool:
         """Memory mode 0 streams the UNet (or transformer), SDXL's text encoders (bigG alone is 2.8 GB in fp32) and
@@ -341,19 +340,6 @@ class ModelManager:
         return self.mode == 0 and (name == self.denoiser or (name in TEXT_ENCODERS and self.ckpt is not None
                                                              and self.ckpt.spec.is_sdxl)
                                    or name == "text_encoder_3")
-
-    def _keeps_as_stored(self, name: str) -> bool:
-        """Mode 1 keeps the text encoders' weights as a half-precision file stores them (zero-copy), each block
-        up-cast to fp32 while it runs: the same values as converting them all at load, half the memory (about
-        250 MB for SD 1.5, resident beside the decoder's buffers at the peak), and about 0.1 s more per prompt,
-        which is encoded once per generation."""
-        if not (name in TEXT_ENCODERS and self.mode == 1 and self.weight_dtype is None and self.ckpt is not None
-                and self.dtype_of(name) == torch.float32 and self.device.type == "cpu"
-                and name in self.ckpt.sources):
-            return False
-        source = self.ckpt.sources[name]
-        stored = source.view[next(iter(source.shapes))]
-        return stored.dtype in (torch.float16, torch.bfloat16)
 
     def dtype_of(self, name: str) -> torch.dtype:
         """The compute dtype of network ``name``."""
