@@ -25,7 +25,7 @@ import torch
 
 from .. import sources
 from ..engine import budget
-from ..engine.memory import ModelManager, check_memory_mode, trim_heap, tune_heap
+from ..engine.memory import ModelManager, check_memory_mode, tune_heap
 from ..engine.precision import choose_precision, stored_as, whole_unet
 from ..engine.stepcache import StepCache, StepCacheError, cache_infotext
 from ..errors import RequestError, StopSampling
@@ -346,13 +346,10 @@ class Engine(LoadedModel):
                           infotext={**networks.infotext(), "Precision": self.precision.label},
                           timings={"text": t1 - t0, "sampling": t2 - t1, "decode": 0.0, "total": t2 - t0},
                           interrupted=interrupted)
-        # glibc keeps the sampling loop's freed activations in its heap (they are reused step after step); hand
-        # them back before the decoder allocates its own, larger ones, or both count in the peak (about 250 MB
-        # less peak at 512^2 for SD 1.5)
-        trim_heap()
         t2 = time.perf_counter()
         if self.vae_decoder is not None:   # a TAESD decodes the latents of whichever model denoised last
             decoder = self
+        decoder.release_before_decode()
         decoded = decoder.decode_scaled(latents, piece=decode_piece)
         images = latents_to_images(decoded)
         if source is not None and source.mask is not None:

@@ -24,7 +24,6 @@ import torch
 
 from ..control.apply import ControlledUNet
 from ..engine import budget
-from ..engine.memory import trim_heap
 from ..errors import RequestError, StopSampling
 from ..families.base import latents_to_images
 from ..sampling.comfy import (advanced_sigmas, comfy_noise, comfy_sigmas, comfy_timesteps, denoise_sigmas,
@@ -244,7 +243,7 @@ def run_latents(engine, r: Request, run: LatentRun, callback=None, on_latents=No
     latents = x.float()
     images = []
     if decode:
-        trim_heap()
+        engine.release_before_decode()
         images = latents_to_images(engine.decode_scaled(latents, piece=budget.pieces(engine, r)[1]))
     t3 = time.perf_counter()
     seeds = [r.seed] * latents.shape[0]
