@@ -348,6 +348,39 @@ def test_int8_kernels_equal_exact_integer_arithmetic(kind, dist):
     assert exact == (BITS == 8)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_convolution_packs_its_weight_for_each_input_shape_with_the_same_results(dtype):
+    """oneDNN chooses the weight layout by the input's shape (and wants the weights' sums beside them for a nonzero
+    zero point), so the layer repacks its weight when the shape or the kind of zero point changes, from the packed
+    one itself. The results equal exact integer arithmetic and the bits of a layer packed for no shape (which oneDNN
+    reorders at every call), the int8 weight survives every repack, and an unchanged shape repacks nothing."""
+    layer = int8_layer("conv", BITS)
+    still = int8_layer("conv", BITS)
+    g = torch.Generator().manual_seed(5)
+    shapes = [(1, 64, 16, 16), (2, 64, 12, 12), (1, 64, 16, 16), (1, 64, 9, 21)]
+    with torch.no_grad():
+        for i, shape in enumerate(shapes):
+            x = torch.randn(*shape, generator=g)
+            if i == 3:
+                x = x.abs()                                      # no negative input: zero point 0
+            x = x.to(dtype).contiguous(memory_format=torch.channels_last) if dtype is torch.bfloat16 else x
+            got = layer(x)
+            q, scale, zero_point = quantize_activation(x, BITS)
+            assert (zero_point == 0) == (i == 3)
+            unpacked = torch.ops.onednn.qconv_pointwise(q, scale, zero_point, still.packed_weight, still.weight_scale,
+                                                        torch.zeros(1, dtype=torch.int32), still.bias, still.stride,
+                                                        still.padding, still.dilation, 1, 1.0, 0, got.dtype, "none", [],
+                                                        "")
+            assert torch.equal(got, unpacked.contiguous() if x.is_contiguous() else unpacked), shape
+            assert rel(got, emulate(layer, x.float())) < (1e-5 if dtype is torch.float32 else 4e-3)
+            assert layer._packed_for == (tuple(shape), zero_point != 0)
+            packed = layer.packed_weight
+            layer(x)
+            assert layer.packed_weight is packed                 # the same shape again: not repacked
+    assert torch.equal(layer.packed_weight.to_dense(), layer.int_weight[0])
+    assert still._packed_for is None
+
+
 def test_8bit_saturates_exactly_where_the_cpu_says_there_is_no_vnni():
     """255 * 127 * 2 = 64770 does not fit in int16: without VNNI oneDNN returns 32767 per pair of products."""
     layer = Int8Linear(nn.Linear(64, 16), 8)
