@@ -185,9 +185,11 @@ def test_weight_memory(bf16_allowed):
               and not any(n == k or n.startswith(k + ".") for k in KEEP_FP32)]
     weights = sum(m.weight.numel() for m in layers)
     channels = sum(m.weight.shape[0] for m in layers)
+    conv_channels = sum(m.weight.shape[0] for m in layers if isinstance(m, nn.Conv2d))
     q = quantize_model(copy.deepcopy(unet), "int8")
-    # each quantized weight goes from 4 bytes to 1, plus one fp32 scale per output channel
-    assert weight_bytes(q) == fp32 - 3 * weights + 4 * channels
+    # each quantized weight goes from 4 bytes to 1, plus one fp32 scale per output channel, and for convolutions
+    # one fp32 per output channel more (what a unit of input code adds: the zero point's share of the bias)
+    assert weight_bytes(q) == fp32 - 3 * weights + 4 * channels + 4 * conv_channels
     b = quantize_model(copy.deepcopy(unet), "bf16")
     assert weight_bytes(b) == fp32 - 2 * sum(p.numel() for m in layers for p in m.parameters())
 
@@ -349,36 +351,32 @@ def test_int8_kernels_equal_exact_integer_arithmetic(kind, dist):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_convolution_packs_its_weight_for_each_input_shape_with_the_same_results(dtype):
-    """oneDNN chooses the weight layout by the input's shape (and wants the weights' sums beside them for a nonzero
-    zero point), so the layer repacks its weight when the shape or the kind of zero point changes, from the packed
-    one itself. The results equal exact integer arithmetic and the bits of a layer packed for no shape (which oneDNN
-    reorders at every call), the int8 weight survives every repack, and an unchanged shape repacks nothing."""
-    layer = int8_layer("conv", BITS)
-    still = int8_layer("conv", BITS)
+def test_int8_convolution_takes_the_zero_point_through_the_bias(dtype):
+    """oneDNN sums the input codes as they are (no zero point: it would reorder the weights at every call), over an
+    input padded with the zero point's code, and the zero point's share comes off through the bias. The result is
+    exact integer arithmetic's on every pixel, the borders included, for 3x3, strided and 1x1 convolutions, batch 1
+    and 2, signed inputs and non-negative ones (zero point 0), fp32 and channels-last bf16."""
+    torch.manual_seed(2)
+    convs = [nn.Conv2d(64, 32, 3, padding=1), nn.Conv2d(64, 48, 3, stride=2, padding=1), nn.Conv2d(64, 16, 1)]
     g = torch.Generator().manual_seed(5)
-    shapes = [(1, 64, 16, 16), (2, 64, 12, 12), (1, 64, 16, 16), (1, 64, 9, 21)]
-    with torch.no_grad():
-        for i, shape in enumerate(shapes):
+    for conv in convs:
+        nn.init.normal_(conv.weight)
+        layer = Int8Conv2d(conv, BITS)
+        layer.int_weight = quantize_weight(conv.weight)
+        for shape, positive in [((1, 64, 16, 16), False), ((2, 64, 9, 21), False), ((1, 64, 12, 12), True)]:
             x = torch.randn(*shape, generator=g)
-            if i == 3:
-                x = x.abs()                                      # no negative input: zero point 0
-            x = x.to(dtype).contiguous(memory_format=torch.channels_last) if dtype is torch.bfloat16 else x
-            got = layer(x)
-            q, scale, zero_point = quantize_activation(x, BITS)
-            assert (zero_point == 0) == (i == 3)
-            unpacked = torch.ops.onednn.qconv_pointwise(q, scale, zero_point, still.packed_weight, still.weight_scale,
-                                                        torch.zeros(1, dtype=torch.int32), still.bias, still.stride,
-                                                        still.padding, still.dilation, 1, 1.0, 0, got.dtype, "none", [],
-                                                        "")
-            assert torch.equal(got, unpacked.contiguous() if x.is_contiguous() else unpacked), shape
-            assert rel(got, emulate(layer, x.float())) < (1e-5 if dtype is torch.float32 else 4e-3)
-            assert layer._packed_for == (tuple(shape), zero_point != 0)
-            packed = layer.packed_weight
-            layer(x)
-            assert layer.packed_weight is packed                 # the same shape again: not repacked
-    assert torch.equal(layer.packed_weight.to_dense(), layer.int_weight[0])
-    assert still._packed_for is None
+            x = x.abs() if positive else x
+            if dtype is torch.bfloat16:
+                x = x.bfloat16().contiguous(memory_format=torch.channels_last)
+            with torch.no_grad():
+                got = layer(x)
+            assert (quantize_activation(x, BITS)[2] == 0) == positive
+            ref = emulate(layer, x.float())
+            bound = 1e-5 if dtype is torch.float32 else 4e-3
+            assert got.dtype == dtype and rel(got, ref) < bound, (conv, shape)
+            for edge in ((..., 0, slice(None)), (..., -1, slice(None)), (..., slice(None), 0), (..., slice(None), -1)):
+                assert rel(got[edge], ref[edge]) < bound, (conv, shape, edge)          # the padded borders
+            assert got.is_contiguous(memory_format=torch.channels_last) == (dtype is torch.bfloat16)
 
 
 def test_8bit_saturates_exactly_where_the_cpu_says_there_is_no_vnni():
@@ -519,7 +517,22 @@ def test_bf16_int8_unet_against_bf16_and_fp32(cfg):
         bf16 = copy.deepcopy(unet).bfloat16().to(memory_format=torch.channels_last)
         out_bf16 = bf16(x.bfloat16(), t, ctx.bfloat16())
         q = quantize_model(copy.deepcopy(unet).bfloat16(), "bf16-int8").to(memory_format=torch.channels_last)
+        layouts = {}
+        def record(name):
+            def hook(module, args):
+                layouts.setdefault(name, args[0].is_contiguous(memory_format=torch.channels_last)
+                                   and not args[0].is_contiguous())
+            return hook
+
+        hooks = [m.register_forward_pre_hook(record(name))
+                 for name, m in q.named_modules() if isinstance(m, (Int8Conv2d, nn.Conv2d, nn.GroupNorm))]
         out = q(x.bfloat16(), t, ctx.bfloat16())
+        for hook in hooks:
+            hook.remove()
+    # every image-shaped activation after the first convolution stays channels-last (an NCHW one costs copies at
+    # every int8 convolution, whose oneDNN output is NHWC), through the transformers' projections too
+    assert layouts.pop("conv_in") is False and layouts and all(layouts.values()), \
+        [name for name, kept in layouts.items() if not kept]
     int8 = {name: m for name, m in q.named_modules() if isinstance(m, (Int8Linear, Int8Conv2d))}
     assert set(int8) == expected_bf16_int8_layers(unet) and len(int8) > 20
     assert any(name.endswith("downsamplers.0.conv") for name in int8) and \

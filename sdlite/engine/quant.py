@@ -310,6 +310,13 @@ class Int8Linear(nn.Module):
 class Int8Conv2d(nn.Module):
     """``nn.Conv2d`` (zero padding, groups 1) with int8 weights on oneDNN's u8 x s8 convolution.
 
+    The input's zero point is not handed to oneDNN: with one, oneDNN wants its weights packed with their sums beside
+    them, in a layout it picks by the input's shape, and reorders them into it at every call (a weight packed for
+    no shape: 153 ms of a 0.85 s SD 1.5 UNet call at 512^2; packing for the shape instead costs about 50 ms a layer
+    whenever the shape changes). So the convolution sums the codes as they are, over an input padded by hand with
+    the zero point's code (real zeros at the borders), and the zero point's share, ``zp x`` the weights' sums, comes
+    off through the bias: the same integer sums, one fp32 rounding apart.
+
     oneDNN writes NHWC; the output is made NCHW-contiguous again, since model code may ``view`` it.
     """
 
@@ -325,30 +332,22 @@ class Int8Conv2d(nn.Module):
         q, scale = quantize_weight(conv.weight, stored_as)
         self.register_buffer("weight_scale", scale)
         self.register_buffer("bias", None if conv.bias is None else conv.bias.detach().float().contiguous())
-        self.packed_weight = self._prepack(q, None, 0)
+        # per output channel, what one unit of input code adds to the output: weight scale x the weights' sum
+        self.register_buffer("code_weight", scale * q.sum(dim=(1, 2, 3), dtype=torch.int32).float())
+        self.packed_weight = torch.ops.onednn.qconv_prepack(q, scale, 1.0, 0, self.stride, [0, 0], self.dilation, 1,
+                                                            None)
         self.packed_nbytes = q.numel()
-
-    def _prepack(self, q: torch.Tensor, x_shape, zero_point: int) -> torch.Tensor:
-        self._packed_for = None if x_shape is None else (tuple(x_shape), zero_point != 0)
-        return torch.ops.onednn.qconv_prepack(q, self.weight_scale, 1.0, zero_point, self.stride, self.padding,
-                                              self.dilation, 1, None if x_shape is None else list(x_shape))
-
-    def _weight_for(self, x_shape, zero_point: int) -> torch.Tensor:
-        """The packed weight in the layout oneDNN's convolution takes for inputs of this shape and this kind of zero
-        point (0 or not), repacked when they change. oneDNN picks its blocking by the problem's size, and with a
-        nonzero input zero point wants the weights' sums stored beside them; a weight packed for another shape or
-        kind was reordered into the wanted one at every call (153 ms of a 0.85 s SD 1.5 step at 512^2). The plain
-        int8 weight comes back out of the packed one (``to_dense``: the same values), so nothing else is kept."""
-        if self._packed_for != (tuple(x_shape), zero_point != 0):
-            self.packed_weight = self._prepack(self.packed_weight.to_dense(), x_shape, zero_point)
-        return self.packed_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, scale, zero_point = quantize_activation(x, self.activation_bits)
-        out = torch.ops.onednn.qconv_pointwise(q, scale, zero_point, self._weight_for(q.shape, zero_point),
-                                               self.weight_scale,
-                                               _ZERO_POINT, self.bias, self.stride, self.padding, self.dilation, 1,
-                                               1.0, 0, _out_dtype(x), "none", [], "")
+        if any(self.padding):
+            ph, pw = self.padding
+            q = F.pad(q, (pw, pw, ph, ph), value=zero_point)                # keeps a channels-last layout
+        bias = self.code_weight * (-scale * zero_point) if self.bias is None else \
+            torch.add(self.bias, self.code_weight, alpha=-scale * zero_point)
+        out = torch.ops.onednn.qconv_pointwise(q, scale, 0, self.packed_weight, self.weight_scale, _ZERO_POINT,
+                                               bias, self.stride, [0, 0], self.dilation, 1, 1.0, 0,
+                                               _out_dtype(x), "none", [], "")
         # oneDNN writes NHWC: kept for a channels-last input (the bf16 path), made NCHW again for a plain one
         return out.contiguous() if x.is_contiguous() else out
 
