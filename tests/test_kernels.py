@@ -65,7 +65,8 @@ def test_cpu_problem_names_what_is_missing():
     assert kattn.cpu_problem(full) is None
     # the AMX attention needs the tiles too; without them the AVX512-BF16 kernel runs
     assert "amx_tile" in build.cpu_problem(kattn.AMX_REQUIRED, "AMX-BF16", full)
-    tiles = this_cpu().__class__(model="x", arch="x86_64", cores=2, flags=flags | {"avx512_bf16", "amx_tile", "amx_bf16"})
+    tiles = this_cpu().__class__(model="x", arch="x86_64", cores=2,
+                                 flags=flags | {"avx512_bf16", "amx_tile", "amx_bf16"})
     assert build.cpu_problem(kattn.AMX_REQUIRED, "AMX-BF16", tiles) is None
     arm = this_cpu().__class__(model="x", arch="aarch64", cores=2, flags=frozenset({"asimd"}))
     assert "x86" in kattn.cpu_problem(arm)

@@ -154,7 +154,8 @@ void pack(const Problem& a, const Shape& z, Buffers& buf, int b, int h) {
         }
         if (a.D & 1)  // an odd head dim's last value, without reading past the row
             for (int n = n0; n < std::min(a.M, n0 + 16); ++n)
-                kt[((a.D - 1) / 32) * 512 + (((a.D - 1) % 32) / 2) * 32 + (n % 16) * 2] = kr[(n - n0) * a.ks[2] + a.D - 1];
+                kt[((a.D - 1) / 32) * 512 + (((a.D - 1) % 32) / 2) * 32 + (n % 16) * 2] =
+                    kr[(n - n0) * a.ks[2] + a.D - 1];
     }
     const __m512i mix = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004, 0x00250005,
                                           0x00260006, 0x00270007, 0x00280008, 0x00290009, 0x002A000A, 0x002B000B,
@@ -261,7 +262,8 @@ int run(const Problem& a, int64_t begin, int64_t end) {
                     const __m512 al = _mm512_set1_ps(exp2f(mrow[r] - mnew));
                     lsum[r] = _mm512_mul_ps(lsum[r], al);
                     float* orow = buf.o + (size_t)r * DV;
-                    for (int d = 0; d < DV; d += 16) _mm512_store_ps(orow + d, _mm512_mul_ps(al, _mm512_load_ps(orow + d)));
+                    for (int d = 0; d < DV; d += 16)
+                        _mm512_store_ps(orow + d, _mm512_mul_ps(al, _mm512_load_ps(orow + d)));
                 }
                 mrow[r] = mnew;
                 lsum[r] = _mm512_add_ps(lsum[r], probabilities(s, buf.p + (size_t)r * KB, cols, cols32, c, mnew));

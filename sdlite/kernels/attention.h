@@ -44,7 +44,8 @@ inline void write_rows(const AttentionProblem& a, int b, int h, int r0, int rows
         const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(lsum[r]));
         uint16_t* dst = base + (r0 + r) * a.os[2];
         for (int d = 0; d < a.D; d += 16) {
-            const __m256i y = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(o + (size_t)r * ostride + d), inv));
+            const __m512 x = _mm512_mul_ps(_mm512_load_ps(o + (size_t)r * ostride + d), inv);
+            const __m256i y = (__m256i)_mm512_cvtneps_pbh(x);
             _mm256_mask_storeu_epi16(dst + d, lanes(a.D - d), y);
         }
     }

@@ -3,9 +3,10 @@ own operations as the fallback.
 
 :func:`attend` is what :class:`sdlite.models.layers.Attention` calls for bf16 tensors on a CPU; it returns None
 (the caller runs ``F.scaled_dot_product_attention``) wherever the kernel does not apply: another dtype or device,
-a head dim over 512, problems too small to gain (under :data:`MIN_WORK`), strides it does not take, kernels turned off, a CPU without
-AVX512-BF16 (or ``ONEDNN_MAX_CPU_ISA`` capping below it), or no compiler to build it. On CPUs with AMX tiles the same attention runs with both
-products on the tiles (``amx_bf16.cpp``, its own library; the same roundings). Outputs agree with PyTorch's
+a head dim over 512, problems too small to gain (under :data:`MIN_WORK`), strides it does not take, kernels turned
+off, a CPU without AVX512-BF16 (or ``ONEDNN_MAX_CPU_ISA`` capping below it), or no compiler to build it. On CPUs with
+AMX tiles the same attention runs with both products on the tiles (``amx_bf16.cpp``, its own library; the same
+roundings). Outputs agree with PyTorch's
 flash kernel to bf16 rounding (both sum bf16 products in fp32 and round the probabilities to bf16):
 ``tests/test_kernels.py``.
 
@@ -246,7 +247,8 @@ _LAST = False   # the choice last made in this process: what a torch.compile tra
 
 def _choice_key() -> tuple[int, str, bool]:
     """What the choice depends on within one process (called on every bf16 attention layer, so kept cheap): the
-    thread count, the override and which kernel (use_amx); the CPU and torch are this process's (the cached measurement's key names them)."""
+    thread count, the override and which kernel (:data:`use_amx`); the CPU and torch are this process's (the cached
+    measurement's key names them)."""
     return torch.get_num_threads(), os.environ.get(CHOICE_ENV, ""), use_amx
 
 
