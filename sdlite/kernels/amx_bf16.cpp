@@ -62,8 +62,11 @@ void configure_tiles() {
     _tile_loadconfig(&cfg);
 }
 
-// Linux hands a process the tile state only when asked (once per process; asking again is harmless)
-bool tiles_permitted() { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
+// Linux hands a process the tile state only when asked; asked once per process (the answer holds for all its threads)
+bool tiles_permitted() {
+    static const bool granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return granted;
+}
 
 // the largest of a row's first cols scores
 inline float row_max(const float* s, int cols) {

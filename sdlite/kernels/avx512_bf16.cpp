@@ -56,6 +56,7 @@ inline __m512 exp2_nonpositive(__m512 x) {
 
 using Problem = sdl::AttentionProblem;
 using sdl::exp2_softmax;
+using sdl::lanes;
 
 struct Buffers {
     uint32_t *kp = nullptr, *vp = nullptr, *qb = nullptr;
@@ -145,7 +146,7 @@ int run(const Problem& a, int64_t begin, int64_t end) {
         for (int kb = 0; kb < nkb; ++kb) {
             const int cols = std::min(KB, a.M - kb * KB);
             const int cfull = cols & ~15;
-            const __mmask16 tail = (__mmask16)((1u << (cols - cfull)) - 1);
+            const __mmask16 tail = lanes(cols - cfull);
             const uint32_t* kblk = buf.kp + (size_t)kb * P * KB;
             for (int r = 0; r < rows4; ++r) rowmax[r] = _mm512_set1_ps(-INFINITY);
             // S = Q K^T (columns past the last key are not computed: a short last block, 77 context tokens)
@@ -174,7 +175,7 @@ int run(const Problem& a, int64_t begin, int64_t end) {
                     __mmask16 valid[4];
                     for (int j = 0; j < 4; ++j) {
                         const int left = cols - cc - 16 * j;
-                        valid[j] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+                        valid[j] = lanes(left);
                     }
                     for (int i = 0; i < 4; ++i) {
                         __m512 m = rowmax[r + i];
@@ -300,7 +301,7 @@ inline void merge_ranges(const float* parts, int n, float* out) {
 void geglu_rows(uint16_t* v, const uint16_t* g, const uint16_t* bv, const uint16_t* bg, int64_t r0, int64_t r1,
                 int64_t cols, int64_t ldv, int64_t ldg, float* range) {
     const int64_t full = cols & ~15;
-    const __mmask16 tail = (__mmask16)((1u << (cols - full)) - 1);
+    const __mmask16 tail = lanes((int)(cols - full));
     Range seen;
     for (int64_t r = r0; r < r1; ++r) {
         uint16_t* vr = v + r * ldv;
@@ -358,7 +359,7 @@ void minmax_range(const uint16_t* x, int64_t i0, int64_t i1, float* out) {
     int64_t i = i0;
     for (; i + 16 <= i1; i += 16) seen.add(_mm256_loadu_si256((const __m256i*)(x + i)), 0xFFFF);
     if (i < i1) {
-        const __mmask16 m = (__mmask16)((1u << (i1 - i)) - 1);
+        const __mmask16 m = lanes((int)(i1 - i));
         seen.add(_mm256_maskz_loadu_epi16(m, x + i), m);
     }
     seen.store(out);
@@ -374,7 +375,7 @@ void quantize_range(const uint16_t* x, uint8_t* q, int64_t i0, int64_t i1, float
         _mm_storeu_si128((__m128i*)(q + i), _mm512_cvtusepi32_epi8(_mm512_cvttps_epu32(v)));
     }
     if (i < i1) {
-        const __mmask16 m = (__mmask16)((1u << (i1 - i)) - 1);
+        const __mmask16 m = lanes((int)(i1 - i));
         __m512 v = _mm512_add_ps(_mm512_mul_ps(widen(_mm256_maskz_loadu_epi16(m, x + i)), vi), va);
         v = _mm512_min_ps(_mm512_max_ps(v, z), vt);
         _mm_mask_storeu_epi8(q + i, m, _mm512_cvtusepi32_epi8(_mm512_cvttps_epu32(v)));

@@ -73,20 +73,12 @@ def cpu_problem(cpu=None) -> str | None:
 @functools.cache
 def _function():
     """The kernel's entry point, or the reason there is none (a string), once per process."""
-    if build.disabled():
-        return "turned off by SDLITE_KERNELS"
-    problem = cpu_problem()
-    if problem:
-        return problem
-    try:
-        lib = build.load(NAME, ISA_FLAGS)
-    except build.KernelUnavailable as e:
-        build.notice(f"bf16 attention and GEGLU run on PyTorch's kernels: {e}")
-        return str(e)
+    lib = build.library(NAME, ISA_FLAGS, cpu_problem(), "bf16 attention and GEGLU run on PyTorch's kernels")
+    if isinstance(lib, str):
+        return lib
     fn = lib.sdl_attention_bf16
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5 + [ctypes.POINTER(ctypes.c_int64)] * 4 + \
-        [ctypes.c_float, ctypes.c_int]
+    fn.argtypes = build.ATTENTION_ARGTYPES
     epilogue = lib.sdl_geglu_bf16
     epilogue.restype = ctypes.c_int
     epilogue.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int]
@@ -108,19 +100,15 @@ def _amx_attention():
     base = _function()
     if isinstance(base, str):
         return base
-    problem = build.cpu_problem(AMX_REQUIRED, "AMX-BF16")
-    if problem:
-        return problem
-    try:
-        lib = build.load(AMX_NAME, AMX_ISA_FLAGS)
-    except build.KernelUnavailable as e:
-        build.notice(f"bf16 attention runs without AMX tiles: {e}")
-        return str(e)
+    lib = build.library(AMX_NAME, AMX_ISA_FLAGS, build.cpu_problem(AMX_REQUIRED, "AMX-BF16"),
+                        "bf16 attention runs without AMX tiles")
+    if isinstance(lib, str):
+        return lib
     if not lib.sdl_amx_permitted():
         return "Linux did not grant this process the AMX tile state"
     fn = lib.sdl_attention_amx
     fn.restype = ctypes.c_int
-    fn.argtypes = base.argtypes
+    fn.argtypes = build.ATTENTION_ARGTYPES
     return fn
 
 

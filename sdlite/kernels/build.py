@@ -131,6 +131,28 @@ def build(name: str, isa_flags: tuple[str, ...]) -> Path:
     return target
 
 
+# the argument types every attention kernel's entry point takes: q, k, v, out; B, H, N, M, D; the strides of q, k, v,
+# out; scale, threads
+ATTENTION_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5 + [ctypes.POINTER(ctypes.c_int64)] * 4 + \
+    [ctypes.c_float, ctypes.c_int]
+
+
+def library(name: str, isa_flags: tuple[str, ...], problem: str | None, fallback: str) -> ctypes.CDLL | str:
+    """The loaded library of kernel ``name``, or why there is none (a string): turned off by ``SDLITE_KERNELS``, the
+    CPU's ``problem`` with it (from :func:`cpu_problem`; None: none), or a build or load that failed, in
+    which case one line on stderr says so and what runs instead (``fallback``, e.g. "bf16 attention runs on PyTorch's
+    kernels")."""
+    if disabled():
+        return "turned off by SDLITE_KERNELS"
+    if problem:
+        return problem
+    try:
+        return load(name, isa_flags)
+    except KernelUnavailable as e:
+        notice(f"{fallback}: {e}")
+        return str(e)
+
+
 def load(name: str, isa_flags: tuple[str, ...]) -> ctypes.CDLL:
     """The loaded library of kernel ``name`` (built first if needed), once per process.
 

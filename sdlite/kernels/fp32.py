@@ -42,19 +42,11 @@ def cpu_problem(cpu=None) -> str | None:
 @functools.cache
 def _library():
     """The loaded library, or the reason there is none (a string), once per process."""
-    if build.disabled():
-        return "turned off by SDLITE_KERNELS"
-    problem = cpu_problem()
-    if problem:
-        return problem
-    try:
-        lib = build.load(NAME, ISA_FLAGS)
-    except build.KernelUnavailable as e:
-        build.notice(f"fp32-fast attention and GEGLU run on PyTorch's kernels: {e}")
-        return str(e)
+    lib = build.library(NAME, ISA_FLAGS, cpu_problem(), "fp32-fast attention and GEGLU run on PyTorch's kernels")
+    if isinstance(lib, str):
+        return lib
     lib.sdl_attention_f32.restype = ctypes.c_int
-    lib.sdl_attention_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5 + \
-        [ctypes.POINTER(ctypes.c_int64)] * 4 + [ctypes.c_float, ctypes.c_int]
+    lib.sdl_attention_f32.argtypes = build.ATTENTION_ARGTYPES
     lib.sdl_geglu_f32.restype = ctypes.c_int
     lib.sdl_geglu_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int]
     lib.sdl_wino43_input.restype = lib.sdl_wino43_output.restype = ctypes.c_int
