@@ -31,7 +31,9 @@ Configurations: engine x decoder (``sdlite TAESD`` ... ``sd.cpp VAE``), each in 
   gives text, sampling and decode; the log is read through its log callback).
 * cold (one image per process): the whole process's wall time as the parent sees it (interpreter start to exit),
   and the time to ready (sdlite ``Engine.load`` + the TAESD; OpenVINO load + reshape + compile, the TAESD's compile
-  included; sd.cpp its constructor).
+  included; sd.cpp its constructor). sdlite's cold process is its ``sdlite generate`` command (``sdlite.cli.run``
+  with the same options; times from the line it prints, to 10 ms; it also writes the PNG with its infotext), as a
+  user runs one image; OpenVINO's and sd.cpp's are their Python APIs (neither has a command of its own).
 sdlite runs in its default precision (auto), OpenVINO in its default (it picks bf16 on a CPU with native bf16), with
 static shapes at batch 1 (``reshape(1, size, size, 1)`` as bench/openvino.py does, then the UNet's batch halved back
 to 1: optimum-intel doubles it for guidance); sd.cpp with its default thread count set to the cores.
@@ -132,6 +134,38 @@ def child_sdlite(cfg: dict) -> dict:
         if i == len(cfg["plan"]) - 1:
             result.images[0].save(cfg["image"])
     return out
+
+
+# the timings `sdlite generate` prints on its last stderr line
+CLI_TIMINGS = re.compile(r"load ([\d.]+)s, text ([\d.]+)s, sampling ([\d.]+)s, decode ([\d.]+)s")
+
+
+def child_sdlite_cli(cfg: dict) -> dict:
+    """A cold sdlite image as a user makes one: the ``sdlite generate`` command itself (``sdlite.cli.run``, what the
+    console script and ``python -m sdlite`` run), in this fresh process; its times read from the line it prints
+    (load, text, sampling, decode; the one step is the sampling)."""
+    import contextlib
+    import io
+
+    from sdlite.cli import run
+
+    steps = cfg["plan"][0]
+    argv = ["generate", "--model", cfg["model"], "--steps", str(steps), "--cfg", "1", "--sampler", "euler_a",
+            "--timestep-spacing", "trailing", "--seed", str(SEED), "--width", str(cfg["size"]),
+            "--height", str(cfg["size"]), "--output", cfg["image"], _prompt(cfg, 0)]
+    if cfg["decoder"] == "TAESD":
+        argv[1:1] = ["--vae-decoder", cfg["taesd"]]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = run(argv)
+    found = CLI_TIMINGS.findall(err.getvalue())
+    if code != 0 or not found:
+        raise SystemExit(f"sdlite generate exited {code}: {err.getvalue()[-2000:]}")
+    load, text, sampling, decode = (float(v) for v in found[-1])
+    from sdlite.engine.precision import choose_precision
+
+    return {"cli": True, "ready_s": load, "precision": choose_precision("auto").label,
+            "images": [_image_record(steps, text + sampling + decode, text, sampling, decode, [sampling])]}
 
 
 def child_export_taesd(cfg: dict) -> dict:
@@ -306,8 +340,8 @@ def child_sdcpp(cfg: dict) -> dict:
 
 def child_main(arg: str) -> None:
     cfg = json.loads(arg)
-    run = {"sdlite": child_sdlite, "openvino": child_openvino, "sdcpp": child_sdcpp,
-           "export_taesd": child_export_taesd}[cfg["engine"]]
+    run = {"sdlite": child_sdlite_cli if cfg.get("cold") else child_sdlite, "openvino": child_openvino,
+           "sdcpp": child_sdcpp, "export_taesd": child_export_taesd}[cfg["engine"]]
     out = run(cfg)
     out["peak_rss_mb"] = ov_bench()._peak_rss_mb()
     print("RESULT " + json.dumps(out), flush=True)
@@ -355,7 +389,7 @@ def run_one(args, label: str, mode: str, plan: list[int], folder: Path, single: 
            "image": str(image), "model": str(ovb.IR_DIR if key == "openvino" else folder),
            "taesd": str(TAESD_DIR), "taesd_ir": str(TAESD_OV_DIR / TAESD_OV_FILE),
            "single": str(single), "taesd_file": str(TAESD_DIR / TAESD_FILE), "threads": args.threads,
-           "per_image": True}
+           "per_image": True, "cold": mode == "cold"}
     python = {"sdlite": sys.executable, "openvino": args.ov_python, "sdcpp": args.sdcpp_python}[key]
     warm = {"sdlite": folder, "openvino": ovb.IR_DIR, "sdcpp": single}[key]
     if decoder == "TAESD":
@@ -529,7 +563,8 @@ def section(raw: dict) -> list[str]:
         "precision (auto), OpenVINO in its default with static shapes at batch 1, sd.cpp in the file's fp16. "
         f"**Warm**: one process per engine and decoder loads once, makes one untimed image, then "
         f"{s['warm_images'] - 1} timed image{'s' if s['warm_images'] > 2 else ''} of each step count (medians). **Cold**: one fresh process per image; "
-        "the whole process's wall time, interpreter start to exit. Processes alternate between the engines; "
+        "the whole process's wall time, interpreter start to exit (sdlite's: its `sdlite generate` command; "
+        "OpenVINO's and sd.cpp's: their Python APIs). Processes alternate between the engines; "
         f"{s['rounds']} round{'s' if s['rounds'] != 1 else ''}, medians over them. Details: `bench/fewstep.py`.", "",
         f"Machine: {cpu['model']}, {cpu['cores']} cores, {cpu['memory_gib']} GiB RAM, {cpu['system']}, {versions}; "
         f"ISA flags: {flags}.", ""]

@@ -179,6 +179,40 @@ def test_under_torch_compile_the_kernel_is_one_operator():
     assert explained.graph_break_count == 0 and "geglu_bf16" in str(explained.graphs[0].graph)
 
 
+def test_eager_calls_skip_the_operator_and_torch_dynamo():
+    """Outside torch.compile and the profiler a kernel is called directly: a custom operator's first call imports
+    torch._dynamo (0.9 s that every cold process paid in its first image). Under the profiler the operator runs, so
+    that it is named."""
+    got = _run("""
+        import sys, torch
+        from sdlite.kernels import bf16 as kattn, build
+
+        @build.operator("test_twice")
+        def twice(x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        @twice.register_fake
+        def _(x):
+            return torch.empty_like(x)
+
+        x = torch.arange(4.0)
+        q = torch.randn(1, 2, 256, 40).bfloat16()
+        print("TWICE", twice(x).tolist())
+        print("USED", kattn.attend(q, q, q) is not None)
+        print("DYNAMO", "torch._dynamo" in sys.modules)
+        with torch.profiler.profile() as p:
+            twice(x)
+            kattn.attend(q, q, q)
+        print("PROFILED", sorted({e.name for e in p.events() if e.name.startswith("sdlite::")}))
+    """, {})
+    assert got.returncode == 0, got.stderr
+    lines = dict(line.split(" ", 1) for line in got.stdout.splitlines() if " " in line)
+    assert lines["TWICE"] == "[0.0, 2.0, 4.0, 6.0]" and lines["DYNAMO"] == "False", got.stdout
+    used = lines["USED"] == "True"
+    assert used == (RUNS_HERE and kattn.attention_pays()), got.stdout
+    assert lines["PROFILED"] == str(sorted(["sdlite::test_twice"] + ["sdlite::attention_bf16"] * used)), got.stdout
+
+
 def _run(code: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           env={**os.environ, **env}, timeout=600)

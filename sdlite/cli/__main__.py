@@ -1,6 +1,6 @@
 """``python -m sdlite.cli``: the same as ``sdlite`` (and ``python -m sdlite``)."""
 import sys
 
-from . import main
+from . import run
 
-sys.exit(main())
+sys.exit(run())

@@ -182,9 +182,9 @@ def cmd_generate(args) -> int:
     print(f"seed {used.seed}" + (f" (images use {used.seed}..{used.seed + used.batch_size - 1})"
                                   if used.batch_size > 1 else "")
           + f", {used.width}x{used.height}, {used.steps} steps, {used.sampler} ({used.schedule}), "
-            f"cfg {used.cfg_scale:g}{mode}; load {load_s:.1f}s, text {t['text']:.1f}s, "
-            f"sampling {t['sampling']:.1f}s, decode {t['decode']:.1f}s"
-          + (f", upscale {t['upscale']:.1f}s" if "upscale" in t else "")
+            f"cfg {used.cfg_scale:g}{mode}; load {load_s:.2f}s, text {t['text']:.2f}s, "
+            f"sampling {t['sampling']:.2f}s, decode {t['decode']:.2f}s"
+          + (f", upscale {t['upscale']:.2f}s" if "upscale" in t else "")
           + (f"; upscaled to {result.images[0].width}x{result.images[0].height} by "
              f"{extra_info['Postprocess upscaler']}" if "Postprocess upscaler" in extra_info else ""),
           file=sys.stderr)

@@ -83,6 +83,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.build import operator
+
 _G = torch.tensor([[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]], dtype=torch.float64)
 _AT = torch.tensor([[1, 1, 1, 0], [0, 1, -1, -1]], dtype=torch.float64)
 # the 2-D transforms as matrices over a tile's values in row-major order: U = G16 @ g (9 -> 16), Y = A16 @ M
@@ -232,7 +234,7 @@ def fast_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)) and fp32.available())
 
 
-@torch.library.custom_op("sdlite::winograd43_f32", mutates_args=(), device_types="cpu")
+@operator("winograd43_f32")
 def winograd43_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ph: int, pw: int) -> torch.Tensor:
     """``F.conv2d(x, weight, bias, padding=(ph, pw))`` for a 3x3 fp32 ``weight``, stride 1, by F(4x4, 3x3) with
     sdlite's AVX2 transforms (the ``fp32-fast`` precision; :func:`fast_applies` says where). Not PyTorch's bits: the
@@ -298,7 +300,7 @@ class WinogradConv2d(nn.Conv2d):
         """``padding`` overrides the layer's own (tiled decoding pads by hand and passes 0)."""
         pad = tuple(self.padding if padding is None else padding)
         if self.fp32_kernels and fast_applies(x, self.weight):
-            return torch.ops.sdlite.winograd43_f32(x, self.weight, self.bias, pad[0], pad[1])
+            return winograd43_conv2d(x, self.weight, self.bias, pad[0], pad[1])
         if (x.device.type != "cpu" or x.dtype != torch.float32 or self.weight.dtype != torch.float32
                 or min(x.shape[-2:]) < MIN_SIDE):
             return F.conv2d(x, self.weight, self.bias, 1, pad)

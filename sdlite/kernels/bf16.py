@@ -165,7 +165,7 @@ def _strides(t: torch.Tensor):
     return (ctypes.c_int64 * 3)(t.stride(0), t.stride(1), t.stride(2))
 
 
-@torch.library.custom_op("sdlite::attention_bf16", mutates_args=(), device_types="cpu")
+@build.operator("attention_bf16")
 def attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The kernel as a PyTorch operator (so that torch.compile keeps it whole): q (B, h, N, D), k and v
     (B, h, M, D), bf16, contiguous along D -> (B, N, h*D)."""
@@ -203,7 +203,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | 
         return None
     if not _usable():
         return None
-    return torch.ops.sdlite.attention_bf16(q, k, v)
+    return attention_bf16(q, k, v)
 
 
 def prepare() -> bool:
@@ -284,7 +284,7 @@ def measure_attention(repeats: int = 5) -> tuple[float, float]:
     b, h, n, d = CHOICE_SHAPE
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, n, h, d, generator=g).bfloat16().transpose(1, 2) for _ in range(3))
-    calls = (lambda: torch.ops.sdlite.attention_bf16(q, k, v),
+    calls = (lambda: attention_bf16(q, k, v),
              lambda: F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, h * d))
     times: tuple[list, list] = ([], [])
     with torch.no_grad():
@@ -298,7 +298,7 @@ def measure_attention(repeats: int = 5) -> tuple[float, float]:
     return tuple(1000.0 * sorted(t)[len(t) // 2] for t in times)
 
 
-@torch.library.custom_op("sdlite::geglu_bf16", mutates_args=(), device_types="cpu")
+@build.operator("geglu_bf16")
 def geglu_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``value * gelu(gate)`` of ``F.linear(x, weight, bias).chunk(2, -1)`` for 2-d bf16 ``x`` (tokens, in):
     (tokens, out / 2)."""
@@ -356,7 +356,7 @@ def geglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
     if not _usable():
         return None
     lead = x.shape[:-1]
-    out = torch.ops.sdlite.geglu_bf16(x.reshape(-1, x.shape[-1]), weight, bias)
+    out = geglu_bf16(x.reshape(-1, x.shape[-1]), weight, bias)
     return out.view(*lead, weight.shape[0] // 2)
 
 

@@ -8,6 +8,7 @@ half a file.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -15,6 +16,8 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+
+import torch
 
 from ..errors import notice_once
 
@@ -171,3 +174,25 @@ def load(name: str, isa_flags: tuple[str, ...]) -> ctypes.CDLL:
     if isinstance(got, str):
         raise KernelUnavailable(got)
     return got
+
+
+def operator(name: str):
+    """Decorator: ``fn`` registered as the PyTorch operator ``sdlite::<name>`` (CPU, mutating nothing), and returned
+    as a function that calls ``fn`` itself unless a torch.compile trace or the profiler is watching.
+
+    torch.compile needs the operator (it keeps the call whole), and the profiler names it. Eager calls skip it: an
+    operator's first call imports ``torch._dynamo`` (its kernel runs under ``torch._dynamo.disable``), 0.9 s on a
+    2-core machine that every cold process paid in its first image, and each call goes through the dispatcher's
+    autograd and redispatch layers. The returned function carries the operator's ``register_fake``."""
+    def wrap(fn):
+        op = torch.library.custom_op(f"sdlite::{name}", mutates_args=(), device_types="cpu")(fn)
+
+        @functools.wraps(fn)
+        def call(*args):
+            if torch.compiler.is_compiling() or torch.autograd.profiler._is_profiler_enabled:
+                return getattr(torch.ops.sdlite, name)(*args)
+            return fn(*args)
+
+        call.register_fake = op.register_fake
+        return call
+    return wrap

@@ -74,7 +74,7 @@ def _lib():
     return got
 
 
-@torch.library.custom_op("sdlite::attention_f32", mutates_args=(), device_types="cpu")
+@build.operator("attention_f32")
 def attention_f32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The kernel as a PyTorch operator (torch.compile keeps it whole): q (B, h, N, D), k and v (B, h, M, D), fp32,
     contiguous along D -> (B, N, h*D)."""
@@ -111,7 +111,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | 
             or k.shape != (b, h, m, d) or v.shape != k.shape \
             or q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1 or not _applies(q, k, v):
         return None
-    return torch.ops.sdlite.attention_f32(q, k, v)
+    return attention_f32(q, k, v)
 
 
 _workspace = threading.local()
@@ -132,7 +132,7 @@ def release_workspace() -> None:
     _workspace.gate = None
 
 
-@torch.library.custom_op("sdlite::geglu_f32", mutates_args=(), device_types="cpu")
+@build.operator("geglu_f32")
 def geglu_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``value * gelu(gate)`` of ``F.linear(x, weight, bias).chunk(2, -1)`` for 2-d fp32 ``x`` (tokens, in):
     the two halves' products without bias, then one in-place pass -> (tokens, out / 2)."""
@@ -161,7 +161,7 @@ def geglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
             or not _applies(x, weight, *(() if bias is None else (bias,))):
         return None
     lead = x.shape[:-1]
-    out = torch.ops.sdlite.geglu_f32(x.reshape(-1, x.shape[-1]), weight, bias)
+    out = geglu_f32(x.reshape(-1, x.shape[-1]), weight, bias)
     return out.view(*lead, weight.shape[0] // 2)
 
 
