@@ -62,13 +62,13 @@ def test_auto_per_cpu(flags, cap, expected):
 def test_what_each_precision_computes_in():
     bf16 = resolve("bf16", "cpu", cpu(ZEN4))
     assert (bf16.dtype, bf16.vae_dtype, bf16.text_dtype, bf16.channels_last) == \
-        (torch.bfloat16, torch.bfloat16, torch.float32, True)
+        (torch.bfloat16, torch.bfloat16, torch.bfloat16, True)
     exact = resolve("exact", "cpu", cpu(ZEN4))
     assert (exact.dtype, exact.vae_dtype, exact.text_dtype, exact.quantize) == (torch.float32,) * 3 + ("none",)
     assert resolve("int8", "cpu", cpu(AVX2)).quantize == "int8"
     mixed = resolve("bf16-int8", "cpu", cpu(ZEN4))
     assert (mixed.dtype, mixed.vae_dtype, mixed.text_dtype, mixed.channels_last, mixed.quantize) == \
-        (torch.bfloat16, torch.bfloat16, torch.float32, True, "bf16-int8")
+        (torch.bfloat16, torch.bfloat16, torch.bfloat16, True, "bf16-int8")
     assert resolve("auto", "cuda").name == "fp16" and resolve("auto", "mps").dtype == torch.float16
 
 
@@ -216,7 +216,7 @@ def test_bf16_engine_computes_in_bf16_channels_last(demo_engines):
     unet, vae = engine.models.get("unet"), engine.models.get("vae")
     assert unet.dtype == vae.dtype == torch.bfloat16
     assert unet.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
-    assert engine.models.get("text_encoder").dtype == torch.float32
+    assert engine.models.get("text_encoder").dtype == torch.bfloat16   # the text encoders too
 
 
 def test_png_parameters_record_the_precision(tmp_path):
