@@ -110,14 +110,16 @@ def test_int8_layers_use_onednn_quantized_kernels():
     for name in ("conv_in", "conv_out", "time_embedding.linear_1", "time_embedding.linear_2"):
         layer = unet.get_submodule(name)
         assert type(layer) in (nn.Conv2d, nn.Linear) and layer.weight.dtype == torch.float32
-    for layer in unet.modules():
-        if isinstance(layer, (Int8Linear, Int8Conv2d)):
-            assert layer.packed_weight.is_mkldnn and layer.packed_weight.dtype == torch.int8
-            assert layer.weight_scale.dtype == torch.float32
     # the forward pass runs oneDNN's u8 x s8 kernels, and only the two fp32 convolutions run as float ones
     x, t, ctx = unet_inputs(TINY_UNET_SD1)
     with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         unet(x, t, ctx)
+    for layer in unet.modules():
+        if isinstance(layer, (Int8Linear, Int8Conv2d)):
+            # a 1x1 convolution's weight is packed for each input shape it meets (here one)
+            packed = list(layer.packs.values()) if getattr(layer, "per_shape", False) else [layer.packed_weight]
+            assert len(packed) == 1 and packed[0].is_mkldnn and packed[0].dtype == torch.int8
+            assert layer.weight_scale.dtype == torch.float32
     calls = {}
     for e in prof.events():
         calls[e.name] = calls.get(e.name, 0) + 1
@@ -377,6 +379,33 @@ def test_int8_convolution_takes_the_zero_point_through_the_bias(dtype):
             for edge in ((..., 0, slice(None)), (..., -1, slice(None)), (..., slice(None), 0), (..., slice(None), -1)):
                 assert rel(got[edge], ref[edge]) < bound, (conv, shape, edge)          # the padded borders
             assert got.is_contiguous(memory_format=torch.channels_last) == (dtype is torch.bfloat16)
+
+
+def test_int8_1x1_convolution_packs_its_weight_per_input_shape(capfd):
+    """A 1x1 weight packed for no input shape is reordered by oneDNN at every call (a slow generic reorder: 32 ms of
+    a 0.46 ms convolution at SD 1.5's 1280 channels); the layer packs it for each input shape it meets and keeps the
+    last PER_SHAPE_PACKS. A shape met before runs with no reorder at all (with VNNI), and every result is exact
+    integer arithmetic's."""
+    torch.manual_seed(4)
+    conv = nn.Conv2d(64, 32, 1)
+    nn.init.normal_(conv.weight)
+    layer = Int8Conv2d(conv, BITS)
+    layer.int_weight = quantize_weight(conv.weight)
+    g = torch.Generator().manual_seed(6)
+    shapes = [(1, 64, 16, 16), (2, 64, 16, 16), (1, 64, 9, 21), (1, 64, 8, 8), (3, 64, 5, 5), (1, 64, 16, 16)]
+    for i, shape in enumerate(shapes):
+        x = torch.randn(*shape, generator=g).bfloat16().contiguous(memory_format=torch.channels_last)
+        with torch.no_grad():
+            layer(x)                                          # the first call at this shape (packs, if new)
+            with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+                got = layer(x)
+        calls = [line for line in capfd.readouterr().out.splitlines() if ",exec," in line]
+        reorders = [line for line in calls if ",reorder," in line]
+        # (without VNNI oneDNN's int8 convolution takes plain weights: a fast reorder of any packed one, every call)
+        assert calls and (not reorders if this_cpu().vnni else len(reorders) <= 1), (shape, calls)
+        assert rel(got, emulate(layer, x.float())) < 4e-3, shape
+        assert len(layer.packs) == min(i + 1, quantmod.PER_SHAPE_PACKS) and next(reversed(layer.packs)) == shape
+    assert (1, 64, 16, 16) not in list(layer.packs)[:-1]   # met again: packed again, as the most recent
 
 
 def test_8bit_saturates_exactly_where_the_cpu_says_there_is_no_vnni():

@@ -126,6 +126,8 @@ KEEP_FP32 = ("conv_in", "conv_out", "time_embedding", "add_embedding")
 MIN_CHANNELS = 16
 # int8 activation ranges: 0..255, or 0..127 where u8 x s8 pairs are summed in a saturating int16 (no VNNI)
 ACTIVATION_BITS = (8, 7)
+# input shapes an int8 1x1 convolution keeps a weight packed for (Int8Conv2d._packed_for)
+PER_SHAPE_PACKS = 4
 # The weights are symmetric, so their zero point is 0; oneDNN takes it as a tensor.
 _ZERO_POINT = torch.zeros((), dtype=torch.int64)
 
@@ -334,9 +336,33 @@ class Int8Conv2d(nn.Module):
         self.register_buffer("bias", None if conv.bias is None else conv.bias.detach().float().contiguous())
         # per output channel, what one unit of input code adds to the output: weight scale x the weights' sum
         self.register_buffer("code_weight", scale * q.sum(dim=(1, 2, 3), dtype=torch.int32).float())
-        self.packed_weight = torch.ops.onednn.qconv_prepack(q, scale, 1.0, 0, self.stride, [0, 0], self.dilation, 1,
-                                                            None)
+        self.per_shape = self.kernel_size == (1, 1)
+        if self.per_shape:
+            self.codes = q                                  # packed at each new input shape (_packed_for)
+            self.packs: dict[tuple, torch.Tensor] = {}
+        else:
+            self.packed_weight = self._pack(None, q)
         self.packed_nbytes = q.numel()
+
+    def _pack(self, shape: list[int] | None, q: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.onednn.qconv_prepack(self.codes if q is None else q, self.weight_scale, 1.0, 0, self.stride,
+                                              [0, 0], self.dilation, 1, shape)
+
+    def _packed_for(self, q: torch.Tensor) -> torch.Tensor:
+        """The packed weight: for a 1x1 convolution, the one packed for this input shape. A 1x1 weight packed for no
+        shape is reordered by oneDNN at every call in a slow generic reorder (SD 1.5's 1280x1280 at 16x16: 32 ms a
+        call against 0.46 ms), and one packed for a shape is reordered for other shapes; packing one takes 1-3 ms.
+        The last :data:`PER_SHAPE_PACKS` shapes' packs are kept."""
+        if not self.per_shape:
+            return self.packed_weight
+        key = tuple(q.shape)
+        packed = self.packs.pop(key, None)
+        if packed is None:
+            packed = self._pack(list(key))
+            while len(self.packs) >= PER_SHAPE_PACKS:
+                self.packs.pop(next(iter(self.packs)))
+        self.packs[key] = packed                                            # most recent last
+        return packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, scale, zero_point = quantize_activation(x, self.activation_bits)
@@ -345,7 +371,7 @@ class Int8Conv2d(nn.Module):
             q = F.pad(q, (pw, pw, ph, ph), value=zero_point)                # keeps a channels-last layout
         bias = self.code_weight * (-scale * zero_point) if self.bias is None else \
             torch.add(self.bias, self.code_weight, alpha=-scale * zero_point)
-        out = torch.ops.onednn.qconv_pointwise(q, scale, 0, self.packed_weight, self.weight_scale, _ZERO_POINT,
+        out = torch.ops.onednn.qconv_pointwise(q, scale, 0, self._packed_for(q), self.weight_scale, _ZERO_POINT,
                                                bias, self.stride, [0, 0], self.dilation, 1, 1.0, 0,
                                                _out_dtype(x), "none", [], "")
         # oneDNN writes NHWC: kept for a channels-last input (the bf16 path), made NCHW again for a plain one
