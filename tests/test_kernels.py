@@ -35,10 +35,11 @@ def kernel(request, monkeypatch):
         assert "AVX512-BF16" in kattn._attention_kernel()[2]
     return request.param
 # (batch, heads, queries, keys, head dim): SD 1.x's three levels (head dims 40, 80, 160), self and cross
-# (77 keys), SD 2.x/SDXL's 64, the VAE's single 512-wide head, and odd sizes (tails of every block)
+# (77 keys), SD 2.x/SDXL's 64, the VAE's single 512-wide head, and odd sizes (tails of every block; a last query block
+# of 4 rows past the 8-row tiles; head dims whose last 16 columns hold at most 8, which two rows share, and more)
 SHAPES = [(2, 8, 1024, 1024, 40), (2, 8, 1024, 77, 40), (2, 8, 256, 256, 80), (2, 8, 256, 77, 160),
           (2, 10, 256, 256, 64), (1, 1, 256, 256, 512), (2, 9, 277, 277, 13), (1, 5, 1000, 333, 40),
-          (2, 2, 503, 1029, 33)]
+          (2, 2, 503, 1029, 33), (1, 8, 99, 1030, 40), (1, 8, 67, 1000, 8)]
 
 
 def _qkv(b, h, n, m, d, seed=0):

@@ -22,7 +22,8 @@
 // At SD 1.5's (2, 8, 4096, 4096, 40) this runs in 63 ms where it took 77 ms with 128-key blocks, a separate maximum
 // pass, a degree-5 exp2 and a sum per block (a 2-core Zen 4). On a 2-core AMD EPYC with full-width AVX-512: 61-62 ms
 // against 70-77 ms before the PV product's 8-row tiles (24 accumulators in flight instead of 12), the packing of K by
-// whole pairs along the block and of V by two-row interleaves, and alpha = 1 without an exp2 where the maximum stays.
+// whole pairs along the block and of V by two-row interleaves, and alpha = 1 without an exp2 where the maximum stays;
+// 59.5 ms with head dim 40's last 8 columns two rows to a vector (pv_tile_half).
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -99,13 +100,70 @@ inline void pv_tile(const Buffers& buf, const uint32_t* vblk, const float* alpha
         for (int d = 0; d < NC; ++d) _mm512_store_ps(buf.o + (size_t)(r + i) * DV + d0 + 16 * d, acc[i][d]);
 }
 
+// pv_tile for NF full 16-column vectors and a last one of at most 8 columns (SD 1.x's head dim 40 = 16 + 16 + 8):
+// those 8 columns of two rows share one accumulator (the V values broadcast to both halves, each half the row's
+// probability), so the padding's 8 columns cost no products: 20 vdpbf16ps per key pair for 8 rows instead of 24
+template <int R, int NF>
+inline void pv_tile_half(const Buffers& buf, const uint32_t* vblk, const float* alpha, int r, int d0, int DV,
+                         int pairs) {
+    static_assert(R % 2 == 0, "rows go in pairs");
+    __m512 acc[R][NF > 0 ? NF : 1];
+    __m512 two[R / 2];  // rows r + 2i (lanes 0-7) and r + 2i + 1 (lanes 8-15) of the last 8 columns
+    const int dt = d0 + 16 * NF;
+    for (int i = 0; i < R; ++i) {
+        const __m512 al = _mm512_set1_ps(alpha[r + i]);
+        for (int d = 0; d < NF; ++d)
+            acc[i][d] = _mm512_mul_ps(al, _mm512_load_ps(buf.o + (size_t)(r + i) * DV + d0 + 16 * d));
+    }
+    for (int i = 0; i < R / 2; ++i) {
+        const float* o = buf.o + (size_t)(r + 2 * i) * DV + dt;
+        const __m512 both = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_load_ps(o)), _mm256_load_ps(o + DV), 1);
+        const __m512 al = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(alpha[r + 2 * i]),
+                                               _mm512_set1_ps(alpha[r + 2 * i + 1]));
+        two[i] = _mm512_mul_ps(al, both);
+    }
+    const int* prow = (const int*)(buf.p + (size_t)r * KB);
+    for (int j = 0; j < pairs; ++j) {
+        __m512bh vv[NF > 0 ? NF : 1];
+        for (int d = 0; d < NF; ++d) vv[d] = (__m512bh)_mm512_load_si512(vblk + (size_t)j * DV + d0 + 16 * d);
+        const __m512bh vt = (__m512bh)_mm512_broadcast_i64x4(_mm256_load_si256((const __m256i*)(vblk + (size_t)j * DV + dt)));
+        for (int i = 0; i < R; i += 2) {
+            const __m512i p0 = _mm512_set1_epi32(prow[i * (KB / 2) + j]);
+            const __m512i p1 = _mm512_set1_epi32(prow[(i + 1) * (KB / 2) + j]);
+            for (int d = 0; d < NF; ++d) {
+                acc[i][d] = _mm512_dpbf16_ps(acc[i][d], (__m512bh)p0, vv[d]);
+                acc[i + 1][d] = _mm512_dpbf16_ps(acc[i + 1][d], (__m512bh)p1, vv[d]);
+            }
+            two[i / 2] = _mm512_dpbf16_ps(two[i / 2], (__m512bh)_mm512_mask_blend_epi32(0xFF00, p0, p1), vt);
+        }
+    }
+    for (int i = 0; i < R; ++i)
+        for (int d = 0; d < NF; ++d) _mm512_store_ps(buf.o + (size_t)(r + i) * DV + d0 + 16 * d, acc[i][d]);
+    for (int i = 0; i < R / 2; ++i) {
+        float* o = buf.o + (size_t)(r + 2 * i) * DV + dt;
+        _mm256_store_ps(o, _mm512_castps512_ps256(two[i]));
+        _mm256_store_ps(o + DV, _mm512_extractf32x8_ps(two[i], 1));
+    }
+}
+
 // O = alpha O + P V for rows [r, r + R) over all DV columns, in tiles of up to 64 columns: R = 8 rows keep 16-24
 // accumulators in flight (a vdpbf16ps's latency times the two the CPU issues per cycle: with 12 in flight the PV
-// product ran at half speed at SD 1.x's head dim 40); 64 columns take two tiles of 4 rows
+// product ran at half speed at SD 1.x's head dim 40); 64 columns take two tiles of 4 rows; a last vector of at most 8
+// columns goes two rows a vector (pv_tile_half)
 template <int R>
-inline void pv_rows(const Buffers& buf, const uint32_t* vblk, const float* alpha, int r, int DV, int pairs) {
+inline void pv_rows(const Buffers& buf, const uint32_t* vblk, const float* alpha, int r, int D, int DV, int pairs) {
+    const bool half = D % 16 != 0 && D % 16 <= 8;
     for (int d0 = 0; d0 < DV; d0 += 64) {
-        switch (std::min(4, (DV - d0) / 16)) {
+        const int nc = std::min(4, (DV - d0) / 16);
+        if (half && d0 + 16 * nc == DV && nc < 4) {
+            switch (nc) {
+                case 1: pv_tile_half<R, 0>(buf, vblk, alpha, r, d0, DV, pairs); break;
+                case 2: pv_tile_half<R, 1>(buf, vblk, alpha, r, d0, DV, pairs); break;
+                default: pv_tile_half<R, 2>(buf, vblk, alpha, r, d0, DV, pairs); break;
+            }
+            continue;
+        }
+        switch (nc) {
             case 1: pv_tile<R, 1>(buf, vblk, alpha, r, d0, DV, pairs); break;
             case 2: pv_tile<R, 2>(buf, vblk, alpha, r, d0, DV, pairs); break;
             case 3: pv_tile<R, 3>(buf, vblk, alpha, r, d0, DV, pairs); break;
@@ -262,8 +320,8 @@ int run(const Problem& a, int64_t begin, int64_t end) {
             const uint32_t* vblk = buf.vp + (size_t)kb * (KB / 2) * DV;
             const int pairs = (cols + 1) / 2;
             int r = 0;
-            for (; r + 8 <= rows4; r += 8) pv_rows<8>(buf, vblk, alpha, r, DV, pairs);
-            if (r < rows4) pv_rows<4>(buf, vblk, alpha, r, DV, pairs);
+            for (; r + 8 <= rows4; r += 8) pv_rows<8>(buf, vblk, alpha, r, a.D, DV, pairs);
+            if (r < rows4) pv_rows<4>(buf, vblk, alpha, r, a.D, DV, pairs);
         }
         sdl::write_rows(a, b, h, r0, rows, buf.o, DV, lsum);
     }
