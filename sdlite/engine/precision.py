@@ -18,8 +18,8 @@ OpenVINO's PERFORMANCE / ACCURACY execution modes:
   activations too, no fp32 round trips between layers), and the text encoders in bf16 too: SD 1.5's CLIP ViT-L
   encodes a prompt in 0.027 s against 0.097 s in fp32 (a 2-core AMD EPYC with AVX512-BF16), a third of a one-step
   image's fixed cost, and the images did not move (bf16-int8 against exact, 3 seeds at 512x512, 8 steps, CFG 7.5:
-  45.6-45.7 dB with the text encoder in bf16, 45.5-45.8 dB in fp32). T5-XXL (SD3) computes in bf16, as it was trained: 4.7B
-  parameters, 19 GB in fp32 against 9.5 GB, and the larger part of an SD3 generation's text encoding (one
+  45.6-45.7 dB with the text encoder in bf16, 45.5-45.8 dB in fp32). T5-XXL (SD3) computes in bf16, as it was
+  trained: 4.7B parameters, 19 GB in fp32 against 9.5 GB, and the larger part of an SD3 generation's text encoding (one
   full-size layer on a CFG batch of 256 tokens: 1.38 s against 3.26 s in fp32 on a busy 2-core Xeon with AMX, its
   output 2e-2 from fp32's, relative; BENCHMARKS.md, "SD3.5", gives the image's distance from exact). Needs native bf16 dot products to pay: ``avx512_bf16``,
   ``amx_bf16`` or ``avx_ne_convert``; with AVX-512 but none of them oneDNN emulates bf16 (2.5-3x slower than fp32,

@@ -126,7 +126,8 @@ inline void pv_tile_half(const Buffers& buf, const uint32_t* vblk, const float* 
     for (int j = 0; j < pairs; ++j) {
         __m512bh vv[NF > 0 ? NF : 1];
         for (int d = 0; d < NF; ++d) vv[d] = (__m512bh)_mm512_load_si512(vblk + (size_t)j * DV + d0 + 16 * d);
-        const __m512bh vt = (__m512bh)_mm512_broadcast_i64x4(_mm256_load_si256((const __m256i*)(vblk + (size_t)j * DV + dt)));
+        const __m256i tail = _mm256_load_si256((const __m256i*)(vblk + (size_t)j * DV + dt));
+        const __m512bh vt = (__m512bh)_mm512_broadcast_i64x4(tail);
         for (int i = 0; i < R; i += 2) {
             const __m512i p0 = _mm512_set1_epi32(prow[i * (KB / 2) + j]);
             const __m512i p1 = _mm512_set1_epi32(prow[(i + 1) * (KB / 2) + j]);
@@ -214,7 +215,8 @@ void pack_v(const Problem& a, const uint16_t* vbase, uint32_t* vp, int DV) {
             const __m512i x0 = _mm512_maskz_loadu_epi16(m, r0 + d);
             const __m512i x1 = n + 1 < a.M ? _mm512_maskz_loadu_epi16(m, r1 + d) : _mm512_setzero_si512();
             _mm512_mask_storeu_epi32(vd + d, lanes(left), _mm512_permutex2var_epi16(x0, lo, x1));
-            if (left > 16) _mm512_mask_storeu_epi32(vd + d + 16, lanes(left - 16), _mm512_permutex2var_epi16(x0, hi, x1));
+            if (left > 16)
+                _mm512_mask_storeu_epi32(vd + d + 16, lanes(left - 16), _mm512_permutex2var_epi16(x0, hi, x1));
         }
     }
 }
