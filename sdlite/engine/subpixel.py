@@ -9,8 +9,8 @@ padding 1 over the small image, (H + 1) x (W + 1) outputs, of which phase (py, p
 written interleaved into the big image. That is 16 products per small pixel and output channel against the 36 of the
 upsampled convolution, and the upsampled image (4x the input) is never written.
 
-The summed taps round differently from the upsampled convolution's sums (the kernels are summed in float64 and
-rounded once into the compute dtype, or quantized from the sums), so the engine uses this under the bf16 precisions
+The summed taps round differently from the upsampled convolution's sums (the kernels are summed in fp32 and rounded
+once into the compute dtype, or quantized from the fp32 sums), so the engine uses this under the bf16 precisions
 only (the VAE, a TAESD decoding in its place, and the bf16-int8 UNet's upsamplers, whose phases are an int8 layer
 of their own: :func:`sdlite.engine.quant.bf16_int8_targets`), never on the exact path. A replaced ``Upsample`` keeps its
 convolution (``conv``), which a size other than 2x (a UNet's odd latent) and the tiled decode
@@ -29,10 +29,6 @@ from torch import nn
 
 from ..models.layers import Upsample
 
-# A[p] (2 x 3): which of the 3x3 kernel's rows (or columns) land on each of a phase's two input rows (columns)
-_TAPS = torch.tensor([[[1., 0., 0.], [0., 1., 1.]], [[1., 1., 0.], [0., 0., 1.]]], dtype=torch.float64)
-
-
 def applies(conv: nn.Module) -> bool:
     """Whether ``conv`` is a plain 3x3 convolution that :class:`PhaseUpsample` can take (stride 1, padding 1, zero
     padding, no dilation, one group)."""
@@ -41,12 +37,22 @@ def applies(conv: nn.Module) -> bool:
             and conv.padding_mode == "zeros")
 
 
-def phase_kernels(weight: torch.Tensor) -> torch.Tensor:
+def phase_kernels(weight: torch.Tensor, dtype: torch.dtype | None = None, chunk: int = 64) -> torch.Tensor:
     """The four phases' 2x2 kernels of a 3x3 ``weight`` (O, I, 3, 3), stacked as (4 O, I, 2, 2) in phase order (0, 0),
-    (0, 1), (1, 0), (1, 1), summed in float64 and returned in ``weight``'s dtype."""
-    w = weight.detach().double()
-    k = torch.einsum("yab,xcd,oibd->yxoiac", _TAPS, _TAPS, w)                     # (2, 2, O, I, 2, 2)
-    return k.reshape(4 * w.shape[0], w.shape[1], 2, 2).to(weight.dtype).contiguous()
+    (0, 1), (1, 0), (1, 1), in ``dtype`` (None: ``weight``'s). The taps are summed in fp32 (float64 for a float64
+    weight) and rounded once, ``chunk`` output channels at a time: a full-size UNet's 1280-channel upsampler would
+    otherwise hold several fp32 copies of its weight at once while it loads."""
+    o = weight.shape[0]
+    out = torch.empty((2, 2, o, weight.shape[1], 2, 2), dtype=dtype or weight.dtype, device=weight.device)
+    sums = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    for c0 in range(0, o, chunk):
+        w = weight[c0:c0 + chunk].detach().to(sums)                                   # (o', I, 3, 3)
+        for py, rows in enumerate(((w[:, :, :1], w[:, :, 1:].sum(2, keepdim=True)),
+                                   (w[:, :, :2].sum(2, keepdim=True), w[:, :, 2:]))):
+            r = torch.cat(rows, 2)                                                    # (o', I, 2, 3)
+            out[py, 0, c0:c0 + chunk] = torch.cat((r[..., :1], r[..., 1:].sum(-1, keepdim=True)), -1)
+            out[py, 1, c0:c0 + chunk] = torch.cat((r[..., :2].sum(-1, keepdim=True), r[..., 2:]), -1)
+    return out.view(4 * o, weight.shape[1], 2, 2)
 
 
 def phase_conv(conv: nn.Conv2d, dtype: torch.dtype | None = None) -> nn.Conv2d:
@@ -55,7 +61,7 @@ def phase_conv(conv: nn.Conv2d, dtype: torch.dtype | None = None) -> nn.Conv2d:
     from the sums themselves)."""
     layer = nn.Conv2d(conv.in_channels, 4 * conv.out_channels, 2, padding=1, bias=conv.bias is not None,
                       device="meta")
-    layer.weight = nn.Parameter(phase_kernels(conv.weight).to(dtype or conv.weight.dtype), requires_grad=False)
+    layer.weight = nn.Parameter(phase_kernels(conv.weight, dtype), requires_grad=False)
     if conv.bias is not None:
         layer.bias = nn.Parameter(conv.bias.detach().repeat(4), requires_grad=False)
     return layer
