@@ -514,8 +514,7 @@ BF16_INT8_RUNS = bf16_support() == "native" and BITS == 8
 
 def expected_bf16_int8_layers(unet):
     """Independently of quant.bf16_int8_targets: the ResNet blocks' conv1/conv2, the down- and upsamplers'
-    convolutions (an upsampler's also as its four phases' convolution: sdlite.engine.subpixel), and the transformer
-    blocks' Linear layers but the cross-attention's key and value."""
+    convolutions, and the transformer blocks' Linear layers but the cross-attention's key and value."""
     from sdlite.models.layers import Downsample, ResnetBlock, Upsample
     from sdlite.models.unet import TransformerBlock
 
@@ -525,8 +524,6 @@ def expected_bf16_int8_layers(unet):
             names |= {f"{owner}.conv1", f"{owner}.conv2"}
         elif isinstance(module, (Downsample, Upsample)):
             names.add(f"{owner}.conv")
-            if isinstance(module, Upsample):
-                names.add(f"{owner}.phases")
         elif isinstance(module, TransformerBlock):
             names |= {f"{owner}.{n}" for n, m in module.named_modules()
                       if isinstance(m, nn.Linear) and n not in ("attn2.to_k", "attn2.to_v")}
@@ -569,13 +566,6 @@ def test_bf16_int8_unet_against_bf16_and_fp32(cfg):
     assert set(int8) == expected_bf16_int8_layers(unet) and len(int8) > 20
     assert any(name.endswith("downsamplers.0.conv") for name in int8) and \
         any(name.endswith("upsamplers.0.conv") for name in int8)
-    from sdlite.engine.subpixel import PhaseUpsample
-    ups = [m for m in q.modules() if isinstance(m, PhaseUpsample)]
-    assert ups and len(ups) == sum(name.endswith("upsamplers.0") for name, _ in unet.named_modules())
-    with torch.no_grad():   # 2x by the int8 phases, as near the upsampled int8 convolution as two int8 layers get
-        h = torch.randn(1, ups[0].conv.in_channels, 6, 5).bfloat16().contiguous(memory_format=torch.channels_last)
-        by_phases, upsampled = ups[0](h).float(), ups[0].conv(F.interpolate(h, scale_factor=2.0)).float()
-        assert cosine(by_phases, upsampled) > 0.999 and by_phases.is_contiguous(memory_format=torch.channels_last)
     assert {name for name, m in int8.items() if getattr(m, "split", False)} == \
         {name for name in int8 if name.endswith("ff.net.0.proj")}
     assert all(p.dtype == torch.bfloat16 for p in q.parameters())               # nothing else went back to fp32

@@ -420,7 +420,7 @@ class ModelManager:
         """Whether a decoder computing in ``dtype`` here upsamples by phases (:mod:`sdlite.engine.subpixel`): under
         bf16 on a CPU, where its upsampling convolutions take 16 products per small pixel instead of 36 (SD 1.5's
         VAE decode at 512^2: 2.78 -> 2.46 s; a TAESD's: 0.165 -> 0.155 s, a 2-core AMD EPYC); never in fp32, the exact
-        path's. (The bf16-int8 UNet's upsamplers get theirs when they are quantized: engine.quant.)"""
+        path's. (The bf16-int8 UNet's upsamplers stay as they are: see engine.subpixel.)"""
         return dtype == torch.bfloat16 and torch.device(self.device).type == "cpu"
 
     def adapt_like_unet(self, module: nn.Module) -> nn.Module:

@@ -24,7 +24,7 @@ OpenVINO's PERFORMANCE / ACCURACY execution modes:
   output 2e-2 from fp32's, relative; BENCHMARKS.md, "SD3.5", gives the image's distance from exact). Needs native bf16 dot products to pay: ``avx512_bf16``,
   ``amx_bf16`` or ``avx_ne_convert``; with AVX-512 but none of them oneDNN emulates bf16 (2.5-3x slower than fp32,
   allowed with a warning); below AVX-512 it is refused. On the CPU the VAE's and a TAESD's upsamplers run by phases
-  (:mod:`sdlite.engine.subpixel`: 16 products per small pixel instead of 36), as do bf16-int8's UNet upsamplers.
+  (:mod:`sdlite.engine.subpixel`: 16 products per small pixel instead of 36).
 * ``bf16-int8`` -- ``bf16``, with the UNet's 3x3 convolutions (ResNet blocks, down/upsamplers) and its transformers'
   Linear layers (but the cross-attention's key and value, on 77 text tokens) in int8: weights per output channel,
   activations 8-bit per tensor, scaled per call by sdlite's range and code kernels (:mod:`sdlite.kernels.bf16`), bf16 in and out, so the

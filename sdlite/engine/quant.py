@@ -469,7 +469,7 @@ def quantize_model(module: nn.Module, mode: str, keep: tuple[str, ...] = KEEP_FP
                                 f"{t.device} (load the model on the CPU, with its weights, before quantizing)")
     if mode == "bf16-int8":
         for name, layer, split in bf16_int8_targets(module):
-            _set_bf16_int8_layer(module, name, layer, split)
+            module.set_submodule(name, _bf16_int8_layer(layer, split))
         return module
     _rest_to_fp32(module)
     linear_as, conv_as = _PLAN[mode]
@@ -512,37 +512,6 @@ def bf16_int8_targets(module: nn.Module) -> list[tuple[str, nn.Module, bool]]:
     return found
 
 
-def _set_bf16_int8_layer(module: nn.Module, name: str, layer: nn.Module, split: bool,
-                         stored_as: torch.dtype | None = None) -> None:
-    """``module``'s layer ``name`` made int8 (:func:`_bf16_int8_layer`). An upsampler's convolution also gets its four
-    phases' convolution in int8 (:class:`sdlite.engine.subpixel.PhaseUpsample`: 16 products per small pixel instead
-    of the upsampled image's 36; the SD 1.5 UNet's three upsamplers, 68 of its 0.6 TOP at 512^2), quantized from the
-    float kernel sums of the weight as the model holds it (``stored_as``), so a one-pass load makes the same layer."""
-    from ..models.layers import Upsample
-    from .subpixel import PhaseUpsample, applies, phase_conv
-
-    owner_name, _, leaf = name.rpartition(".")
-    owner = module.get_submodule(owner_name) if owner_name else module
-    phases = None
-    if type(owner) is Upsample and leaf == "conv" and applies(layer):
-        held = layer if stored_as is None else _as_stored(layer, stored_as)
-        phases = Int8Conv2d(phase_conv(held, torch.float32), 8)
-    module.set_submodule(name, _bf16_int8_layer(layer, split, stored_as=stored_as))
-    if phases is not None:
-        module.set_submodule(owner_name, PhaseUpsample(owner.conv, phases))
-
-
-def _as_stored(conv: nn.Conv2d, dtype: torch.dtype) -> nn.Conv2d:
-    """``conv`` with its weight as a model of ``dtype`` would hold it (a file's fp16 weight in a bf16 model), on the
-    meta device but for the weight."""
-    held = nn.Conv2d(conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride, padding=conv.padding,
-                     bias=conv.bias is not None, device="meta")
-    held.weight = nn.Parameter(conv.weight.detach().to(dtype), requires_grad=False)
-    if conv.bias is not None:
-        held.bias = nn.Parameter(conv.bias.detach().to(dtype), requires_grad=False)
-    return held
-
-
 def _bf16_int8_layer(layer: nn.Module, split: bool, stored_as: torch.dtype | None = None) -> nn.Module:
     """One of :func:`bf16_int8_targets`' layers made int8 (8-bit activations; a GEGLU projection split in halves)."""
     if split:
@@ -568,7 +537,7 @@ def load_bf16_int8(ckpt, component: str, dtype: torch.dtype = torch.bfloat16) ->
         if not torch.is_tensor(stored):                        # a GGUF block format: dequantised into dtype
             stored = stored.dequantize(dtype)
         layer.weight = nn.Parameter(stored, requires_grad=False)
-        _set_bf16_int8_layer(module, name, layer, split, stored_as=dtype)
+        module.set_submodule(name, _bf16_int8_layer(layer, split, stored_as=dtype))
         read += stored.numel() * stored.element_size()
         if read > RELEASE_EVERY:
             ckpt.release_pages()
