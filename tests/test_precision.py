@@ -287,3 +287,16 @@ def test_default_stays_inside_the_bound_on_full_size_sd15(sd15_folder):
         assert value >= 40.0
         if auto.precision.name == "exact":
             assert value == float("inf")
+
+
+def test_loras_on_an_int8_precision_are_refused_naming_the_precision_to_use():
+    """The int8 layers of bf16-int8 (auto's choice for full-size models on CPUs with native bf16 and VNNI) keep no
+    float weight to merge a LoRA into: the error names the layer, the precision and the one to load with instead."""
+    from sdlite.adapters.lora import LoraError
+
+    try:
+        mixed = Engine.load(model_path(), precision="bf16-int8")
+    except PrecisionError:
+        return   # a CPU that refuses bf16-int8 (checked above)
+    with pytest.raises(LoraError, match=r"demo_teal.*is quantized \(Int8Conv2d\).*bf16-int8.*--precision bf16"):
+        mixed.generate(Request(DEFAULT_PROMPT + " <lora:demo_teal:1>", seed=3, steps=2, cfg_scale=DEFAULT_CFG))

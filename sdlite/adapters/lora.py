@@ -38,7 +38,8 @@ Application (:func:`merge`), chosen by how the network holds its weights:
   the one a resident merge gives, and nothing is kept but the LoRA's own factors. The per-step cost is one
   fp32 copy and one rank-r ``addmm`` per touched layer, independent of the image size (``bench/lora.py``).
 
-Quantized layers (``--quantize``) keep no float weight to merge into: refused.
+Quantized layers (the int8 precisions, ``bf16-int8`` among them: what ``auto`` picks for full-size models on CPUs with
+native bf16 and VNNI) keep no float weight to merge into: refused, naming ``--precision bf16`` (or ``exact``).
 
 A 4-input-channel LoRA of ``conv_in`` on an inpainting UNet (9 channels) covers the first 4, as A1111 pads it.
 """
@@ -132,7 +133,9 @@ def _plan(module: nn.Module, loras: Sequence[tuple[Lora, Weight]], component: st
                 kind = type(target).__name__
                 if type(target).__module__.endswith(".quant"):
                     raise LoraError(f"{layer.key!r}: layer {name!r} is quantized ({kind}) and keeps no float weight "
-                                    "to merge into: run without --quantize to use LoRAs", lora.path)
+                                    "to merge into: an int8 precision (bf16-int8, what auto picks for full-size "
+                                    "models on CPUs with native bf16 and VNNI; int8; int8-bf16) cannot take LoRAs "
+                                    "yet; load the model with --precision bf16 (or exact) to use them", lora.path)
                 raise LoraError(f"{layer.key!r}: layer {name!r} is a {kind}, not a Linear or Conv2d layer",
                                 lora.path)
             _check_shapes(lora.path, layer, name, shape)
