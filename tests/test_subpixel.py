@@ -15,7 +15,7 @@ from sdlite.config import TAESDConfig
 from sdlite.demo import model_path
 from sdlite.engine.precision import PrecisionError
 from sdlite.engine.quant import BF16Warning
-from sdlite.engine.subpixel import PhaseUpsample, PhaseUpsampleConv, phase_kernels, phase_upsample_model, upsample_conv
+from sdlite.engine.subpixel import PhaseUpsample, PhaseUpsampleConv, interleave, phase_conv, phase_upsample_model
 from sdlite.engine.tiling import tiled_decode
 from sdlite.models.layers import Upsample
 from sdlite.models.taesd import TinyAutoencoder
@@ -38,7 +38,8 @@ def test_phases_equal_the_upsampled_convolution(batch, cin, cout, h, w, bias, ch
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     want = conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
-    got = upsample_conv(x, phase_kernels(conv.weight), conv.bias)
+    with torch.no_grad():
+        got = interleave(phase_conv(conv)(x), x)
     assert got.shape == want.shape and (got - want).abs().max().item() < 1e-12
     if h * w > 1:
         assert got.is_contiguous(memory_format=torch.channels_last) == channels_last
@@ -48,7 +49,7 @@ def test_a_layer_keeps_its_convolution_for_other_sizes():
     """Upsampling to a size other than 2x (a UNet's odd latent) runs the upsampled convolution, as before."""
     torch.manual_seed(1)
     up = Upsample(8).double()
-    phases = PhaseUpsample.of(up)
+    phases = PhaseUpsample(up)
     x = torch.randn(1, 8, 5, 6, dtype=torch.float64)
     with torch.no_grad():
         assert (phases(x) - up(x)).abs().max().item() < 1e-12

@@ -28,20 +28,21 @@ from torch import nn
 
 from ..models.layers import Upsample
 
+
 def applies(conv: nn.Module) -> bool:
-    """Whether ``conv`` is a plain 3x3 convolution that :class:`PhaseUpsample` can take (stride 1, padding 1, zero
-    padding, no dilation, one group)."""
+    """Whether ``conv`` is a plain 3x3 convolution that can run by phases (stride 1, padding 1, zero padding, no
+    dilation, one group)."""
     return (type(conv) is nn.Conv2d and tuple(conv.kernel_size) == (3, 3) and tuple(conv.stride) == (1, 1)
             and tuple(conv.padding) == (1, 1) and tuple(conv.dilation) == (1, 1) and conv.groups == 1
             and conv.padding_mode == "zeros")
 
 
-def phase_kernels(weight: torch.Tensor, dtype: torch.dtype | None = None, chunk: int = 64) -> torch.Tensor:
+def phase_kernels(weight: torch.Tensor, chunk: int = 64) -> torch.Tensor:
     """The four phases' 2x2 kernels of a 3x3 ``weight`` (O, I, 3, 3), stacked as (4 O, I, 2, 2) in phase order (0, 0),
-    (0, 1), (1, 0), (1, 1), in ``dtype`` (None: ``weight``'s). The taps are summed in fp32 (float64 for a float64
-    weight) and rounded once, ``chunk`` output channels at a time, so a large weight is never copied whole in fp32."""
+    (0, 1), (1, 0), (1, 1), in ``weight``'s dtype. The taps are summed in fp32 (float64 for a float64 weight) and
+    rounded once, ``chunk`` output channels at a time, so a large weight is never copied whole in fp32."""
     o = weight.shape[0]
-    out = torch.empty((2, 2, o, weight.shape[1], 2, 2), dtype=dtype or weight.dtype, device=weight.device)
+    out = torch.empty((2, 2, o, weight.shape[1], 2, 2), dtype=weight.dtype, device=weight.device)
     sums = torch.float64 if weight.dtype == torch.float64 else torch.float32
     for c0 in range(0, o, chunk):
         w = weight[c0:c0 + chunk].detach().to(sums)                                   # (o', I, 3, 3)
@@ -53,12 +54,14 @@ def phase_kernels(weight: torch.Tensor, dtype: torch.dtype | None = None, chunk:
     return out.view(4 * o, weight.shape[1], 2, 2)
 
 
-def phase_conv(conv: nn.Conv2d, dtype: torch.dtype | None = None) -> nn.Conv2d:
-    """The one convolution of the four phases of 3x3 ``conv``: (4 O, I, 2, 2) kernels (:func:`phase_kernels`), the
-    bias four times, padding 1; its weight in ``dtype`` (None: ``conv``'s)."""
+def phase_conv(conv: nn.Conv2d) -> nn.Conv2d:
+    """The one convolution of the four phases of 3x3 ``conv`` (:func:`applies`; else a ValueError): (4 O, I, 2, 2)
+    kernels (:func:`phase_kernels`), the bias four times, padding 1."""
+    if not applies(conv):
+        raise ValueError(f"the phase upsampler needs a plain 3x3 convolution with padding 1, not {conv}")
     layer = nn.Conv2d(conv.in_channels, 4 * conv.out_channels, 2, padding=1, bias=conv.bias is not None,
                       device="meta")
-    layer.weight = nn.Parameter(phase_kernels(conv.weight, dtype), requires_grad=False)
+    layer.weight = nn.Parameter(phase_kernels(conv.weight), requires_grad=False)
     if conv.bias is not None:
         layer.bias = nn.Parameter(conv.bias.detach().repeat(4), requires_grad=False)
     return layer
@@ -80,25 +83,13 @@ def interleave(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def upsample_conv(x: torch.Tensor, kernels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``conv(nearest_2x(x))`` of the 3x3 convolution whose :func:`phase_kernels` are ``kernels`` (and whose ``bias``
-    is given): (B, C, H, W) -> (B, O, 2H, 2W), in ``x``'s memory format."""
-    return interleave(F.conv2d(x, kernels, None if bias is None else bias.repeat(4), padding=1), x)
-
-
 class PhaseUpsample(Upsample):
     """An :class:`~sdlite.models.layers.Upsample` (nearest 2x, then its 3x3 ``conv``) that runs 2x by its ``phases``
     convolution (:func:`phase_conv`), other sizes by the upsampled convolution."""
 
-    def __init__(self, conv: nn.Module, phases: nn.Module):
+    def __init__(self, up: Upsample):
         nn.Module.__init__(self)
-        self.conv, self.phases = conv, phases
-
-    @classmethod
-    def of(cls, up: Upsample) -> "PhaseUpsample":
-        if not applies(up.conv):
-            raise ValueError(f"the phase upsampler needs a plain 3x3 convolution with padding 1, not {up.conv}")
-        return cls(up.conv, phase_conv(up.conv))
+        self.conv, self.phases = up.conv, phase_conv(up.conv)
 
     def forward(self, x, size: tuple[int, int] | None = None):
         if size is not None and tuple(size) != (2 * x.shape[-2], 2 * x.shape[-1]):
@@ -111,8 +102,6 @@ class PhaseUpsampleConv(nn.Module):
 
     def __init__(self, conv: nn.Conv2d):
         super().__init__()
-        if not applies(conv):
-            raise ValueError(f"the phase upsampler needs a plain 3x3 convolution with padding 1, not {conv}")
         self.phases = phase_conv(conv)
 
     def forward(self, x):
@@ -126,7 +115,7 @@ def phase_upsample_model(module: nn.Module) -> nn.Module:
     convolution becomes ``nn.Identity`` and :class:`PhaseUpsampleConv`. Returns ``module``."""
     for name, layer in list(module.named_modules()):
         if type(layer) is Upsample and applies(layer.conv):
-            module.set_submodule(name, PhaseUpsample.of(layer))
+            module.set_submodule(name, PhaseUpsample(layer))
         elif isinstance(layer, nn.Sequential):
             items = list(layer)
             for i in range(len(items) - 1):
