@@ -801,20 +801,59 @@ def test_refuses_unmatched_and_misshapen_layers(tiny, tiny_nets, tmp_path):
         L.merge(unet, [(f, 1.0)], "unet")
 
 
-def test_refuses_quantized_layers(tiny, tmp_path):
-    from sdlite.engine.quant import QuantizeError, check_quantize_supported
+@pytest.mark.parametrize("precision", ["int8", "bf16-int8"])
+def test_int8_layers_take_loras_quantized_again(tiny, tmp_path, precision):
+    """An int8 precision's layers keep only their codes: a LoRA's layer is the file's weight (held in the model's
+    dtype) plus the update, quantized again for the request. Each touched layer then computes, bit for bit, what the
+    layer of the float model with the LoRA merged, then quantized, computes; a GEGLU's split projection included. On
+    leaving, the original layer objects are back and the UNet's output is the one before. Without the stored weights,
+    merge() says it needs them."""
+    from sdlite.engine.precision import PrecisionError
+    from sdlite.engine.quant import Int8Conv2d, Int8Linear, quantize_model
 
+    _, folder, _, _, us, ts = tiny
     try:
-        check_quantize_supported("int8")
-    except QuantizeError as e:
-        pytest.skip(str(e))
-    _, folder, _, _, us, _ = tiny
-    engine = Engine.load(folder, prepack=False, precision="int8")
-    name = "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"
-    f = write_kohya(tmp_path / "q.safetensors", random_factors({name: us[name]}, 4, 1))
-    with pytest.raises(L.LoraError, match=r"q\.safetensors: .* is quantized \(Int8Linear\) .*--precision bf16"):
-        with L.engine_with_loras(engine, [(f, 1.0)]):
-            pass
+        engine = Engine.load(folder, prepack=False, precision=precision)
+    except PrecisionError:
+        assert precision == "bf16-int8"   # a CPU without native bf16 and VNNI (tests/test_precision.py checks why)
+        return
+    unet = engine.models.get("unet")
+    chosen = targets(us, ("attn1.to_q", "ff.net.0.proj", "conv1", "conv2"))
+    chosen = {n: shape for n, shape in chosen.items() if isinstance(unet.get_submodule(n), (Int8Conv2d, Int8Linear))}
+    assert any(len(s) == 4 for s in chosen.values()) and any(n.endswith("ff.net.0.proj") for n in chosen)
+    f = write_kohya(tmp_path / "q.safetensors", random_factors(chosen, 4, 1), te=random_factors(targets(ts, TEXT), 4, 2),
+                    dtype=torch.float16)
+    originals = {n: unet.get_submodule(n) for n in chosen}
+    x, t, ctx = unet_inputs(unet.config)
+    dtype = next(unet.parameters()).dtype
+    x, ctx = x.to(dtype), ctx.to(dtype)
+    with torch.no_grad():
+        plain = unet(x, t, ctx)
+    ckpt = open_model(folder)
+    if precision == "int8":
+        reference = ckpt.load("unet")
+        L.merge(reference, [(f, 1.0)], "unet", keep_originals=False)
+        reference = quantize_model(reference, "int8")
+    else:
+        reference = ckpt.load("unet", torch.bfloat16)
+        L.merge(reference, [(f, 1.0)], "unet", keep_originals=False)
+        reference = quantize_model(reference, "bf16-int8")
+    g = torch.Generator().manual_seed(5)
+    with L.engine_with_loras(engine, [(f, 1.0)]):
+        merged = engine.models.get("unet")
+        for name, shape in chosen.items():
+            layer, want = merged.get_submodule(name), reference.get_submodule(name)
+            assert layer is not originals[name] and type(layer) is type(originals[name]), name
+            probe = torch.randn((2, 3, shape[1]) if len(shape) == 2 else (1, shape[1], 6, 6), generator=g).to(dtype)
+            with torch.no_grad():
+                assert torch.equal(layer(probe), want(probe)), name
+        with torch.no_grad():
+            assert (merged(x, t, ctx).float() - plain.float()).abs().max() > 1e-2   # the LoRA reached the output
+    assert all(unet.get_submodule(n) is layer for n, layer in originals.items())
+    with torch.no_grad():
+        assert torch.equal(unet(x, t, ctx), plain)
+    with pytest.raises(L.LoraError, match=r"q\.safetensors: .* is quantized \(Int8(Linear|Conv2d)\) .*stored weights"):
+        L.merge(unet, [(f, 1.0)], "unet")
 
 
 # --- parsing details, scale, hashes ----------------------------------------------------------------------------

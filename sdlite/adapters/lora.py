@@ -38,8 +38,11 @@ Application (:func:`merge`), chosen by how the network holds its weights:
   the one a resident merge gives, and nothing is kept but the LoRA's own factors. The per-step cost is one
   fp32 copy and one rank-r ``addmm`` per touched layer, independent of the image size (``bench/lora.py``).
 
-Quantized layers (the int8 precisions, ``bf16-int8`` among them: what ``auto`` picks for full-size models on CPUs with
-native bf16 and VNNI) keep no float weight to merge into: refused, naming ``--precision bf16`` (or ``exact``).
+* int8 layers (the int8 precisions, ``bf16-int8`` among them: what ``auto`` picks for full-size models on CPUs with
+  native bf16 and VNNI) keep only their codes: the layer's weight is read again from the checkpoint (``stored``),
+  held in the dtype the codes were made from, merged as above and quantized again into a new layer
+  (:func:`~sdlite.engine.quant.requantize`), which takes the old layer's place until ``restore()`` puts it back.
+  The result is, bit for bit, the layer that quantizing the float model with the LoRA merged gives.
 
 A 4-input-channel LoRA of ``conv_in`` on an inpainting UNet (9 channels) covers the first 4, as A1111 pads it.
 """
@@ -48,13 +51,14 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import Mapping, Sequence, Union
+from typing import Callable, Mapping, Sequence, Union
 
 import torch
 from torch import nn
 
 from ..engine.lowbit import LowBitLinear
 from ..engine.packing import PackedConv2d, PackedLinear
+from ..engine.quant import Int8Conv2d, Int8Linear, requantize
 from ..weights.quants import QuantizedTensor
 from .lora_files import (  # noqa: F401  (the public names of lora_files, lora_keys and lora_targets are re-exported)
     EXTENSIONS,
@@ -81,11 +85,15 @@ from .lora_targets import (  # noqa: F401
 )
 
 _PACKED = (PackedLinear, PackedConv2d)
+_INT8 = (Int8Linear, Int8Conv2d)
 
 # --- applying ---------------------------------------------------------------------------------------------------
 
 LoraSource = Union[Lora, str, os.PathLike]
 Weight = Union[float, Mapping[str, float]]
+# a network's stored weights by key (``"down_blocks.0.resnets.0.conv1.weight"``): a tensor as the file holds it (any
+# float dtype, or a GGUF block format's QuantizedTensor), e.g. ``lambda key: ckpt.tensor("unet", key)``
+StoredWeights = Callable[[str], object]
 
 
 def _as_lora(source: LoraSource) -> Lora:
@@ -115,8 +123,10 @@ class _Update:
 
 
 def _plan(module: nn.Module, loras: Sequence[tuple[Lora, Weight]], component: str,
-          device: torch.device | None = None, materialise: bool = True, spec=None) -> dict[str, list[_Update]]:
-    """Module path -> updates; every check done before anything is changed."""
+          device: torch.device | None = None, materialise: bool = True, spec=None,
+          stored: StoredWeights | None = None) -> dict[str, list[_Update]]:
+    """Module path -> updates; every check done before anything is changed. ``stored``: the network's stored
+    weights, which int8 layers need (their merged weight is quantized again from the stored one)."""
     if component not in COMPONENTS:
         raise ValueError(f"component {component!r}: expected one of {', '.join(COMPONENTS)}")
     table = _lookup(module, component)
@@ -129,13 +139,13 @@ def _plan(module: nn.Module, loras: Sequence[tuple[Lora, Weight]], component: st
             name = names[layer.key]
             target = module.get_submodule(name)
             shape = _layer_shape(target)
+            if isinstance(target, _INT8) and stored is None:
+                raise LoraError(f"{layer.key!r}: layer {name!r} is quantized ({type(target).__name__}) and keeps no "
+                                "float weight to merge into; merging into it needs the network's stored weights "
+                                "(merge(..., stored=lambda key: checkpoint.tensor(component, key))), from which "
+                                "the merged weight is quantized again", lora.path)
             if shape is None:
                 kind = type(target).__name__
-                if type(target).__module__.endswith(".quant"):
-                    raise LoraError(f"{layer.key!r}: layer {name!r} is quantized ({kind}) and keeps no float weight "
-                                    "to merge into: an int8 precision (bf16-int8, what auto picks for full-size "
-                                    "models on CPUs with native bf16 and VNNI; int8; int8-bf16) cannot take LoRAs "
-                                    "yet; load the model with --precision bf16 (or exact) to use them", lora.path)
                 raise LoraError(f"{layer.key!r}: layer {name!r} is a {kind}, not a Linear or Conv2d layer",
                                 lora.path)
             _check_shapes(lora.path, layer, name, shape)
@@ -150,7 +160,7 @@ def _plan(module: nn.Module, loras: Sequence[tuple[Lora, Weight]], component: st
 
 
 def _device_of(layer: nn.Module) -> torch.device:
-    if isinstance(layer, _PACKED):
+    if isinstance(layer, (*_PACKED, *_INT8)):
         return torch.device("cpu")
     return layer.weight.device if layer.weight.device.type != "meta" else torch.device("cpu")
 
@@ -208,7 +218,7 @@ class MergeHandle:
 
 
 def merge(module: nn.Module, loras: Sequence[tuple[LoraSource, Weight]], component: str,
-          keep_originals: bool = True, spec=None) -> MergeHandle:
+          keep_originals: bool = True, spec=None, stored: StoredWeights | None = None) -> MergeHandle:
     """Apply ``loras`` (``(Lora or path, multiplier)``; a multiplier may be ``{"unet": a, "text_encoder": b}``,
     SDXL's ``text_encoder_2`` taking ``b`` unless given its own) to ``module``, the ``component`` network
     (``unet``, ``text_encoder`` or ``text_encoder_2``), and return the handle that undoes it.
@@ -217,17 +227,23 @@ def merge(module: nn.Module, loras: Sequence[tuple[LoraSource, Weight]], compone
     merged block by block as they are materialised (:func:`apply_on_the_fly`). Everything is checked first: a
     :class:`LoraError` leaves the module as it was. ``keep_originals=False`` keeps nothing to restore (for a
     network that is discarded after use). ``spec``: the :class:`~sdlite.config.ModelSpec` of the model
-    ``module`` belongs to, for the family checks (needed to merge an SDXL LoRA into SDXL's first text encoder)."""
+    ``module`` belongs to, for the family checks (needed to merge an SDXL LoRA into SDXL's first text encoder).
+    ``stored``: the network's weights as stored (key -> tensor), needed where touched layers are int8
+    (:func:`_merge_layer`)."""
     loaded = [(_as_lora(source), weight) for source, weight in loras]
     if getattr(module, "_streamer", None) is not None:
         return apply_on_the_fly(module, loaded, component, spec=spec)
-    plan = _plan(module, loaded, component, spec=spec)
+    plan = _plan(module, loaded, component, spec=spec, stored=stored)
     handle = MergeHandle(module, component, "merged")
     handle.keeps_originals = keep_originals
     try:
         with torch.no_grad():
             for name, updates in plan.items():
-                _merge_layer(module.get_submodule(name), updates, handle, keep_originals)
+                layer = module.get_submodule(name)
+                if isinstance(layer, _INT8):
+                    _requantize_layer(module, name, stored(f"{name}.weight"), updates, handle, keep_originals)
+                else:
+                    _merge_layer(layer, updates, handle, keep_originals)
                 handle.layers += 1
     except BaseException:
         handle.restore()
@@ -256,6 +272,22 @@ def _merge_layer(layer: nn.Module, updates: Sequence[_Update], handle: MergeHand
     layer._parameters["weight"] = nn.Parameter(merged, requires_grad=False)
     if keep:
         handle._undo.append(lambda: layer._parameters.__setitem__("weight", original))
+
+
+def _requantize_layer(module: nn.Module, name: str, weight, updates: Sequence[_Update], handle: MergeHandle,
+                      keep: bool) -> None:
+    """An int8 layer keeps only its codes: the stored ``weight`` (as the file holds it), held in the dtype the
+    layer's codes were made from, plus the updates in fp32, is quantized again into a new layer
+    (:func:`~sdlite.engine.quant.requantize`) that takes the old one's place; ``restore()`` puts the old one
+    back. The result is the layer a float model with the LoRA merged would quantize to, bit for bit."""
+    layer = module.get_submodule(name)
+    held = layer.held_as
+    if not torch.is_tensor(weight):                        # a GGUF block format
+        weight = weight.dequantize(held)
+    merged = _add_updates(weight.to(held).to(torch.float32, copy=True), updates)
+    module.set_submodule(name, requantize(layer, merged.reshape(_layer_shape(layer))))
+    if keep:
+        handle._undo.append(lambda: module.set_submodule(name, layer))
 
 
 def apply_on_the_fly(module: nn.Module, loras: Sequence[tuple[LoraSource, Weight]], component: str,
@@ -328,16 +360,21 @@ def engine_with_loras(engine, loras: Sequence[tuple[LoraSource, Weight]]):
     touched = [c for c in components if any(lora.layers_of(c) for lora, _ in loaded)]
     manager = engine.models
     resident = dict(manager._resident)
+    ckpt = manager.ckpt
+
+    def stored(component: str) -> StoredWeights | None:   # int8 layers are quantized again from the file's weights
+        return None if ckpt is None else (lambda key: ckpt.tensor(component, key))
+
     for component in touched:   # check every layer against the model before touching anything
         module = resident.get(component) or _meta_network(spec, component)
-        _plan(module, loaded, component, materialise=False, spec=spec)
+        _plan(module, loaded, component, materialise=False, spec=spec, stored=stored(component))
     for lora, _ in loaded:
         check_components(lora, spec)
     handles: list[MergeHandle] = []
 
     def adapt(name: str, module: nn.Module, keep: bool) -> None:
         if name in touched:
-            handle = merge(module, loaded, name, keep_originals=keep, spec=spec)
+            handle = merge(module, loaded, name, keep_originals=keep, spec=spec, stored=stored(name))
             if keep:
                 handles.append(handle)
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..engine.lowbit import LowBitLinear
 from ..engine.packing import PackedConv2d, PackedLinear
+from ..engine.quant import Int8Conv2d, Int8Linear
 from ..errors import SDLiteError
 from .lora_keys import (
     _CROSS_ATTENTION_FAMILY,
@@ -44,11 +45,11 @@ _COMPONENT_KEYS = {"unet": "lora_unet_ / unet.", "transformer": "lora_transforme
 
 
 def _layer_shape(layer: nn.Module) -> tuple[int, ...] | None:
-    """(out, in) or (out, in/groups, kh, kw) of a Linear/Conv2d, plain or prepacked; None for other modules."""
-    if isinstance(layer, (PackedLinear, LowBitLinear)):
+    """(out, in) or (out, in/groups, kh, kw) of a Linear/Conv2d, plain, prepacked or int8; None for other modules."""
+    if isinstance(layer, (PackedLinear, LowBitLinear, Int8Linear)):
         return (layer.out_features, layer.in_features)
-    if isinstance(layer, PackedConv2d):
-        return (layer.out_channels, layer.in_channels // layer.groups, *layer.kernel_size)
+    if isinstance(layer, (PackedConv2d, Int8Conv2d)):
+        return (layer.out_channels, layer.in_channels // getattr(layer, "groups", 1), *layer.kernel_size)
     if isinstance(layer, _DENSE):
         return tuple(layer.weight.shape)
     return None

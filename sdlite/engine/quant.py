@@ -270,6 +270,7 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.activation_bits = check_activation_bits(activation_bits)
         q, scale = quantize_weight(linear.weight, stored_as)
+        self.held_as = stored_as or linear.weight.dtype    # the float dtype the codes were made from (requantize)
         self.register_buffer("weight_scale", scale)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
         # oneDNN's blocked int8 layout is an opaque tensor (no storage to save or copy): a plain attribute
@@ -332,6 +333,7 @@ class Int8Conv2d(nn.Module):
         self.kernel_size, self.stride = tuple(conv.kernel_size), list(conv.stride)
         self.padding, self.dilation = list(conv.padding), list(conv.dilation)
         q, scale = quantize_weight(conv.weight, stored_as)
+        self.held_as = stored_as or conv.weight.dtype      # the float dtype the codes were made from (requantize)
         self.register_buffer("weight_scale", scale)
         self.register_buffer("bias", None if conv.bias is None else conv.bias.detach().float().contiguous())
         # per output channel, what one unit of input code adds to the output: weight scale x the weights' sum
@@ -381,6 +383,34 @@ class Int8Conv2d(nn.Module):
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
                 f"stride={tuple(self.stride)}, padding={tuple(self.padding)}, int8 per channel, "
                 f"{self.activation_bits}-bit activations (oneDNN)")
+
+
+def requantize(layer: nn.Module, weight: torch.Tensor) -> nn.Module:
+    """A new :class:`Int8Linear` / :class:`Int8Conv2d` like ``layer`` (its bias, activation bits, halves, kernel
+    geometry) whose codes are made from ``weight`` (float, ``layer``'s shape) as ``layer``'s were made from its own:
+    ``weight`` held in ``layer.held_as`` first (a bf16 model's weight is rounded to bf16), so the result is the
+    layer that quantizing a float model holding ``weight`` gives, bit for bit. How a LoRA reaches int8 layers
+    (:mod:`sdlite.adapters.lora`): the stored weight plus the update, quantized again; ``layer`` is left as it is."""
+    if isinstance(layer, Int8Linear):
+        shape = (layer.out_features, layer.in_features)
+        with torch.device("meta"):
+            shell = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+    elif isinstance(layer, Int8Conv2d):
+        shape = (layer.out_channels, layer.in_channels, *layer.kernel_size)
+        with torch.device("meta"):
+            shell = nn.Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, layer.stride,
+                              layer.padding, layer.dilation, bias=layer.bias is not None)
+    else:
+        raise QuantizeError(f"requantize takes an Int8Linear or Int8Conv2d, not a {type(layer).__name__}")
+    if tuple(weight.shape) != shape:
+        raise QuantizeError(f"requantize: the weight's shape {tuple(weight.shape)} is not the layer's {shape}")
+    shell.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    if layer.bias is not None:
+        shell.bias = nn.Parameter(layer.bias, requires_grad=False)   # already fp32: taken as it is
+    held = None if layer.held_as == torch.float32 else layer.held_as
+    if isinstance(layer, Int8Linear):
+        return Int8Linear(shell, layer.activation_bits, split=layer.split, stored_as=held)
+    return Int8Conv2d(shell, layer.activation_bits, stored_as=held)
 
 
 # --- bf16 -------------------------------------------------------------------------------------------------
