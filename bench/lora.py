@@ -5,8 +5,10 @@
 * merge and un-merge time of a rank-8 kohya LoRA on the UNet (the layers kohya trains by default: every Linear and
   1x1 convolution of the transformers) and the text encoder (attention and MLP), median of ``--repeat``: into the
   UNet as memory modes 1/2 hold it, prepacked for oneDNN (the default where this CPU gains from it) and plain
-  fp32, into a resident fp32 text encoder, and the whole ``engine_with_loras`` enter/exit of a mode-1 engine;
-  plus a LoCon (the same with every ResBlock convolution) into the prepacked UNet;
+  fp32, into a resident fp32 text encoder; plus a LoCon (the same with every ResBlock convolution) into the
+  prepacked UNet; the whole ``engine_with_loras`` enter/exit of the LoCon on a mode-1 engine at each precision this
+  CPU runs (exact, bf16, bf16-int8: int8 layers quantized again), for a first request and for the same LoRA again
+  (the merged layers kept from the request before);
 * the per-step cost of on-the-fly application at ``--size`` (a UNet call on a batch of 2, as classifier-free
   guidance runs it): memory mode 0 (weights streamed from the file) and fp16 weights up-cast block by block,
   without and with the LoRA, median of ``--steps`` calls after one warm-up, the variants interleaved call by
@@ -170,6 +172,7 @@ def main():
     from sdlite.engine.memory import streamed_model
     from sdlite.loader import open_model
     from sdlite.adapters.lora import engine_with_loras, merge, read_lora
+    from sdlite.engine.precision import PrecisionError
     from sdlite.pipeline import Engine
 
     folder, _ = build()
@@ -182,7 +185,7 @@ def main():
 
     # --- merge / un-merge ---
     ckpt = open_model(folder)
-    engine = Engine.load(folder)   # memory mode 1; prepacked where this CPU gains from it
+    engine = Engine.load(folder, precision="exact")   # memory mode 1; prepacked where this CPU gains from it
     unet = engine.models.get("unet")
     packed = type(unet.conv_in).__name__ == "PackedConv2d"
     rows.append((f"merge, UNet ({'prepacked' if packed else 'plain'} fp32, mode 1 default)",
@@ -200,19 +203,30 @@ def main():
     rows.append(("merge, text encoder (fp32)", *merge_times(te, lora, "text_encoder", args.repeat)))
     del te
     gc.collect()
-    engine = Engine.load(folder)
-    engine.encode_prompt(["warm"])   # the text encoder resident (mode 1 keeps an fp16 file's as stored)
-    enters, exits = [], []
-    for _ in range(args.repeat):
-        t0 = clock()
-        with engine_with_loras(engine, [(lora, 1.0)]):
-            t1 = clock()
-        t2 = clock()
-        enters.append(t1 - t0)
-        exits.append(t2 - t1)
-    rows.append(("engine_with_loras, mode 1 (enter / exit)", statistics.median(enters), statistics.median(exits)))
-    del engine
-    gc.collect()
+    for precision in ("exact", "bf16", "bf16-int8"):   # whole requests' LoRA work, first and again (kept)
+        try:
+            engine = Engine.load(folder, precision=precision)
+        except PrecisionError:
+            rows.append((f"engine_with_loras, mode 1, {precision}: refused on this CPU", float("nan"), float("nan")))
+            continue
+        engine.encode_prompt(["warm"])   # the text encoder resident (mode 1 keeps an fp16 file's as stored)
+        engine.models.get("unet")
+        for label, kept in (("first request", False), ("same LoRAs again (kept)", True)):
+            enters, exits = [], []
+            for _ in range(args.repeat):
+                if not kept:
+                    engine.models.kept_loras = None
+                    gc.collect()
+                t0 = clock()
+                with engine_with_loras(engine, [(locon.path, 1.0)]):
+                    t1 = clock()
+                t2 = clock()
+                enters.append(t1 - t0)
+                exits.append(t2 - t1)
+            rows.append((f"engine_with_loras (LoCon), mode 1, {precision}: {label} (enter / exit)",
+                         statistics.median(enters), statistics.median(exits)))
+        del engine
+        gc.collect()
     print("| CPU s, median of", args.repeat, "| merge | un-merge |\n| --- | --- | --- |")
     for name, m, r in rows:
         print(f"| {name} | {m:.3f} | {r:.4f} |")

@@ -589,6 +589,44 @@ def test_engine_every_memory_mode(tiny, tiny_lora):
     assert (results[1][1] - results[1][0]).abs().max() > 0.05
 
 
+def test_mode_1_keeps_the_last_merge_for_the_same_loras(tiny, tiny_lora, tmp_path, monkeypatch):
+    """Memory mode 1 keeps the last request's merged layers (restored after it): the same files at the same weights
+    are swapped in again without reading or merging anything, for the same latents bit for bit; another weight, or
+    a file changed on disk, is merged afresh (what a new engine gives); memory mode 2 keeps nothing."""
+    import os
+    import shutil
+
+    engine = Engine.load(tiny[1], prepack=False, precision="exact")
+    fresh = Engine.load(tiny[1], prepack=False, precision="exact")
+    base = _generate(engine)
+    first = _generate(engine, tiny_lora)
+    kept = engine.models.kept_loras
+    assert kept is not None and not any(h.active for h in kept.handles)
+    calls = []
+    plan, read = L._plan, L.read_lora
+    monkeypatch.setattr(L, "_plan", lambda *a, **k: calls.append("plan") or plan(*a, **k))
+    monkeypatch.setattr(L, "read_lora", lambda *a, **k: calls.append("read") or read(*a, **k))
+    assert torch.equal(_generate(engine, tiny_lora), first) and calls == []
+    assert torch.equal(_generate(engine), base)
+    other = [(tiny_lora[0][0], 1.0), *tiny_lora[1:]]
+    got = _generate(engine, other)
+    assert "plan" in calls and engine.models.kept_loras is not kept
+    assert torch.equal(got, _generate(fresh, other)) and not torch.equal(got, first)
+    changing = tmp_path / "changing.safetensors"
+    shutil.copy(tiny_lora[0][0], changing)
+    assert torch.equal(_generate(engine, [(changing, 1.0)]), _generate(fresh, [(tiny_lora[0][0], 1.0)]))
+    when = changing.stat().st_mtime_ns
+    shutil.copy(tiny_lora[1][0], changing)
+    os.utime(changing, ns=(when + 10**9, when + 10**9))
+    calls.clear()
+    assert torch.equal(_generate(engine, [(changing, 1.0)]), _generate(fresh, [(tiny_lora[1][0], 1.0)]))
+    assert "read" in calls
+    assert torch.equal(_generate(engine), base)
+    low = Engine.load(tiny[1], memory_mode=2, prepack=False, precision="exact")
+    _generate(low, tiny_lora)
+    assert low.models.kept_loras is None
+
+
 def test_engine_leaves_no_adapter_behind(tiny, tiny_lora):
     """Memory modes 0 and 2 load the text encoder per use: the LoRA reaches it through the manager's adapter hook,
     which is empty again afterwards, and the next request is the no-LoRA one bit for bit."""

@@ -316,6 +316,9 @@ class ModelManager:
         # callables (name, module, resident) run on every network built from now on: how a LoRA applied for a
         # request (sdlite.adapters.lora.engine_with_loras) reaches the networks memory modes 0 and 2 load per use
         self.adapters: list = []
+        # the merged layers of the last request with LoRAs, restored but kept for the next with the same ones
+        # (memory mode 1; sdlite.adapters.lora.engine_with_loras)
+        self.kept_loras = None
 
     def _adapt(self, name: str, module: nn.Module, resident: bool) -> None:
         for adapter in list(self.adapters):
