@@ -162,3 +162,72 @@ def test_manager_default_on_this_cpu(model_dir):
 
     manager = ModelManager(open_model(model_dir), mode=1)
     assert manager.prepack == default_prepack().use == this_cpu().avx512   # AVX2 (or capped to it): plain
+
+
+def _plain_conv(layer: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    return nn.functional.conv2d(x, layer.weight, layer.bias, layer.stride, layer.padding, layer.dilation,
+                                layer.groups)
+
+
+@pytest.mark.parametrize("cin,cout,bias", [(320, 320, True), (64, 48, False), (96, 40, True)])
+def test_shape_packed_conv_gives_the_plain_bits(cin, cout, bias):
+    """A bf16 channels-last 1x1 convolution packed per input shape gives PyTorch's own bits at every shape met, keeps
+    the last SHAPE_PACKS shapes' packs, and follows its weight: a new tensor (a LoRA's merge) or one changed in place
+    is packed again. Other inputs (fp32, a plain layout, autograd) take nn.Conv2d's path."""
+    from sdlite.engine.packing import SHAPE_PACKS, ShapePackedConv2d, shape_packs
+
+    if not shape_packs("cpu", torch.bfloat16):   # oneDNN packs no bf16 weight under the AVX2 cap (nor on such CPUs)
+        assert torch.backends.mkldnn.is_available() and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return
+    torch.manual_seed(0)
+    layer = nn.Conv2d(cin, cout, 1, bias=bias).to(torch.bfloat16)
+    layer.weight.data = layer.weight.data.contiguous(memory_format=torch.channels_last)
+    shapes = [(1, cin, 16, 16), (2, cin, 16, 16), (1, cin, 9, 13), (1, cin, 16, 16)]
+    inputs = [torch.randn(s).to(torch.bfloat16).contiguous(memory_format=torch.channels_last) for s in shapes]
+    want = [_plain_conv(layer, x) for x in inputs]
+    packed = ShapePackedConv2d.convert(layer)
+    with torch.no_grad():
+        for x, expected in zip(inputs, want):
+            got = packed(x)
+            assert torch.equal(got, expected) and got.is_contiguous(memory_format=torch.channels_last)
+    assert len(packed.packs) == SHAPE_PACKS and list(packed.packs)[-1] == shapes[-1]
+    packed.weight = nn.Parameter(torch.randn_like(packed.weight) * 0.05, requires_grad=False)
+    with torch.no_grad():
+        assert torch.equal(packed(inputs[0]), _plain_conv(packed, inputs[0]))
+        packed.weight.mul_(2)
+        assert torch.equal(packed(inputs[0]), _plain_conv(packed, inputs[0]))
+        fp32 = torch.randn(1, cin, 5, 5)
+        assert torch.equal(packed.float()(fp32), _plain_conv(packed, fp32))
+        packed.to(torch.bfloat16)
+        plain_layout = inputs[1].contiguous()
+        assert torch.equal(packed(plain_layout), _plain_conv(packed, plain_layout))
+    assert packed(inputs[0].requires_grad_()).requires_grad
+
+
+def test_shape_pack_model_takes_the_1x1_convolutions_and_the_bf16_unet_has_them(model_dir):
+    """Only plain 1x1 convolutions (stride 1, no padding, one group) are converted; the bf16 precisions' UNet gets
+    them (where this CPU runs bf16), and its output is the one of the same UNet without them, bit for bit."""
+    from sdlite.engine.packing import ShapePackedConv2d, shape_pack_model
+    from sdlite.engine.precision import PrecisionError
+    from sdlite.pipeline import Engine
+
+    net = nn.Sequential(nn.Conv2d(8, 8, 1), nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 1, stride=2),
+                        nn.Conv2d(8, 8, 1, groups=2), nn.Conv2d(8, 8, 1))
+    shape_pack_model(net)
+    assert [type(m) is ShapePackedConv2d for m in net] == [True, False, False, False, True]
+    try:
+        engine = Engine.load(model_dir, precision="bf16")
+    except PrecisionError:
+        return   # a CPU without native bf16 refuses the bf16 precisions (tests/test_precision.py)
+    unet = engine.models.get("unet")
+    convs = [m for m in unet.modules() if isinstance(m, ShapePackedConv2d)]
+    assert convs and all(m.kernel_size == (1, 1) for m in convs)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 4, 16, 16, generator=g).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    ctx = torch.randn(1, 77, unet.config.context_dim, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        got = unet(x, torch.tensor([500.0]), ctx)
+        for m in convs:
+            m.__class__ = nn.Conv2d
+        want = unet(x, torch.tensor([500.0]), ctx)
+    assert torch.equal(got, want)

@@ -35,7 +35,7 @@ from ..config.t5 import T5Config
 from ..models.t5 import T5LayerFF
 from ..models.unet import TransformerBlock
 from .cpu import default_prepack
-from .packing import load_prepacked, prepack_available, prepack_model, release_packed
+from .packing import load_prepacked, prepack_available, prepack_model, release_packed, shape_pack_model, shape_packs
 from .subpixel import phase_upsample_model
 from .winograd import WinogradConv2d, release_workspace, winograd_available, winograd_model
 from .quant import check_quantize_supported, load_bf16_int8, quantize_model
@@ -417,6 +417,8 @@ class ModelManager:
             module = phase_upsample_model(module)
         if self.channels_last and name in ("unet", "vae"):
             module = channels_last(module)
+        if self.channels_last and name == "unet" and shape_packs(self.device, self.dtype_of(name)):
+            module = shape_pack_model(module)   # its bf16 1x1 convolutions' weights packed per input shape
         return self._kernels(name, module)
 
     def _phase_upsamples(self, dtype: torch.dtype) -> bool:
@@ -438,6 +440,8 @@ class ModelManager:
             module = prepack_model(module)
         if self.channels_last:
             module = channels_last(module)
+            if shape_packs(self.device, self.dtype_of("unet")):
+                module = shape_pack_model(module)
         return self._kernels("controlnet", module)
 
     def adapt_like_vae(self, module: nn.Module) -> nn.Module:
