@@ -247,7 +247,7 @@ def merge(module: nn.Module, loras: Sequence[tuple[LoraSource, Weight]], compone
     network that is discarded after use). ``spec``: the :class:`~sdlite.config.ModelSpec` of the model
     ``module`` belongs to, for the family checks (needed to merge an SDXL LoRA into SDXL's first text encoder).
     ``stored``: the network's weights as stored (key -> tensor), needed where touched layers are int8
-    (:func:`_merge_layer`)."""
+    (:func:`_requantize_layer`)."""
     loaded = [(_as_lora(source), weight) for source, weight in loras]
     if getattr(module, "_streamer", None) is not None:
         return apply_on_the_fly(module, loaded, component, spec=spec)
@@ -412,9 +412,9 @@ def engine_with_loras(engine, loras: Sequence[tuple[LoraSource, Weight]]):
 
     In memory mode 1 (every network resident) the merged layers of the last request with LoRAs stay in memory
     beside the originals after it (``manager.kept_loras``): the next request with the same files, unchanged, at the
-    same weights swaps them in again without reading or merging anything (a rank-64 LoRA of every SD 1.5 attention
-    and ResBlock layer: 1.3 s of merging in bf16, 2.1 s in bf16-int8, on 2 cores). Other LoRAs or weights drop
-    them first. Modes 0 and 2, which trade time for memory, keep nothing."""
+    same weights swaps them in again without reading or merging anything (``bench/lora.py``: a rank-8 LoCon of every
+    SD 1.5 attention and ResBlock layer takes 1.2 s of merging in bf16 and 3.1 s in bf16-int8 on one thread, and
+    3 ms kept). Other LoRAs or weights drop them first. Modes 0 and 2, which trade time for memory, keep nothing."""
     manager = engine.models
     key = _request_key(loras) if loras and manager.mode == 1 else None
     kept: _Kept | None = manager.kept_loras
