@@ -22,6 +22,7 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
+from sdlite.adapters.lora import engine_with_loras, find_lora
 from sdlite.server import create_app
 from sdlite.server.app import build_app
 from sdlite.server.backend import ServerBase
@@ -332,9 +333,16 @@ def test_listings_and_free(client):
     assert client.get("/models/loras").json() == []
     r = client.get("/models/nowhere")
     assert r.status_code == 404 and "nowhere" in r.json()["detail"]
+    server = client.app.state.server
+    assert server.jobs.wait_idle(WAIT_S)
+    engine = server.engines.loaded(server.checkpoints.current)
+    with engine_with_loras(engine, [(find_lora("demo_teal"), 1.0)]):   # kept after it (memory mode 1)
+        pass
+    assert engine.models.kept_loras is not None
     assert client.post("/free", json={"unload_models": True, "free_memory": True}).status_code == 200
     assert client.post("/free", json=[1]).status_code == 400
-    assert client.app.state.server.jobs.wait_idle(WAIT_S)
+    assert server.jobs.wait_idle(WAIT_S)
+    assert engine.models.kept_loras is None   # /free let go of the merged LoRA layers
 
 
 def test_web_page_start_up_routes(client, comfy_dir):

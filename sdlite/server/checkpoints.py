@@ -187,6 +187,13 @@ class Engines:
             engine = self._refiner[1]
         return engine
 
+    def forget_kept_loras(self) -> None:
+        """Every loaded engine (the refiner too) lets go of the merged LoRA layers it keeps for the next request with
+        the same LoRAs (:func:`sdlite.adapters.lora.engine_with_loras`): their memory is freed."""
+        engines = [*self._loaded.values(), *([self._refiner[1]] if self._refiner is not None else [])]
+        for engine in engines:
+            engine.models.kept_loras = None
+
     def refiner(self, checkpoint: Checkpoint):
         """The engine of ``checkpoint`` as an SDXL refiner: loaded on first use and kept, one refiner at a time (a
         request naming another refiner replaces it; the old one is dropped before the new one loads). It is kept

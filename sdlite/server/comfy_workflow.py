@@ -344,7 +344,9 @@ class Executor:
         return history
 
     def free(self, unload_models: bool, free_memory: bool) -> None:
-        """``POST /free``: either flag forgets the cached node outputs (the tensors they hold). The loaded models
-        stay: the server's engine cache keeps its ``sd_checkpoints_limit`` models and loads another on demand."""
+        """``POST /free``: either flag forgets the cached node outputs (the tensors they hold) and the merged LoRA
+        layers the engines keep for a next request with the same LoRAs. The loaded models stay: the server's engine
+        cache keeps its ``sd_checkpoints_limit`` models and loads another on demand."""
         if free_memory or unload_models:
             self._cache = {}
+            self.server.engines.forget_kept_loras()
