@@ -839,27 +839,31 @@ def test_refuses_unmatched_and_misshapen_layers(tiny, tiny_nets, tmp_path):
         L.merge(unet, [(f, 1.0)], "unet")
 
 
-@pytest.mark.parametrize("precision", ["int8", "bf16-int8"])
+@pytest.mark.parametrize("precision", ["int8", "bf16-int8", "int8-bf16"])
 def test_int8_layers_take_loras_quantized_again(tiny, tmp_path, precision):
     """An int8 precision's layers keep only their codes: a LoRA's layer is the file's weight (held in the model's
     dtype) plus the update, quantized again for the request. Each touched layer then computes, bit for bit, what the
-    layer of the float model with the LoRA merged, then quantized, computes; a GEGLU's split projection included. On
-    leaving, the original layer objects are back and the UNet's output is the one before. Without the stored weights,
-    merge() says it needs them."""
+    layer of the float model with the LoRA merged, then quantized, computes; a GEGLU's split projection included
+    (int8-bf16's bf16 convolutions merge as bf16 weights do: to bf16 rounding). On leaving, the original layer
+    objects are back and the UNet's output is the one before. Without the stored weights, merge() says it needs
+    them."""
     from sdlite.engine.precision import PrecisionError
-    from sdlite.engine.quant import Int8Conv2d, Int8Linear, quantize_model
+    from sdlite.engine.quant import BF16Conv2d, Int8Conv2d, Int8Linear, quantize_model
 
     _, folder, _, _, us, ts = tiny
     try:
         engine = Engine.load(folder, prepack=False, precision=precision)
     except PrecisionError:
-        assert precision == "bf16-int8"   # a CPU without native bf16 and VNNI (tests/test_precision.py checks why)
+        assert precision != "int8"   # a CPU without native bf16 (and VNNI): tests/test_precision.py checks why
         return
     unet = engine.models.get("unet")
-    chosen = targets(us, ("attn1.to_q", "ff.net.0.proj", "conv1", "conv2"))
-    chosen = {n: shape for n, shape in chosen.items() if isinstance(unet.get_submodule(n), (Int8Conv2d, Int8Linear))}
-    assert any(len(s) == 4 for s in chosen.values()) and any(n.endswith("ff.net.0.proj") for n in chosen)
-    f = write_kohya(tmp_path / "q.safetensors", random_factors(chosen, 4, 1), te=random_factors(targets(ts, TEXT), 4, 2),
+    touched = targets(us, ("attn1.to_q", "ff.net.0.proj", "conv1", "conv2"))
+    convs = {n: unet.get_submodule(n) for n in touched if isinstance(unet.get_submodule(n), BF16Conv2d)}
+    convs = {n: (layer, layer.weight) for n, layer in convs.items()}
+    chosen = {n: shape for n, shape in touched.items() if isinstance(unet.get_submodule(n), (Int8Conv2d, Int8Linear))}
+    assert any(n.endswith("ff.net.0.proj") for n in chosen)
+    assert any(len(s) == 4 for s in chosen.values()) or (precision == "int8-bf16" and convs)
+    f = write_kohya(tmp_path / "q.safetensors", random_factors(touched, 4, 1), te=random_factors(targets(ts, TEXT), 4, 2),
                     dtype=torch.float16)
     originals = {n: unet.get_submodule(n) for n in chosen}
     x, t, ctx = unet_inputs(unet.config)
@@ -868,10 +872,10 @@ def test_int8_layers_take_loras_quantized_again(tiny, tmp_path, precision):
     with torch.no_grad():
         plain = unet(x, t, ctx)
     ckpt = open_model(folder)
-    if precision == "int8":
+    if precision != "bf16-int8":
         reference = ckpt.load("unet")
         L.merge(reference, [(f, 1.0)], "unet", keep_originals=False)
-        reference = quantize_model(reference, "int8")
+        reference = quantize_model(reference, precision)
     else:
         reference = ckpt.load("unet", torch.bfloat16)
         L.merge(reference, [(f, 1.0)], "unet", keep_originals=False)
@@ -885,9 +889,13 @@ def test_int8_layers_take_loras_quantized_again(tiny, tmp_path, precision):
             probe = torch.randn((2, 3, shape[1]) if len(shape) == 2 else (1, shape[1], 6, 6), generator=g).to(dtype)
             with torch.no_grad():
                 assert torch.equal(layer(probe), want(probe)), name
+        for name, (layer, weight) in convs.items():   # merged into its bf16 weight: one bf16 step apart at most
+            got, want = layer.weight.float(), reference.get_submodule(name).weight.float()   # (rounded twice)
+            assert layer.weight is not weight and (got - want).abs().max() <= 2 ** -7 * want.abs().max(), name
         with torch.no_grad():
             assert (merged(x, t, ctx).float() - plain.float()).abs().max() > 1e-2   # the LoRA reached the output
     assert all(unet.get_submodule(n) is layer for n, layer in originals.items())
+    assert all(layer.weight is weight for layer, weight in convs.values())
     with torch.no_grad():
         assert torch.equal(unet(x, t, ctx), plain)
     with pytest.raises(L.LoraError, match=r"q\.safetensors: .* is quantized \(Int8(Linear|Conv2d)\) .*stored weights"):

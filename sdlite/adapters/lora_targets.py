@@ -19,7 +19,7 @@ from torch import nn
 
 from ..engine.lowbit import LowBitLinear
 from ..engine.packing import PackedConv2d, PackedLinear
-from ..engine.quant import Int8Conv2d, Int8Linear
+from ..engine.quant import BF16Conv2d, BF16Linear, Int8Conv2d, Int8Linear
 from ..errors import SDLiteError
 from .lora_keys import (
     _CROSS_ATTENTION_FAMILY,
@@ -32,7 +32,7 @@ from .lora_keys import (
     _listing,
 )
 
-_DENSE = (nn.Linear, nn.Conv2d)
+_DENSE = (nn.Linear, nn.Conv2d, BF16Linear, BF16Conv2d)   # a float weight of their own
 
 # a model's family (ModelSpec.family, "-inpaint" removed) as messages name it
 _SPEC_FAMILY = {"sd1": "SD 1.x", "sd2": "SD 2.x", "sdxl": "SDXL", "sdxl-refiner": "the SDXL refiner", "sd3": "SD3",
