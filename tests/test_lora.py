@@ -863,8 +863,8 @@ def test_int8_layers_take_loras_quantized_again(tiny, tmp_path, precision):
     chosen = {n: shape for n, shape in touched.items() if isinstance(unet.get_submodule(n), (Int8Conv2d, Int8Linear))}
     assert any(n.endswith("ff.net.0.proj") for n in chosen)
     assert any(len(s) == 4 for s in chosen.values()) or (precision == "int8-bf16" and convs)
-    f = write_kohya(tmp_path / "q.safetensors", random_factors(touched, 4, 1), te=random_factors(targets(ts, TEXT), 4, 2),
-                    dtype=torch.float16)
+    f = write_kohya(tmp_path / "q.safetensors", random_factors(touched, 4, 1),
+                    te=random_factors(targets(ts, TEXT), 4, 2), dtype=torch.float16)
     originals = {n: unet.get_submodule(n) for n in chosen}
     x, t, ctx = unet_inputs(unet.config)
     dtype = next(unet.parameters()).dtype

@@ -37,7 +37,8 @@ and elsewhere a short measurement, cached per CPU, torch version and thread coun
 ``prepack=False`` and ``prepack=True`` override it.
 
 The results equal the plain layers' to fp32 rounding (a different summation order: about 1e-6 relative).
-Only fp32 on the CPU is prepacked; other dtypes and devices are left as they are.
+Only fp32 on the CPU is prepacked so; other dtypes and devices are left as they are, but for the bf16 precisions'
+1x1 convolutions (:class:`ShapePackedConv2d`): their weights packed per input shape, the same bits as plain.
 """
 from __future__ import annotations
 
