@@ -169,10 +169,10 @@ class ShapePackedConv2d(nn.Conv2d):
     Given the plain weight, oneDNN reorders it at each call (SD 1.5's 1280x1280 at 16x16: 0.29 ms of a 1.1 ms
     convolution; about 9 ms of a 512^2 UNet call, a 2-core AMD EPYC); a weight packed for no input shape is worse
     still (a generic reorder at every call: 39 ms). Packed for the input's shape, the convolution runs as it is (0.87
-    ms) and gives the same bits. The last :data:`SHAPE_PACKS` shapes' packs are kept (SD 1.5's 1x1 weights: 66 MB
-    in bf16 each). The weight stays the layer's parameter, as a plain Conv2d's: a LoRA merges into it, and a weight
-    that is not the one packed (another tensor, or changed in place) drops the packs. Other inputs (another dtype or
-    layout, autograd, torch.compile's tracing) take ``nn.Conv2d``'s own path."""
+    ms) and gives the same bits. The last :data:`SHAPE_PACKS` shapes' packs are kept (SD 1.5's 1x1 weights: 96 MB
+    in bf16, packed once for each shape kept). The weight stays the layer's parameter, as a plain Conv2d's: a LoRA
+    merges into it, and a weight that is not the one packed (another tensor, or changed in place) drops the packs.
+    Other inputs (another dtype or layout, autograd, torch.compile's tracing) take ``nn.Conv2d``'s own path."""
 
     @classmethod
     def convert(cls, conv: nn.Conv2d) -> "ShapePackedConv2d":
