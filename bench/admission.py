@@ -32,7 +32,8 @@ def measure(model: str, width: int, height: int, batch: int, mode: int = 1, step
     request = Request("a red circle on a blue background", width=width, height=height, batch_size=batch,
                       steps=steps, seed=1, cfg_scale=7.0, sampler="euler")
     engine.generate(request.replace(width=64, height=64, batch_size=1, steps=1))   # builds every network
-    estimate = budget.estimate(engine, validate(request, engine.spec.default_size))
+    sized = validate(request, engine.spec.default_size)
+    estimate = budget.estimate(engine, sized.height, sized.width, sized.batch_size, cfg=sized.cfg_scale > 1.0)
     trim_heap()
     base = budget.process_rss()
     peak, stop = [base], threading.Event()

@@ -27,7 +27,16 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("families", ("sdlite.families", "sdlite.conditioning")),
     ("upscaling", ("sdlite.upscalers.registry", "sdlite.upscalers.x4", "sdlite.upscalers.extras")),
     ("pipeline", ("sdlite.pipeline",)),
-    ("front-ends", ("sdlite.cli", "sdlite.server", "sdlite.scale", "sdlite.demo", "sdlite.__main__")),
+    ("demo", ("sdlite.demo",)),   # the shipped demo model: its file, data and classifier (the server's default model)
+    # the server's shared parts, then the protocols over them (docs/architecture.md, "The server"): A1111's contract
+    # (its schemas and the plan an A1111, OpenAI or MCP request becomes) sits under the backend that runs the plans;
+    # the protocols' routes sit on the backend; the app (the package's __init__ and app.py) assembles them
+    ("server", ("sdlite.server.http", "sdlite.server.jobs", "sdlite.server.limits", "sdlite.server.decode",
+                "sdlite.server.checkpoints")),
+    ("a1111 contract", ("sdlite.server.a1111",)),
+    ("backend", ("sdlite.server.backend",)),
+    ("protocols", ("sdlite.server.a1111.routes", "sdlite.server.comfy", "sdlite.server.openai", "sdlite.server.mcp")),
+    ("front-ends", ("sdlite.cli", "sdlite.server", "sdlite.scale", "sdlite.__main__")),
 ]
 MAX_LINES = 900
 

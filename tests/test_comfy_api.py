@@ -1,5 +1,5 @@
-"""ComfyUI's HTTP API and websocket on `sdlite serve` (sdlite/server/comfy_routes.py, comfy_queue.py,
-comfy_frontend.py) through FastAPI's TestClient, with real workflows on the shipped demo model (64x64, a few steps)
+"""ComfyUI's HTTP API and websocket on `sdlite serve` (sdlite/server/comfy/routes.py, queue.py,
+frontend.py) through FastAPI's TestClient, with real workflows on the shipped demo model (64x64, a few steps)
 run by the ComfyUI executor in the server's one job queue.
 
 Checked: the websocket's event sequence of a real prompt (status, execution_start, execution_cached, executing,

@@ -1,5 +1,5 @@
 """ComfyUI's area conditioning on the demo model (sdlite/sampling/regions.py, the ConditioningSetArea nodes of
-sdlite/server/comfy_nodes.py): the feathered weights against ComfyUI's published formula written out here, a run
+sdlite/server/comfy/nodes.py): the feathered weights against ComfyUI's published formula written out here, a run
 with a whole-image prompt and areas against a computation by hand (the engine's denoiser on each crop, weighted,
 guided, two Euler steps from the same noise), a workflow giving that run's image, strength 0, and the errors."""
 from __future__ import annotations

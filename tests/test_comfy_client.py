@@ -175,7 +175,7 @@ def test_lora_workflow_equals_the_engine(api, engine):
 
 def test_controlnet_workflow_equals_the_engine(api, engine, source):
     from sdlite.control import ControlUnit
-    from sdlite.server.controlnet import ControlNets
+    from sdlite.server.a1111.controlnet import ControlNets
 
     uploaded = api.upload_image(source / "src.png", subfolder="client")
     name = f"{uploaded['subfolder']}/{uploaded['name']}"
@@ -198,7 +198,7 @@ def test_controlnet_workflow_equals_the_engine(api, engine, source):
 def _engine_from_latents(engine, latents, mask=None, denoise=1.0, **fields) -> np.ndarray:
     """sdlite's engine sampling given latents as ComfyUI's KSampler does, decoded as VAEDecode + SaveImage."""
     from sdlite.pipeline.latents import LatentRun
-    from sdlite.server import comfy_images
+    from sdlite.server.comfy import images as comfy_images
 
     result = engine.sample_latents(request(**fields), LatentRun(latents, mask=mask, denoise=denoise))
     return np.asarray(comfy_images.to_pil(comfy_images.decoded_to_image(engine.decode_scaled(result.latents)))[0])

@@ -1,4 +1,4 @@
-"""ComfyUI's separate-file loaders (sdlite/server/comfy_loaders.py) on a tiny FLUX.1 dev written as the files ComfyUI
+"""ComfyUI's separate-file loaders (sdlite/server/comfy/loaders.py) on a tiny FLUX.1 dev written as the files ComfyUI
 users have (BFL's transformer in diffusion_models/, clip_l and T5 in text_encoders/, ae in vae/): UNETLoader +
 DualCLIPLoader(flux) + VAELoader, and city96's GGUF loaders, give sdlite's own image of those files
 (Engine.generate(noise="comfy")); UNETLoader's fp8 weight_dtype gives the image of the transformer file whose Linear
@@ -18,7 +18,7 @@ from sdlite.demo import model_path
 from sdlite.loader import open_model
 from sdlite.pipeline import Engine, Request
 from sdlite.server.backend import Server
-from sdlite.server.comfy_workflow import ComfyDirs, Executor, PromptError, object_info, validate
+from sdlite.server.comfy.workflow import ComfyDirs, Executor, PromptError, object_info, validate
 from tests.test_comfy_workflow import Control, txt2img
 from tests.test_flux_files import TEXT_L, TRANSFORMER, _parts, _write_gguf
 from tests.test_flux_pipeline import SIZE, _pipeline
@@ -114,7 +114,7 @@ def test_the_folders_make_the_combo_lists(env):
         "clip_l.safetensors", "not_a_text_encoder.safetensors", "t5-Q8.gguf", "t5xxl_fp16.safetensors"]
     assert "flux" in info["DualCLIPLoader"]["input"]["required"]["type"][0]
     assert info["VAELoader"]["input"]["required"]["vae_name"][0] == ["ae.safetensors", "demo_vae.safetensors"]
-    from sdlite.server.comfy_routes import _models   # GET /models/{folder}
+    from sdlite.server.comfy.routes import _models   # GET /models/{folder}
 
     assert _models(env[0], "unet") == ["flux1-dev-Q8.gguf", "flux1-dev.safetensors"]
     assert _models(env[0], "vae") == ["ae.safetensors", "demo_vae.safetensors"]
@@ -357,8 +357,8 @@ def test_model_sampling_flux_shifts_the_sampler_and_loads_no_engine_of_its_own(e
     """ModelSamplingFlux after a UNETLoader: the sampler runs ComfyUI's flow table at the node's mu (the image of
     sdlite's engine sampling at that shift), and no engine of the bare transformer file is loaded for the node."""
     from sdlite.pipeline.latents import LatentRun
-    from sdlite.server import comfy_images
-    from sdlite.server.comfy_nodes import flux_shift
+    from sdlite.server.comfy import images as comfy_images
+    from sdlite.server.comfy.nodes import flux_shift
 
     engines = env[0].engines
     asked, get = [], engines.get

@@ -1,4 +1,4 @@
-"""ComfyUI API workflows on the demo model (sdlite/server/comfy_workflow.py, comfy_nodes.py): the node catalog,
+"""ComfyUI API workflows on the demo model (sdlite/server/comfy/workflow.py, nodes.py): the node catalog,
 validation with ComfyUI's error shapes, execution (text to image bit-equal to Engine.generate(noise="comfy"), LoRA, ControlNet,
 image to image, inpainting, hires, KSamplerAdvanced's split run, model upscaling), the output cache, saving, interrupts,
 and ComfyUI's schedulers against an independent computation of its published formulas."""
@@ -19,7 +19,7 @@ from sdlite.pipeline import validate as validate_request
 from sdlite.pipeline.latents import LatentRun
 from sdlite.sampling.comfy import comfy_sigmas
 from sdlite.server.backend import Server
-from sdlite.server.comfy_workflow import ComfyDirs, Executor, Interrupted, PromptError, object_info, validate
+from sdlite.server.comfy.workflow import ComfyDirs, Executor, Interrupted, PromptError, object_info, validate
 
 SIZE = 64
 STEPS = 3
@@ -554,7 +554,7 @@ def test_beta_scheduler_uses_the_beta_quantiles(env):
 
 
 def test_load_image_gives_frames_as_a_batch_and_alpha_as_the_mask(tmp_path):
-    from sdlite.server.comfy_images import ImageFileError, load_image, load_mask
+    from sdlite.server.comfy.images import ImageFileError, load_image, load_mask
 
     frames = [Image.new("RGB", (16, 8), (i * 50, 0, 0)) for i in range(3)]
     frames[0].save(tmp_path / "anim.gif", save_all=True, append_images=frames[1:])

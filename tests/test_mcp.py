@@ -328,7 +328,8 @@ def test_a_shutdown_waits_for_the_posts_being_answered():
     its answer; a GET (the server's stream, open until the end) is not waited for. A call's tool returns before its
     answer is written (it still passes through the SDK's tasks to the POST's SSE stream): a shutdown that ended the
     streams at that point lost the answer about once in 5."""
-    from sdlite.server import create_app, mcp_server
+    from sdlite.server import create_app
+    from sdlite.server.mcp import server as mcp_server
 
     app = create_app(preload=False)
     endpoint = app.state.mcp

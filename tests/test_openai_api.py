@@ -27,7 +27,7 @@ from sdlite.demo import model_path
 from sdlite.pipeline import Engine, Request
 from sdlite.server import create_app
 from sdlite.server.limits import Limits
-from sdlite.server.openai_routes import ImageStore
+from sdlite.server.openai import ImageStore
 from tests import loopback
 
 KEY = "sk-test-0123456789"

@@ -19,7 +19,7 @@ from sdlite.control.apply import legacy_hash
 from sdlite.demo import model_path
 from sdlite.pipeline import Engine, Request
 from sdlite.server.app import create_app
-from sdlite.server.controlnet import ControlNets
+from sdlite.server.a1111.controlnet import ControlNets
 from sdlite.server.limits import Limits
 from tests import demo_controlnet as D
 from tests.test_server_api import assert_error, b64png, decode, pixels

@@ -148,7 +148,9 @@ def test_job_timeout_returns_the_partial_image_with_a_warning():
 
 def test_admission_refuses_what_does_not_fit_now_or_ever(engine):
     request = Request(PROMPT, width=512, height=512, batch_size=2, cfg_scale=7.0)
-    need = budget.estimate(engine, validate(request, 64)).peak
+    sized = validate(request, 64)
+    need = budget.estimate(engine, sized.height, sized.width, sized.batch_size, cfg=sized.cfg_scale > 1.0,
+                           encode=sized.init_image is not None).peak
     limits = Limits(memory_margin_mb=100)
     plenty = budget.Memory(available=need + 200 * MB, total=need + 4000 * MB)
     assert admit(engine, request, limits, memory=plenty, rss=1000 * MB).peak == need
@@ -205,7 +207,7 @@ def test_a_batch_in_pieces_gives_each_piece_sized_batch_bit_for_bit(engine):
     try:
         engine.unet_piece_bytes = 2 * budget.unet_call_bytes(engine, 2, 64) - 2 * budget.UNET_FIXED
         engine.decode_piece_bytes = 1
-        assert budget.pieces(engine, validate(r, 64)) == (2, 1)
+        assert budget.pieces(engine, 64, 64, 4, cfg=True) == (2, 1)
         pieced = engine.generate(r)
         halves = [engine.generate(r.replace(seed=10 + 2 * k, batch_size=2)) for k in range(2)]
     finally:
@@ -218,12 +220,10 @@ def test_a_batch_in_pieces_gives_each_piece_sized_batch_bit_for_bit(engine):
 
 
 def test_pieces_follow_the_size_not_the_free_memory(engine):
-    small = validate(Request(PROMPT, width=64, height=64, batch_size=16), 64)
-    assert budget.pieces(engine, small) == (16, 16)      # the demo's usual requests: one call, as before
-    big = validate(Request(PROMPT, width=2048, height=2048, batch_size=4), 64)
-    unet_piece, decode_piece = budget.pieces(engine, big)
+    assert budget.pieces(engine, 64, 64, 16) == (16, 16)      # the demo's usual requests: one call, as before
+    unet_piece, decode_piece = budget.pieces(engine, 2048, 2048, 4)
     assert 1 <= unet_piece < 4 and decode_piece < 4
-    est = budget.estimate(engine, big)
+    est = budget.estimate(engine, 2048, 2048, 4)
     assert (est.unet_piece, est.decode_piece) == (unet_piece, decode_piece)
     whole_batch_unet = budget.unet_call_bytes(engine, 2 * 4, 256 * 256)
     assert est.phases["sampling"] < whole_batch_unet

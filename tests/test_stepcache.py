@@ -238,7 +238,7 @@ def test_the_engine_refuses_what_it_cannot_cache(engine, monkeypatch):
 def test_the_front_ends_take_the_cache():
     from sdlite.cli import build_parser
     from sdlite.cli.generate import _cache_option
-    from sdlite.server.a1111 import Txt2ImgRequest, build_plan, default_options
+    from sdlite.server.a1111.api import Txt2ImgRequest, build_plan, default_options
 
     args = build_parser().parse_args(["generate", "x", "--cache"])
     assert _cache_option(args.cache) == {"cache_interval": 3, "cache_branch": 0}

@@ -21,7 +21,7 @@ def cmd_mcp(args) -> int:
 
     from ..server.backend import Server
     from ..server.limits import Limits, parse_size
-    from ..server.mcp_server import serve_stdio
+    from ..server.mcp.server import serve_stdio
 
     for option, path in (("--model", args.model), ("--models-dir", args.models_dir), ("--lora-dir", args.lora_dir),
                          ("--embeddings", args.embeddings), ("--upscaler-dir", args.upscaler_dir)):

@@ -123,7 +123,7 @@ def _drain(app, jobs, grace: float) -> str:
     """A SIGTERM's drain: the running job finishes (or is interrupted after ``grace``), then the MCP calls being
     answered are answered (their answers pass through the MCP SDK's tasks after the job) before uvicorn closes the
     connections. Returns the job's outcome (:data:`SHUTDOWN_OUTCOMES`)."""
-    from ..server import mcp_server
+    from ..server.mcp import server as mcp_server
 
     outcome = jobs.drain(grace)
     mcp_server.wait_answered(app)

@@ -129,42 +129,46 @@ def vae_call_bytes(engine, images: int, height: int, width: int, tile: int) -> i
     return fixed + images * _vae_image_bytes(engine, height, width, tile)
 
 
-def pieces(engine, request) -> tuple[int, int]:
-    """(images per UNet call, images per decoder call) for ``request`` (validated: width and height known)."""
+def pieces(engine, height: int, width: int, batch_size: int, cfg: bool = True) -> tuple[int, int]:
+    """(images per UNet call, images per decoder call) for a batch of ``batch_size`` images of ``height`` x ``width``
+    pixels; ``cfg``: each image is two rows of the UNet's batch (classifier-free guidance)."""
     device = getattr(engine, "device", None)
     kind = getattr(device, "type", "cpu")
     unet_cap = getattr(engine, "unet_piece_bytes", None) or UNET_PIECE_BYTES.get(kind, UNET_PIECE_BYTES["cpu"])
     decode_cap = getattr(engine, "decode_piece_bytes", None) or DECODE_PIECE_BYTES.get(kind, DECODE_PIECE_BYTES["cpu"])
     scale = engine.spec.vae.downscale
-    latent_pixels = (request.height // scale) * (request.width // scale)
-    per_image = _unet_rows_bytes(engine, 2 if request.cfg_scale > 1.0 else 1, latent_pixels)
-    unet_piece = max(1, min(request.batch_size, unet_cap // max(per_image, 1)))
-    tile = engine.decode_tile(request.height // scale, request.width // scale)
-    one = _vae_image_bytes(engine, request.height, request.width, tile)
-    decode_piece = max(1, min(request.batch_size, decode_cap // max(one, 1)))
+    latent_pixels = (height // scale) * (width // scale)
+    per_image = _unet_rows_bytes(engine, 2 if cfg else 1, latent_pixels)
+    unet_piece = max(1, min(batch_size, unet_cap // max(per_image, 1)))
+    tile = engine.decode_tile(height // scale, width // scale)
+    one = _vae_image_bytes(engine, height, width, tile)
+    decode_piece = max(1, min(batch_size, decode_cap // max(one, 1)))
     return int(unet_piece), int(decode_piece)
 
 
-def estimate(engine, request) -> Estimate:
-    """The peak memory ``request`` (validated: width and height known) needs above what ``engine`` holds now."""
-    unet_piece, decode_piece = pieces(engine, request)
+def estimate(engine, height: int, width: int, batch_size: int, cfg: bool = True, *, encode: bool = False,
+             refiner: bool = False) -> Estimate:
+    """The peak memory a generation needs above what ``engine`` holds now: ``batch_size`` images of ``height`` x
+    ``width`` pixels, ``cfg`` as :func:`pieces` takes it; ``encode``: an init image is encoded first (image to image,
+    inpainting); ``refiner``: the engine's refiner takes the latents over."""
+    unet_piece, decode_piece = pieces(engine, height, width, batch_size, cfg)
     scale = engine.spec.vae.downscale
-    latent_pixels = (request.height // scale) * (request.width // scale)
-    rows = (2 if request.cfg_scale > 1.0 else 1) * unet_piece
+    latent_pixels = (height // scale) * (width // scale)
+    rows = (2 if cfg else 1) * unet_piece
     phases = {}
     text = sum(_to_load(engine, name) for name in engine.spec.text_encoders)
     phases["text"] = text + TEXT_ACTIVATIONS
-    tile = engine.decode_tile(request.height // scale, request.width // scale)
+    tile = engine.decode_tile(height // scale, width // scale)
     vae_load = _to_load(engine, "vae")
-    if request.init_image is not None:
-        phases["encode"] = vae_load + vae_call_bytes(engine, 1, request.height, request.width, 0)
+    if encode:
+        phases["encode"] = vae_load + vae_call_bytes(engine, 1, height, width, 0)
     phases["sampling"] = _to_load(engine, engine.spec.denoiser) + unet_call_bytes(engine, rows, latent_pixels)
     # the decode's output (B, 3, H, W) in fp32 and the images, beside the decoder's temporaries
-    images = request.batch_size * request.height * request.width * (3 * 4 + 3)
-    phases["decode"] = vae_load + vae_call_bytes(engine, decode_piece, request.height, request.width, tile) + images
-    refiner = getattr(engine, "refiner", None)
-    if request.refiner_switch_at is not None and refiner is not None and refiner is not engine:
-        phases["refiner"] = _to_load(refiner, refiner.spec.denoiser) + unet_call_bytes(refiner, rows, latent_pixels)
+    images = batch_size * height * width * (3 * 4 + 3)
+    phases["decode"] = vae_load + vae_call_bytes(engine, decode_piece, height, width, tile) + images
+    other = getattr(engine, "refiner", None)
+    if refiner and other is not None and other is not engine:
+        phases["refiner"] = _to_load(other, other.spec.denoiser) + unet_call_bytes(other, rows, latent_pixels)
     return Estimate(phases, unet_piece, decode_piece)
 
 

@@ -61,11 +61,12 @@ def parse(text: str) -> tuple[int, int]:
     return parsed
 
 
-def cache_infotext(r) -> dict:
-    """The A1111-style parameter a request's step cache adds to its images' infotext (none when it is off)."""
-    if not r.cache_interval:
+def cache_infotext(interval: int | None, branch: int | None) -> dict:
+    """The A1111-style parameter a step cache of ``interval`` and ``branch`` (a request's ``cache_interval`` and
+    ``cache_branch``) adds to its images' infotext (none when it is off: no interval)."""
+    if not interval:
         return {}
-    return {"Step cache": f"DeepCache interval {r.cache_interval} branch {r.cache_branch}"}
+    return {"Step cache": f"DeepCache interval {interval} branch {branch}"}
 
 
 def branches(unet) -> int:

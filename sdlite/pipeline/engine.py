@@ -207,7 +207,7 @@ class Engine(LoadedModel):
         if self.vae_decoder is not None:
             result.infotext["VAE decoder"] = self.vae_decoder.name
         result.warnings += ignored
-        result.infotext.update(cache_infotext(r))
+        result.infotext.update(cache_infotext(r.cache_interval, r.cache_branch))
         return result
 
     # -- what a run uses: a source image, ControlNets, LoRAs and embeddings, a hires checkpoint ---------------
@@ -286,7 +286,7 @@ class Engine(LoadedModel):
         stages = [st for st in stages if st.end > st.start]
 
         # a large batch runs in pieces (sdlite.engine.budget.pieces: fixed by the model, request and device)
-        unet_piece, decode_piece = budget.pieces(self, r)
+        unet_piece, decode_piece = budget.pieces(self, r.height, r.width, r.batch_size, cfg=r.cfg_scale > 1.0)
         done = [0]  # sampler steps completed, over all stages
         interrupted = False
         for st in stages:

@@ -1,5 +1,5 @@
 """Sampling from given latents with ComfyUI's KSampler conventions: the run behind ``Request(noise="comfy")`` and
-behind a ComfyUI workflow's KSampler / KSamplerAdvanced nodes (:mod:`sdlite.server.comfy_workflow`).
+behind a ComfyUI workflow's KSampler / KSamplerAdvanced nodes (:mod:`sdlite.server.comfy.workflow`).
 
 What differs from the A1111 loop of :meth:`Engine.run_pass <sdlite.pipeline.engine.Engine.run_pass>` is ComfyUI's
 (:mod:`sdlite.sampling.comfy`): the sigmas come from ComfyUI's scheduler formulas, cut by KSampler's ``denoise`` or
@@ -178,7 +178,7 @@ def run_latents(engine, r: Request, run: LatentRun, callback=None, on_latents=No
         use_cfg = r.cfg_scale > 1.0
         steps = len(sigmas) - 1
         controls = engine.prepare_controls(r, r.width, r.height)
-        unet_piece, _ = budget.pieces(engine, r)
+        unet_piece, _ = budget.pieces(engine, r.height, r.width, r.batch_size, cfg=use_cfg)
         parts = _parts(run, schedule, controls, tuple(latent.shape))
         with networks.applied(engine):
             conds = [engine.conditioning(r.replace(prompt=networks.prompt, negative_prompt=networks.negative),
@@ -244,7 +244,8 @@ def run_latents(engine, r: Request, run: LatentRun, callback=None, on_latents=No
     images = []
     if decode:
         engine.release_before_decode()
-        images = latents_to_images(engine.decode_scaled(latents, piece=budget.pieces(engine, r)[1]))
+        piece = budget.pieces(engine, r.height, r.width, r.batch_size, cfg=r.cfg_scale > 1.0)[1]
+        images = latents_to_images(engine.decode_scaled(latents, piece=piece))
     t3 = time.perf_counter()
     seeds = [r.seed] * latents.shape[0]
     return Result(images=images, seeds=seeds, request=r, latents=latents, warnings=warnings,

@@ -11,7 +11,7 @@ plus an optional ``"id"`` (letters, digits, ``.``, ``_``, ``-``; default: the li
 only the fields both share (``prompt``, ``seed``, ``steps``, ``cfg_scale``, ``width`` ...) is read as txt2img; a
 line that mixes the two vocabularies is refused, naming the fields. Every line is checked before anything runs.
 ControlNet units come in either vocabulary: A1111's ``alwayson_scripts`` ``{"controlnet": {"args": [unit, ...]}}``
-(the extension's fields, base64 images; :mod:`sdlite.server.controlnet`) or the Request's ``controls``, a list of
+(the extension's fields, base64 images; :mod:`sdlite.server.a1111.controlnet`) or the Request's ``controls``, a list of
 :class:`~sdlite.control.ControlUnit` field objects (image and mask paths). A unit's model is a path or a name of
 ``controlnet_dir`` (:func:`run_batch`).
 
@@ -152,7 +152,7 @@ class Job:
 
 def _vocabularies():
     from ..pipeline import Request
-    from ..server.a1111 import Txt2ImgRequest
+    from ..server.a1111.api import Txt2ImgRequest
 
     request_fields = {f.name for f in fields(Request)}
     api_fields = set(Txt2ImgRequest.model_fields)
@@ -163,7 +163,7 @@ def _parse_line(obj: dict, where: str, options: dict) -> tuple[str, list]:
     from pydantic import ValidationError
 
     from ..pipeline import MAX_SEED, Request, RequestError, validate
-    from ..server import a1111
+    from ..server.a1111 import api as a1111
 
     request_fields, api_fields = _vocabularies()
     keys = set(obj)
@@ -225,7 +225,7 @@ def _parse_line(obj: dict, where: str, options: dict) -> tuple[str, list]:
 def _controlnets(options: dict):
     """The ControlNet models jobs name (``controlnet_dir``; a path names one too: the job file is the user's own),
     read once for the file."""
-    from ..server.controlnet import ControlNets
+    from ..server.a1111.controlnet import ControlNets
 
     if options.get("controlnets") is None:
         options["controlnets"] = ControlNets(options.get("controlnet_dir"), allow_paths=True)

@@ -7,7 +7,7 @@ runs on a Generator replica, and its events come back as a stream.
                      then ("end", outputs, error, interrupted)
     ingress:         PromptQueue.run turns the events into /ws messages and the /history entry, as in one process
 
-:class:`ClusterPrompts` is the ingress's :class:`~sdlite.server.comfy_queue.PromptQueue`: it keeps the queue, the
+:class:`ClusterPrompts` is the ingress's :class:`~sdlite.server.comfy.queue.PromptQueue`: it keeps the queue, the
 history and the websocket hub of the single-machine server and sends each prompt's execution to the cluster
 (:class:`_ClusterQueue` in place of the in-process job queue). :class:`ReplicaPrompts` runs them in a replica.
 
@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 import ray
 
 from ..server.backend import ServerBase
-from ..server.comfy_queue import PromptError, PromptQueue, preview_method
-from ..server.comfy_workflow import ComfyDirs, Executor
+from ..server.comfy.queue import PromptError, PromptQueue, preview_method
+from ..server.comfy.workflow import ComfyDirs, Executor
 from ..server.jobs import QueueFull, ShuttingDown
 from .cluster import ClusterConfig
 

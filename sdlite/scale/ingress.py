@@ -14,7 +14,7 @@ from typing import Any
 
 import ray
 
-from ..server import a1111
+from ..server.a1111 import api as a1111
 from ..server.app import build_app
 from ..server.backend import ServerBase
 from ..server.checkpoints import Checkpoint

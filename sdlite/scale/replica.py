@@ -11,7 +11,7 @@ import time
 import ray
 from ray import serve
 
-from ..server import a1111
+from ..server.a1111 import api as a1111
 from ..server.backend import run_plan
 from ..server.checkpoints import Checkpoint, Checkpoints, Engines
 from .cluster import ClusterConfig, ensure_jobs_actor

@@ -6,9 +6,10 @@
 :func:`build_app` makes the same app over any :class:`~.backend.ServerBase`: :class:`~.backend.Server` runs the jobs
 in this process, :mod:`sdlite.scale.ray_serve` on Ray Serve replicas (``sdlite serve --ray``); both run a request
 with :func:`~.backend.run_plan`. The app starts and stops the server with itself, and wraps every route in what
-:mod:`.http` holds (the error JSON, auth, the body cap, strict JSON). The routes are the front-ends': AUTOMATIC1111's
-``/sdapi/v1`` and ``/controlnet`` (:mod:`.a1111_routes`), which translate (:mod:`.a1111`) and queue (:mod:`.jobs`);
-the engine runs in the queue's worker thread only.
+:mod:`.http` holds (the error JSON, auth, the body cap, strict JSON). The routes are the protocols': AUTOMATIC1111's
+``/sdapi/v1`` and ``/controlnet`` (:mod:`.a1111.routes`, translating with :mod:`.a1111.api`), OpenAI's
+(:mod:`.openai`), MCP's (:mod:`.mcp.server`) and ComfyUI's (:mod:`.comfy.routes`), which all queue their jobs in
+:mod:`.jobs`; the engine runs in the queue's worker thread only.
 
 The names the server's callers import from here (``create_app``, ``build_app``, ``ServerBase``, ``Server``,
 ``run_plan``, ``parse_auth`` ...) stay importable from here.
@@ -23,7 +24,10 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from .. import __version__
-from . import a1111_routes, comfy_routes, mcp_server, openai_routes
+from . import openai
+from .a1111 import routes as a1111_routes
+from .comfy import routes as comfy_routes
+from .mcp import server as mcp_server
 from .backend import (DISCONNECT_POLL_S, NO_TAESD_WARNING, STOP_WAIT_S, Server, ServerBase, run_plan,
                       stop_warning)
 from .checkpoints import Checkpoint, Checkpoints, Engines
@@ -52,7 +56,7 @@ def create_app(model=None, models_dir=None, api_auth: str | None = None, queue_s
     503; ``preload``: load the model when the app starts (in the queue, so that the API answers meanwhile);
     ``limits``: what one request may ask for, the job time limit and the shutdown grace (:class:`.limits.Limits`;
     default: its defaults); ``upscaler_dir``: upscaler networks for the hires fix and the extras;
-    ``controlnet_dir``: ControlNet models for the units of ``alwayson_scripts`` (:mod:`.controlnet`); ``api_key``:
+    ``controlnet_dir``: ControlNet models for the units of ``alwayson_scripts`` (:mod:`.a1111.controlnet`); ``api_key``:
     a key every API route also takes as ``Authorization: Bearer KEY`` (OpenAI's clients send it); ``comfy_dir``:
     ComfyUI's input/output/temp/user folders (default: ``comfyui`` in sdlite's cache folder); ``vae_dir``: VAE files
     a request may take in place of the model's own (``sd_vae``, Forge's ``forge_additional_modules``)."""
@@ -86,7 +90,7 @@ def build_app(server: ServerBase) -> FastAPI:
     # on every front-end's routes: HTTP Basic (--api-auth) and/or a Bearer key (--api-key)
     dependencies = [Depends(auth_dependency(server))] if server.credentials or server.api_key else []
     a1111_routes.add_routes(app, server, dependencies)
-    openai_routes.add_routes(app, server, dependencies)
+    openai.add_routes(app, server, dependencies)
     mcp_server.add_routes(app, server, dependencies)
     comfy_routes.add_routes(app, server, dependencies)   # ComfyUI's API, /ws and its web page at /comfy/
 

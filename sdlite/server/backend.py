@@ -11,6 +11,7 @@ import asyncio
 import base64
 import datetime
 import logging
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -21,9 +22,9 @@ from starlette.concurrency import run_in_threadpool
 from ..hires import second_pass_steps
 from ..images import parameters_of, png_bytes
 from ..pipeline import RequestError
-from . import a1111
+from .a1111 import api as a1111
 from .checkpoints import Checkpoint, Checkpoints, Engines
-from .controlnet import ControlNets
+from .a1111.controlnet import ControlNets
 from .http import MAX_BODY_BYTES, parse_auth
 from .jobs import JobControl, Jobs, ShuttingDown
 from .limits import Limits, admit, check_hires_size, check_size
@@ -51,7 +52,7 @@ class ServerBase:
         self._options_lock = threading.Lock()
         self.credentials = parse_auth(api_auth) if api_auth else None
         self.api_key = api_key or None   # --api-key: "Authorization: Bearer KEY" (http.auth_dependency)
-        self.comfy_dir = comfy_dir       # --comfy-dir: ComfyUI's input/output/temp/user folders (.comfy_routes)
+        self.comfy_dir = comfy_dir       # --comfy-dir: ComfyUI's input/output/temp/user folders (.comfy.routes)
         self.lora_dir, self.embeddings_dir = lora_dir, embeddings_dir
         self.upscaler_dir = upscaler_dir   # upscaler networks by name (hires fix, extras)
         self.vae_dir = vae_dir             # VAE files by name (sd_vae, Forge's additional modules)
@@ -371,3 +372,38 @@ def _attach_refiner(engines: Engines, engine, checkpoint: Checkpoint, plan: a111
         raise RequestError(f"refiner_checkpoint {target.name!r} cannot refine {checkpoint.name!r}: {e}") from None
     return {"Refiner": f"{target.short_name} [{engines.checkpoints.hash_of(target)}]",
             "Refiner switch at": plan.refiner_switch_at}
+
+
+def process_memory() -> dict:
+    """This process's RAM (bytes) and, where there is one, the CUDA device's: A1111's ``/memory`` answer, and the
+    RAM that ComfyUI's ``/system_stats`` reports."""
+    try:
+        import psutil
+
+        process = psutil.Process(os.getpid())
+        used, total = process.memory_info().rss, psutil.virtual_memory().total
+    except ImportError:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        used = pages * os.sysconf("SC_PAGE_SIZE")
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    ram = {"free": total - used, "used": used, "total": total}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            free, size = torch.cuda.mem_get_info()
+            stats = torch.cuda.memory_stats()
+            cuda = {"system": {"free": free, "used": size - free, "total": size},
+                    "active": {"current": stats["active_bytes.all.current"], "peak": stats["active_bytes.all.peak"]},
+                    "allocated": {"current": stats["allocated_bytes.all.current"],
+                                  "peak": stats["allocated_bytes.all.peak"]},
+                    "reserved": {"current": stats["reserved_bytes.all.current"],
+                                 "peak": stats["reserved_bytes.all.peak"]},
+                    "inactive": {"current": stats["inactive_split_bytes.all.current"],
+                                 "peak": stats["inactive_split_bytes.all.peak"]},
+                    "events": {"retries": stats["num_alloc_retries"], "oom": stats["num_ooms"]}}
+        else:
+            cuda = {"error": "unavailable"}
+    except Exception as e:  # noqa: BLE001 - reported, as A1111 reports it
+        cuda = {"error": str(e)}
+    return {"ram": ram, "cuda": cuda}

@@ -1,6 +1,6 @@
 """Images in: a base64 image of a request (raw, or a ``data:`` URI) -> a decoded PIL image, with its bytes and pixels
-capped before any pixel is decoded. Shared by every front-end that takes base64 images (:mod:`.a1111`,
-:mod:`.controlnet`)."""
+capped before any pixel is decoded. Shared by every front-end that takes base64 images (:mod:`.a1111.api`,
+:mod:`.a1111.controlnet`)."""
 from __future__ import annotations
 
 import base64

@@ -195,7 +195,8 @@ def admit(engine, request, limits: Limits, memory: "budget.Memory | None" = None
         total, available = min(total, cap), min(available, max(cap - rss, 0))
     margin = limits.memory_margin_mb * mb if limits.memory_margin_mb else max(256 * mb, total // 20)
     r = _sized(engine, request)
-    estimate = budget.estimate(engine, r)
+    estimate = budget.estimate(engine, r.height, r.width, r.batch_size, cfg=r.cfg_scale > 1.0,
+                               encode=r.init_image is not None, refiner=r.refiner_switch_at is not None)
     need = estimate.peak
     what = (f"{r.width}x{r.height}, batch {r.batch_size}" + (f" (in pieces of {estimate.unet_piece})"
                                                              if estimate.unet_piece < r.batch_size else ""))

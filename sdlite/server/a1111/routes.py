@@ -1,15 +1,15 @@
 """AUTOMATIC1111's routes: ``/sdapi/v1`` (txt2img and img2img, progress, interrupt and skip, options, the lists,
 the extras, PNG info, memory) and the ControlNet extension's ``/controlnet/*``, at the server root as A1111 has them.
 
-They translate (:mod:`.a1111`, :mod:`.controlnet`) and hand the work to the server (:class:`~.backend.ServerBase`),
-which queues it: another front-end goes beside this module, over the same server and queue.
+They translate (:mod:`.api`, :mod:`.controlnet`) and hand the work to the server
+(:class:`~sdlite.server.backend.ServerBase`), which queues it: another protocol's routes go in a package beside this
+one, over the same server and queue.
 """
 from __future__ import annotations
 
 import asyncio
 import base64
 import logging
-import os
 from html import escape as html_escape
 from pathlib import Path
 from typing import Any
@@ -18,13 +18,13 @@ from fastapi import APIRouter, Body, FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from ..images import png_bytes
-from ..pipeline import RequestError
-from . import a1111
+from ...images import png_bytes
+from ...pipeline import RequestError
+from . import api as a1111
 from . import controlnet
-from .backend import ServerBase
+from ..backend import ServerBase, process_memory
 from .controlnet import ControlNetNotFound
-from .http import error_response
+from ..http import error_response
 
 log = logging.getLogger("sdlite.server")
 
@@ -117,10 +117,10 @@ def _add_control_routes(api: APIRouter, server: ServerBase) -> None:
 
     @api.get("/memory")
     async def memory():
-        return _memory()
+        return process_memory()
 
     async def run_extras(req, images: list[tuple[str, Any]]) -> tuple[list[str], str]:
-        from ..upscalers.extras import fields_text
+        from ...upscalers.extras import fields_text
 
         results, info, warnings = await server.upscale(req, images)
         out = [base64.b64encode(png).decode("ascii") for _, png in results]
@@ -171,19 +171,19 @@ def _add_listing_routes(api: APIRouter, server: ServerBase) -> None:
 
     @api.get("/upscalers")
     async def upscalers():
-        from ..upscalers.registry import listing
+        from ...upscalers.registry import listing
 
         return await run_in_threadpool(listing, server.upscaler_dir)
 
     @api.get("/latent-upscale-modes")
     async def latent_upscale_modes():
-        from ..hires import LATENT_MODES
+        from ...hires import LATENT_MODES
 
         return [{"name": name} for name in LATENT_MODES]
 
     @api.get("/loras")
     async def loras():
-        from ..adapters import lora
+        from ...adapters import lora
 
         files = await run_in_threadpool(lora.list_loras, server.lora_dir)
         return [{"name": lora.lora_name(p), "alias": lora.lora_alias(p), "path": str(p), "metadata": {}}
@@ -274,7 +274,7 @@ async def _empty_list():
 def _embeddings(server: ServerBase) -> dict:
     """A1111's ``/embeddings``: those of ``--embeddings`` that fit the current model's text encoder are loaded,
     the others skipped."""
-    from ..adapters.embeddings import EXTENSIONS, EmbeddingError, read_embedding
+    from ...adapters.embeddings import EXTENSIONS, EmbeddingError, read_embedding
 
     loaded, skipped = {}, {}
     if server.embeddings_dir is None or not Path(server.embeddings_dir).is_dir():
@@ -294,35 +294,3 @@ def _embeddings(server: ServerBase) -> dict:
     return {"loaded": loaded, "skipped": skipped}
 
 
-def _memory() -> dict:
-    """A1111's ``/memory``: this process's RAM (bytes) and, where there is one, the CUDA device's."""
-    try:
-        import psutil
-
-        process = psutil.Process(os.getpid())
-        used, total = process.memory_info().rss, psutil.virtual_memory().total
-    except ImportError:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-        used = pages * os.sysconf("SC_PAGE_SIZE")
-        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    ram = {"free": total - used, "used": used, "total": total}
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            free, size = torch.cuda.mem_get_info()
-            stats = torch.cuda.memory_stats()
-            cuda = {"system": {"free": free, "used": size - free, "total": size},
-                    "active": {"current": stats["active_bytes.all.current"], "peak": stats["active_bytes.all.peak"]},
-                    "allocated": {"current": stats["allocated_bytes.all.current"],
-                                  "peak": stats["allocated_bytes.all.peak"]},
-                    "reserved": {"current": stats["reserved_bytes.all.current"],
-                                 "peak": stats["reserved_bytes.all.peak"]},
-                    "inactive": {"current": stats["inactive_split_bytes.all.current"],
-                                 "peak": stats["inactive_split_bytes.all.peak"]},
-                    "events": {"retries": stats["num_alloc_retries"], "oom": stats["num_ooms"]}}
-        else:
-            cuda = {"error": "unavailable"}
-    except Exception as e:  # noqa: BLE001 - reported, as A1111 reports it
-        cuda = {"error": str(e)}
-    return {"ram": ram, "cuda": cuda}

@@ -5,7 +5,7 @@ server's features, and the workflow templates: one, ComfyUI's classic text-to-im
 checkpoint (the package's own default graph is a Z-Image Turbo graph, whose nodes sdlite does not have).
 
 The page finds its API next to itself: it takes the path it was loaded from (``/comfy/``) as its base and calls
-``/comfy/api/...`` and ``/comfy/ws``, which :mod:`.comfy_routes` answers as it answers ``/api/...``. A user's files
+``/comfy/api/...`` and ``/comfy/ws``, which :mod:`.routes` answers as it answers ``/api/...``. A user's files
 live in ``<comfy dir>/user/<user>/`` (``comfy.settings.json``, ``workflows/``); a file is never replaced unless the
 request says ``overwrite=true``, and no path may leave the user's folder.
 """
@@ -122,7 +122,7 @@ class UserFiles:
         for folder in ("workflows", "subgraphs"):   # what the page lists at start-up: empty, not missing
             try:
                 (root / DEFAULT_USER / folder).mkdir(parents=True, exist_ok=True)
-            except OSError:   # a folder that cannot be written (comfy_routes warned): its routes answer the error
+            except OSError:   # a folder that cannot be written (routes warned): its routes answer the error
                 pass
 
     def user_dir(self, request: Request) -> Path:

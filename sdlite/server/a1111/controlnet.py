@@ -44,10 +44,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from ..control import RESIZE_MODES, SHIPPED, ControlError, ControlUnit
-from ..control import preprocess
-from ..pipeline import RequestError
-from .decode import decode_image
+from ...control import RESIZE_MODES, SHIPPED, ControlError, ControlUnit
+from ...control import preprocess
+from ...pipeline import RequestError
+from ..decode import decode_image
 
 API_VERSION = 3            # /controlnet/version: the extension's API version (an integer)
 UNIT_COUNT = 3             # /controlnet/settings' control_net_unit_count (the extension's default)
@@ -87,7 +87,7 @@ class ControlNetModel:
 
 
 def _is_diffusers_folder(path: Path) -> bool:
-    from ..weights.controlnet import DIFFUSERS_WEIGHTS
+    from ...weights.controlnet import DIFFUSERS_WEIGHTS
 
     return (path / "config.json").is_file() and any((path / n).is_file() for n in DIFFUSERS_WEIGHTS)
 
@@ -95,7 +95,7 @@ def _is_diffusers_folder(path: Path) -> bool:
 def scan(folder: Path) -> list[tuple[Path, str]]:
     """``(path, name)`` of every ControlNet in ``folder`` and below: weights files (their stem) and diffusers
     folders (their name; not searched further), sorted by name as the extension sorts them."""
-    from ..weights.controlnet import EXTENSIONS
+    from ...weights.controlnet import EXTENSIONS
 
     found = []
     for root, dirs, files in os.walk(folder, followlinks=True):
@@ -116,7 +116,7 @@ def scan(folder: Path) -> list[tuple[Path, str]]:
 
 def _weights_file(path: Path) -> Path:
     """The file whose hash names ``path``: itself, or a diffusers folder's weights file."""
-    from ..weights.controlnet import DIFFUSERS_WEIGHTS
+    from ...weights.controlnet import DIFFUSERS_WEIGHTS
 
     if path.is_dir():
         return next((path / n for n in DIFFUSERS_WEIGHTS if (path / n).is_file()), path / "config.json")
@@ -139,7 +139,7 @@ class ControlNets:
         self.refresh()
 
     def refresh(self) -> None:
-        from ..control.apply import legacy_hash
+        from ...control.apply import legacy_hash
 
         items, names = [], set()
         roots = [self.folder] if self.folder is not None else []

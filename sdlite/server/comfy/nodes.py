@@ -6,10 +6,10 @@ applied to it by LoraLoader / CLIPSetLastLayer); the engine itself comes from th
 needs it. CONDITIONING is a list of :class:`Cond` (a prompt's text with the CLIP that encodes it, FLUX's distilled
 guidance, ControlNet units); the sampler encodes it. A LATENT is ComfyUI's dict: ``samples`` (B, C, h, w) in the
 sampler's scaling (the VAE's latents times the family's scale) and an optional ``noise_mask``. IMAGE and MASK are
-ComfyUI's tensors (:mod:`.comfy_images`).
+ComfyUI's tensors (:mod:`.images`).
 
 The separate-file loaders (UNETLoader, CLIPLoader, DualCLIPLoader, TripleCLIPLoader, VAELoader, city96's GGUF
-loaders) are :mod:`.comfy_loaders`'; a MODEL, CLIP or VAE from them names its files instead of a checkpoint.
+loaders) are :mod:`.loaders`'; a MODEL, CLIP or VAE from them names its files instead of a checkpoint.
 
 LoraLoader puts a LoRA on the MODEL at ``strength_model`` and on the CLIP at ``strength_clip``, LoraLoaderModelOnly
 on the MODEL only; the sampler gives each file a weight per network (:func:`lora_weights`).
@@ -36,19 +36,19 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from ..config import CFG_RANGE, MAX_BATCH, MAX_STEPS
-from ..engine import budget
-from ..engine.memory import MemoryModeError
-from ..engine.precision import PrecisionError
-from ..errors import CheckpointError, ConfigError, RequestError, StopSampling
-from ..pipeline import Request
-from ..pipeline.latents import LatentRun
-from ..pipeline.request import COMFY_MAX_SEED
-from ..sampling.comfy import (COMFY_SAMPLERS, COMFY_SAMPLERS_MISSING, COMFY_SCHEDULERS, COMFY_SCHEDULERS_MISSING,
+from ...config import CFG_RANGE, MAX_BATCH, MAX_STEPS
+from ...engine import budget
+from ...engine.memory import MemoryModeError
+from ...engine.precision import PrecisionError
+from ...errors import CheckpointError, ConfigError, RequestError, StopSampling
+from ...pipeline import Request
+from ...pipeline.latents import LatentRun
+from ...pipeline.request import COMFY_MAX_SEED
+from ...sampling.comfy import (COMFY_SAMPLERS, COMFY_SAMPLERS_MISSING, COMFY_SCHEDULERS, COMFY_SCHEDULERS_MISSING,
                               flux_shift)
-from ..sampling.regions import WHOLE, Region
-from . import comfy_images as images
-from .limits import admit, check_size
+from ...sampling.regions import WHOLE, Region
+from . import images
+from ..limits import admit, check_size
 
 MAX_RESOLUTION = 16384   # ComfyUI's MAX_RESOLUTION (the server's --max-pixels limits what a sampler runs)
 LORA_SUFFIXES = (".safetensors", ".pt", ".ckpt")
@@ -82,7 +82,7 @@ class Lists:
 
     def loras(self) -> list[str]:
         def make():
-            from ..adapters.lora_files import SHIPPED_DIR
+            from ...adapters.lora_files import SHIPPED_DIR
 
             found = []
             for folder in [self.server.lora_dir, SHIPPED_DIR]:
@@ -93,7 +93,7 @@ class Lists:
         return self._get("loras", make)
 
     def lora_path(self, name: str) -> str:
-        from ..adapters.lora_files import SHIPPED_DIR
+        from ...adapters.lora_files import SHIPPED_DIR
 
         for folder in [self.server.lora_dir, SHIPPED_DIR]:
             if folder is not None and (Path(folder) / name).is_file():
@@ -102,7 +102,7 @@ class Lists:
 
     def upscalers(self) -> dict[str, Path]:
         def make():
-            from ..upscalers.registry import available
+            from ...upscalers.registry import available
 
             return {(p.name if p.is_file() else name): p for name, p in available(self.server.upscaler_dir).items()}
         return self._get("upscalers", make)
@@ -318,7 +318,7 @@ CLIP_LOADERS = ("CLIPLoader", "DualCLIPLoader", "TripleCLIPLoader", "CLIPLoaderG
                 "TripleCLIPLoaderGGUF")
 
 
-# --- engines: a checkpoint's, or a combination of separate files' (.comfy_loaders' nodes) ---------------------
+# --- engines: a checkpoint's, or a combination of separate files' (.loaders' nodes) ---------------------
 
 def engine_for(ctx, model: ModelRef, clip: ClipRef | None = None, vae: VaeRef | None = None):
     """The engine of ``model``'s file (its transformer's weights stored as its ``weight_storage``) with ``clip``'s
@@ -520,7 +520,7 @@ def conditioning_set_area_strength(ctx, conditioning, strength):
 def controlnet_apply(ctx, positive, negative, control_net, image, strength, start_percent, end_percent, vae=None):
     if strength == 0:
         return positive, negative
-    from ..control import ControlUnit
+    from ...control import ControlUnit
 
     unit = ControlUnit(model=control_net, image=images.to_pil(image[:1])[0], weight=float(strength),
                        guidance_start=float(start_percent), guidance_end=float(end_percent), preprocessor="none",
@@ -540,7 +540,7 @@ def check_sampling(engine, model: ModelRef) -> None:
     (SD3, FLUX), with a fixed shift for ModelSamplingSD3 and one by image size for ModelSamplingFlux. Checked by the
     sampler, on the engine it samples with: the nodes themselves load nothing (after a UNETLoader the bare file's
     engine would be one more engine than the sampler's)."""
-    from ..sampling.flow import FlowSchedule
+    from ...sampling.flow import FlowSchedule
 
     if not model.sampling:
         return
@@ -774,9 +774,8 @@ def vae_decode(ctx, samples, vae):
         raise RequestError(f"VAEDecode: {latents.shape[1]}-channel latents; {vae.origin or vae.checkpoint.name}'s "
                            f"VAE decodes {engine.family.latent.channels}")
     scale = engine.family.latent.downscale
-    size = Request(prompt="", width=latents.shape[3] * scale, height=latents.shape[2] * scale,
-                   batch_size=latents.shape[0])
-    return (images.decoded_to_image(engine.decode_scaled(latents, piece=budget.pieces(engine, size)[1])),)
+    piece = budget.pieces(engine, latents.shape[2] * scale, latents.shape[3] * scale, latents.shape[0])[1]
+    return (images.decoded_to_image(engine.decode_scaled(latents, piece=piece)),)
 
 
 def _encode(ctx, vae: VaeRef, pixels: torch.Tensor) -> torch.Tensor:
@@ -855,7 +854,7 @@ def image_scale_by(ctx, image, upscale_method, scale_by):
 @node("ImageUpscaleWithModel", "Upscale Image (using Model)", "image/upscaling",
       {"upscale_model": LINK("UPSCALE_MODEL"), "image": LINK("IMAGE")}, ("IMAGE",))
 def image_upscale_with_model(ctx, upscale_model, image):
-    from ..upscalers.registry import network_scale, upscale_by
+    from ...upscalers.registry import network_scale, upscale_by
 
     scale = network_scale(upscale_model) or 4
     check_size(image.shape[2] * scale, image.shape[1] * scale, ctx.server.limits, "the upscaled width x height")

@@ -13,7 +13,7 @@ Images in are base64 (raw or a ``data:`` URI). Only where the tools serve this m
 on stdio) may a call name a file to read instead (``image_path``, ``mask_path``); over HTTP those arguments are not
 offered, so that no client can make the server read its files.
 
-The transports (stdio, streamable HTTP under ``/mcp``) are :mod:`.mcp_server`'s.
+The transports (stdio, streamable HTTP under ``/mcp``) are :mod:`.server`'s.
 """
 from __future__ import annotations
 
@@ -29,11 +29,11 @@ from mcp import types
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from ..config import MAX_BATCH, MAX_STEPS
-from ..errors import SDLiteError
-from . import a1111
-from .backend import ServerBase
-from .jobs import Unavailable
+from ...config import MAX_BATCH, MAX_STEPS
+from ...errors import SDLiteError
+from ..a1111 import api as a1111
+from ..backend import ServerBase
+from ..jobs import Unavailable
 
 log = logging.getLogger("sdlite.server")
 
@@ -316,7 +316,7 @@ class Tools:
         return types.CallToolResult(content=content, structured_content=structured)
 
     async def _upscale(self, args: UpscaleArguments) -> types.CallToolResult:
-        from ..upscalers.extras import fields_text
+        from ...upscalers.extras import fields_text
 
         data = await run_in_threadpool(self._image, args.image, args.image_path, "image")
         request = a1111.ExtrasSingleImageRequest(image=data, upscaler_1=args.upscaler, upscaling_resize=args.scale)
@@ -333,8 +333,8 @@ class Tools:
                                     structured_content=data)
 
     def _models(self) -> dict:
-        from ..adapters import lora
-        from ..upscalers.registry import listing
+        from ...adapters import lora
+        from ...upscalers.registry import listing
 
         server = self.server
         current = server.checkpoints.current

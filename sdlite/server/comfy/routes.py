@@ -1,10 +1,10 @@
 """ComfyUI's HTTP API and websocket: ``/prompt``, ``/queue``, ``/history``, ``/interrupt``, ``/view``, the uploads,
 ``/object_info``, the listings, ``/free`` and ``/ws``, at the server root and again under ``/api/`` as ComfyUI
-answers them, plus under ``/comfy/api/`` for ComfyUI's own web page at ``/comfy/`` (:mod:`.comfy_frontend`), which
+answers them, plus under ``/comfy/api/`` for ComfyUI's own web page at ``/comfy/`` (:mod:`.frontend`), which
 finds its API next to itself.
 
-Workflows are validated and run by :mod:`.comfy_workflow`; a valid one is queued in the server's one job queue
-(:mod:`.comfy_queue`), beside the A1111 requests. Its images go to the ComfyUI folders (``sdlite serve
+Workflows are validated and run by :mod:`.workflow`; a valid one is queued in the server's one job queue
+(:mod:`.queue`), beside the A1111 requests. Its images go to the ComfyUI folders (``sdlite serve
 --comfy-dir``: ``input/`` for uploads and LoadImage, ``output/`` for SaveImage, ``temp/`` for PreviewImage, ``user/``
 for the web page's settings and workflows). Errors are answered in ComfyUI's shapes: ``/prompt``'s 400
 ``{"error": {...}, "node_errors": {...}}``, elsewhere a status with a sentence saying what is wrong.
@@ -24,14 +24,14 @@ from fastapi import APIRouter, FastAPI, HTTPException, Request, WebSocket, WebSo
 from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from .. import __version__
-from .backend import ServerBase
-from . import comfy_frontend
-from .comfy_frontend import frontend_version, inside, server_features
-from .comfy_queue import EventHub, PromptError, PromptQueue
-from .jobs import Jobs
-from .comfy_workflow import ComfyDirs, Executor, object_info, validate
-from .comfy_workflow import PromptError as WorkflowError
+from ... import __version__
+from ..backend import ServerBase, process_memory
+from . import frontend as comfy_frontend
+from .frontend import frontend_version, inside, server_features
+from .queue import EventHub, PromptError, PromptQueue
+from ..jobs import Jobs
+from .workflow import ComfyDirs, Executor, object_info, validate
+from .workflow import PromptError as WorkflowError
 
 log = logging.getLogger("sdlite.server")
 
@@ -57,7 +57,7 @@ def comfy_dirs(root: Path) -> tuple[ComfyDirs, Path]:
 
 def add_routes(app: FastAPI, server: ServerBase, dependencies: list) -> None:
     """ComfyUI's routes and websocket on ``app`` over ``server`` (behind ``dependencies``) and its web page."""
-    from ..machine import cache_dir
+    from ...machine import cache_dir
 
     root = Path(getattr(server, "comfy_dir", None) or cache_dir() / "comfyui")
     dirs, user_dir = comfy_dirs(root)
@@ -580,7 +580,7 @@ def _models(server: ServerBase, folder: str) -> list[str]:
     if folder == "upscale_models":
         return _files(server.upscaler_dir, (".pth", ".pt", ".safetensors"))
     if folder in ("diffusion_models", "unet", "text_encoders", "clip", "vae"):
-        from .comfy_loaders import MODEL_SUFFIXES, folder_files
+        from .loaders import MODEL_SUFFIXES, folder_files
 
         kind = {"unet": "diffusion_models", "clip": "text_encoders"}.get(folder, folder)
         return list(folder_files(server, kind, (*MODEL_SUFFIXES, ".gguf")))
@@ -606,10 +606,9 @@ def _folder_paths(server: ServerBase) -> dict:
 def _system_stats(server: ServerBase) -> dict:
     import torch
 
-    from ..machine import this_cpu
-    from .a1111_routes import _memory
+    from ...machine import this_cpu
 
-    ram = _memory()["ram"]
+    ram = process_memory()["ram"]
     devices = [{"name": f"cpu {this_cpu().model}", "type": "cpu",
                 "index": None, "vram_total": ram["total"], "vram_free": ram["free"], "torch_vram_total": 0,
                 "torch_vram_free": 0}]

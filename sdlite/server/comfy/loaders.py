@@ -4,7 +4,7 @@ ComfyUI users run FLUX.1 and SD3.5.
 
 Their files come from ComfyUI's folders under the server's ``--models-dir``: ``diffusion_models`` (and the older
 ``unet``), ``text_encoders`` (and ``clip``), ``vae`` (and ``--vae-dir``). What they output are references
-(:class:`~.comfy_nodes.ModelRef`, :class:`~.comfy_nodes.ClipRef`, :class:`~.comfy_nodes.VaeRef` naming the files and
+(:class:`~.nodes.ModelRef`, :class:`~.nodes.ClipRef`, :class:`~.nodes.VaeRef` naming the files and
 the node that gave them); sdlite loads a whole model into one engine, so when a node needs a network the
 combination of files becomes one engine of the server's engine cache (:meth:`Engines.get
 <sdlite.server.checkpoints.Engines.get>` keyed by the transformer file, the text-encoder files and the VAE file):
@@ -32,9 +32,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import CheckpointError
-from .checkpoints import Checkpoint
-from .comfy_nodes import COMBO, ClipRef, Input, Lists, ModelRef, Refused, VaeRef, node
+from ...errors import CheckpointError
+from ..checkpoints import Checkpoint
+from .nodes import COMBO, ClipRef, Input, Lists, ModelRef, Refused, VaeRef, node
 
 MODEL_SUFFIXES = (".safetensors", ".sft", ".ckpt", ".pt", ".pth", ".bin")
 FOLDERS = {"diffusion_models": ("diffusion_models", "unet"), "text_encoders": ("text_encoders", "clip"),
@@ -87,8 +87,8 @@ def _names(files) -> Input:
 def file_kind(path: Path) -> str:
     """What a separate file holds, read from its keys: "T5", "CLIP-L" (768 wide), "CLIP-G" (1280), "CLIP" (another
     width), "VAE", or "unknown"."""
-    from ..weights.io import open_checkpoint
-    from ..weights.t5_keys import find_t5_prefix
+    from ...weights.io import open_checkpoint
+    from ...weights.t5_keys import find_t5_prefix
 
     with open_checkpoint(path) as store:
         keys = list(store.keys())
@@ -151,10 +151,10 @@ def weight_storage(weight_dtype: str) -> str:
 def _refuse_dtype(values: dict, lists: Lists) -> None:
     """UNETLoader's fp8 ``weight_dtype``: for a FLUX or SD3 transformer file, on a server whose engines can hold it
     (not memory mode 0, nor a precision that keeps the weights in int8 / int4)."""
-    from ..engine.precision import PrecisionError, check_precision
-    from ..weights.flux import is_flux_file
-    from ..weights.io import open_checkpoint
-    from ..weights.sd3 import is_sd3_file
+    from ...engine.precision import PrecisionError, check_precision
+    from ...weights.flux import is_flux_file
+    from ...weights.io import open_checkpoint
+    from ...weights.sd3 import is_sd3_file
 
     value = values.get("weight_dtype", "default")
     if value == "default":

@@ -5,7 +5,7 @@ A workflow accepted by ``POST /prompt`` becomes a :class:`Prompt` and one job in
 orders its queue by each prompt's *number* (a counter; ``front`` makes it negative, a client may give its own): a
 prompt is queued before the first waiting ComfyUI prompt with a larger number (``front``: before every waiting job),
 else at the end. When the worker thread takes the job, :meth:`PromptQueue.run` hands the workflow to the
-:class:`~.comfy_workflow.Executor` and records what happened in the history, as ComfyUI's ``/history`` shows it.
+:class:`~.workflow.Executor` and records what happened in the history, as ComfyUI's ``/history`` shows it.
 
 :class:`EventHub` holds the websocket clients (``/ws?clientId=``) and sends them ComfyUI's messages: ``status``
 (``exec_info.queue_remaining``) to every client whenever the queue changes, and a prompt's execution events (JSON)

@@ -27,13 +27,13 @@ from fastapi import HTTPException
 from PIL import Image
 from pydantic import BaseModel, ConfigDict
 
-from .. import __version__
-from ..images import infotext, parameters_of, parse_infotext, png_bytes
-from ..pipeline import MAX_BATCH, MAX_SEED, Request, RequestError, Result, validate
-from ..sampling.samplers import SAMPLERS, resolve_sampler
+from ... import __version__
+from ...images import infotext, parameters_of, parse_infotext, png_bytes
+from ...pipeline import MAX_BATCH, MAX_SEED, Request, RequestError, Result, validate
+from ...sampling.samplers import SAMPLERS, resolve_sampler
 from .controlnet import control_maps, is_controlnet, units_from_scripts
-from .decode import ImageTooLarge, decode_image  # noqa: F401 (re-exported: a1111.decode_image)
-from .limits import Limits, check_request, check_size
+from ..decode import ImageTooLarge, decode_image  # noqa: F401 (re-exported: a1111.decode_image)
+from ..limits import Limits, check_request, check_size
 
 # --- requests ----------------------------------------------------------------------------------------------------
 
@@ -172,8 +172,8 @@ EXTRAS_DEFAULTS = {"resize_mode": 0, "show_extras_results": True, "gfpgan_visibi
 def extras_plan(req: ExtrasSingleImageRequest, upscaler_dir=None, limits: Limits | None = None):
     """``(Extras, warnings)`` of an extras request, checked (422 on a bad field, the output size within the limits
     when the images are known: :func:`check_extras_size`)."""
-    from ..upscalers.extras import Extras, check
-    from ..upscalers.registry import UpscalerError
+    from ...upscalers.extras import Extras, check
+    from ...upscalers.registry import UpscalerError
 
     p = {k: (v if v is not None else EXTRAS_DEFAULTS.get(k)) for k, v in req.model_dump().items()}
     warnings = []
@@ -561,8 +561,8 @@ def hires_fields(p: dict, sampler: SamplerChoice, warnings: list[str], upscaler_
     """The :class:`~sdlite.hires.Hires` of ``enable_hr`` and the ``hr_*`` fields (A1111's rules: the second pass's
     sampler and scheduler default to the first's, "Use same ..." and empty names mean the same; the legacy
     ``firstphase_width``/``_height`` make width/height the target). None without ``enable_hr``."""
-    from ..hires import DEFAULT_UPSCALER, LATENT_MODES, SAME, Hires
-    from ..upscalers.registry import UpscalerError, resolve
+    from ...hires import DEFAULT_UPSCALER, LATENT_MODES, SAME, Hires
+    from ...upscalers.registry import UpscalerError, resolve
 
     if not p["enable_hr"]:
         return None
@@ -604,7 +604,7 @@ def _int_field(p: dict, name: str, low: int, high: int | None = None) -> int:
 
 def _cache_fields(value) -> dict:
     """``sdlite_cache`` as the Request's step cache fields (nothing when it is left out)."""
-    from ..engine.stepcache import StepCacheError, parse
+    from ...engine.stepcache import StepCacheError, parse
 
     if value is None:
         return {}

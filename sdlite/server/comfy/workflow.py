@@ -8,7 +8,7 @@ validated workflow in the job queue's worker thread: each node needed by an outp
 its outputs kept between prompts under a key of its class and inputs (through its upstream nodes), so a workflow
 queued again with only a new seed re-runs only the sampler and what follows it.
 
-The nodes are :mod:`.comfy_nodes`' (their inputs, values and what sdlite refuses); the sampler nodes run sdlite's
+The nodes are :mod:`.nodes`' (their inputs, values and what sdlite refuses); the sampler nodes run sdlite's
 engine with ComfyUI's KSampler conventions (:mod:`sdlite.pipeline.latents`, ``Request(noise="comfy")``).
 
 Differences from ComfyUI that remain:
@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import StopSampling
-from . import comfy_loaders, comfy_nodes  # noqa: F401  (comfy_loaders registers its nodes)
-from .comfy_nodes import NODES, Context, NodeDef, Refused
+from ...errors import StopSampling
+from . import loaders  # noqa: F401  (importing it registers its loader nodes)
+from . import nodes as comfy_nodes
+from .nodes import NODES, Context, NodeDef, Refused
 
 __all__ = ["PromptError", "ComfyDirs", "Interrupted", "object_info", "validate", "Executor"]
 

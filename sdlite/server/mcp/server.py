@@ -1,4 +1,4 @@
-"""MCP (the Model Context Protocol) for agents: :mod:`.mcp_tools`' tools served by the ``mcp`` SDK's low-level server,
+"""MCP (the Model Context Protocol) for agents: :mod:`.tools`' tools served by the ``mcp`` SDK's low-level server,
 on stdio (``sdlite mcp``) and as streamable HTTP under ``/mcp`` on ``sdlite serve``'s app.
 
 Over HTTP, ``/mcp`` is a FastAPI route behind the same dependencies as every other front-end's routes (HTTP Basic of
@@ -29,9 +29,9 @@ from mcp.server.lowlevel import Server as McpServer
 from mcp.shared.exceptions import MCPError
 from starlette.responses import Response
 
-from .. import __version__
-from .backend import ServerBase
-from .mcp_tools import TOOLS, Tools
+from ... import __version__
+from ..backend import ServerBase
+from .tools import TOOLS, Tools
 
 log = logging.getLogger("sdlite.server")
 

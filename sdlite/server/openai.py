@@ -52,7 +52,7 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..pipeline import MAX_BATCH, MAX_SEED
-from . import a1111
+from .a1111 import api as a1111
 from .backend import ServerBase
 from .decode import decode_image
 from .http import add_error_shape

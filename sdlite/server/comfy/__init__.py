@@ -1,0 +1,7 @@
+"""ComfyUI's API (``/prompt``, ``/ws``, ``/history``, ``/object_info`` ...) and its own web page at ``/comfy/``.
+
+:mod:`.routes` the HTTP routes and the websocket; :mod:`.queue` the prompt queue and its history over the server's
+one job queue; :mod:`.workflow` validates a workflow and runs its nodes; :mod:`.nodes` the node catalog (inputs,
+values, what sdlite refuses) and :mod:`.loaders` the separate-file loaders; :mod:`.images` ComfyUI's image tensors,
+files and masks; :mod:`.frontend` the ``comfyui-frontend-package`` page and the routes it needs.
+"""
