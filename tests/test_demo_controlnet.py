@@ -118,16 +118,16 @@ def test_the_shape_lands_on_the_control(measured):
     assert np.mean(without[np.isfinite(without)]) >= 2 * np.mean(finite), (with_control.round(2), without.round(2))
 
 
-def test_the_readme_command(tmp_path, capsys, monkeypatch):
-    """README's command: the demo model with --controlnet demo-position and the position map README draws (a disc
-    of 30 px centred at (21, 43)); no size given, so the 64x64 image is upscaled 4x by the demo upscaler. The star
-    lands on the disc, and the PNG carries A1111's ControlNet 0 field."""
+def test_the_documented_command(tmp_path, capsys, monkeypatch):
+    """The command of docs/controlnet.md: the demo model with --controlnet demo-position and the position map it
+    draws (a disc of 30 px centred at (21, 43)); no size given, so the 64x64 image is upscaled 4x by the demo
+    upscaler. The star lands on the disc, and the PNG carries A1111's ControlNet 0 field."""
     from sdlite.cli import main
     from sdlite.images import parse_infotext, read_parameters
 
     monkeypatch.chdir(tmp_path)
     control = Image.new("RGB", (64, 64))
-    ImageDraw.Draw(control).ellipse([6, 28, 36, 58], fill="white")   # README's python -c line
+    ImageDraw.Draw(control).ellipse([6, 28, 36, 58], fill="white")   # the python -c line of docs/controlnet.md
     control.save("where.png")
     assert main(["generate", "a red star on a blue background", "--seed", "1", "--controlnet", "demo-position",
                  "--control-image", "where.png", "--output", "star.png"]) == 0

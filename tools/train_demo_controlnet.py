@@ -29,7 +29,8 @@ the shape is and its colours; the map says where it goes and how big it is. This
 5. saves a diffusers ``ControlNetModel`` folder (``config.json`` + ``diffusion_pytorch_model.safetensors`` in
    fp16; the folder's config carries the demo's norm groups and heads, which a bare file's shapes do not tell),
    then loads it back through the engine and measures it: over seeds the evaluation alone uses, the drawn shape's
-   centroid against the map's, with and without the ControlNet (:func:`measure`), and draws the README figure.
+   centroid against the map's, with and without the ControlNet (:func:`measure`), and draws the figure of
+   docs/controlnet.md.
 
 Seeded: the same hyper-parameters and thread count give the same weights (the metadata records the time taken).
 The shipped folder (737,904 parameters, 1.4 MiB) took 13.0 minutes on 2 threads of a shared 2-core CPU (load
@@ -255,7 +256,8 @@ def off_centre_scene(rng: np.random.Generator, combo, off: float = OFF_CENTRE) -
 
 def eval_cases(n: int, seed: int = EVAL_SEED) -> list[tuple[tuple[str, str, str], D.Scene, int]]:
     """``n`` (prompt combination, scene of the position map, generation seed): a red star on blue first (the
-    README's), then training combinations of every shape in turn, each placed off centre (:func:`off_centre_scene`).
+    docs/controlnet.md's), then training combinations of every shape in turn, each placed off centre
+    (:func:`off_centre_scene`).
     """
     rng = np.random.default_rng(seed)
     combos = [("red", "star", "blue")]

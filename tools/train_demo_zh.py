@@ -314,7 +314,8 @@ def figure(details: dict, path: Path, picks: list[tuple[str, str, str]]) -> bool
 
 
 def readme_picture(path: Path, engine_folder: Path) -> str | None:
-    """The README's picture: the default Chinese prompt's image, with the prompt written under it."""
+    """The picture of docs/chinese.md and docs/models/taiyi.md: the default Chinese prompt's image, with the prompt
+    written under it."""
     font = cjk_font(16)
     if font is None:
         return None

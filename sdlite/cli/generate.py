@@ -289,7 +289,7 @@ def add_parser(sub) -> None:
                    help="the step cache (DeepCache; UNet models): the whole UNet every N-th step and the last, the "
                         "steps between reuse its deep features and run only skip branch B (0, the shallowest, is the "
                         "fastest; higher is closer to the uncached image). --cache alone: N=3, B=0. Faster, not "
-                        "exact: off by default (see README)")
+                        "exact: off by default (see docs/speed.md)")
     g.add_argument("--cfg", type=float, default=None,
                    help="classifier-free guidance scale (1 = off; default 7.5, Turbo models 1, SD3 7, SD3.5 Large 3.5, "
                         "SD3.5 Medium 4.5)")

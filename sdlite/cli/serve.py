@@ -236,7 +236,7 @@ def add_parser(sub) -> None:
     v.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (debug also logs every request)")
     lim = v.add_argument_group("limits (each refusal is a 422 naming the field, its value and the limit; see "
-                               "docs/server.md)")
+                               "docs/server/README.md)")
     lim.add_argument("--max-pixels", metavar="N|WxH", default="2048x2048",
                      help="width x height of one image at most (default 2048x2048)")
     lim.add_argument("--max-steps", metavar="N", type=int, default=150, help="sampler steps at most (default 150)")

@@ -5,7 +5,7 @@ A thin adapter, as the A1111 routes are: every request becomes AUTOMATIC1111's t
 an :class:`~.a1111.Plan` (:func:`~.a1111.build_plan`) run by ``server.generate``, so the queue, the limits, memory
 admission, auth and Ray apply unchanged, and an image equals A1111's route's (and the engine's) for the same settings.
 
-How OpenAI's fields are read (docs/server.md has the table):
+How OpenAI's fields are read (docs/server/openai.md has the table):
 
 * ``prompt`` (required), ``n`` (images: one batch, seeds ``seed``, ``seed + 1`` ... as A1111 numbers them),
   ``size`` (``WxH``; ``auto`` or left out: the model's native size, for an edit the source image's),
