@@ -22,14 +22,18 @@ from .config import (PRESETS, SD3_FAMILIES, X4_FAMILY, X4_LOW_RES_SCHEDULER, X4_
                      ConfigError, ModelSpec, TextEncoderConfig, UNetConfig, VAEConfig, explicit_spacing, is_bert,
                      published_scheduler)
 from .config.flux import FluxConfig
+from .config.qwen import QwenConfig
+from .config.zimage import ZImageConfig
 from .errors import CheckpointError
 from .models.bert import BertTextEncoder
 from .models.clip import CLIPTextEncoder
 from .models.flux import Flux
 from .models.mmdit import MMDiT
+from .models.qwen import QwenTextEncoder
 from .models.t5 import T5Encoder
 from .models.unet import UNet
 from .models.vae import AutoencoderKL
+from .models.zimage import ZImage
 from .tokenizers.clip_bpe import SD1_PAD_TOKEN_ID, SD2_PAD_TOKEN_ID, CLIPTokenizer
 from .tokenizers.t5 import T5Tokenizer
 from .tokenizers import WordPieceTokenizer, tokenizer_kind
@@ -45,6 +49,7 @@ from .weights.sd3 import SD3_PIPELINES, is_sd3_file, open_sd3_file, open_sd3_fol
 from .weights.store import ComponentSource, TensorStore
 from .weights.text_keys import normalize_bert_keys
 from .weights.vae_keys import vae_from_original
+from .weights.zimage import ZIMAGE_PIPELINES, is_zimage_file, open_zimage_file, open_zimage_folder
 
 COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "unet", "transformer", "vae")
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
@@ -73,6 +78,10 @@ def build_network(component: str, spec: ModelSpec) -> nn.Module:
         return CLIPTextEncoder(spec.text, projection=True)
     if component == "transformer" and isinstance(spec.transformer, FluxConfig):
         return Flux(spec.transformer)
+    if component == "transformer" and isinstance(spec.transformer, ZImageConfig):
+        return ZImage(spec.transformer)
+    if component == "text_encoder" and isinstance(spec.text, QwenConfig):   # an LLM as the text encoder (Z-Image)
+        return QwenTextEncoder(spec.text)
     return _BUILDERS[component](getattr(spec, _SPEC_FIELD[component]))
 
 
@@ -412,10 +421,12 @@ def _open_diffusers_folder(folder: Path) -> Checkpoint:
         return Checkpoint(**open_sd3_folder(folder, index, index_file))
     if cls in FLUX_PIPELINES:
         return Checkpoint(**open_flux_folder(folder, index, index_file))
+    if cls in ZIMAGE_PIPELINES:
+        return Checkpoint(**open_zimage_folder(folder, index, index_file))
     if cls and cls not in SD_PIPELINES + X4_PIPELINES:
         raise CheckpointError(f"pipeline class {cls!r} is not a pipeline sdlite runs (Stable Diffusion 1.x/2.x: "
                               f"{', '.join(SD_PIPELINES)}; SDXL: {', '.join(SDXL_PIPELINES)}; SD3: "
-                              f"{', '.join(SD3_PIPELINES)}; FLUX.1: {', '.join(FLUX_PIPELINES)}; the x4 upscaler: {', '.join(X4_PIPELINES)})", index_file)
+                              f"{', '.join(SD3_PIPELINES)}; FLUX.1: {', '.join(FLUX_PIPELINES)}; Z-Image: {', '.join(ZIMAGE_PIPELINES)}; the x4 upscaler: {', '.join(X4_PIPELINES)})", index_file)
     where = _component_folders(folder, index, index_file)
     stores: list[TensorStore] = []
     sources: dict[str, ComponentSource] = {}
@@ -679,10 +690,12 @@ def _open_single_file(path: Path, use_ema: bool, text_encoders=()) -> Checkpoint
         return Checkpoint(**open_sd3_file(path, store, text_encoders))
     if is_flux_file(store.keys()):
         return Checkpoint(**open_flux_file(path, store, text_encoders))
+    if is_zimage_file(store.keys()):
+        return Checkpoint(**open_zimage_file(path, store, text_encoders))
     if text_encoders:
         store.close()
-        raise CheckpointError("separate text-encoder files (--text-encoder) go with SD3 and FLUX models; this file "
-                              "is not one", path)
+        raise CheckpointError("separate text-encoder files (--text-encoder) go with SD3, FLUX and Z-Image models; "
+                              "this file is not one", path)
     try:
         shapes = _shapes(store)
         detection = detect(shapes, store.metadata)

@@ -99,7 +99,8 @@ def _unet_rows_bytes(engine, rows: int, latent_pixels: int) -> int:
     if spec.unet is None:
         t = spec.transformer
         tokens = latent_pixels // (t.patch_size ** 2) + TRANSFORMER_TEXT_TOKENS
-        return rows * tokens * TRANSFORMER_TOKEN_FLOATS * t.num_attention_heads * t.attention_head_dim * 4
+        width = t.dim if hasattr(t, "dim") else t.num_attention_heads * t.attention_head_dim   # Z-Image: dim
+        return rows * tokens * TRANSFORMER_TOKEN_FLOATS * width * 4
     return rows * latent_pixels * UNET_ROW_PIXEL_FLOATS * spec.unet.block_channels[0] * 4
 
 

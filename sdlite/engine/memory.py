@@ -33,7 +33,9 @@ from .lowbit import FP8_MODES, check_low_bit_mode, load_low_bit, load_quantized,
 from ..models.mmdit import JointBlock
 from ..config.t5 import T5Config
 from ..models.t5 import T5LayerFF
+from ..models.qwen import QwenDecoderLayer
 from ..models.unet import TransformerBlock
+from ..models.zimage import Block as ZImageBlock
 from .cpu import default_prepack
 from .packing import load_prepacked, prepack_available, prepack_model, release_packed, shape_pack_model, shape_packs
 from .subpixel import phase_upsample_model
@@ -49,9 +51,10 @@ MEMORY_MODES = {
 # transformer is streamed one transformer block at a time (its norm and projections are units of their own): SDXL's
 # deepest ones hold 10 blocks, 1.4 GB in fp32, where one block is 139 MB
 # SD3's transformer one joint block at a time, T5 one feed-forward at a time (its attention's Linears are units of their
-# own: block 0's relative-position table is read before that block runs)
+# own: block 0's relative-position table is read before that block runs); Z-Image's transformer one block at a time,
+# a Qwen text encoder one decoder layer at a time
 _UNIT_TYPES = (ResnetBlock, TransformerBlock, Downsample, Upsample, Embeddings, EncoderLayer, BertEmbeddings,
-               BertLayer, JointBlock, DoubleBlock, SingleBlock, T5LayerFF)
+               BertLayer, JointBlock, DoubleBlock, SingleBlock, T5LayerFF, ZImageBlock, QwenDecoderLayer)
 
 
 class MemoryModeError(SDLiteError, ValueError):
@@ -137,7 +140,8 @@ def check_memory_mode(mode) -> int:
 
 def stream_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The blocks whose weights are materialised together: ResBlocks, spatial transformers and resamplers, and
-    the model's remaining top-level layers. Every parameter belongs to exactly one unit."""
+    the model's remaining top-level layers. Every parameter belongs to exactly one unit, except the model's own
+    (Z-Image's pad tokens: vectors its forward reads directly), which stay resident."""
     units: list[tuple[str, nn.Module]] = []
     covered: set[str] = set()
 
@@ -152,6 +156,7 @@ def stream_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
                 visit(f"{path}.", child)
 
     visit("", model)
+    covered.update(k for k, _ in model.named_parameters(recurse=False))
     missing = [k for k, _ in model.named_parameters() if k not in covered]
     if missing:  # a structural bug, not a user error
         raise RuntimeError(f"parameters outside every streaming unit: {missing[:5]}")
@@ -180,6 +185,12 @@ class WeightStreamer:
             self._handles.append(unit.register_forward_pre_hook(self._loader(unit, names)))
             self._handles.append(unit.register_forward_hook(self._dropper(unit, names)))
         self._drop_all()
+        for key, _ in list(model.named_parameters(recurse=False)):   # the model's own vectors: resident
+            tensor = provider(key)
+            if isinstance(tensor, QuantizedTensor):
+                tensor = tensor.dequantize(self.dtype)
+            model._parameters[key] = nn.Parameter(tensor.to(device=self.device, dtype=self.dtype),
+                                                  requires_grad=False)
 
     @staticmethod
     def _owner(unit: nn.Module, local: str) -> tuple[nn.Module, str]:

@@ -9,9 +9,10 @@ from .sd import SDFamily
 from .sd3 import SD3Family
 from .sdxl import SDXLFamily
 from .x4 import X4Family
+from .zimage import ZImageFamily
 
 # most specific first: the first family that takes a spec runs it
-FAMILIES: tuple[type[Family], ...] = (FluxFamily, SD3Family, X4Family, SDXLFamily, SDFamily)
+FAMILIES: tuple[type[Family], ...] = (ZImageFamily, FluxFamily, SD3Family, X4Family, SDXLFamily, SDFamily)
 
 
 def family_for(spec) -> Family:
@@ -23,4 +24,4 @@ def family_for(spec) -> Family:
                      f"{', '.join(f.name for f in FAMILIES)})")
 
 
-__all__ = ["FAMILIES", "Family", "FluxFamily", "SD3Family", "SDFamily", "SDXLFamily", "X4Family", "family_for"]
+__all__ = ["FAMILIES", "Family", "FluxFamily", "SD3Family", "SDFamily", "SDXLFamily", "X4Family", "ZImageFamily", "family_for"]

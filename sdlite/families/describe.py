@@ -19,6 +19,7 @@ FAMILY_NAMES = {
     "sd3.5-large": "Stable Diffusion 3.5 Large",
     "flux-dev": "FLUX.1 dev (guidance-distilled)",
     "flux-schnell": "FLUX.1 schnell (timestep-distilled: 1-4 steps)",
+    "z-image-turbo": "Z-Image-Turbo (distilled: 8 steps, no guidance)",
 }
 
 
@@ -39,6 +40,12 @@ def describe_component(name: str, spec) -> str:
         return (f"BERT text encoder: {t.layers} layers, width {t.width}, {t.heads} heads, gelu, vocabulary "
                 f"{t.vocab_size}, {t.max_positions} positions (the UNet reads all {t.max_positions}, padding "
                 "included)")
+    if name == "text_encoder" and getattr(spec.text, "architecture", None) == "qwen":
+        t = spec.text
+        return (f"Qwen{'3' if t.qk_norm else '2.5'} decoder: {t.num_hidden_layers} layers, width {t.hidden_size}, "
+                f"{t.num_attention_heads} query heads / {t.num_key_value_heads} key-value heads of {t.head_dim}, "
+                f"feed-forward {t.intermediate_size} SwiGLU, vocabulary {t.vocab_size}"
+                f"{family_for(spec).text_encoder_note(name)}")
     if name in ("text_encoder", "text_encoder_2"):
         t = spec.text if name == "text_encoder" else spec.text2
         kind = {768: "CLIP ViT-L/14 text tower", 1024: "OpenCLIP ViT-H text tower",
@@ -55,6 +62,11 @@ def describe_component(name: str, spec) -> str:
                 f"{'/'.join(map(str, t.axes_dims_rope))}), {t.latent_channels} latent channels in 2x2 patches, text "
                 f"context {t.joint_attention_dim}, pooled {t.pooled_projection_dim}"
                 + (", guidance embedding" if t.guidance_embeds else ""))
+    if name == "transformer" and hasattr(t := spec.transformer, "n_refiner_layers"):
+        return (f"Z-Image S3-DiT: {t.n_layers} joint blocks after {t.n_refiner_layers} noise and "
+                f"{t.n_refiner_layers} context refiner blocks, width {t.dim} ({t.n_heads} heads of {t.head_dim}, "
+                f"rotary axes {'/'.join(map(str, t.axes_dims))}), {t.in_channels} latent channels in 2x2 patches, "
+                f"caption width {t.cap_feat_dim}")
     if name == "transformer":
         t = spec.transformer
         return (f"MMDiT: {t.num_layers} joint blocks, width {t.hidden} ({t.num_attention_heads} heads of "

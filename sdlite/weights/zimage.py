@@ -1,0 +1,260 @@
+"""Opening Z-Image checkpoints (Z-Image-Turbo): what :func:`sdlite.loader.open_model` does for this family.
+
+**diffusers folders** (``model_index.json``: ``ZImagePipeline`` and its img2img and inpaint siblings): ``text_encoder``
+(Qwen3-4B, a ``Qwen3Model``: :mod:`sdlite.weights.qwen_keys`), ``tokenizer`` (Qwen's ``tokenizer.json``),
+``transformer`` (diffusers' names, sharded), ``vae`` (FLUX.1's 16-channel autoencoder) and ``scheduler``.
+
+**ComfyUI's split files**: ``z_image_turbo_bf16.safetensors`` (the transformer in the original code's names, bare or
+under ``model.diffusion_model.``: :mod:`sdlite.weights.zimage_keys`; fp8 versions too), the text encoder
+``qwen_3_4b.safetensors`` (transformers' names under ``model.``, fp8 with its scales as ComfyUI writes it) or a GGUF
+of Qwen3-4B in llama.cpp's names (``Qwen3-4B-Q4_K_M.gguf``), and the VAE ``ae.safetensors`` (LDM names). The parts
+the transformer's file lacks come from files given (``text_encoders=``: the CLI's ``--text-encoder``, repeatable,
+which also takes the VAE file) or found beside the model (its folder, ``text_encoders/``, ``vae/``, or ComfyUI's
+``models/text_encoders``, ``models/clip`` and ``models/vae``). What a separate file holds is read from its keys and
+shapes. A city96-style GGUF transformer (ComfyUI's names) opens as the safetensors file does. The tokenizer is the
+package's (:mod:`sdlite.tokenizers.qwen`): one vocabulary for every Qwen3.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import ConfigError, VAEConfig
+from ..config.qwen import QwenConfig
+from ..config.zimage import ZIMAGE_VAE, ZImageConfig, zimage_spec
+from ..errors import CheckpointError
+from ..tokenizers.qwen import QwenTokenizer
+from .convert import normalize_diffusers_keys
+from .detect import Detection
+from .folders import component_store, read_json, storage_dtype
+from .io import open_checkpoint
+from .plan import UnsupportedModelError
+from .qwen_keys import find_qwen_prefix, infer_qwen_config, qwen_config_from_gguf, qwen_plan
+from .store import ComponentSource, TensorStore
+from .vae_keys import infer_vae, vae_from_original
+from .zimage_keys import comfy_names, infer_zimage_config, is_zimage, zimage_layout, zimage_plan
+
+__all__ = ["ZIMAGE_PIPELINES", "open_zimage_folder", "open_zimage_file", "is_zimage_file"]
+
+ZIMAGE_PIPELINES = ("ZImagePipeline", "ZImageImg2ImgPipeline", "ZImageInpaintPipeline")
+_VAE_PREFIXES = ("vae.", "first_stage_model.")
+_NAMES = {"text_encoder": "Qwen3 text encoder (qwen_3_4b.safetensors)", "vae": "VAE (ae.safetensors)"}
+# the names the separate files go by, tried beside a model that lacks them
+_BESIDE = (("text_encoder", ("qwen_3_4b*.safetensors", "qwen3*4b*.safetensors", "qwen*.safetensors",
+                             "Qwen3-4B*.gguf", "qwen3*4b*.gguf", "qwen*.gguf")),
+           ("vae", ("ae.safetensors", "ae*.safetensors", "flux*vae*.safetensors", "z_image*vae*.safetensors")))
+PREDICTION_SOURCE = "flow matching (Z-Image)"
+
+
+def is_zimage_file(keys) -> bool:
+    """Whether a single file's keys hold a Z-Image transformer (either layout, with or without ComfyUI's prefix)."""
+    return is_zimage(list(keys))
+
+
+def _check_parts(transformer: ZImageConfig, vae: VAEConfig, text: QwenConfig, where) -> None:
+    if text.hidden_size != transformer.cap_feat_dim:
+        raise CheckpointError(f"the text encoder's width {text.hidden_size} is not the transformer's caption width "
+                              f"{transformer.cap_feat_dim} (Z-Image-Turbo reads Qwen3-4B: 2560)", where)
+    if vae.latent_channels != transformer.in_channels:
+        raise CheckpointError(f"the VAE's {vae.latent_channels} latent channels are not the transformer's "
+                              f"{transformer.in_channels}", where)
+
+
+def _spec_and_detection(transformer, vae, text, scheduler, layout, where):
+    _check_parts(transformer, vae, text, where)
+    spec = zimage_spec(transformer, text=text, vae=vae, scheduler=scheduler)
+    return spec, Detection(layout=layout, family=spec.family, components=("text_encoder", "transformer", "vae"),
+                           unet=None)
+
+
+# --- folders ---------------------------------------------------------------------------------------------------
+
+
+def open_zimage_folder(folder: Path, index: dict, index_file: Path) -> dict:
+    """The :class:`~sdlite.loader.Checkpoint` fields of a Z-Image pipeline folder."""
+    cls = index.get("_class_name")
+    for needed in ("text_encoder", "transformer", "vae"):
+        if not (folder / needed).is_dir() or index.get(needed, ["", ""]) == [None, None]:
+            raise CheckpointError(f"the {cls} folder has no {needed}", folder)
+    stores: list[TensorStore] = []
+    sources: dict[str, ComponentSource] = {}
+    try:
+        configs = {}
+        for component in ("text_encoder", "transformer", "vae"):
+            configs[component] = read_json(folder / component / "config.json")
+            store = component_store(folder, component)
+            stores.append(store)
+            keys = list(store.keys())
+            if component == "transformer":
+                plan = zimage_plan(keys)
+            elif component == "text_encoder":
+                prefix = find_qwen_prefix(keys)
+                if prefix is None:
+                    raise CheckpointError("no Qwen decoder weights (no 'layers.0.self_attn.q_proj.weight', bare or "
+                                          "under a prefix)", folder / "text_encoder")
+                plan = qwen_plan(keys, prefix=prefix)
+            else:
+                plan = normalize_diffusers_keys(keys, "vae")
+            sources[component] = ComponentSource.from_plan(plan, store, tuple(store.paths))
+        try:
+            transformer = ZImageConfig.from_diffusers(configs["transformer"])
+            vae = VAEConfig.from_diffusers(configs["vae"])
+            text = QwenConfig.from_transformers(configs["text_encoder"])
+        except (ConfigError, KeyError, TypeError) as e:
+            raise CheckpointError(f"unusable component config: {e}", folder) from None
+        tokenizer_dir = folder / "tokenizer"
+        try:
+            tokenizer = QwenTokenizer.from_pretrained_dir(tokenizer_dir) if tokenizer_dir.is_dir() else \
+                QwenTokenizer.from_package()
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"unusable tokenizer: {e}", tokenizer_dir) from None
+        sched_file = folder / "scheduler" / "scheduler_config.json"
+        scheduler = read_json(sched_file) if sched_file.is_file() else None
+        spec, detection = _spec_and_detection(transformer, vae, text, scheduler, "diffusers", folder)
+    except UnsupportedModelError as e:
+        for store in stores:
+            store.close()
+        raise CheckpointError(str(e), folder) from None
+    except BaseException:
+        for store in stores:
+            store.close()
+        raise
+    return dict(path=str(folder), layout="diffusers", spec=spec, detection=detection,
+                storage_dtype=storage_dtype(stores[1]), prediction_source=PREDICTION_SOURCE,
+                sources=sources, scheduler_config=dict(spec.scheduler),
+                scheduler_source="scheduler/scheduler_config.json" if sched_file.is_file()
+                else "Z-Image-Turbo's published scheduler (the folder has none)",
+                tokenizer_dir=str(tokenizer_dir) if tokenizer_dir.is_dir() else None, notes=[], _stores=stores,
+                _tokenizer=tokenizer)
+
+
+# --- single files and the files beside them --------------------------------------------------------------------
+
+
+def _vae(keys: list[str], prefix: str, store: TensorStore, path) -> tuple[ComponentSource, VAEConfig]:
+    plan = vae_from_original(keys, prefix=prefix)
+    source = ComponentSource.from_plan(plan, store, (str(path),))
+    info = infer_vae(source.shapes)
+    vae = VAEConfig(**info.config_kwargs(), scaling_factor=ZIMAGE_VAE.scaling_factor,
+                    shift_factor=ZIMAGE_VAE.shift_factor, use_quant_conv="quant_conv.weight" in source.shapes,
+                    use_post_quant_conv="post_quant_conv.weight" in source.shapes,
+                    sample_size=ZIMAGE_VAE.sample_size)
+    return source, vae
+
+
+def _text(keys: list[str], prefix: str, store: TensorStore, path) -> tuple[ComponentSource, QwenConfig]:
+    source = ComponentSource.from_plan(qwen_plan(keys, prefix=prefix), store, (str(path),))
+    text = qwen_config_from_gguf(store) if getattr(store, "fields", None) is not None else \
+        infer_qwen_config(source.shapes)
+    return source, text
+
+
+def _file_kind(keys: list[str], shapes: dict, where) -> tuple[str, str]:
+    """``(component, prefix)`` of a separate file: the Qwen3 text encoder or the VAE."""
+    prefix = find_qwen_prefix(keys)
+    if prefix is not None:
+        return "text_encoder", prefix
+    for prefix in ("", *_VAE_PREFIXES):
+        if f"{prefix}decoder.conv_in.weight" in shapes and f"{prefix}encoder.conv_in.weight" in shapes:
+            return "vae", prefix
+    raise CheckpointError("not a file Z-Image takes beside its transformer (no Qwen3 'model.layers.0...' / GGUF "
+                          "'blk.0...' or VAE 'encoder.conv_in'/'decoder.conv_in' keys)"
+                          + (f"; the first key is {keys[0]!r}" if keys else ""), where)
+
+
+def _find_beside(model: Path, missing: list[str]) -> dict[str, Path]:
+    folder = model.parent
+    places = [folder, folder / "text_encoders", folder / "vae", folder.parent / "text_encoders",
+              folder.parent / "clip", folder.parent / "vae"]
+    found = {}
+    for component, patterns in _BESIDE:
+        if component not in missing:
+            continue
+        for place in places:
+            hits = sorted(p for pattern in patterns for p in place.glob(pattern) if p.is_file() and p != model)
+            if hits:
+                found[component] = hits[0]
+                break
+    return found
+
+
+def _check_complete(transformer: ZImageConfig, source: ComponentSource, prefix: str, layout: str, path) -> None:
+    """Every tensor of the transformer its shapes describe is in the file: the missing ones are named as the file
+    names them (a fused tensor by its own name)."""
+    import torch
+
+    from ..models.zimage import ZImage
+
+    with torch.device("meta"):
+        expected = ZImage(transformer).state_dict().keys()
+    missing = [k for k in expected if k not in source.shapes]
+    if missing:
+        names = comfy_names(missing, prefix) if layout == "comfy" else [prefix + k for k in missing]
+        raise CheckpointError(f"{len(names)} Z-Image transformer tensors are missing from the file, first few: "
+                              + ", ".join(repr(n) for n in names[:5]), path, names[0])
+
+
+def open_zimage_file(path: Path, store: TensorStore, text_encoders=()) -> dict:
+    """The :class:`~sdlite.loader.Checkpoint` fields of a Z-Image transformer file (``store``, already open) with the
+    parts it lacks from ``text_encoders`` (paths: the Qwen3 encoder and the VAE) or found beside it."""
+    stores = [store]
+    sources: dict[str, ComponentSource] = {}
+    notes: list[str] = []
+    text = vae = None
+    try:
+        keys = list(store.keys())
+        layout, prefix = zimage_layout(keys)
+        inside = [k for k in keys if k.startswith(prefix)] if prefix else \
+            [k for k in keys if not k.startswith(("text_encoders.", *_VAE_PREFIXES))]
+        sources["transformer"] = ComponentSource.from_plan(zimage_plan(inside), store, (str(path),))
+        transformer = infer_zimage_config(sources["transformer"].shapes)
+        _check_complete(transformer, sources["transformer"], prefix, layout, path)
+        for vprefix in _VAE_PREFIXES:
+            if any(k.startswith(vprefix + "decoder.") for k in keys):
+                sources["vae"], vae = _vae(keys, vprefix, store, path)
+        given = [Path(p) for p in text_encoders]
+        for extra in given:
+            if not extra.is_file():
+                raise CheckpointError("no such file (given beside the Z-Image model)", extra)
+        missing = [c for c in ("text_encoder", "vae") if c not in sources]
+        beside = _find_beside(path, missing)
+        resolved = {p.resolve() for p in given}
+        for extra in [*given, *(p for p in beside.values() if p.resolve() not in resolved)]:
+            estore = open_checkpoint(extra)
+            stores.append(estore)
+            ekeys = list(estore.keys())
+            eshapes = {k: tuple(estore.shape(k)) for k in ekeys}
+            component, eprefix = _file_kind(ekeys, eshapes, extra)
+            if component in sources:
+                if extra not in given:
+                    continue                      # found beside, but a given file already has it
+                where = "the model file" if str(path) in sources[component].files else sources[component].files[0]
+                raise CheckpointError(f"{_NAMES[component]} is given twice (also in {where})", extra)
+            if component == "text_encoder":
+                sources[component], text = _text(ekeys, eprefix, estore, extra)
+            else:
+                sources[component], vae = _vae(ekeys, eprefix, estore, extra)
+            if extra not in given:
+                notes.append(f"{_NAMES[component]} from {extra.name}, found beside the model")
+        for component in ("text_encoder", "vae"):
+            if component not in sources:
+                raise CheckpointError(
+                    f"the Z-Image model has no {_NAMES[component]}: the file holds none and none was given "
+                    "(--text-encoder PATH, repeatable: qwen_3_4b.safetensors or a Qwen3-4B GGUF, ae.safetensors) "
+                    "or found beside it", path)
+        spec, detection = _spec_and_detection(transformer, vae, text, None, "original", path)
+        for name, source in sources.items():
+            if source.unexpected:
+                notes.append(f"{len(source.unexpected)} {name} keys not understood (ignored)")
+    except UnsupportedModelError as e:
+        for s in stores:
+            s.close()
+        raise CheckpointError(str(e), path) from None
+    except BaseException:
+        for s in stores:
+            s.close()
+        raise
+    return dict(path=str(path), layout="original", spec=spec, detection=detection,
+                storage_dtype=storage_dtype(store, prefix=prefix if prefix else ""),
+                prediction_source=PREDICTION_SOURCE, sources=sources, scheduler_config=dict(spec.scheduler),
+                scheduler_source="Z-Image-Turbo's published scheduler (FlowMatchEulerDiscreteScheduler, shift 3)",
+                notes=notes, _stores=stores, _tokenizer=QwenTokenizer.from_package())

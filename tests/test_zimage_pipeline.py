@@ -1,0 +1,139 @@
+"""Z-Image end to end against diffusers' ZImagePipeline on a tiny random model saved as a diffusers folder: the Qwen3
+encoder's second-to-last hidden state over the chat-templated prompt's real tokens, captions of their own lengths,
+the S3-DiT, flow matching with the Turbo's shift over linspace sigmas, the 16-channel VAE's shift and scale; batch 2,
+two sizes (one not square), English and Chinese prompts, CFG with a negative prompt (diffusers' guidance_scale g is
+cfg g + 1), and what the family refuses."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import sdlite
+from sdlite.config import VAEConfig
+from sdlite.pipeline import Engine, Request, RequestError
+from tests.reference import diffusers_vae, seed_all
+from tests.test_qwen import QWEN3_CHAT_TEMPLATE
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MAX_PIXEL_DIFF = 2   # /255, the issue's bar
+QWEN_JSON = Path(sdlite.__file__).parent / "data" / "qwen" / "tokenizer.json"
+TEXT_WIDTH = 32
+QWEN = dict(vocab_size=151936, hidden_size=TEXT_WIDTH, intermediate_size=48, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+            max_position_embeddings=1024, tie_word_embeddings=True)
+TRANSFORMER = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=64, n_layers=2,
+                   n_refiner_layers=1, n_heads=2, n_kv_heads=2, norm_eps=1e-5, qk_norm=True, cap_feat_dim=TEXT_WIDTH,
+                   rope_theta=256.0, t_scale=1000.0, axes_dims=[8, 12, 12], axes_lens=[1536, 512, 512])
+VAE = VAEConfig(latent_channels=16, block_channels=(32, 64, 64, 64), layers_per_block=1, scaling_factor=0.3611,
+                shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False, sample_size=64)
+PROMPT, NEGATIVE = "a red circle on a blue background", "green, blurry"
+PROMPT_ZH = "蓝色背景上的红色圆圈，一只猫"
+
+
+def _qwen(seed: int):
+    from transformers import Qwen3Config, Qwen3Model
+
+    return seed_all(Qwen3Model(Qwen3Config(**QWEN, attn_implementation="eager")).eval(), seed, scale=0.2)
+
+
+def _pipeline(folder: Path):
+    """A tiny ZImagePipeline (the Turbo's scheduler: shift 3, no dynamic shifting), saved in ``folder``."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen2TokenizerFast
+
+    from sdlite.config.zimage import ZIMAGE_TURBO_SCHEDULER
+
+    vae = seed_all(diffusers_vae(VAE), 1, scale=0.05)
+    with torch.no_grad():   # contrast enough that 2/255 means something (tests.reference.with_contrast)
+        vae.decoder.conv_out.weight.mul_(30.0)
+    transformer = seed_all(ZImageTransformer2DModel(**TRANSFORMER).eval(), 4, scale=0.15)
+    tokenizer = Qwen2TokenizerFast(tokenizer_file=str(QWEN_JSON))
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    scheduler = FlowMatchEulerDiscreteScheduler(**{k: v for k, v in ZIMAGE_TURBO_SCHEDULER.items()
+                                                   if not k.startswith("_")})
+    pipe = ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=_qwen(2), tokenizer=tokenizer,
+                          transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.save_pretrained(folder)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("zimage") / "z-image"
+    pipe = _pipeline(folder)
+    return pipe, Engine.load(folder, precision="exact"), folder
+
+
+def _pixels(images) -> np.ndarray:
+    return np.stack([np.asarray(im, dtype=np.int16) for im in images])
+
+
+def _reference(pipe, width, height, **kw) -> np.ndarray:
+    out = pipe(height=height, width=width, output_type="np", **kw).images
+    return np.round(np.clip(out, 0, 1) * 255).astype(np.int16)
+
+
+def test_folder_opens_as_zimage(model):
+    _, engine, _ = model
+    spec = engine.spec
+    assert spec.family == "z-image-turbo" and spec.denoiser == "transformer"
+    assert spec.text_encoders == ("text_encoder",)
+    assert spec.text.hidden_size == TEXT_WIDTH and spec.text.num_hidden_layers == 3 and spec.text.qk_norm
+    assert spec.transformer.dim == 64 and spec.transformer.n_layers == 2
+    assert spec.vae.shift_factor == pytest.approx(0.1159) and spec.vae.scaling_factor == pytest.approx(0.3611)
+    assert engine.family.sampling_defaults == {"steps": 8, "cfg": 1.0, "sampler": "euler", "timestep_spacing": None}
+    assert engine.schedule.shift == 3.0 and not engine.schedule.use_dynamic_shifting
+
+
+@pytest.mark.parametrize("prompt,steps,width,height", [(PROMPT, 4, 64, 64), (PROMPT_ZH, 3, 96, 64)])
+def test_txt2img_matches_zimagepipeline(model, prompt, steps, width, height):
+    """Batch 2 without guidance (the Turbo's way), at a square and a non-square size, in English and Chinese."""
+    pipe, engine, _ = model
+    expected = _reference(pipe, width, height, prompt=prompt, num_inference_steps=steps, guidance_scale=0.0,
+                          num_images_per_prompt=2, generator=[torch.Generator().manual_seed(s) for s in (7, 8)])
+    got = _pixels(engine.generate(Request(prompt=prompt, steps=steps, cfg_scale=1.0, seed=7, batch_size=2,
+                                          width=width, height=height, sampler="euler")).images)
+    assert got.shape == expected.shape == (2, height, width, 3)
+    assert np.abs(got - expected).max() <= MAX_PIXEL_DIFF
+    assert got.std() > 10, "the images should not be flat"
+
+
+def test_cfg_is_diffusers_guidance_plus_one(model):
+    """CFG with a negative prompt of another length than the prompt's: diffusers' guidance_scale 2.5 is cfg 3.5
+    (A1111's uncond + cfg * (cond - uncond)); the captions are masked to their own lengths in the batched call."""
+    pipe, engine, _ = model
+    expected = _reference(pipe, 64, 64, prompt=PROMPT, negative_prompt=NEGATIVE, num_inference_steps=3,
+                          guidance_scale=2.5, num_images_per_prompt=2,
+                          generator=[torch.Generator().manual_seed(s) for s in (3, 4)])
+    got = _pixels(engine.generate(Request(prompt=PROMPT, negative_prompt=NEGATIVE, steps=3, cfg_scale=3.5, seed=3,
+                                          batch_size=2, width=64, height=64, sampler="euler")).images)
+    assert np.abs(got - expected).max() <= MAX_PIXEL_DIFF
+    unguided = _pixels(engine.generate(Request(prompt=PROMPT, steps=3, cfg_scale=1.0, seed=3, batch_size=2,
+                                               width=64, height=64, sampler="euler")).images)
+    assert np.abs(got - unguided).max() > 10, "guidance should change the images"
+
+
+def test_emphasis_and_break_are_read_as_plain_words(model):
+    _, engine, _ = model
+    plain = engine.generate(Request(prompt="a red circle BREAK on blue", steps=2, seed=1, width=64, height=64,
+                                    sampler="euler"))
+    weighted = engine.generate(Request(prompt="a (red:1.3) circle BREAK on [blue]", steps=2, seed=1, width=64,
+                                       height=64, sampler="euler"))
+    assert np.array_equal(_pixels(plain.images), _pixels(weighted.images))
+    assert any("emphasis" in w for w in weighted.warnings) and any("BREAK" in w for w in weighted.warnings)
+
+
+def test_refusals(model):
+    _, engine, _ = model
+    with pytest.raises(RequestError, match="multiples of 16"):
+        engine.generate(Request(prompt=PROMPT, steps=1, width=72, height=64, sampler="euler"))
+    with pytest.raises(RequestError, match="clip skip"):
+        engine.generate(Request(prompt=PROMPT, steps=1, width=64, height=64, clip_skip=2, sampler="euler"))
+    with pytest.raises(RequestError, match="skip-layer guidance"):
+        engine.generate(Request(prompt=PROMPT, steps=1, width=64, height=64, cfg_scale=2.0, slg_layers=(0,),
+                                sampler="euler"))
