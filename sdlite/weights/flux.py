@@ -27,18 +27,17 @@ from pathlib import Path
 from ..config import ConfigError, TextEncoderConfig, VAEConfig
 from ..config.flux import FLUX_TEXT_L, FLUX_VAE, FluxConfig, flux_spec
 from ..errors import CheckpointError
+from .beside import Parts, add_parts, vae_part
 from .convert import normalize_diffusers_keys
 from .detect import Detection
 from .flux_keys import flux_layout, flux_plan, infer_flux_config, is_flux, original_names
 from .folders import component_store, folder_tokenizer, read_json, storage_dtype, text_architecture
-from .io import open_checkpoint
 from .plan import ComponentPlan, UnsupportedModelError
 from .sd3 import CLIP_L_PREFIX
 from .store import ComponentSource, TensorStore
 from .t5_keys import SINGLE_FILE_PREFIX as T5_PREFIX
 from .t5_keys import find_t5_prefix, infer_t5_config, t5_plan
 from .text_keys import clip_from_original, infer_text_encoder
-from .vae_keys import infer_vae, vae_from_original
 
 __all__ = ["FLUX_PIPELINES", "open_flux_folder", "open_flux_file", "is_flux_file", "flux_family"]
 
@@ -146,17 +145,6 @@ def _clip(keys: list[str], shapes: dict, prefix: str, where) -> tuple[ComponentP
                                      eos_token_id=FLUX_TEXT_L.eos_token_id)
 
 
-def _vae(keys: list[str], prefix: str, store: TensorStore, path) -> tuple[ComponentSource, VAEConfig]:
-    plan = vae_from_original(keys, prefix=prefix)
-    source = ComponentSource.from_plan(plan, store, (str(path),))
-    info = infer_vae(source.shapes)
-    vae = VAEConfig(**info.config_kwargs(), scaling_factor=FLUX_VAE.scaling_factor,
-                    shift_factor=FLUX_VAE.shift_factor, use_quant_conv="quant_conv.weight" in source.shapes,
-                    use_post_quant_conv="post_quant_conv.weight" in source.shapes,
-                    sample_size=FLUX_VAE.sample_size)
-    return source, vae
-
-
 def _file_kind(keys: list[str], shapes: dict, where) -> tuple[str, str]:
     """``(component, prefix)`` of a separate file: T5, CLIP-L or the VAE."""
     t5 = find_t5_prefix(keys)
@@ -173,20 +161,19 @@ def _file_kind(keys: list[str], shapes: dict, where) -> tuple[str, str]:
                           + (f"; the first key is {keys[0]!r}" if keys else ""), where)
 
 
-def _find_beside(model: Path, missing: list[str]) -> dict[str, Path]:
-    folder = model.parent
-    places = [folder, folder / "text_encoders", folder / "vae", folder.parent / "text_encoders",
-              folder.parent / "clip", folder.parent / "vae"]
-    found = {}
-    for component, patterns in _BESIDE:
-        if component not in missing:
-            continue
-        for place in places:
-            hits = sorted(p for pattern in patterns for p in place.glob(pattern) if p.is_file() and p != model)
-            if hits:
-                found[component] = hits[0]
-                break
-    return found
+def _parts(configs: dict) -> Parts:
+    """The parts FLUX takes beside its transformer; their configs go to ``configs``."""
+    def source(component, keys, prefix, store, path):
+        if component == "text_encoder_3":
+            return ComponentSource.from_plan(t5_plan(keys, prefix=prefix), store, (str(path),))
+        if component == "text_encoder":
+            shapes = {k: tuple(store.shape(k)) for k in keys}
+            plan, configs["text_encoder"] = _clip(keys, shapes, prefix, path)
+            return ComponentSource.from_plan(plan, store, (str(path),))
+        found, configs["vae"] = vae_part(keys, prefix, store, path, FLUX_VAE)
+        return found
+
+    return Parts(names=_NAMES, patterns=_BESIDE, kind=_file_kind, source=source)
 
 
 def _check_complete(transformer: FluxConfig, source: ComponentSource, prefix: str, path) -> None:
@@ -211,53 +198,25 @@ def open_flux_file(path: Path, store: TensorStore, text_encoders=()) -> dict:
     stores = [store]
     sources: dict[str, ComponentSource] = {}
     notes: list[str] = []
-    clip = None
-    vae = None
     try:
         keys = list(store.keys())
-        shapes = {k: tuple(store.shape(k)) for k in keys}
         _, prefix = flux_layout(keys)
         inside = [k for k in keys if k.startswith(prefix)] if prefix else \
             [k for k in keys if not k.startswith(("text_encoders.", *_VAE_PREFIXES))]
         sources["transformer"] = ComponentSource.from_plan(flux_plan(inside), store, (str(path),))
         transformer = infer_flux_config(sources["transformer"].shapes)
         _check_complete(transformer, sources["transformer"], prefix, path)
+        configs: dict = {}
+        parts = _parts(configs)
         for vprefix in _VAE_PREFIXES:
             if any(k.startswith(vprefix + "decoder.") for k in keys):
-                sources["vae"], vae = _vae(keys, vprefix, store, path)
+                sources["vae"] = parts.source("vae", keys, vprefix, store, path)
         if any(k.startswith(CLIP_L_PREFIX) for k in keys):
-            cplan, clip = _clip(keys, shapes, CLIP_L_PREFIX, path)
-            sources["text_encoder"] = ComponentSource.from_plan(cplan, store, (str(path),))
+            sources["text_encoder"] = parts.source("text_encoder", keys, CLIP_L_PREFIX, store, path)
         if find_t5_prefix(keys) == T5_PREFIX:
-            sources["text_encoder_3"] = ComponentSource.from_plan(t5_plan(keys, prefix=T5_PREFIX), store,
-                                                                  (str(path),))
-        given = [Path(p) for p in text_encoders]
-        for extra in given:
-            if not extra.is_file():
-                raise CheckpointError("no such file (given beside the FLUX model)", extra)
-        missing = [c for c in ("text_encoder", "text_encoder_3", "vae") if c not in sources]
-        beside = _find_beside(path, missing)
-        resolved = {p.resolve() for p in given}
-        for extra in [*given, *(p for p in beside.values() if p.resolve() not in resolved)]:
-            estore = open_checkpoint(extra)
-            stores.append(estore)
-            ekeys = list(estore.keys())
-            eshapes = {k: tuple(estore.shape(k)) for k in ekeys}
-            component, eprefix = _file_kind(ekeys, eshapes, extra)
-            if component in sources:
-                if extra not in given:
-                    continue                      # found beside, but a given file already has it
-                where = "the model file" if str(path) in sources[component].files else sources[component].files[0]
-                raise CheckpointError(f"{_NAMES[component]} is given twice (also in {where})", extra)
-            if component == "text_encoder_3":
-                sources[component] = ComponentSource.from_plan(t5_plan(ekeys, prefix=eprefix), estore, (str(extra),))
-            elif component == "text_encoder":
-                cplan, clip = _clip(ekeys, eshapes, eprefix, extra)
-                sources[component] = ComponentSource.from_plan(cplan, estore, (str(extra),))
-            else:
-                sources[component], vae = _vae(ekeys, eprefix, estore, extra)
-            if extra not in given:
-                notes.append(f"{_NAMES[component]} from {extra.name}, found beside the model")
+            sources["text_encoder_3"] = parts.source("text_encoder_3", keys, T5_PREFIX, store, path)
+        add_parts(path, parts, sources, stores, notes, given=text_encoders,
+                  needed=("text_encoder", "text_encoder_3", "vae"))
         for component in ("text_encoder", "text_encoder_3", "vae"):
             if component not in sources:
                 raise CheckpointError(
@@ -265,7 +224,8 @@ def open_flux_file(path: Path, store: TensorStore, text_encoders=()) -> dict:
                     "(--text-encoder PATH, repeatable: clip_l.safetensors, t5xxl_fp16.safetensors, ae.safetensors) "
                     "or found beside it", path)
         t5 = infer_t5_config(sources["text_encoder_3"].shapes)
-        spec, detection = _spec_and_detection(transformer, vae, clip, t5, None, "original", path)
+        spec, detection = _spec_and_detection(transformer, configs["vae"], configs["text_encoder"], t5, None,
+                                              "original", path)
         for name, source in sources.items():
             if source.unexpected:
                 notes.append(f"{len(source.unexpected)} {name} keys not understood (ignored)")

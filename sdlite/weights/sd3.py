@@ -29,17 +29,17 @@ from ..config import SD3_FAMILIES, ConfigError, ModelSpec, TextEncoderConfig, VA
 from ..config.mmdit import MMDiTConfig
 from ..config.sd3 import SD3_SCHEDULER, SD3_TEXT_G, SD3_TEXT_L, SD3_VAE
 from ..errors import CheckpointError
+from . import beside
 from .convert import normalize_diffusers_keys
 from .detect import Detection
 from .folders import component_store, folder_tokenizer, read_json, storage_dtype, text_architecture
-from .io import open_checkpoint
 from .mmdit_keys import MMDIT_PREFIX, infer_mmdit_config, mmdit_plan
 from .plan import COPY, ComponentPlan, PlanEntry, UnsupportedModelError, add_entry
 from .store import ComponentSource, TensorStore
 from .t5_keys import SINGLE_FILE_PREFIX as T5_PREFIX
 from .t5_keys import find_t5_prefix, infer_t5_config, t5_plan
 from .text_keys import clip_from_original, infer_text_encoder
-from .vae_keys import VAE_PREFIX, infer_vae, vae_from_original
+from .vae_keys import VAE_PREFIX
 
 SD3_PIPELINES = ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline", "StableDiffusion3InpaintPipeline")
 _CLIP_TOWERS = (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2"))
@@ -213,18 +213,19 @@ def encoder_kind(keys, shapes: dict, where) -> tuple[str, str]:
 def find_beside(model: Path, missing: list[str]) -> dict[str, Path]:
     """Separate text-encoder files for the ``missing`` components, by ComfyUI's and Stability's names, beside
     ``model``: its folder, ``text_encoders/`` in it, or ComfyUI's ``models/text_encoders`` and ``models/clip``."""
-    folder = model.parent
-    places = [folder, folder / "text_encoders", folder.parent / "text_encoders", folder.parent / "clip"]
-    found = {}
-    for component, patterns in _BESIDE:
-        if component not in missing:
-            continue
-        for place in places:
-            hits = sorted(p for pattern in patterns for p in place.glob(pattern) if p.is_file())
-            if hits:
-                found[component] = hits[0]
-                break
-    return found
+    return beside.find_beside(model, missing, _BESIDE, vae_folder=False)
+
+
+def _parts(texts: dict) -> beside.Parts:
+    """The text encoders SD3 takes beside its file; CLIP towers' configs go to ``texts``."""
+    def source(component, keys, prefix, store, path):
+        if component == "text_encoder_3":
+            return ComponentSource.from_plan(t5_plan(keys, prefix=prefix), store, (str(path),))
+        shapes = {k: tuple(store.shape(k)) for k in keys}
+        plan, texts[component] = _clip_part(keys, shapes, prefix, path)
+        return ComponentSource.from_plan(plan, store, (str(path),))
+
+    return beside.Parts(names=_ENCODER_NAMES, patterns=_BESIDE, kind=encoder_kind, source=source, vae_folder=False)
 
 
 def open_sd3_file(path: Path, store: TensorStore, text_encoders=()) -> dict:
@@ -236,7 +237,6 @@ def open_sd3_file(path: Path, store: TensorStore, text_encoders=()) -> dict:
     texts: dict = {}
     try:
         keys = list(store.keys())
-        shapes = {k: tuple(store.shape(k)) for k in keys}
         plan = mmdit_plan([k for k in keys if k.startswith((MMDIT_PREFIX, "joint_blocks.", "x_embedder.", "t_embedder.",
                                                             "y_embedder.", "context_embedder.", "pos_embed",
                                                             "final_layer."))])
@@ -245,43 +245,17 @@ def open_sd3_file(path: Path, store: TensorStore, text_encoders=()) -> dict:
         if not any(k.startswith(VAE_PREFIX) for k in keys):
             raise CheckpointError(f"the file has no VAE ({VAE_PREFIX}*): sdlite reads SD3 single files with their "
                                   "VAE, as Stability publishes them", path)
-        vplan = vae_from_original(keys)
-        sources["vae"] = ComponentSource.from_plan(vplan, store, (str(path),))
-        info = infer_vae(sources["vae"].shapes)
-        vae = VAEConfig(**info.config_kwargs(), scaling_factor=SD3_VAE.scaling_factor,
-                        shift_factor=SD3_VAE.shift_factor,
-                        use_quant_conv="quant_conv.weight" in sources["vae"].shapes,
-                        use_post_quant_conv="post_quant_conv.weight" in sources["vae"].shapes,
-                        sample_size=transformer.sample_size * 2 ** (len(info.block_channels) - 1))
+        sources["vae"], vae = beside.vae_part(keys, VAE_PREFIX, store, path, SD3_VAE)
+        vae = dataclasses.replace(vae, sample_size=transformer.sample_size * vae.downscale)
+        parts = _parts(texts)
         for component, prefix in (("text_encoder", CLIP_L_PREFIX), ("text_encoder_2", CLIP_G_PREFIX)):
             if any(k.startswith(prefix) for k in keys):
-                cplan, texts[component] = _clip_part(keys, shapes, prefix, path)
-                sources[component] = ComponentSource.from_plan(cplan, store, (str(path),))
+                sources[component] = parts.source(component, keys, prefix, store, path)
         if find_t5_prefix(keys) == T5_PREFIX:
-            sources["text_encoder_3"] = ComponentSource.from_plan(t5_plan(keys, prefix=T5_PREFIX), store,
-                                                                  (str(path),))
-        given = [Path(p) for p in text_encoders]
-        for extra in given:
-            if not extra.is_file():
-                raise CheckpointError("no such text-encoder file", extra)
-        missing = [c for c in ("text_encoder", "text_encoder_2", "text_encoder_3") if c not in sources]
-        beside = {} if given else find_beside(path, missing)
-        for extra in [*given, *beside.values()]:
-            estore = open_checkpoint(extra)
-            stores.append(estore)
-            ekeys = list(estore.keys())
-            eshapes = {k: tuple(estore.shape(k)) for k in ekeys}
-            component, prefix = encoder_kind(ekeys, eshapes, extra)
-            if component in sources and extra in given:
-                where = "the model file" if str(path) in sources[component].files else sources[component].files[0]
-                raise CheckpointError(f"{_ENCODER_NAMES[component]} is given twice (also in {where})", extra)
-            if component == "text_encoder_3":
-                eplan = t5_plan(ekeys, prefix=prefix)
-            else:
-                eplan, texts[component] = _clip_part(ekeys, eshapes, prefix, extra)
-            sources[component] = ComponentSource.from_plan(eplan, estore, (str(extra),))
-            if extra not in given:
-                notes.append(f"{_ENCODER_NAMES[component]} from {extra.name}, found beside the model")
+            sources["text_encoder_3"] = parts.source("text_encoder_3", keys, T5_PREFIX, store, path)
+        # the parts given; only where none is given, those found beside the model
+        beside.add_parts(path, parts, sources, stores, notes, given=text_encoders,
+                         needed=("text_encoder", "text_encoder_2", "text_encoder_3"), search_beside=not text_encoders)
         for component in ("text_encoder", "text_encoder_2"):
             if component not in sources:
                 raise CheckpointError(

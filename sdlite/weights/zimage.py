@@ -23,14 +23,13 @@ from ..config.qwen import QwenConfig
 from ..config.zimage import ZIMAGE_VAE, ZImageConfig, zimage_spec
 from ..errors import CheckpointError
 from ..tokenizers.qwen import QwenTokenizer
+from .beside import Parts, add_parts, vae_part
 from .convert import normalize_diffusers_keys
 from .detect import Detection
 from .folders import component_store, read_json, storage_dtype
-from .io import open_checkpoint
 from .plan import UnsupportedModelError
 from .qwen_keys import find_qwen_prefix, infer_qwen_config, qwen_config_from_gguf, qwen_plan
 from .store import ComponentSource, TensorStore
-from .vae_keys import infer_vae, vae_from_original
 from .zimage_keys import comfy_names, infer_zimage_config, is_zimage, zimage_layout, zimage_plan
 
 __all__ = ["ZIMAGE_PIPELINES", "open_zimage_folder", "open_zimage_file", "is_zimage_file"]
@@ -130,24 +129,6 @@ def open_zimage_folder(folder: Path, index: dict, index_file: Path) -> dict:
 # --- single files and the files beside them --------------------------------------------------------------------
 
 
-def _vae(keys: list[str], prefix: str, store: TensorStore, path) -> tuple[ComponentSource, VAEConfig]:
-    plan = vae_from_original(keys, prefix=prefix)
-    source = ComponentSource.from_plan(plan, store, (str(path),))
-    info = infer_vae(source.shapes)
-    vae = VAEConfig(**info.config_kwargs(), scaling_factor=ZIMAGE_VAE.scaling_factor,
-                    shift_factor=ZIMAGE_VAE.shift_factor, use_quant_conv="quant_conv.weight" in source.shapes,
-                    use_post_quant_conv="post_quant_conv.weight" in source.shapes,
-                    sample_size=ZIMAGE_VAE.sample_size)
-    return source, vae
-
-
-def _text(keys: list[str], prefix: str, store: TensorStore, path) -> tuple[ComponentSource, QwenConfig]:
-    source = ComponentSource.from_plan(qwen_plan(keys, prefix=prefix), store, (str(path),))
-    text = qwen_config_from_gguf(store) if getattr(store, "fields", None) is not None else \
-        infer_qwen_config(source.shapes)
-    return source, text
-
-
 def _file_kind(keys: list[str], shapes: dict, where) -> tuple[str, str]:
     """``(component, prefix)`` of a separate file: the Qwen3 text encoder or the VAE."""
     prefix = find_qwen_prefix(keys)
@@ -161,20 +142,18 @@ def _file_kind(keys: list[str], shapes: dict, where) -> tuple[str, str]:
                           + (f"; the first key is {keys[0]!r}" if keys else ""), where)
 
 
-def _find_beside(model: Path, missing: list[str]) -> dict[str, Path]:
-    folder = model.parent
-    places = [folder, folder / "text_encoders", folder / "vae", folder.parent / "text_encoders",
-              folder.parent / "clip", folder.parent / "vae"]
-    found = {}
-    for component, patterns in _BESIDE:
-        if component not in missing:
-            continue
-        for place in places:
-            hits = sorted(p for pattern in patterns for p in place.glob(pattern) if p.is_file() and p != model)
-            if hits:
-                found[component] = hits[0]
-                break
-    return found
+def _parts(configs: dict) -> Parts:
+    """The parts Z-Image takes beside its transformer; their configs go to ``configs``."""
+    def source(component, keys, prefix, store, path):
+        if component == "vae":
+            found, configs["vae"] = vae_part(keys, prefix, store, path, ZIMAGE_VAE)
+            return found
+        found = ComponentSource.from_plan(qwen_plan(keys, prefix=prefix), store, (str(path),))
+        configs["text_encoder"] = qwen_config_from_gguf(store) if getattr(store, "fields", None) is not None \
+            else infer_qwen_config(found.shapes)
+        return found
+
+    return Parts(names=_NAMES, patterns=_BESIDE, kind=_file_kind, source=source)
 
 
 def _check_complete(transformer: ZImageConfig, source: ComponentSource, prefix: str, layout: str, path) -> None:
@@ -199,7 +178,6 @@ def open_zimage_file(path: Path, store: TensorStore, text_encoders=()) -> dict:
     stores = [store]
     sources: dict[str, ComponentSource] = {}
     notes: list[str] = []
-    text = vae = None
     try:
         keys = list(store.keys())
         layout, prefix = zimage_layout(keys)
@@ -208,40 +186,20 @@ def open_zimage_file(path: Path, store: TensorStore, text_encoders=()) -> dict:
         sources["transformer"] = ComponentSource.from_plan(zimage_plan(inside), store, (str(path),))
         transformer = infer_zimage_config(sources["transformer"].shapes)
         _check_complete(transformer, sources["transformer"], prefix, layout, path)
+        configs: dict = {}
+        parts = _parts(configs)
         for vprefix in _VAE_PREFIXES:
             if any(k.startswith(vprefix + "decoder.") for k in keys):
-                sources["vae"], vae = _vae(keys, vprefix, store, path)
-        given = [Path(p) for p in text_encoders]
-        for extra in given:
-            if not extra.is_file():
-                raise CheckpointError("no such file (given beside the Z-Image model)", extra)
-        missing = [c for c in ("text_encoder", "vae") if c not in sources]
-        beside = _find_beside(path, missing)
-        resolved = {p.resolve() for p in given}
-        for extra in [*given, *(p for p in beside.values() if p.resolve() not in resolved)]:
-            estore = open_checkpoint(extra)
-            stores.append(estore)
-            ekeys = list(estore.keys())
-            eshapes = {k: tuple(estore.shape(k)) for k in ekeys}
-            component, eprefix = _file_kind(ekeys, eshapes, extra)
-            if component in sources:
-                if extra not in given:
-                    continue                      # found beside, but a given file already has it
-                where = "the model file" if str(path) in sources[component].files else sources[component].files[0]
-                raise CheckpointError(f"{_NAMES[component]} is given twice (also in {where})", extra)
-            if component == "text_encoder":
-                sources[component], text = _text(ekeys, eprefix, estore, extra)
-            else:
-                sources[component], vae = _vae(ekeys, eprefix, estore, extra)
-            if extra not in given:
-                notes.append(f"{_NAMES[component]} from {extra.name}, found beside the model")
+                sources["vae"] = parts.source("vae", keys, vprefix, store, path)
+        add_parts(path, parts, sources, stores, notes, given=text_encoders, needed=("text_encoder", "vae"))
         for component in ("text_encoder", "vae"):
             if component not in sources:
                 raise CheckpointError(
                     f"the Z-Image model has no {_NAMES[component]}: the file holds none and none was given "
                     "(--text-encoder PATH, repeatable: qwen_3_4b.safetensors or a Qwen3-4B GGUF, ae.safetensors) "
                     "or found beside it", path)
-        spec, detection = _spec_and_detection(transformer, vae, text, None, "original", path)
+        spec, detection = _spec_and_detection(transformer, configs["vae"], configs["text_encoder"], None,
+                                              "original", path)
         for name, source in sources.items():
             if source.unexpected:
                 notes.append(f"{len(source.unexpected)} {name} keys not understood (ignored)")

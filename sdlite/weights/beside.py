@@ -1,0 +1,104 @@
+"""The parts a transformer's single file lacks (text encoders, the VAE), from files given or found beside it.
+
+SD3, FLUX.1 and Z-Image are published as one file for the transformer and separate files for the rest: ComfyUI keeps
+them in ``models/diffusion_models``, ``models/text_encoders`` (or the older ``models/clip``) and ``models/vae``. A
+family's opener says which parts it needs, the file names each part goes by, and how to tell what a file holds from
+its keys; :func:`add_parts` opens the files given (the CLI's ``--text-encoder``, repeatable, which also takes a VAE)
+and, for what is still missing, the ones found beside the model (:func:`find_beside`), and names every mistake: a
+file that does not exist, one that holds nothing the family takes, a part given twice.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import VAEConfig
+from ..errors import CheckpointError
+from .io import open_checkpoint
+from .store import ComponentSource, TensorStore
+from .vae_keys import infer_vae, vae_from_original
+
+__all__ = ["Parts", "beside_places", "find_beside", "add_parts", "vae_part"]
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What a family takes beside its transformer: ``names`` (component -> how messages name it), ``patterns``
+    ((component, file-name globs) in order of preference, tried beside the model), ``kind`` (a file's keys and
+    shapes -> (component, key prefix), or a :class:`~sdlite.errors.CheckpointError` saying it is none of them),
+    ``source`` ((component, keys, prefix, store, path) -> the component's source; it may record the part's config)
+    and ``vae_folder`` (whether ComfyUI's ``vae`` folders are searched too)."""
+
+    names: dict[str, str]
+    patterns: tuple[tuple[str, tuple[str, ...]], ...]
+    kind: Callable[[list[str], dict, Path], tuple[str, str]]
+    source: Callable[[str, list[str], str, TensorStore, Path], ComponentSource]
+    vae_folder: bool = True
+
+
+def beside_places(model: Path, vae_folder: bool = True) -> list[Path]:
+    """Where the parts of ``model`` are looked for: its folder, ``text_encoders/`` (and ``vae/``) in it, and
+    ComfyUI's ``models/text_encoders``, ``models/clip`` (and ``models/vae``) when it sits in ``models/...``."""
+    folder = model.parent
+    places = [folder, folder / "text_encoders"] + ([folder / "vae"] if vae_folder else [])
+    places += [folder.parent / "text_encoders", folder.parent / "clip"] + ([folder.parent / "vae"] if vae_folder else [])
+    return places
+
+
+def find_beside(model: Path, missing: list[str], patterns, vae_folder: bool = True) -> dict[str, Path]:
+    """A file for each ``missing`` component whose name matches its ``patterns`` (the first place that has one,
+    the first pattern's files first, in name order), beside ``model`` (:func:`beside_places`)."""
+    found = {}
+    for component, globs in patterns:
+        if component not in missing:
+            continue
+        for place in beside_places(model, vae_folder):
+            hits = sorted(p for pattern in globs for p in place.glob(pattern) if p.is_file() and p != model)
+            if hits:
+                found[component] = hits[0]
+                break
+    return found
+
+
+def add_parts(path: Path, parts: Parts, sources: dict[str, ComponentSource], stores: list[TensorStore],
+              notes: list[str], given=(), needed=(), search_beside: bool = True) -> None:
+    """Add to ``sources`` the ``needed`` components the model file ``path`` lacks: each file of ``given`` (paths),
+    then for what is still missing the files found beside the model (unless ``search_beside`` is False). Opened
+    stores go to ``stores`` (the caller closes them on an error); a part found beside is noted in ``notes``."""
+    given = [Path(p) for p in given]
+    for extra in given:
+        if not extra.is_file():
+            raise CheckpointError("no such file (given with --text-encoder, or text_encoders=)", extra)
+    missing = [c for c in needed if c not in sources]
+    beside = find_beside(path, missing, parts.patterns, parts.vae_folder) if search_beside else {}
+    resolved = {p.resolve() for p in given}
+    for extra in [*given, *(p for p in beside.values() if p.resolve() not in resolved)]:
+        store = open_checkpoint(extra)
+        stores.append(store)
+        keys = list(store.keys())
+        shapes = {k: tuple(store.shape(k)) for k in keys}
+        component, prefix = parts.kind(keys, shapes, extra)
+        if component in sources:
+            if extra not in given:
+                continue                      # found beside, but a given file already has it
+            where = "the model file" if str(path) in sources[component].files else sources[component].files[0]
+            raise CheckpointError(f"{parts.names[component]} is given twice (also in {where})", extra)
+        sources[component] = parts.source(component, keys, prefix, store, extra)
+        if extra not in given:
+            notes.append(f"{parts.names[component]} from {extra.name}, found beside the model")
+
+
+def vae_part(keys: list[str], prefix: str, store: TensorStore, path, preset: VAEConfig,
+             sample_size: int | None = None) -> tuple[ComponentSource, VAEConfig]:
+    """A VAE in LDM names under ``prefix`` (``ae.safetensors``, or inside an all-in-one file) and its config: the
+    shapes' widths, ``preset``'s scaling and shift factors (the file cannot say them), ``sample_size`` (default:
+    the preset's)."""
+    plan = vae_from_original(keys, prefix=prefix)
+    source = ComponentSource.from_plan(plan, store, (str(path),))
+    info = infer_vae(source.shapes)
+    vae = VAEConfig(**info.config_kwargs(), scaling_factor=preset.scaling_factor, shift_factor=preset.shift_factor,
+                    use_quant_conv="quant_conv.weight" in source.shapes,
+                    use_post_quant_conv="post_quant_conv.weight" in source.shapes,
+                    sample_size=preset.sample_size if sample_size is None else sample_size)
+    return source, vae
