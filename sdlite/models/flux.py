@@ -17,7 +17,7 @@ from torch import nn
 
 from ..config.flux import FluxConfig
 from ..errors import RequestError
-from .layers import TimestepEmbedding, residual, timestep_embedding
+from .layers import TimestepEmbedding, per_sample, residual, timestep_embedding
 from .mmdit import NORM_EPS, AdaNorm, FeedForward, attention, gated, layer_norm, modulate
 
 __all__ = ["Flux", "pack_latents", "unpack_latents", "image_ids", "rope_tables"]
@@ -274,21 +274,12 @@ class Flux(nn.Module):
         if tuple(pooled.shape) != (b, cfg.pooled_projection_dim):
             raise RequestError(f"FLUX pooled_projections has shape {list(pooled.shape)}: expected "
                                f"({b}, {cfg.pooled_projection_dim})")
-        t = _per_sample(t, b, x.device, "timesteps")
+        t = per_sample(t, b, x.device, "FLUX timesteps")
         if cfg.guidance_embeds:
             if guidance is None:
                 raise RequestError("this FLUX transformer embeds the guidance scale (FLUX.1 dev): give guidance")
-            guidance = _per_sample(guidance, b, x.device, "guidance")
+            guidance = per_sample(guidance, b, x.device, "FLUX guidance")
         elif guidance is not None:
             raise RequestError("this FLUX transformer has no guidance embedding (FLUX.1 schnell): it takes no "
                                "guidance scale")
         return t, guidance
-
-
-def _per_sample(value, b: int, device, name: str) -> torch.Tensor:
-    value = torch.as_tensor(value, device=device, dtype=torch.float32 if not torch.is_tensor(value) else None)
-    if value.ndim == 0:
-        value = value.expand(b)
-    if tuple(value.shape) != (b,):
-        raise RequestError(f"FLUX {name} have shape {list(value.shape)}: expected ({b},) or a single value")
-    return value

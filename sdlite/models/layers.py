@@ -1,4 +1,5 @@
-"""Building blocks shared by the UNet and the VAE.
+"""Building blocks shared by the networks: the UNet's and the VAE's, the transformers' (timestep embeddings, RMSNorm,
+per-sample values) and the text encoders' (RMSNorm).
 
 Module attribute names equal the canonical (diffusers) checkpoint key names, so that loading is a
 key-for-key copy. Shapes are written as comments where they change: B batch, C channels, H/W spatial,
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import RequestError
 from ..kernels import fp32
 from ..kernels.bf16 import attend, attention_pays
 
@@ -40,6 +42,36 @@ def timestep_embedding(t: torch.Tensor, dim: int, flip_sin_to_cos: bool = True, 
     if dim % 2:
         emb = F.pad(emb, (0, 1))
     return emb
+
+
+def per_sample(value, b: int, device, what: str) -> torch.Tensor:
+    """``value`` (a number, or a tensor of one value or of ``b``) as one value per sample, (b,); a number becomes
+    float32, a tensor keeps its dtype. Another shape is a :class:`~sdlite.errors.RequestError` naming ``what``
+    (``"FLUX guidance"``)."""
+    value = torch.as_tensor(value, device=device, dtype=torch.float32 if not torch.is_tensor(value) else None)
+    if value.ndim == 0:
+        value = value.expand(b)
+    if tuple(value.shape) != (b,):
+        raise RequestError(f"{what} have shape {list(value.shape)}: expected ({b},) or a single value")
+    return value
+
+
+class RMSNorm(nn.Module):
+    """RMS normalisation with a learned scale, no mean and no bias: the mean square in fp32, a half-precision scale
+    applied in its own dtype (diffusers' RMSNorm and transformers' T5LayerNorm, op for op): SD3's qk norms, Z-Image's
+    norms and T5's layer norms."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)      # (..., 1)
+        x = x * torch.rsqrt(variance + self.eps)                          # fp32 (promoted)
+        if self.weight.dtype in (torch.float16, torch.bfloat16):
+            x = x.to(self.weight.dtype)
+        return x * self.weight
 
 
 class TimestepEmbedding(nn.Module):

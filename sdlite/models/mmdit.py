@@ -22,7 +22,7 @@ from torch import nn
 from ..config.mmdit import TIME_EMBED_CHANNELS, MMDiTConfig
 from ..errors import RequestError
 from ..kernels import fp32
-from .layers import TimestepEmbedding, residual, timestep_embedding
+from .layers import RMSNorm, TimestepEmbedding, residual, timestep_embedding
 
 __all__ = ["MMDiT", "sincos_grid"]
 
@@ -112,22 +112,6 @@ class AdaNorm(nn.Module):
         return self.linear(emb).chunk(self.parts, dim=1)
 
 
-class RMSNorm(nn.Module):
-    """RMS normalisation of each head's queries or keys, with a learned scale; the mean square is taken in fp32 and
-    a half-precision scale applies in its own dtype (as diffusers' RMSNorm does)."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        variance = x.float().pow(2).mean(-1, keepdim=True)
-        x = x * torch.rsqrt(variance + NORM_EPS)
-        if self.weight.dtype in (torch.float16, torch.bfloat16):
-            x = x.to(self.weight.dtype)
-        return x * self.weight
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fp32_kernels: bool) -> torch.Tensor:
     """softmax(q k^T / sqrt(D)) v for q (B, h, L, D), k and v (B, h, L', D): (B, L, h*D). When marked, fp32 on AVX2
     runs sdlite's kernel (:class:`sdlite.models.layers.Attention`); everything else PyTorch's. Not sdlite's bf16
@@ -162,8 +146,8 @@ class JointAttention(nn.Module):
         self.to_v = nn.Linear(dim, dim)
         self.to_out = nn.ModuleList([nn.Linear(dim, dim)])
         if qk_norm:
-            self.norm_q = RMSNorm(head_dim)
-            self.norm_k = RMSNorm(head_dim)
+            self.norm_q = RMSNorm(head_dim, NORM_EPS)
+            self.norm_k = RMSNorm(head_dim, NORM_EPS)
         if context is not None:
             self.add_q_proj = nn.Linear(dim, dim)
             self.add_k_proj = nn.Linear(dim, dim)
@@ -171,8 +155,8 @@ class JointAttention(nn.Module):
             if context == "joint":
                 self.to_add_out = nn.Linear(dim, dim)
             if qk_norm:
-                self.norm_added_q = RMSNorm(head_dim)
-                self.norm_added_k = RMSNorm(head_dim)
+                self.norm_added_q = RMSNorm(head_dim, NORM_EPS)
+                self.norm_added_k = RMSNorm(head_dim, NORM_EPS)
 
     def _heads(self, proj: nn.Linear, x: torch.Tensor, norm: str | None = None) -> torch.Tensor:
         """One projection split into heads, (B, L, C) -> (B, h, L, D) (a view), RMS-normalised by the module

@@ -47,18 +47,16 @@ from torch import nn
 
 from ..config.qwen import QwenConfig
 from .clip import Embedding
+from .layers import RMSNorm
 
 __all__ = ["QwenTextEncoder", "QwenRMSNorm", "QwenAttention", "QwenMLP", "QwenDecoderLayer", "rotary_tables",
            "rotate_half", "apply_rotary", "causal_padding_mask"]
 
 
-class QwenRMSNorm(nn.Module):
-    """RMS normalisation with a learned scale (no mean, no bias); statistics in float32, then the input's dtype."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+class QwenRMSNorm(RMSNorm):
+    """RMS normalisation as transformers' Qwen computes it: statistics in float32, the result cast back to the
+    *input's* dtype, then scaled. :class:`~sdlite.models.layers.RMSNorm` (diffusers', T5's) casts to the *weight's*
+    dtype instead: the same bits when the input and the weight share a dtype, not when they differ."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

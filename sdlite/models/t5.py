@@ -8,7 +8,8 @@ the same tensor as ``shared`` and is not a second parameter here.
 What makes T5 unlike the CLIP and BERT towers:
 
 * **RMS LayerNorm**: ``x / sqrt(mean(x^2) + eps) * weight``, no mean subtracted, no bias; the statistics in fp32,
-  the result cast back to the weight's dtype when that is fp16 or bf16 (as transformers computes it).
+  the result cast back to the weight's dtype when that is fp16 or bf16 (as transformers computes it;
+  :class:`sdlite.models.layers.RMSNorm`).
 * **Attention**: q.k is not scaled by 1/sqrt(d); a learned bias per head and relative-position bucket is added to
   the scores. Only block 0 holds the bias table; the bias it gives is shared by every block. Relative distances
   are bucketed by direction, exactly up to ``buckets / 4`` and logarithmically up to
@@ -30,8 +31,9 @@ from torch import nn
 
 from ..config.t5 import T5Config
 from .clip import Embedding
+from .layers import RMSNorm
 
-__all__ = ["T5Encoder", "T5LayerNorm", "relative_position_buckets", "gelu_tanh", "FP16_FP32_KEYS",
+__all__ = ["T5Encoder", "relative_position_buckets", "gelu_tanh", "FP16_FP32_KEYS",
            "param_dtype"]
 
 # In float16 these weights stay float32: transformers' ``_keep_in_fp32_modules = ["wo"]`` (applied when a T5 is
@@ -80,22 +82,6 @@ def clamp_fp16(x: torch.Tensor) -> torch.Tensor:
     return torch.clamp(x, min=-limit, max=limit)
 
 
-class T5LayerNorm(nn.Module):
-    """RMS normalisation with a learned scale: no mean, no bias; the statistics in fp32."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)      # (B, N, 1)
-        x = x * torch.rsqrt(variance + self.eps)                          # fp32 (promoted)
-        if self.weight.dtype in (torch.float16, torch.bfloat16):
-            x = x.to(self.weight.dtype)
-        return self.weight * x
-
-
 class T5Attention(nn.Module):
     """Multi-head self-attention without 1/sqrt(d) scaling and with an additive bias; block 0's also holds the
     relative-position bias table (``relative_attention_bias``: buckets x heads)."""
@@ -134,7 +120,7 @@ class T5LayerSelfAttention(nn.Module):
     def __init__(self, cfg: T5Config, has_relative_bias: bool):
         super().__init__()
         self.SelfAttention = T5Attention(cfg, has_relative_bias)
-        self.layer_norm = T5LayerNorm(cfg.d_model, cfg.layer_norm_epsilon)
+        self.layer_norm = RMSNorm(cfg.d_model, cfg.layer_norm_epsilon)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         return x + self.SelfAttention(self.layer_norm(x), bias)
@@ -179,7 +165,7 @@ class T5LayerFF(nn.Module):
     def __init__(self, cfg: T5Config):
         super().__init__()
         self.DenseReluDense = T5DenseGatedGelu(cfg) if cfg.gated else T5DenseRelu(cfg)
-        self.layer_norm = T5LayerNorm(cfg.d_model, cfg.layer_norm_epsilon)
+        self.layer_norm = RMSNorm(cfg.d_model, cfg.layer_norm_epsilon)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.DenseReluDense(self.layer_norm(x))
@@ -199,7 +185,7 @@ class T5Stack(nn.Module):
     def __init__(self, cfg: T5Config):
         super().__init__()
         self.block = nn.ModuleList(T5Block(cfg, has_relative_bias=i == 0) for i in range(cfg.num_layers))
-        self.final_layer_norm = T5LayerNorm(cfg.d_model, cfg.layer_norm_epsilon)
+        self.final_layer_norm = RMSNorm(cfg.d_model, cfg.layer_norm_epsilon)
 
 
 class T5Encoder(nn.Module):

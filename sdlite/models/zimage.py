@@ -25,7 +25,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from ..config.zimage import ZImageConfig
 from ..errors import RequestError
-from .layers import residual, timestep_embedding
+from .layers import RMSNorm, per_sample, residual, timestep_embedding
 
 __all__ = ["ZImage", "rope_freqs", "image_ids", "caption_ids", "padded_length"]
 
@@ -70,23 +70,6 @@ def rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     in fp32 and returned in x's dtype."""
     pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))          # (B, S, h, D/2)
     return torch.view_as_real(pairs * freqs.unsqueeze(2)).flatten(3).type_as(x)
-
-
-class RMSNorm(nn.Module):
-    """RMS normalisation with a learned scale: the mean square in fp32, a half-precision scale applied in its own
-    dtype (diffusers' RMSNorm, op for op)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
-        x = x * torch.rsqrt(variance + self.eps)
-        if self.weight.dtype in (torch.float16, torch.bfloat16):
-            x = x.to(self.weight.dtype)
-        return x * self.weight
 
 
 class Attention(nn.Module):
@@ -236,7 +219,7 @@ class ZImage(nn.Module):
         cfg = self.config
         dtype = self.dtype
         caps = self._captions(x, context, context_lengths)
-        t = _per_sample(t, x.shape[0], x.device)
+        t = per_sample(t, x.shape[0], x.device, "Z-Image timesteps")
         b, c, hgt, wid = x.shape
         p, mult = cfg.patch_size, cfg.SEQ_MULTIPLE
         rows, cols = hgt // p, wid // p
@@ -337,12 +320,3 @@ def _mask(lengths: list[int], device) -> torch.Tensor | None:
     if all(n == longest for n in lengths):
         return None
     return torch.arange(longest, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
-
-
-def _per_sample(value, b: int, device) -> torch.Tensor:
-    value = torch.as_tensor(value, device=device, dtype=torch.float32 if not torch.is_tensor(value) else None)
-    if value.ndim == 0:
-        value = value.expand(b)
-    if tuple(value.shape) != (b,):
-        raise RequestError(f"Z-Image timesteps have shape {list(value.shape)}: expected ({b},) or a single value")
-    return value

@@ -44,6 +44,8 @@ import ftfy
 import regex
 import torch
 
+from .files import read_text
+
 __all__ = [
     "BOS_TOKEN",
     "EOS_TOKEN",
@@ -308,7 +310,7 @@ class CLIPTokenizer:
     ) -> CLIPTokenizer:
         """Build from a ``tokenizers`` library ``tokenizer.json`` holding a BPE model (vocab and merges)."""
         path = Path(path)
-        text = _read_text(path, "BPE")
+        text = read_text(path, "CLIP tokenizer BPE file")
         try:
             model = json.loads(text)["model"]
             encoder, raw_merges = model["vocab"], model["merges"]
@@ -548,17 +550,8 @@ def _package_vocabulary() -> tuple[dict[str, int], tuple[tuple[str, str], ...]]:
     return {t: i for i, t in enumerate(tokens)}, tuple(merges)
 
 
-def _read_text(path: Path, what: str) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"CLIP tokenizer {what} file not found: {str(path)!r}") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"cannot read CLIP tokenizer {what} file {str(path)!r}: {err}") from err
-
-
 def _read_vocab_json(path: Path) -> dict[str, int]:
-    text = _read_text(path, "vocabulary")
+    text = read_text(path, "CLIP tokenizer vocabulary file")
     try:
         vocab = json.loads(text)
     except json.JSONDecodeError as err:
@@ -574,7 +567,7 @@ def _read_vocab_json(path: Path) -> dict[str, int]:
 
 
 def _read_merges_txt(path: Path) -> list[tuple[str, str]]:
-    text = _read_text(path, "merges")
+    text = read_text(path, "CLIP tokenizer merges file")
     # the usual file in bulk (about 4x faster than line by line); anything odd goes through the loop below,
     # which names the bad line
     lines = text.split("\n")

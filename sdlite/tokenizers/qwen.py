@@ -39,9 +39,7 @@ Public API::
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
-from functools import lru_cache
-from importlib import resources
+from collections.abc import Sequence
 from pathlib import Path
 
 import tokenizers
@@ -49,6 +47,7 @@ import torch
 
 from ..config.qwen import QWEN_MAX_LENGTH
 from .clip_bpe import TokenizedPrompt, framed_rows
+from .files import JSONTokenizer, special_ids
 
 __all__ = ["QwenTokenizer", "ENDOFTEXT_TOKEN", "IM_START_TOKEN", "IM_END_TOKEN", "PAD_TOKEN_ID", "IM_START_ID",
            "IM_END_ID", "THINK_BLOCK", "is_qwen_tokenizer_json"]
@@ -57,28 +56,10 @@ ENDOFTEXT_TOKEN, IM_START_TOKEN, IM_END_TOKEN = "<|endoftext|>", "<|im_start|>",
 PAD_TOKEN_ID, IM_START_ID, IM_END_ID = 151643, 151644, 151645   # the ids Qwen's vocabulary gives them
 #: the empty reasoning block Qwen3's template opens the assistant's turn with when thinking is off
 THINK_BLOCK = "<think>\n\n</think>\n\n"
-_PACKAGE_FILE = ("data", "qwen", "tokenizer.json")
-_PACKAGE_NAME = "/".join(("sdlite",) + _PACKAGE_FILE)
 _REQUIRED = (ENDOFTEXT_TOKEN, IM_START_TOKEN, IM_END_TOKEN)
 
 
-@lru_cache(maxsize=1)
-def _package_tokenizer() -> tokenizers.Tokenizer:
-    ref = resources.files("sdlite").joinpath(*_PACKAGE_FILE)
-    try:
-        text = ref.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"the packaged Qwen tokenizer {_PACKAGE_NAME} is missing; reinstall sdlite, or load "
-                                "a model folder's tokenizer/ with QwenTokenizer.from_pretrained_dir") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise RuntimeError(f"cannot read the packaged Qwen tokenizer {_PACKAGE_NAME}: {err}") from err
-    try:
-        return tokenizers.Tokenizer.from_str(text)
-    except Exception as err:   # the library raises a bare Exception naming the JSON problem
-        raise RuntimeError(f"the packaged Qwen tokenizer {_PACKAGE_NAME} is damaged: {err}") from err
-
-
-class QwenTokenizer:
+class QwenTokenizer(JSONTokenizer):
     """Qwen's byte-level BPE over a ``tokenizers.Tokenizer`` (see the module docstring).
 
     Args:
@@ -90,18 +71,13 @@ class QwenTokenizer:
 
     kind = "qwen"
     bos_token_id = None   # Qwen adds no start token
+    label = "Qwen"
+    package_file = ("data", "qwen", "tokenizer.json")
+    default_max_length = QWEN_MAX_LENGTH
+    folder_hint = "tokenizer/"
 
     def __init__(self, tokenizer: tokenizers.Tokenizer, max_length: int = QWEN_MAX_LENGTH, source: str = "Qwen"):
-        if not isinstance(tokenizer, tokenizers.Tokenizer):
-            raise TypeError(f"expected a tokenizers.Tokenizer, got {type(tokenizer).__name__}")
-        model = type(tokenizer.model).__name__
-        if model != "BPE":
-            raise ValueError(f"{source}: a Qwen tokenizer's model is BPE, this one is {model}")
-        ids = {name: tokenizer.token_to_id(name) for name in _REQUIRED}
-        missing = [name for name, i in ids.items() if i is None]
-        if missing:
-            raise ValueError(f"{source}: not a Qwen tokenizer, its vocabulary lacks the token(s) "
-                             f"{', '.join(map(repr, missing))}")
+        ids = special_ids(tokenizer, _REQUIRED, source=source, kind="Qwen", model="BPE")
         _check_length(max_length)
         tokenizer.no_truncation()
         tokenizer.no_padding()
@@ -111,28 +87,7 @@ class QwenTokenizer:
         self.max_length = max_length
         self.source = source
 
-    # ------------------------------------------------------------------ construction
-
-    @classmethod
-    def from_package(cls, max_length: int = QWEN_MAX_LENGTH) -> "QwenTokenizer":
-        """The tokenizer shipped in the package (read once per process)."""
-        return cls(_package_tokenizer(), max_length=max_length, source=_PACKAGE_NAME)
-
-    @classmethod
-    def from_file(cls, path: str | Path, max_length: int = QWEN_MAX_LENGTH) -> "QwenTokenizer":
-        """From a ``tokenizers`` JSON file (``tokenizer.json``) holding Qwen's BPE."""
-        path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise FileNotFoundError(f"Qwen tokenizer file not found: {str(path)!r}") from None
-        except (OSError, UnicodeDecodeError) as err:
-            raise ValueError(f"cannot read Qwen tokenizer file {str(path)!r}: {err}") from None
-        try:
-            tokenizer = tokenizers.Tokenizer.from_str(text)
-        except Exception as err:   # the library raises a bare Exception naming the JSON problem
-            raise ValueError(f"{str(path)!r} is not a tokenizers JSON file: {err}") from None
-        return cls(tokenizer, max_length=max_length, source=str(path))
+    # ---------------------------------------------------------- construction (from_package, from_file: inherited)
 
     @classmethod
     def from_pretrained_dir(cls, path: str | Path, max_length: int | None = None) -> "QwenTokenizer":
@@ -141,10 +96,9 @@ class QwenTokenizer:
         (the pipelines choose the length, not the folder's ``model_max_length``). A folder with only ``vocab.json``
         and ``merges.txt`` is refused: the packaged tokenizer (:meth:`from_package`) is the same vocabulary."""
         folder = Path(path)
-        length = QWEN_MAX_LENGTH if max_length is None else max_length
         for candidate in (folder, folder / "tokenizer"):
             if (candidate / "tokenizer.json").is_file():
-                return cls.from_file(candidate / "tokenizer.json", max_length=length)
+                return cls.from_file(candidate / "tokenizer.json", max_length=max_length)
         if not folder.is_dir():
             raise FileNotFoundError(f"Qwen tokenizer folder not found: {str(folder)!r}")
         if (folder / "vocab.json").is_file() or (folder / "tokenizer" / "vocab.json").is_file():
@@ -154,11 +108,6 @@ class QwenTokenizer:
         raise FileNotFoundError(f"no Qwen tokenizer.json in {str(folder)!r} or its tokenizer/ folder")
 
     # ------------------------------------------------------------------ encoding
-
-    @property
-    def vocab_size(self) -> int:
-        """Ids the tokenizer can give, special tokens included (151669; the models' embeddings have more rows)."""
-        return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
     def token_to_id(self, token: str) -> int | None:
         """The id of one token (``"<|im_start|>"`` -> 151644), None when the vocabulary lacks it."""
@@ -226,20 +175,6 @@ class QwenTokenizer:
             dropped = text[encoding.offsets[self.max_length][0]:].lstrip()
         return TokenizedPrompt(input_ids=self.pad(encoding.ids)[0], num_tokens=len(encoding.ids), num_kept=kept,
                                dropped_text=dropped)
-
-    def decode(self, ids: Iterable[int] | torch.Tensor, skip_special_tokens: bool = True) -> str:
-        """Text of ids (for debugging); with ``skip_special_tokens`` ``<|im_start|>``, pads and the like are left
-        out."""
-        if isinstance(ids, torch.Tensor):
-            ids = ids.reshape(-1).tolist()
-        ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"id {bad[0]} is not in the Qwen vocabulary (size {self.vocab_size})")
-        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(vocab_size={self.vocab_size}, max_length={self.max_length})"
 
 
 def _check_length(length) -> int:

@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import bisect
 import re
-from collections.abc import Iterable, Sequence
-from functools import lru_cache
-from importlib import resources
+from collections.abc import Sequence
 from pathlib import Path
 
 import tokenizers
@@ -45,26 +43,16 @@ import torch
 from ..config.t5 import SD3_T5_MAX_LENGTH
 from ..prompts import is_break
 from .clip_bpe import TokenizedPrompt, framed_rows
+from .files import JSONTokenizer, special_ids
 
 __all__ = ["T5Tokenizer", "EOS_TOKEN", "PAD_TOKEN", "UNK_TOKEN", "EOS_TOKEN_ID", "PAD_TOKEN_ID", "UNK_TOKEN_ID"]
 
 EOS_TOKEN, PAD_TOKEN, UNK_TOKEN = "</s>", "<pad>", "<unk>"
 EOS_TOKEN_ID, PAD_TOKEN_ID, UNK_TOKEN_ID = 1, 0, 2   # the ids T5's vocabulary gives them
-_PACKAGE_FILE = ("data", "t5", "tokenizer.json")
 _NON_SPACE = re.compile(r"\S")
 
 
-@lru_cache(maxsize=1)
-def _package_tokenizer() -> tokenizers.Tokenizer:
-    ref = resources.files("sdlite").joinpath(*_PACKAGE_FILE)
-    name = "/".join(("sdlite",) + _PACKAGE_FILE)
-    try:
-        return tokenizers.Tokenizer.from_str(ref.read_text(encoding="utf-8"))
-    except Exception as err:   # OSError, UnicodeDecodeError, or the library's bare Exception on bad JSON
-        raise RuntimeError(f"cannot read the packaged T5 tokenizer {name}: {err}") from err
-
-
-class T5Tokenizer:
+class T5Tokenizer(JSONTokenizer):
     """T5's Unigram tokenizer over a ``tokenizers.Tokenizer`` (see the module docstring).
 
     Args:
@@ -76,17 +64,13 @@ class T5Tokenizer:
 
     kind = "t5"
     bos_token_id = None   # T5 has no start token
+    label = "T5"
+    package_file = ("data", "t5", "tokenizer.json")   # T5 v1.1's vocabulary
+    default_max_length = SD3_T5_MAX_LENGTH
 
     def __init__(self, tokenizer: tokenizers.Tokenizer, max_length: int = SD3_T5_MAX_LENGTH, source: str = "T5"):
-        if not isinstance(tokenizer, tokenizers.Tokenizer):
-            raise TypeError(f"expected a tokenizers.Tokenizer, got {type(tokenizer).__name__}")
-        model = type(tokenizer.model).__name__
-        if model != "Unigram":
-            raise ValueError(f"{source}: a T5 tokenizer's model is Unigram (SentencePiece), this one is {model}")
-        ids = {name: tokenizer.token_to_id(name) for name in (EOS_TOKEN, PAD_TOKEN)}
-        missing = [name for name, i in ids.items() if i is None]
-        if missing:
-            raise ValueError(f"{source}: the vocabulary lacks the token(s) {', '.join(map(repr, missing))}")
+        ids = special_ids(tokenizer, (EOS_TOKEN, PAD_TOKEN), source=source, kind="T5", model="Unigram",
+                          model_text="Unigram (SentencePiece)")
         if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1:
             raise ValueError(f"max_length must be an integer >= 1 (room for </s>), got {max_length!r}")
         self._tokenizer = tokenizer
@@ -96,28 +80,7 @@ class T5Tokenizer:
         self.max_length = max_length
         self.source = source
 
-    # ------------------------------------------------------------------ construction
-
-    @classmethod
-    def from_package(cls, max_length: int = SD3_T5_MAX_LENGTH) -> "T5Tokenizer":
-        """The tokenizer shipped in the package (T5 v1.1's vocabulary; read once per process)."""
-        return cls(_package_tokenizer(), max_length=max_length, source="sdlite/data/t5/tokenizer.json")
-
-    @classmethod
-    def from_file(cls, path: str | Path, max_length: int = SD3_T5_MAX_LENGTH) -> "T5Tokenizer":
-        """From a ``tokenizers`` JSON file (``tokenizer.json``) holding a Unigram model."""
-        path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise FileNotFoundError(f"T5 tokenizer file not found: {str(path)!r}") from None
-        except (OSError, UnicodeDecodeError) as err:
-            raise ValueError(f"cannot read T5 tokenizer file {str(path)!r}: {err}") from None
-        try:
-            tokenizer = tokenizers.Tokenizer.from_str(text)
-        except Exception as err:   # the library raises a bare Exception naming the JSON problem
-            raise ValueError(f"{str(path)!r} is not a tokenizers JSON file: {err}") from None
-        return cls(tokenizer, max_length=max_length, source=str(path))
+    # ---------------------------------------------------------- construction (from_package, from_file: inherited)
 
     @classmethod
     def from_pretrained_dir(cls, path: str | Path, max_length: int | None = None) -> "T5Tokenizer":
@@ -126,9 +89,8 @@ class T5Tokenizer:
         folder's ``model_max_length``). A folder with only SentencePiece's ``spiece.model`` is refused: the
         ``tokenizers`` library reads JSON; :meth:`from_package` holds the same T5 v1.1 vocabulary."""
         folder = Path(path)
-        length = SD3_T5_MAX_LENGTH if max_length is None else max_length
         if (folder / "tokenizer.json").is_file():
-            return cls.from_file(folder / "tokenizer.json", max_length=length)
+            return cls.from_file(folder / "tokenizer.json", max_length=max_length)
         if (folder / "spiece.model").is_file():
             raise FileNotFoundError(f"T5 tokenizer folder {str(folder)!r} has spiece.model but no tokenizer.json; "
                                     "only the tokenizers JSON form is read (the packaged T5 v1.1 tokenizer is the "
@@ -136,11 +98,6 @@ class T5Tokenizer:
         raise FileNotFoundError(f"no T5 tokenizer.json in {str(folder)!r}")
 
     # ------------------------------------------------------------------ encoding
-
-    @property
-    def vocab_size(self) -> int:
-        """Ids the tokenizer can give (32100 for T5 v1.1; the encoder's embedding has 32128 rows)."""
-        return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` followed by ``</s>``, not cut (``T5TokenizerFast(text).input_ids``)."""
@@ -233,19 +190,6 @@ class T5Tokenizer:
             dropped = text[encoding.offsets[capacity][0]:].lstrip()
         return TokenizedPrompt(input_ids=self.pad(ids), num_tokens=len(encoding.ids), num_kept=kept,
                                dropped_text=dropped)
-
-    def decode(self, ids: Iterable[int] | torch.Tensor, skip_special_tokens: bool = True) -> str:
-        """Text of ids (for debugging); with ``skip_special_tokens`` ``</s>``, ``<pad>`` and the like are left out."""
-        if isinstance(ids, torch.Tensor):
-            ids = ids.reshape(-1).tolist()
-        ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"id {bad[0]} is not in the T5 vocabulary (size {self.vocab_size})")
-        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(vocab_size={self.vocab_size}, max_length={self.max_length})"
 
     def _length(self, max_length: int | None) -> int:
         length = self.max_length if max_length is None else max_length

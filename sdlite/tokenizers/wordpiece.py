@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from .clip_bpe import TokenizedPrompt, framed_rows
+from .files import read_text
 
 __all__ = ["WordPieceTokenizer", "MAX_INPUT_CHARS_PER_WORD", "is_cjk"]
 
@@ -125,12 +126,7 @@ class WordPieceTokenizer:
         """From ``vocab.txt`` and (optionally) ``tokenizer_config.json``; ``max_length`` overrides the config's
         ``model_max_length`` (which defaults to 512)."""
         vocab_txt = Path(vocab_txt)
-        try:
-            text = vocab_txt.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise FileNotFoundError(f"WordPiece vocabulary file not found: {str(vocab_txt)!r}") from None
-        except (OSError, UnicodeDecodeError) as err:
-            raise ValueError(f"cannot read the WordPiece vocabulary {str(vocab_txt)!r}: {err}") from None
+        text = read_text(vocab_txt, "WordPiece vocabulary file", "the WordPiece vocabulary")
         lines = text.split("\n")
         if lines and lines[-1] == "":
             lines.pop()

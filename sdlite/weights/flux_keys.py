@@ -28,8 +28,8 @@ from ..config import ConfigError
 from ..config.flux import FluxConfig
 from .mmdit_keys import SWAP_HALVES
 from .plan import (
-    CAT, COPY, ComponentPlan, PlanEntry, Transform, UnsupportedModelError, add_entry, check_expected, load_planned,
-    need_shape, shape_of,
+    COPY, ComponentPlan, Layouts, Transform, UnsupportedModelError, block_counts, block_key, names_back, need_shape,
+    plan_fused, plan_names, same_names, split_param,
 )
 
 __all__ = ["FLUX_PREFIX", "flux_layout", "flux_from_original", "flux_to_original", "flux_from_diffusers",
@@ -84,23 +84,17 @@ def _tables(kind: str):
     return _SINGLE, _SINGLE_NORMS, _SINGLE_FUSED
 
 
-def _split_param(name: str) -> tuple[str, str]:
-    module, _, param = name.rpartition(".")
-    return module, param
-
-
 def _from_original_name(name: str) -> list[tuple[str, Transform]] | None:
     """The canonical key(s) one BFL key (without prefix) makes, with how; None for a name outside the table."""
-    module, param = _split_param(name)
+    module, param = split_param(name)
     if module in _TOP:
         return [(f"{_TOP[module]}.{param}", COPY)]
     if module == _SWAPPED[0]:
         return [(f"{_SWAPPED[1]}.{param}", SWAP_HALVES)]
-    m = _BLOCK.fullmatch(name)
-    if m is None:
+    block = block_key(_BLOCK, name)
+    if block is None:
         return None
-    kind, index, rest = m.groups()
-    module, param = _split_param(rest)
+    kind, index, module, param = block
     base = f"{_KIND[kind]}.{index}."
     renames, norms, fused = _tables(kind)
     if module in renames:
@@ -118,51 +112,38 @@ def flux_from_original(keys: Iterable[str], *, prefix: str = "",
     """Plan ``{canonical key: PlanEntry}`` for BFL's names under ``prefix`` (``""``: BFL's and city96's files,
     ``model.diffusion_model.``: ComfyUI's checkpoints). ``expected``: the model's canonical keys, to report missing
     and unknown names."""
-    plan = ComponentPlan(COMPONENT)
-    for key in keys:
-        if not key.startswith(prefix):
-            continue
-        made = _from_original_name(key[len(prefix):])
-        if made is None:
-            plan.unexpected.append(key)
-            continue
-        for target, transform in made:
-            add_entry(plan, target, PlanEntry((key,), transform))
-    check_expected(plan, expected)
-    return plan
+    return plan_names(COMPONENT, keys, _from_original_name, prefix=prefix, expected=expected)
 
 
-def _to_original_name(key: str) -> tuple[str, str | None] | None:
-    """(BFL name without prefix, the fused module's kind of part or None) of one canonical key; None outside the
-    table. A fused part gives the fused tensor's name."""
-    module, param = _split_param(key)
+def _to_original_name(key: str) -> tuple[str, Transform | None] | None:
+    """(BFL name without prefix, how its tensor is made: COPY, SWAP_HALVES, or None for a part of a fused tensor,
+    which gives the fused tensor's name) of one canonical key; None outside the table."""
+    module, param = split_param(key)
     top = {v: k for k, v in _TOP.items()}
     if module in top:
-        return f"{top[module]}.{param}", None
+        return f"{top[module]}.{param}", COPY
     if module == _SWAPPED[1]:
-        return f"{_SWAPPED[0]}.{param}", "swap"
-    m = _CANON_BLOCK.fullmatch(key)
-    if m is None:
+        return f"{_SWAPPED[0]}.{param}", SWAP_HALVES
+    block = block_key(_CANON_BLOCK, key)
+    if block is None:
         return None
-    kind, index, rest = m.groups()
+    kind, index, module, param = block
     kind = _KIND_BACK[kind]
-    module, param = _split_param(rest)
     renames, norms, fused = _tables(kind)
     base = f"{kind}.{index}."
     back = {v: k for k, v in renames.items()}
     back_norms = {v: k for k, v in norms.items()}
     if module in back:
-        return f"{base}{back[module]}.{param}", None
+        return f"{base}{back[module]}.{param}", COPY
     if module in back_norms and param == "weight":
-        return f"{base}{back_norms[module]}.scale", None
+        return f"{base}{back_norms[module]}.scale", COPY
     owner = next((f for f, (parts, _) in fused.items() if module in parts), None)
-    return (f"{base}{owner}.{param}", "fused") if owner is not None else None
+    return (f"{base}{owner}.{param}", None) if owner is not None else None
 
 
 def _fused_parts(key: str) -> tuple[str, ...]:
     """The canonical keys (in order) that the BFL fused tensor ``key`` (without prefix) holds."""
-    kind, index, rest = _BLOCK.fullmatch(key).groups()
-    module, param = _split_param(rest)
+    kind, index, module, param = block_key(_BLOCK, key)
     return tuple(f"{_KIND[kind]}.{index}.{p}.{param}" for p in _tables(kind)[2][module][0])
 
 
@@ -170,35 +151,13 @@ def flux_to_original(keys: Iterable[str], *, prefix: str = "") -> ComponentPlan:
     """Plan ``{BFL key (with prefix): PlanEntry}`` from canonical keys: each fused group's parts concatenated (a group
     with a part absent lists the absent parts in ``missing``, the others in ``unexpected``), the output norm's
     modulation halves swapped back."""
-    plan = ComponentPlan(COMPONENT)
-    groups: dict[str, list[str]] = {}
-    for key in keys:
-        found = _to_original_name(key)
-        if found is None:
-            plan.unexpected.append(key)
-        elif found[1] == "fused":
-            groups.setdefault(found[0], []).append(key)
-        else:
-            add_entry(plan, prefix + found[0], PlanEntry((key,), SWAP_HALVES if found[1] == "swap" else COPY))
-    for name, present in groups.items():
-        parts = _fused_parts(name)
-        if set(present) == set(parts):
-            add_entry(plan, prefix + name, PlanEntry(parts, CAT))
-        else:
-            plan.missing.extend(p for p in parts if p not in present)
-            plan.unexpected.extend(present)
-    return plan
+    return plan_fused(COMPONENT, keys, _to_original_name, _fused_parts, prefix=prefix)
 
 
 def flux_from_diffusers(keys: Iterable[str], *, prefix: str = "",
                         expected: Iterable[str] | None = None) -> ComponentPlan:
     """Plan for diffusers' names (a ``transformer`` folder's weights, possibly sharded): each key as it is."""
-    plan = ComponentPlan(COMPONENT)
-    for key in keys:
-        if key.startswith(prefix):
-            add_entry(plan, key[len(prefix):], PlanEntry((key,), COPY))
-    check_expected(plan, expected)
-    return plan
+    return same_names(COMPONENT, keys, prefix=prefix, expected=expected)
 
 
 def is_flux(keys: Iterable[str]) -> bool:
@@ -228,11 +187,7 @@ def flux_layout(keys: Iterable[str]) -> tuple[str, str]:
 
 def flux_plan(keys: Iterable[str], *, expected: Iterable[str] | None = None) -> ComponentPlan:
     """The plan to canonical names for FLUX weights of either layout (:func:`flux_layout` decides)."""
-    keys = list(keys)
-    layout, prefix = flux_layout(keys)
-    if layout == "bfl":
-        return flux_from_original(keys, prefix=prefix, expected=expected)
-    return flux_from_diffusers(keys, prefix=prefix, expected=expected)
+    return LAYOUTS.plan(keys, expected)
 
 
 # --- what the shapes say -----------------------------------------------------------------------------------
@@ -240,8 +195,7 @@ def flux_plan(keys: Iterable[str], *, expected: Iterable[str] | None = None) -> 
 
 def canonical_shapes(shapes) -> dict[str, tuple[int, ...]]:
     """The canonical keys' shapes from the shapes (or tensors) of either layout, without reading data."""
-    shapes = {k: shape_of(v) for k, v in shapes.items()}
-    return flux_plan(shapes).shapes(shapes)
+    return LAYOUTS.shapes(shapes)
 
 
 def infer_flux_config(shapes, axes_dims_rope: tuple[int, ...] | None = None) -> FluxConfig:
@@ -257,12 +211,7 @@ def infer_flux_config(shapes, axes_dims_rope: tuple[int, ...] | None = None) -> 
     out = need_shape(s, "proj_out.weight", what)
     norm = need_shape(s, "transformer_blocks.0.attn.norm_q.weight", what)
     hidden, head_dim = x_in[0], norm[0]
-    counts = {}
-    for kind in ("transformer_blocks", "single_transformer_blocks"):
-        found = sorted({int(m.group(2)) for k in s if (m := _CANON_BLOCK.fullmatch(k)) and m.group(1) == kind})
-        if found != list(range(len(found))):
-            raise UnsupportedModelError(f"{what}: {kind} {found[:8]} are not numbered 0..n-1")
-        counts[kind] = len(found)
+    counts = block_counts(s, _CANON_BLOCK, ("transformer_blocks", "single_transformer_blocks"), what)
     if hidden % head_dim:
         raise UnsupportedModelError(f"{what}: width {hidden} is not a multiple of the {head_dim}-wide heads")
     axes = axes_dims_rope or RELEASE_AXES.get(head_dim)
@@ -287,17 +236,13 @@ def load_flux(model, source: Mapping[str, Any]):
     """Load FLUX weights of either layout (a name -> tensor Mapping) into ``model``, a :class:`sdlite.models.flux.Flux`,
     key for key (:func:`~sdlite.weights.plan.load_planned`: every check before any tensor is read, a missing key
     named in the source's own layout). Returns the model."""
-    keys = list(source.keys())
-    plan = flux_plan(keys, expected=model.state_dict().keys())
-    layout, prefix = flux_layout(keys)
-    return load_planned(model, source, plan,
-                        lambda missing: missing if layout == "diffusers" else original_names(missing, prefix))
+    return LAYOUTS.load(model, source)
 
 
 def original_names(canonical: list[str], prefix: str) -> list[str]:
     """The BFL names that canonical keys have (a fused part: the fused tensor's), for error messages."""
-    names = []
-    for key in canonical:
-        found = _to_original_name(key)
-        names.append(prefix + found[0] if found is not None else key)
-    return list(dict.fromkeys(names))
+    return names_back(canonical, _to_original_name, prefix)
+
+
+#: FLUX's two layouts: BFL's (also ComfyUI's, under its prefix) and diffusers' (the canonical names)
+LAYOUTS = Layouts(flux_layout, {"bfl": flux_from_original, "diffusers": flux_from_diffusers}, original_names)

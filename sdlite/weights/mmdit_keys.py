@@ -29,8 +29,8 @@ from typing import Any
 from ..config import ConfigError
 from ..config.mmdit import TIME_EMBED_CHANNELS, MMDiTConfig
 from .plan import (
-    CAT, COPY, ComponentPlan, ConversionError, PlanEntry, Rule, RuleSet, Shapes, Transform, UnsupportedModelError,
-    add_entry, build_plan, check_expected, load_planned, need_shape, shape_of,
+    ComponentPlan, ConversionError, Layouts, PlanEntry, Rule, RuleSet, Shapes, Transform, UnsupportedModelError,
+    add_entry, add_fused, build_plan, check_expected, need_shape, same_names,
 )
 
 __all__ = [
@@ -190,11 +190,7 @@ def mmdit_to_original(keys: Iterable[str], *, prefix: str = MMDIT_PREFIX) -> Com
             rest.append(key)
     for (block, attn, orig, param), present in triples.items():
         group = tuple(f"transformer_blocks.{block}.{attn}.{p}.{param}" for p in _QKV[orig][1])
-        if len(present) == 3:
-            add_entry(plan, f"{prefix}joint_blocks.{block}.{orig}.qkv.{param}", PlanEntry(group, CAT))
-        else:
-            plan.missing.extend(g for g in group if g not in present)
-            plan.unexpected.extend(present)
+        add_fused(plan, f"{prefix}joint_blocks.{block}.{orig}.qkv.{param}", group, present)
     _merge(plan, build_plan(COMPONENT, rest, _RULES, to_canon=False, src_prefix="", dst_prefix=prefix))
     return plan
 
@@ -203,12 +199,7 @@ def mmdit_from_diffusers(keys: Iterable[str], *, prefix: str = "",
                          expected: Iterable[str] | None = None) -> ComponentPlan:
     """Plan for diffusers' names (a ``transformer`` folder's weights, possibly sharded): each key under ``prefix`` as
     it is."""
-    plan = ComponentPlan(COMPONENT)
-    for key in keys:
-        if key.startswith(prefix):
-            add_entry(plan, key[len(prefix):], PlanEntry((key,), COPY))
-    check_expected(plan, expected)
-    return plan
+    return same_names(COMPONENT, keys, prefix=prefix, expected=expected)
 
 
 def mmdit_layout(keys: Iterable[str]) -> tuple[str, str]:
@@ -227,11 +218,7 @@ def mmdit_layout(keys: Iterable[str]) -> tuple[str, str]:
 
 def mmdit_plan(keys: Iterable[str], *, expected: Iterable[str] | None = None) -> ComponentPlan:
     """The plan to canonical names for MMDiT weights of either layout (:func:`mmdit_layout` decides)."""
-    keys = list(keys)
-    layout, prefix = mmdit_layout(keys)
-    if layout == "stability":
-        return mmdit_from_original(keys, prefix=prefix, expected=expected)
-    return mmdit_from_diffusers(keys, prefix=prefix, expected=expected)
+    return LAYOUTS.plan(keys, expected)
 
 
 # --- what the shapes say -----------------------------------------------------------------------------------
@@ -239,8 +226,7 @@ def mmdit_plan(keys: Iterable[str], *, expected: Iterable[str] | None = None) ->
 
 def canonical_shapes(shapes: Shapes) -> dict[str, tuple[int, ...]]:
     """The canonical MMDiT keys' shapes from the shapes (or tensors) of either layout, without reading data."""
-    shapes = {k: shape_of(v) for k, v in shapes.items()}
-    return mmdit_plan(shapes).shapes(shapes)
+    return LAYOUTS.shapes(shapes)
 
 
 def infer_mmdit_config(shapes: Shapes, sample_size: int = 128, head_dim: int | None = None) -> MMDiTConfig:
@@ -310,16 +296,16 @@ def load_mmdit(model, source: Mapping[str, Any]):
     Every check comes before any tensor is read: keys the model needs and the source lacks, source keys the model
     has no place for, and shape mismatches are a :class:`~sdlite.weights.plan.ConversionError` naming the key in the
     source's own layout (:func:`~sdlite.weights.plan.load_planned`)."""
-    keys = list(source.keys())
-    plan = mmdit_plan(keys, expected={k: tuple(v.shape) for k, v in model.state_dict().items()})
-    layout, prefix = mmdit_layout(keys)
-    return load_planned(model, source, plan, lambda missing: _source_names(missing, layout, prefix))
+    return LAYOUTS.load(model, source)
 
 
-def _source_names(canonical: list[str], layout: str, prefix: str) -> list[str]:
-    """The names that canonical keys have in the source's layout (for error messages)."""
-    if layout == "diffusers":
-        return [prefix + k for k in canonical]
+def _original_names(canonical: list[str], prefix: str) -> list[str]:
+    """The names that canonical keys have in Stability's layout under ``prefix`` (for error messages)."""
     back = {e.sources[i]: target for target, e in mmdit_to_original(canonical, prefix=prefix).entries.items()
             for i in range(len(e.sources))}
     return list(dict.fromkeys(back.get(k, k) for k in canonical))
+
+
+#: SD3's two layouts: Stability's (with or without its prefix) and diffusers' (the canonical names)
+LAYOUTS = Layouts(mmdit_layout, {"stability": mmdit_from_original, "diffusers": mmdit_from_diffusers},
+                  _original_names)

@@ -7,13 +7,16 @@ and transforms one tensor at a time (so a multi-GB file never has to be material
 A key table is a :class:`RuleSet` of :class:`Rule` objects (an original module prefix and its canonical one);
 :func:`build_plan` runs a table over a file's keys, in either direction. The tables themselves live with their
 networks (:mod:`~sdlite.weights.unet_keys`, :mod:`~sdlite.weights.vae_keys`, :mod:`~sdlite.weights.text_keys`).
+A transformer's table is a function from one name to its other name(s) instead: :func:`plan_names` runs it towards
+the canonical names, :func:`plan_fused` back (fused tensors concatenated from their parts), and :class:`Layouts` tells
+a network's layouts apart and plans, measures and loads any of them.
 
 Reading key names fails in two ways: :class:`ConversionError` (keys that cannot be converted) and
 :class:`UnsupportedModelError` (weights that are not a model sdlite runs, found while reading their structure).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, NamedTuple
@@ -23,7 +26,9 @@ from ..errors import CheckpointError
 __all__ = [
     "ConversionError", "UnsupportedModelError", "Transform", "COPY", "TO_LINEAR", "TO_CONV", "CAT", "TRANSPOSE",
     "PlanEntry", "ConvertedMapping", "apply_plan", "ComponentPlan", "CheckpointPlan", "Rule", "RuleSet",
-    "build_plan", "add_entry", "check_expected", "Shapes", "shape_of", "need_shape", "load_planned",
+    "build_plan", "add_entry", "check_expected", "Shapes", "shape_of", "need_shape", "need_matrix", "load_planned",
+    "plan_names", "same_names", "plan_fused", "add_fused", "names_back", "Layouts", "split_param", "block_key",
+    "block_counts", "source_shapes", "listed",
 ]
 
 Shapes = Mapping[str, Sequence[int]]
@@ -246,6 +251,14 @@ def need_shape(shapes: Mapping[str, tuple[int, ...]], key: str, what: str) -> tu
     return shapes[key]
 
 
+def need_matrix(shapes: Mapping[str, tuple[int, ...]], key: str, what: str) -> tuple[int, int]:
+    """The shape of ``key``, a matrix (2-D) that the network ``what`` cannot do without."""
+    shape = need_shape(shapes, key, what)
+    if len(shape) != 2:
+        raise UnsupportedModelError(f"{what}: expected a matrix, got shape {list(shape)}", key=key)
+    return shape
+
+
 @dataclass
 class CheckpointPlan:
     """The conversion of a whole single file: one :class:`ComponentPlan` per component found.
@@ -432,6 +445,124 @@ def check_expected(plan: ComponentPlan, expected: Iterable[str] | None) -> None:
     plan.missing.extend(k for k in expected if k not in plan.entries)
 
 
+# --- plans built name by name (a transformer's table as functions) ------------------------------------------
+
+
+def plan_names(component: str, keys: Iterable[str], rename: Callable[[str], list[tuple[str, Transform]] | None], *,
+               prefix: str = "", ignored: Iterable[str] = (), expected: Iterable[str] | None = None) -> ComponentPlan:
+    """Plan ``{target key: PlanEntry}`` for the keys under ``prefix``: ``rename(name)`` (a key without the prefix)
+    gives its ``(target, transform)`` pairs (several for a fused tensor that is split) or None for a name outside
+    the table (``unexpected``); names in ``ignored`` are known and dropped. ``expected``: the model's keys, to report
+    missing and unknown names."""
+    ignored = frozenset(ignored)
+    plan = ComponentPlan(component)
+    for key in keys:
+        if not key.startswith(prefix):
+            continue
+        name = key[len(prefix):]
+        if name in ignored:
+            plan.ignored.append(key)
+            continue
+        made = rename(name)
+        if made is None:
+            plan.unexpected.append(key)
+            continue
+        for target, transform in made:
+            add_entry(plan, target, PlanEntry((key,), transform))
+    check_expected(plan, expected)
+    return plan
+
+
+def same_names(component: str, keys: Iterable[str], *, prefix: str = "",
+               expected: Iterable[str] | None = None) -> ComponentPlan:
+    """Plan for keys that have the canonical names already (a diffusers folder's weights, possibly sharded): each key
+    under ``prefix`` as it is, without the prefix."""
+    return plan_names(component, keys, lambda name: [(name, COPY)], prefix=prefix, expected=expected)
+
+
+def plan_fused(component: str, keys: Iterable[str], rename: Callable[[str], tuple[str, Transform | None] | None],
+               parts_of: Callable[[str], Sequence[str]], *, prefix: str = "") -> ComponentPlan:
+    """Plan ``{key of another layout (with prefix): PlanEntry}`` from canonical keys, the way back of
+    :func:`plan_names`. ``rename(key)`` is ``(name, transform)`` for a key that makes a tensor of its own,
+    ``(fused name, None)`` for a part of a fused tensor, None outside the table (``unexpected``); ``parts_of(fused
+    name)`` lists the fused tensor's canonical parts in order, concatenated by :func:`add_fused`."""
+    plan = ComponentPlan(component)
+    groups: dict[str, list[str]] = {}
+    for key in keys:
+        found = rename(key)
+        if found is None:
+            plan.unexpected.append(key)
+        elif found[1] is None:
+            groups.setdefault(found[0], []).append(key)
+        else:
+            add_entry(plan, prefix + found[0], PlanEntry((key,), found[1]))
+    for name, present in groups.items():
+        add_fused(plan, prefix + name, parts_of(name), present)
+    return plan
+
+
+def add_fused(plan: ComponentPlan, target: str, parts: Sequence[str], present: Sequence[str]) -> None:
+    """``target`` as ``parts`` (canonical keys, in order) concatenated along dim 0 when ``present`` holds them all;
+    otherwise the absent parts go to ``missing`` and the present ones to ``unexpected``."""
+    if set(present) == set(parts):
+        add_entry(plan, target, PlanEntry(tuple(parts), CAT))
+    else:
+        plan.missing.extend(p for p in parts if p not in present)
+        plan.unexpected.extend(present)
+
+
+def names_back(canonical: Iterable[str], rename: Callable[[str], tuple[str, Any] | None], prefix: str) -> list[str]:
+    """The names canonical keys have in another layout under ``prefix`` (a fused part: the fused tensor's; a key
+    ``rename`` does not know: as it is), each once, for error messages. ``rename`` as for :func:`plan_fused`."""
+    names = []
+    for key in canonical:
+        found = rename(key)
+        names.append(prefix + found[0] if found is not None else key)
+    return list(dict.fromkeys(names))
+
+
+def split_param(name: str) -> tuple[str, str]:
+    """``(module, parameter)`` of a key: ``("attention.to_q", "weight")`` of ``"attention.to_q.weight"``."""
+    module, _, param = name.rpartition(".")
+    return module, param
+
+
+def block_key(pattern, key: str) -> tuple[str, str, str, str] | None:
+    """``(kind, number, module, parameter)`` of a block's key, which ``pattern`` (a compiled regex) fullmatches as
+    (kind, number, the rest); None for a key outside the blocks."""
+    m = pattern.fullmatch(key)
+    if m is None:
+        return None
+    kind, index, rest = m.groups()
+    return (kind, index, *split_param(rest))
+
+
+def block_counts(keys: Iterable[str], pattern, kinds: Iterable[str], what: str) -> dict[str, int]:
+    """How many blocks of each kind canonical ``keys`` hold: ``pattern`` (a compiled regex) fullmatches a block's key
+    as (kind, number, rest). Each kind's numbers must run 0..n-1, else an :class:`UnsupportedModelError` naming
+    ``what``."""
+    keys = list(keys)
+    counts = {}
+    for kind in kinds:
+        found = sorted({int(m.group(2)) for k in keys if (m := pattern.fullmatch(k)) and m.group(1) == kind})
+        if found != list(range(len(found))):
+            raise UnsupportedModelError(f"{what}: {kind} {found[:8]} are not numbered 0..n-1")
+        counts[kind] = len(found)
+    return counts
+
+
+# --- loading -----------------------------------------------------------------------------------------------
+
+
+def source_shapes(source: Mapping, keys: Iterable[str]) -> dict[str, tuple[int, ...]]:
+    """The shapes of ``keys`` in ``source``, without reading tensor data where the source can tell (a TensorStore)."""
+    return {k: _shape_in(source, k) for k in keys}
+
+
+def listed(keys: Sequence[str], lead: str = "") -> str:
+    """`` (<lead>'a', 'b', ...)``: the first few keys for a message, in brackets; empty for none."""
+    return f" ({lead}{_listing(keys)})" if keys else ""
+
 
 def _shape_in(source: Mapping, key: str) -> tuple[int, ...]:
     """A source tensor's shape without reading its data where the source can tell (a TensorStore)."""
@@ -465,3 +596,38 @@ def load_planned(model, source: Mapping, plan: ComponentPlan, source_names) -> A
     state = {k: view[k].to(dtype=current[k].dtype) if meta else view[k] for k in expected}
     model.load_state_dict(state, strict=True, assign=meta)
     return model
+
+
+@dataclass(frozen=True)
+class Layouts:
+    """The layouts a network's weights come in, and what is done with any of them.
+
+    ``find(keys)`` is ``(layout, prefix)`` from key names (an :class:`UnsupportedModelError` for keys of no layout);
+    ``planners[layout](keys, prefix=, expected=)`` plans that layout's keys to the canonical names; ``names(canonical
+    keys, prefix)`` gives their names in a layout other than ``canonical`` (whose names are the model's), for error
+    messages."""
+
+    find: Callable[[list[str]], tuple[str, str]]
+    planners: Mapping[str, Callable[..., ComponentPlan]]
+    names: Callable[[list[str], str], list[str]]
+    canonical: str = "diffusers"
+
+    def plan(self, keys: Iterable[str], expected: Iterable[str] | None = None) -> ComponentPlan:
+        """The plan to canonical names for weights of any layout (:attr:`find` decides which)."""
+        keys = list(keys)
+        layout, prefix = self.find(keys)
+        return self.planners[layout](keys, prefix=prefix, expected=expected)
+
+    def shapes(self, shapes: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+        """The canonical keys' shapes from the shapes (or tensors) of any layout, without reading data."""
+        shapes = {k: shape_of(v) for k, v in shapes.items()}
+        return self.plan(shapes).shapes(shapes)
+
+    def load(self, model, source: Mapping[str, Any]):
+        """Load weights of any layout (a name -> tensor Mapping) into ``model`` key for key (:func:`load_planned`: every
+        check before any tensor is read, a missing key named in the source's own layout). Returns the model."""
+        keys = list(source.keys())
+        plan = self.plan(keys, expected=model.state_dict().keys())
+        layout, prefix = self.find(keys)
+        return load_planned(model, source, plan,
+                            lambda missing: missing if layout == self.canonical else self.names(missing, prefix))

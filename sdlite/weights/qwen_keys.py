@@ -13,8 +13,8 @@ Qwen2 / 2.5), ``layers.N.self_attn.{q,k}_norm.weight`` (Qwen3), ``layers.N.mlp.{
   ``model.visual.`` is another network and is not read). Single files or shards with an index.
 * **ComfyUI's text encoder files** (``qwen_3_4b.safetensors``, ``qwen_3_8b.safetensors``,
   ``qwen_2.5_vl_7b.safetensors`` and their fp8 versions): transformers' names under ``model.``; a per-tensor
-  ``scale_weight`` / ``weight_scale`` next to an fp8 weight is applied as for T5 (:data:`~sdlite.weights.t5_keys.
-  DEQUANTIZE`), the ``scaled_fp8`` marker, input scales and ``comfy_quant`` records are ignored.
+  ``scale_weight`` / ``weight_scale`` next to an fp8 weight is applied as for T5 (:mod:`sdlite.weights.encoders`), the
+  ``scaled_fp8`` marker, input scales and ``comfy_quant`` records are ignored.
 * **llama.cpp's GGUF files** (``general.architecture`` ``qwen3``, ``qwen2`` or ``qwen2vl``): ``token_embd``,
   ``blk.N.attn_norm``, ``attn_q`` / ``attn_k`` / ``attn_v`` (weights and, in qwen2, biases), ``attn_output``,
   ``attn_q_norm`` / ``attn_k_norm`` (qwen3), ``ffn_norm``, ``ffn_gate`` / ``ffn_up`` / ``ffn_down``, ``output_norm``;
@@ -35,11 +35,11 @@ import torch
 
 from ..config.qwen import QWEN_PRESETS, QwenConfig
 from ..models.qwen import QwenTextEncoder
+from .encoders import build_encoder, check_loadable, dequantize, llama_rename, model_shapes, scaled_plan
 from .plan import (
-    COPY, ComponentPlan, ConversionError, ConvertedMapping, PlanEntry, Shapes, UnsupportedModelError, add_entry,
-    check_expected, need_shape, shape_of,
+    ComponentPlan, ConversionError, ConvertedMapping, Shapes, UnsupportedModelError, need_matrix, need_shape, shape_of,
+    source_shapes,
 )
-from .t5_keys import DEQUANTIZE, SCALED_FP8_MARKER, dequantize
 
 __all__ = [
     "QWEN_GGUF_ARCHITECTURES", "find_qwen_prefix", "qwen_plan", "infer_qwen_config", "qwen_preset_name",
@@ -49,8 +49,7 @@ __all__ = [
 _COMPONENT = "Qwen text encoder"
 #: GGUF ``general.architecture`` values whose tensors this table reads
 QWEN_GGUF_ARCHITECTURES = ("qwen3", "qwen2", "qwen2vl")
-_WEIGHT_SCALES = (".scale_weight", ".weight_scale")
-_IGNORED_SUFFIXES = (".scale_input", ".input_scale", ".comfy_quant", ".rotary_emb.inv_freq")
+_IGNORED_SUFFIXES = (".comfy_quant", ".rotary_emb.inv_freq")   # besides the scaled fp8 marker and input scales
 _HEAD_KEYS = ("lm_head.weight", "output.weight")   # the LM head (transformers' and llama.cpp's names)
 _CANONICAL = re.compile(
     r"embed_tokens\.weight|norm\.weight"
@@ -74,26 +73,17 @@ _LLAMA_BLOCK = {
 _LLAMA = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _TO_LLAMA_BLOCK = {v: k for k, v in _LLAMA_BLOCK.items()}
 _TO_LLAMA_TOP = {v: k for k, v in _LLAMA_TOP.items()}
+_CANONICAL_LAYER = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)")
 
 
 def _from_llama(name: str) -> str | None:
     """transformers' name of a llama.cpp Qwen tensor name (None: not one)."""
-    if name in _LLAMA_TOP:
-        return _LLAMA_TOP[name]
-    m = _LLAMA.fullmatch(name)
-    if m and m.group(2) in _LLAMA_BLOCK:
-        return f"layers.{m.group(1)}.{_LLAMA_BLOCK[m.group(2)]}.{m.group(3)}"
-    return None
+    return llama_rename(name, _LLAMA_TOP, _LLAMA, _LLAMA_BLOCK, "layers")
 
 
 def llama_cpp_name(canonical: str) -> str | None:
     """llama.cpp's GGUF name of a canonical key (``layers.3.mlp.up_proj.weight`` -> ``blk.3.ffn_up.weight``)."""
-    if canonical in _TO_LLAMA_TOP:
-        return _TO_LLAMA_TOP[canonical]
-    m = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", canonical)
-    if m and m.group(2) in _TO_LLAMA_BLOCK:
-        return f"blk.{m.group(1)}.{_TO_LLAMA_BLOCK[m.group(2)]}.{m.group(3)}"
-    return None
+    return llama_rename(canonical, _TO_LLAMA_TOP, _CANONICAL_LAYER, _TO_LLAMA_BLOCK, "blk")
 
 
 def find_qwen_prefix(keys: Iterable[str]) -> str | None:
@@ -119,37 +109,10 @@ def qwen_plan(keys: Iterable[str], *, prefix: str = "", expected: Iterable[str] 
     records and old saves' ``rotary_emb.inv_freq`` buffers; ``unexpected`` every other key that is not a Qwen
     decoder weight (and, with ``expected``, one the model has no place for); ``missing`` (with ``expected``) what
     nothing provides."""
-    names = {key[len(prefix):]: key for key in keys if key.startswith(prefix)}
-    plan = ComponentPlan(component)
-    scales = {}
-    for name, key in names.items():
-        suffix = next((s for s in _WEIGHT_SCALES if name.endswith(s)), None)
-        if suffix is not None:
-            scales[name[:-len(suffix)] + ".weight"] = key
-    for name, key in names.items():
-        if name == SCALED_FP8_MARKER or name in _HEAD_KEYS or name.endswith(_IGNORED_SUFFIXES):
-            plan.ignored.append(key)
-            continue
-        if name.endswith(_WEIGHT_SCALES):
-            weight = next(name[:-len(s)] + ".weight" for s in _WEIGHT_SCALES if name.endswith(s))
-            if weight not in names:
-                plan.unexpected.append(key)   # a scale without its weight
-            continue
-        target = _from_llama(name) or name
-        if not _CANONICAL.fullmatch(target):
-            plan.unexpected.append(key)
-            continue
-        scale = scales.get(name)
-        add_entry(plan, target, PlanEntry((key, scale), DEQUANTIZE) if scale else PlanEntry((key,), COPY))
-    check_expected(plan, expected)
-    return plan
-
-
-def _matrix(shapes: dict[str, tuple[int, ...]], key: str) -> tuple[int, int]:
-    shape = need_shape(shapes, key, _COMPONENT)
-    if len(shape) != 2:
-        raise UnsupportedModelError(f"{_COMPONENT}: expected a matrix, got shape {list(shape)}", key=key)
-    return shape
+    return scaled_plan(component, keys, prefix=prefix, canonical=_CANONICAL,
+                       rename=lambda name: _from_llama(name) or name,
+                       ignore=lambda name, names: name in _HEAD_KEYS or name.endswith(_IGNORED_SUFFIXES),
+                       expected=expected)
 
 
 def infer_qwen_config(shapes: Shapes) -> QwenConfig:
@@ -159,10 +122,10 @@ def infer_qwen_config(shapes: Shapes) -> QwenConfig:
     heads from q's and k's widths), Qwen2 / 2.5 when q has a bias. A Qwen2's head size is in no shape: 128 is taken
     (every Qwen2 / 2.5 from 1.5B up; pass a config for another). Without a preset the RoPE base is 1e6, epsilon 1e-6."""
     shapes = {k: shape_of(v) for k, v in shapes.items()}
-    vocab, hidden = _matrix(shapes, "embed_tokens.weight")
-    q_width, q_in = _matrix(shapes, "layers.0.self_attn.q_proj.weight")
-    kv_width, _ = _matrix(shapes, "layers.0.self_attn.k_proj.weight")
-    intermediate, _ = _matrix(shapes, "layers.0.mlp.gate_proj.weight")
+    vocab, hidden = need_matrix(shapes, "embed_tokens.weight", _COMPONENT)
+    q_width, q_in = need_matrix(shapes, "layers.0.self_attn.q_proj.weight", _COMPONENT)
+    kv_width, _ = need_matrix(shapes, "layers.0.self_attn.k_proj.weight", _COMPONENT)
+    intermediate, _ = need_matrix(shapes, "layers.0.mlp.gate_proj.weight", _COMPONENT)
     layers = 1 + max(int(m.group(1)) for k in shapes if (m := _LAYER.match(k)))
     qk_norm = "layers.0.self_attn.q_norm.weight" in shapes
     bias = "layers.0.self_attn.q_proj.bias" in shapes
@@ -255,15 +218,7 @@ def qwen_config_from_gguf(store) -> QwenConfig:
 
 def qwen_shapes(config: QwenConfig) -> dict[str, tuple[int, ...]]:
     """Every canonical key of a Qwen text encoder of ``config`` and its shape (the model built on the meta device)."""
-    with torch.device("meta"):
-        model = QwenTextEncoder(config)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
-
-
-def _source_shapes(tensors: Mapping, keys: Iterable[str]) -> dict[str, tuple[int, ...]]:
-    """Shapes without reading tensor data where the mapping can tell them (a TensorStore)."""
-    shape = getattr(tensors, "shape", None)
-    return {k: tuple(shape(k)) if callable(shape) else tuple(tensors[k].shape) for k in keys}
+    return model_shapes(QwenTextEncoder, config)
 
 
 def _default_config(tensors: Mapping, canonical: dict[str, tuple[int, ...]]) -> QwenConfig:
@@ -283,34 +238,18 @@ def _named(key: str, plan: ComponentPlan, prefix: str) -> str:
 
 
 def _checked_plan(tensors: Mapping, prefix: str, config: QwenConfig | None) -> tuple[ComponentPlan, QwenConfig]:
-    path = getattr(tensors, "path", None)
     plan = qwen_plan(tensors.keys(), prefix=prefix)
-    canonical = plan.shapes(_source_shapes(tensors, plan.source_keys))
+    canonical = plan.shapes(source_shapes(tensors, plan.source_keys))
     config = _default_config(tensors, canonical) if config is None else config
-    expected = qwen_shapes(config)
-    check_expected(plan, expected)
-    if plan.unexpected:
-        raise ConversionError(f"{len(plan.unexpected)} key(s) that are not a {config.kind} text encoder weight"
-                              f"{_listing(plan.unexpected, 'first few: ')}", path, key=plan.unexpected[0])
-    if plan.missing:
-        where = f" under {prefix!r}" if prefix else ""
-        raise ConversionError(f"missing from the Qwen weights{where} ({config.kind}, {config.num_hidden_layers} "
-                              f"layers); {len(plan.missing)} key(s) missing"
-                              f"{_listing([_named(k, plan, prefix) for k in plan.missing], 'first few: ')}", path,
-                              key=_named(plan.missing[0], plan, prefix))
-    for key, want in expected.items():
-        got = canonical[key]
-        if got != want:
-            raise ConversionError(f"shape {list(got)}, but a {config.kind} text encoder of hidden size "
-                                  f"{config.hidden_size}, {config.num_attention_heads} heads and "
-                                  f"{config.num_key_value_heads} key/value heads of {config.head_dim}, MLP "
-                                  f"{config.intermediate_size}, vocabulary {config.vocab_size} needs {list(want)}",
-                                  path, key=plan.entries[key].sources[0])
+    where = f" under {prefix!r}" if prefix else ""
+    check_loadable(plan, canonical, qwen_shapes(config), path=getattr(tensors, "path", None),
+                   weight_of=f"{config.kind} text encoder",
+                   missing_from=f"Qwen weights{where} ({config.kind}, {config.num_hidden_layers} layers)",
+                   needs=f"{config.kind} text encoder of hidden size {config.hidden_size}, "
+                         f"{config.num_attention_heads} heads and {config.num_key_value_heads} key/value heads of "
+                         f"{config.head_dim}, MLP {config.intermediate_size}, vocabulary {config.vocab_size}",
+                   named=lambda key: _named(key, plan, prefix))
     return plan, config
-
-
-def _listing(keys: list[str], lead: str) -> str:
-    return f" ({lead}{', '.join(repr(k) for k in keys[:5])}{', ...' if len(keys) > 5 else ''})" if keys else ""
 
 
 def qwen_state_from(tensors: Mapping, prefix: str = "", *, config: QwenConfig | None = None) -> ConvertedMapping:
@@ -339,9 +278,5 @@ def load_qwen(tensors: Mapping, prefix: str | None = None, *, config: QwenConfig
             raise UnsupportedModelError(f"no Qwen decoder in these weights (no key ending in {_ANCHOR!r} or "
                                         "'blk.0.attn_q.weight')", getattr(tensors, "path", None))
     plan, config = _checked_plan(tensors, prefix, config)
-    view = plan.apply(tensors)
-    with torch.device("meta"):
-        model = QwenTextEncoder(config)
-    state = {key: _to_dtype(view[key], dtype).to(device) for key in model.state_dict()}
-    model.load_state_dict(state, strict=True, assign=True)
-    return model.eval().requires_grad_(False)
+    return build_encoder(QwenTextEncoder, config, plan.apply(tensors), lambda tensor, key: _to_dtype(tensor, dtype),
+                         device)

@@ -29,8 +29,8 @@ from typing import Any
 from ..config import ConfigError
 from ..config.zimage import ZIMAGE_TURBO, ZImageConfig
 from .plan import (
-    CAT, COPY, ComponentPlan, ConversionError, PlanEntry, Transform, UnsupportedModelError, add_entry, check_expected,
-    load_planned, need_shape, shape_of,
+    COPY, ComponentPlan, ConversionError, Layouts, Transform, UnsupportedModelError, block_counts, block_key,
+    names_back, need_shape, plan_fused, plan_names, same_names, split_param,
 )
 
 __all__ = ["ZIMAGE_PREFIX", "zimage_layout", "zimage_from_comfy", "zimage_to_comfy", "zimage_from_diffusers",
@@ -56,25 +56,19 @@ _IGNORED = ("norm_final.weight",)
 _BLOCK = re.compile(r"(noise_refiner|context_refiner|layers)\.(\d+)\.(.+)")
 
 
-def _split_param(name: str) -> tuple[str, str]:
-    module, _, param = name.rpartition(".")
-    return module, param
-
-
 def _from_comfy_name(name: str) -> list[tuple[str, Transform]] | None:
     """The canonical key(s) one ComfyUI key (without prefix) makes, with how; None for a name outside the table."""
     if name in _PAD_TOKENS:
         return [(name, COPY)]
-    module, param = _split_param(name)
+    module, param = split_param(name)
     if module in _TOP:
         return [(f"{_TOP[module]}.{param}", COPY)]
     if module in _SAME_TOP:
         return [(name, COPY)]
-    m = _BLOCK.fullmatch(name)
-    if m is None:
+    block = block_key(_BLOCK, name)
+    if block is None:
         return None
-    kind, index, rest = m.groups()
-    module, param = _split_param(rest)
+    kind, index, module, param = block
     base = f"{kind}.{index}."
     if module in _BLOCK_RENAMES:
         return [(f"{base}{_BLOCK_RENAMES[module]}.{param}", COPY)]
@@ -90,84 +84,52 @@ def zimage_from_comfy(keys: Iterable[str], *, prefix: str = "",
     """Plan ``{canonical key: PlanEntry}`` for ComfyUI's names under ``prefix`` (``""``: the split diffusion-model
     file; ``model.diffusion_model.``: an all-in-one checkpoint). ``expected``: the model's canonical keys, to report
     missing and unknown names."""
-    plan = ComponentPlan(COMPONENT)
-    for key in keys:
-        if not key.startswith(prefix):
-            continue
-        name = key[len(prefix):]
-        if name in _IGNORED:
-            plan.ignored.append(key)
-            continue
-        made = _from_comfy_name(name)
-        if made is None:
-            plan.unexpected.append(key)
-            continue
-        for target, transform in made:
-            add_entry(plan, target, PlanEntry((key,), transform))
-    check_expected(plan, expected)
-    return plan
+    return plan_names(COMPONENT, keys, _from_comfy_name, prefix=prefix, ignored=_IGNORED, expected=expected)
 
 
-def _to_comfy_name(key: str) -> tuple[str, bool] | None:
-    """(ComfyUI name without prefix, whether it is the fused qkv) of one canonical key; None outside the table."""
+def _to_comfy_name(key: str) -> tuple[str, Transform | None] | None:
+    """(ComfyUI name without prefix, COPY; or None for a part of the fused qkv, with the qkv's name) of one canonical
+    key; None outside the table."""
     if key in _PAD_TOKENS:
-        return key, False
-    module, param = _split_param(key)
+        return key, COPY
+    module, param = split_param(key)
     top = {v: k for k, v in _TOP.items()}
     if module in top:
-        return f"{top[module]}.{param}", False
+        return f"{top[module]}.{param}", COPY
     if module in _SAME_TOP:
-        return key, False
-    m = _BLOCK.fullmatch(key)
-    if m is None:
+        return key, COPY
+    block = block_key(_BLOCK, key)
+    if block is None:
         return None
-    kind, index, rest = m.groups()
-    module, param = _split_param(rest)
+    kind, index, module, param = block
     base = f"{kind}.{index}."
     back = {v: k for k, v in _BLOCK_RENAMES.items()}
     if module in back:
-        return f"{base}{back[module]}.{param}", False
+        return f"{base}{back[module]}.{param}", COPY
     if module in _BLOCK_SAME:
-        return key, False
+        return key, COPY
     if module in _FUSED[1] and param == "weight":
-        return f"{base}{_FUSED[0]}.weight", True
+        return f"{base}{_FUSED[0]}.weight", None
     return None
+
+
+def _qkv_parts(name: str) -> tuple[str, ...]:
+    """The canonical keys (q, k, v) that the ComfyUI ``...attention.qkv.weight`` ``name`` (without prefix) holds."""
+    base = name[:-len(f"{_FUSED[0]}.weight")]
+    return tuple(f"{base}{part}.weight" for part in _FUSED[1])
 
 
 def zimage_to_comfy(keys: Iterable[str], *, prefix: str = "") -> ComponentPlan:
     """Plan ``{ComfyUI key (with prefix): PlanEntry}`` from canonical keys: each block's q, k and v concatenated into
     ``attention.qkv`` (a block with a part absent lists the absent parts in ``missing``, the others in
     ``unexpected``)."""
-    plan = ComponentPlan(COMPONENT)
-    groups: dict[str, list[str]] = {}
-    for key in keys:
-        found = _to_comfy_name(key)
-        if found is None:
-            plan.unexpected.append(key)
-        elif found[1]:
-            groups.setdefault(found[0], []).append(key)
-        else:
-            add_entry(plan, prefix + found[0], PlanEntry((key,), COPY))
-    for name, present in groups.items():
-        base = name[:-len(f"{_FUSED[0]}.weight")]
-        parts = tuple(f"{base}{part}.weight" for part in _FUSED[1])
-        if set(present) == set(parts):
-            add_entry(plan, prefix + name, PlanEntry(parts, CAT))
-        else:
-            plan.missing.extend(p for p in parts if p not in present)
-            plan.unexpected.extend(present)
-    return plan
+    return plan_fused(COMPONENT, keys, _to_comfy_name, _qkv_parts, prefix=prefix)
 
 
 def zimage_from_diffusers(keys: Iterable[str], *, prefix: str = "",
                           expected: Iterable[str] | None = None) -> ComponentPlan:
     """Plan for diffusers' names (a ``transformer`` folder's weights, possibly sharded): each key as it is."""
-    plan = ComponentPlan(COMPONENT)
-    for key in keys:
-        if key.startswith(prefix):
-            add_entry(plan, key[len(prefix):], PlanEntry((key,), COPY))
-    check_expected(plan, expected)
-    return plan
+    return same_names(COMPONENT, keys, prefix=prefix, expected=expected)
 
 
 # --- which layout, and whether it is Z-Image at all ---------------------------------------------------------
@@ -224,11 +186,7 @@ def is_zimage(state) -> bool:
 
 def zimage_plan(keys: Iterable[str], *, expected: Iterable[str] | None = None) -> ComponentPlan:
     """The plan to canonical names for Z-Image weights of either layout (:func:`zimage_layout` decides)."""
-    keys = list(keys)
-    layout, prefix = zimage_layout(keys)
-    if layout == "comfy":
-        return zimage_from_comfy(keys, prefix=prefix, expected=expected)
-    return zimage_from_diffusers(keys, prefix=prefix, expected=expected)
+    return LAYOUTS.plan(keys, expected)
 
 
 # --- what the shapes say -----------------------------------------------------------------------------------
@@ -236,8 +194,7 @@ def zimage_plan(keys: Iterable[str], *, expected: Iterable[str] | None = None) -
 
 def canonical_shapes(shapes) -> dict[str, tuple[int, ...]]:
     """The canonical keys' shapes from the shapes (or tensors) of either layout, without reading data."""
-    shapes = {k: shape_of(v) for k, v in shapes.items()}
-    return zimage_plan(shapes).shapes(shapes)
+    return LAYOUTS.shapes(shapes)
 
 
 def infer_zimage_config(shapes, release: ZImageConfig = ZIMAGE_TURBO) -> ZImageConfig:
@@ -250,12 +207,7 @@ def infer_zimage_config(shapes, release: ZImageConfig = ZIMAGE_TURBO) -> ZImageC
     x_in = need_shape(s, f"all_x_embedder.{PATCH_KEY}.weight", what)
     cap = need_shape(s, "cap_embedder.1.weight", what)
     dim = x_in[0]
-    counts = {}
-    for kind in ("noise_refiner", "context_refiner", "layers"):
-        found = sorted({int(m.group(2)) for k in s if (m := _BLOCK.fullmatch(k)) and m.group(1) == kind})
-        if found != list(range(len(found))):
-            raise UnsupportedModelError(f"{what}: {kind} {found[:8]} are not numbered 0..n-1")
-        counts[kind] = len(found)
+    counts = block_counts(s, _BLOCK, ("noise_refiner", "context_refiner", "layers"), what)
     if counts["noise_refiner"] != counts["context_refiner"]:
         raise UnsupportedModelError(f"{what}: {counts['noise_refiner']} noise refiner blocks but "
                                     f"{counts['context_refiner']} context refiner blocks (a release has as many)")
@@ -282,17 +234,13 @@ def load_zimage(model, source: Mapping[str, Any]):
     :class:`sdlite.models.zimage.ZImage`, key for key (:func:`~sdlite.weights.plan.load_planned`: every check before
     any tensor is read, a missing key named in the source's own layout, a wrong shape named by its source key).
     Returns the model."""
-    keys = list(source.keys())
-    plan = zimage_plan(keys, expected=model.state_dict().keys())
-    layout, prefix = zimage_layout(keys)
-    return load_planned(model, source, plan,
-                        lambda missing: missing if layout == "diffusers" else comfy_names(missing, prefix))
+    return LAYOUTS.load(model, source)
 
 
 def comfy_names(canonical: list[str], prefix: str) -> list[str]:
     """The ComfyUI names that canonical keys have (q, k or v: the fused ``attention.qkv``'s), for error messages."""
-    names = []
-    for key in canonical:
-        found = _to_comfy_name(key)
-        names.append(prefix + found[0] if found is not None else key)
-    return list(dict.fromkeys(names))
+    return names_back(canonical, _to_comfy_name, prefix)
+
+
+#: Z-Image's two layouts: ComfyUI's (Tongyi-MAI's names) and diffusers' (the canonical ones)
+LAYOUTS = Layouts(zimage_layout, {"comfy": zimage_from_comfy, "diffusers": zimage_from_diffusers}, comfy_names)
