@@ -31,6 +31,7 @@ from ..models.flux import DoubleBlock, SingleBlock
 from ..weights.quants import QuantizedTensor
 from .lowbit import FP8_MODES, check_low_bit_mode, load_low_bit, load_quantized, quantized_linears
 from ..models.mmdit import JointBlock
+from ..config.qwen import QwenConfig
 from ..config.t5 import T5Config
 from ..models.t5 import T5LayerFF
 from ..models.qwen import QwenDecoderLayer
@@ -260,7 +261,8 @@ def streamed_model(ckpt: Checkpoint, component: str, dtype: torch.dtype, device=
 # would reorder its weight once either way, and the 72 reorders (about 10 ms each: oneDNN sets up a primitive for
 # each) only delay the first text encoding.
 PREPACKED = ("unet", "vae")
-# the networks whose GGUF block-format weights stay quantised in memory (engine.lowbit)
+# the networks whose GGUF block-format weights stay quantised in memory (engine.lowbit); an LLM text encoder (Qwen,
+# in the text_encoder slot) too: ModelManager.keeps_blocks
 LOW_BIT_NETWORKS = ("transformer", "text_encoder_3")
 
 
@@ -367,9 +369,18 @@ class ModelManager:
         return self.dtype
 
     def _is_t5(self, name: str) -> bool:
+        return isinstance(self._text_config(name), T5Config)
+
+    def _text_config(self, name: str):
         spec = self.ckpt.spec if self.ckpt is not None else None
-        field = {"text_encoder": "text", "text_encoder_2": "text2", "text_encoder_3": "text3"}[name]
-        return spec is not None and isinstance(getattr(spec, field, None), T5Config)
+        field = {"text_encoder": "text", "text_encoder_2": "text2", "text_encoder_3": "text3"}.get(name)
+        return getattr(spec, field, None) if spec is not None and field is not None else None
+
+    def keeps_blocks(self, name: str) -> bool:
+        """Whether network ``name``'s GGUF block-format Linear weights stay in their blocks in memory (dequantised
+        layer by layer as they run, :mod:`sdlite.engine.lowbit`) rather than dequantised as they load: a transformer's,
+        T5's and an LLM text encoder's (Qwen3-4B's 3.6 billion Linear weights: 14.5 GB in fp32, 2.2 GB in Q4_K_M)."""
+        return name in LOW_BIT_NETWORKS or isinstance(self._text_config(name), QwenConfig)
 
     def _build(self, name: str) -> nn.Module:
         if self._streams_from_file(name):
@@ -403,9 +414,9 @@ class ModelManager:
             module = load_quantized(self.ckpt, name, self.dtype_of(name), self.device, lowbit)
             trim_heap()   # the quantising's float32 temporaries, which the tuned heap would otherwise keep
             return self._kernels(name, module)
-        # GGUF weights in a block format stay in it where the dense network would be large (a transformer, T5):
-        # dequantised layer by layer as they run. Other networks' are dequantised as they load (and prepacked)
-        low_bit = quantized_linears(self.ckpt, name) if name in LOW_BIT_NETWORKS else {}
+        # GGUF weights in a block format stay in it where the dense network would be large (a transformer, T5, an LLM
+        # encoder): dequantised layer by layer as they run. Other networks' are dequantised as they load (and prepacked)
+        low_bit = quantized_linears(self.ckpt, name) if self.keeps_blocks(name) else {}
         if low_bit:
             return self._kernels(name, load_low_bit(self.ckpt, name, self.dtype_of(name), self.device, low_bit))
         quantized = name == "unet" and self.quantize != "none"

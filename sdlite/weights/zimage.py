@@ -30,7 +30,7 @@ from .folders import component_store, read_json, storage_dtype
 from .plan import UnsupportedModelError
 from .qwen_keys import find_qwen_prefix, infer_qwen_config, qwen_config_from_gguf, qwen_plan
 from .store import ComponentSource, TensorStore
-from .zimage_keys import comfy_names, infer_zimage_config, is_zimage, zimage_layout, zimage_plan
+from .zimage_keys import ZIMAGE_PREFIX, comfy_names, infer_zimage_config, zimage_layout, zimage_plan
 
 __all__ = ["ZIMAGE_PIPELINES", "open_zimage_folder", "open_zimage_file", "is_zimage_file"]
 
@@ -45,21 +45,30 @@ PREDICTION_SOURCE = "flow matching (Z-Image)"
 
 
 def is_zimage_file(keys) -> bool:
-    """Whether a single file's keys hold a Z-Image transformer (either layout, with or without ComfyUI's prefix)."""
-    return is_zimage(list(keys))
+    """Whether a single file's keys hold a Z-Image transformer (either layout, with or without ComfyUI's prefix), or
+    one of its kin that share its caption embedder (Lumina-Image 2.0's NextDiT, Z-Image Omni): those open here too, to
+    be refused by name (:func:`~sdlite.weights.zimage_keys.zimage_layout`) rather than as no Stable Diffusion model."""
+    keys = set(keys)
+    return any(prefix + "cap_embedder.0.weight" in keys for prefix in ("", ZIMAGE_PREFIX))
 
 
-def _check_parts(transformer: ZImageConfig, vae: VAEConfig, text: QwenConfig, where) -> None:
+def _check_parts(transformer: ZImageConfig, vae: VAEConfig, text: QwenConfig, where, files=None) -> None:
+    """The parts fit the transformer; ``files`` (component -> the separate file it came from, if any) says which file
+    is at fault."""
+    files = files or {}
+    model = Path(where).name
     if text.hidden_size != transformer.cap_feat_dim:
-        raise CheckpointError(f"the text encoder's width {text.hidden_size} is not the transformer's caption width "
-                              f"{transformer.cap_feat_dim} (Z-Image-Turbo reads Qwen3-4B: 2560)", where)
+        raise CheckpointError(f"the text encoder's width {text.hidden_size} is not the caption width "
+                              f"{transformer.cap_feat_dim} of the transformer ({model}): Z-Image-Turbo reads "
+                              "Qwen3-4B (2560 wide, qwen_3_4b.safetensors)", files.get("text_encoder", where))
     if vae.latent_channels != transformer.in_channels:
-        raise CheckpointError(f"the VAE's {vae.latent_channels} latent channels are not the transformer's "
-                              f"{transformer.in_channels}", where)
+        raise CheckpointError(f"the VAE's {vae.latent_channels} latent channels are not the {transformer.in_channels} "
+                              f"of the transformer ({model}): Z-Image decodes with FLUX.1's 16-channel VAE "
+                              "(ae.safetensors)", files.get("vae", where))
 
 
-def _spec_and_detection(transformer, vae, text, scheduler, layout, where):
-    _check_parts(transformer, vae, text, where)
+def _spec_and_detection(transformer, vae, text, scheduler, layout, where, files=None):
+    _check_parts(transformer, vae, text, where, files)
     spec = zimage_spec(transformer, text=text, vae=vae, scheduler=scheduler)
     return spec, Detection(layout=layout, family=spec.family, components=("text_encoder", "transformer", "vae"),
                            unet=None)
@@ -198,8 +207,9 @@ def open_zimage_file(path: Path, store: TensorStore, text_encoders=()) -> dict:
                     f"the Z-Image model has no {_NAMES[component]}: the file holds none and none was given "
                     "(--text-encoder PATH, repeatable: qwen_3_4b.safetensors or a Qwen3-4B GGUF, ae.safetensors) "
                     "or found beside it", path)
+        files = {c: Path(sources[c].files[0]) for c in ("text_encoder", "vae") if sources[c].files[0] != str(path)}
         spec, detection = _spec_and_detection(transformer, configs["vae"], configs["text_encoder"], None,
-                                              "original", path)
+                                              "original", path, files)
         for name, source in sources.items():
             if source.unexpected:
                 notes.append(f"{len(source.unexpected)} {name} keys not understood (ignored)")
