@@ -100,6 +100,10 @@ bench: setup setup-openvino setup-sdcpp
 	# the test suite's parity cases against diffusers at the real SD 1.5 / 2.1 shapes (the tests run them on tiny
 	# models); writes bench/parity.json and bench/parity.md, fails when a case is outside its bound
 	$(BIN)/python bench/parity.py
+	# Z-Image-Turbo against diffusers bf16 (and stable-diffusion.cpp at the released depth only), 512^2, 8 steps; its
+	# section of BENCHMARKS.md, bench/zimage.json. 15 of the 30 joint blocks at the released widths, so that a whole
+	# bf16 pipeline (7 GB of transformer beside Qwen3-4B's 8 GB) fits in 24 GB; without --layers on a larger machine
+	$(BIN)/python bench/zimage.py --layers 15
 
 clean:
 	rm -rf $(VENV) $(OV_VENV) $(SDCPP_VENV) build *.egg-info

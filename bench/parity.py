@@ -16,7 +16,11 @@ Sections (default: all of them):
 * ``controlnet``: a 361M ControlNet in both layouts (diffusers folder, lllyasviel's fp16 single file), two units,
   image to image, 64x64 (tests/test_controlnet.py's ``PARITY_CASES`` / ``parity_case`` / ``parity_two`` /
   ``parity_img2img``), and the weights each layout loads;
-* ``unet``: the SD 1.5 and SD 2.1 UNets against diffusers' with the same weights, a 16x16 latent at batch 2.
+* ``unet``: the SD 1.5 and SD 2.1 UNets against diffusers' with the same weights, a 16x16 latent at batch 2;
+* ``zimage``: Z-Image at the released widths and reduced depth (the transformer 3840 wide with 30 heads, one refiner
+  block each and 2 joint blocks; Qwen3-4B's layers, 2560 wide with its whole vocabulary, 2 of them; FLUX.1's VAE)
+  against ZImagePipeline: batch 2 at 128x128 and 128x96, English and Chinese, CFG with a negative prompt
+  (tests/test_zimage_pipeline.py's ``_pipeline``, its cases).
 
 The tests run each of these cases on tiny models (and the real shapes' keys, layers and parameter counts on the
 meta device); this script holds the full-size networks to the same bounds: 2/255 for pixels (0 for the un-merged
@@ -30,6 +34,7 @@ bench/parity.json, the table to bench/parity.md. About 15 minutes on 2 cores.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import platform
@@ -41,7 +46,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-SECTIONS = ["generate", "img2img", "hires", "lora", "controlnet", "unet"]
+SECTIONS = ["generate", "img2img", "hires", "lora", "controlnet", "unet", "zimage"]
 PIXELS, UNET = "max pixel diff", "max rel err"
 
 
@@ -206,12 +211,52 @@ def section_unet(folders, work):
         gc.collect()
 
 
+# Z-Image at the released widths, reduced depth (sdlite.config.zimage.ZIMAGE_TURBO, sdlite.config.qwen.QWEN3_4B)
+ZIMAGE_TRANSFORMER = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=3840, n_layers=2,
+                          n_refiner_layers=1, n_heads=30, n_kv_heads=30, norm_eps=1e-5, qk_norm=True, cap_feat_dim=2560,
+                          rope_theta=256.0, t_scale=1000.0, axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512])
+ZIMAGE_QWEN = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=2,
+                   num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                   rope_theta=1_000_000.0, max_position_embeddings=40960, tie_word_embeddings=True)
+
+
+def section_zimage(folders, work):
+    import numpy as np
+    import torch
+
+    from sdlite.config.zimage import ZIMAGE_VAE
+    from sdlite.pipeline import Engine, Request
+    from tests.test_zimage_pipeline import NEGATIVE, PROMPT, PROMPT_ZH, _pipeline, _reference
+
+    vae = dataclasses.replace(ZIMAGE_VAE, sample_size=128)
+    # weights about 1/sqrt(width), so that 30 heads of 128 neither vanish nor blow up
+    pipe = _pipeline(work / "zimage", transformer=ZIMAGE_TRANSFORMER, qwen=ZIMAGE_QWEN, vae=vae, scales=(0.02, 0.02),
+                     contrast=3.0)
+    engine = Engine.load(work / "zimage", precision="exact")
+    cases = [("English, 128x128, batch 2, 4 steps", PROMPT, None, 1.0, 128, 128, 4),
+             ("Chinese, 128x96, batch 2, 3 steps", PROMPT_ZH, None, 1.0, 128, 96, 3),
+             ("CFG 3.5 (guidance_scale 2.5) with a negative prompt, 128x128, batch 2", PROMPT, NEGATIVE, 3.5, 128,
+              128, 3)]
+    for name, prompt, negative, cfg, width, height, steps in cases:
+        kw = {"negative_prompt": negative} if negative else {}
+        expected = _reference(pipe, width, height, prompt=prompt, num_inference_steps=steps, guidance_scale=cfg - 1,
+                              num_images_per_prompt=2, generator=[torch.Generator().manual_seed(s) for s in (7, 8)],
+                              **kw)
+        got = engine.generate(Request(prompt=prompt, negative_prompt=negative or "", steps=steps, cfg_scale=cfg,
+                                      seed=7, batch_size=2, width=width, height=height, sampler="euler"))
+        got = np.stack([np.asarray(im, dtype=np.int16) for im in got.images])
+        clipped = float(np.mean((got == 0) | (got == 255)))
+        print(f"zimage     {name}: image std {got.std():.1f}, {clipped:.0%} of values at 0 or 255", file=sys.stderr,
+              flush=True)
+        yield name, PIXELS, _pixel_diff(got, expected), 2
+
+
 def build_folders(work: Path, sections) -> dict[str, Path]:
     """The full-size folders the sections need, written into ``work`` where missing."""
     from tests.reference import write_sd15_folder, write_sd15_inpaint_folder
 
     folders = {"sd15": work / "sd15", "sd15-inpaint": work / "sd15-inpaint", "controlnet": work / "controlnet"}
-    if set(sections) - {"unet"} and not (folders["sd15"] / "model_index.json").is_file():
+    if set(sections) - {"unet", "zimage"} and not (folders["sd15"] / "model_index.json").is_file():
         shutil.rmtree(folders["sd15"], ignore_errors=True)
         print("writing the full-size SD 1.5 folder", file=sys.stderr, flush=True)
         write_sd15_folder(folders["sd15"])

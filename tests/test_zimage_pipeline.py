@@ -34,28 +34,32 @@ PROMPT, NEGATIVE = "a red circle on a blue background", "green, blurry"
 PROMPT_ZH = "蓝色背景上的红色圆圈，一只猫"
 
 
-def _qwen(seed: int):
+def _qwen(seed: int, config: dict = QWEN, scale: float = 0.2):
     from transformers import Qwen3Config, Qwen3Model
 
-    return seed_all(Qwen3Model(Qwen3Config(**QWEN, attn_implementation="eager")).eval(), seed, scale=0.2)
+    return seed_all(Qwen3Model(Qwen3Config(**config, attn_implementation="eager")).eval(), seed, scale=scale)
 
 
-def _pipeline(folder: Path):
-    """A tiny ZImagePipeline (the Turbo's scheduler: shift 3, no dynamic shifting), saved in ``folder``."""
+def _pipeline(folder: Path, *, transformer: dict = TRANSFORMER, qwen: dict = QWEN, vae: VAEConfig = VAE,
+              scales: tuple[float, float] = (0.15, 0.2), contrast: float = 30.0):
+    """A ZImagePipeline of random weights (the Turbo's scheduler: shift 3, no dynamic shifting), saved in ``folder``:
+    tiny by default; ``transformer``, ``qwen`` and ``vae`` give other configs (bench/parity.py: the released widths
+    at reduced depth), ``scales`` the transformer's and the encoder's weight scales and ``contrast`` the factor on the
+    VAE's output layer."""
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
     from transformers import Qwen2TokenizerFast
 
     from sdlite.config.zimage import ZIMAGE_TURBO_SCHEDULER
 
-    vae = seed_all(diffusers_vae(VAE), 1, scale=0.05)
+    vae = seed_all(diffusers_vae(vae), 1, scale=0.05)
     with torch.no_grad():   # contrast enough that 2/255 means something (tests.reference.with_contrast)
-        vae.decoder.conv_out.weight.mul_(30.0)
-    transformer = seed_all(ZImageTransformer2DModel(**TRANSFORMER).eval(), 4, scale=0.15)
+        vae.decoder.conv_out.weight.mul_(contrast)
+    transformer = seed_all(ZImageTransformer2DModel(**transformer).eval(), 4, scale=scales[0])
     tokenizer = Qwen2TokenizerFast(tokenizer_file=str(QWEN_JSON))
     tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
     scheduler = FlowMatchEulerDiscreteScheduler(**{k: v for k, v in ZIMAGE_TURBO_SCHEDULER.items()
                                                    if not k.startswith("_")})
-    pipe = ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=_qwen(2), tokenizer=tokenizer,
+    pipe = ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=_qwen(2, qwen, scales[1]), tokenizer=tokenizer,
                           transformer=transformer)
     pipe.set_progress_bar_config(disable=True)
     pipe.save_pretrained(folder)
