@@ -150,10 +150,13 @@ def validate(hires: Hires, steps: int) -> Hires:
                  checkpoint=same(h.checkpoint))
 
 
-def second_pass_steps(hires: Hires, steps: int) -> int:
+def second_pass_steps(hires: Hires, steps: int, schedule=None) -> int:
     """The sampler steps the second pass runs: the last ``int(N x denoise)`` of its ``N`` planned steps (``N``:
-    ``hires.steps``, or the first pass's ``steps`` when 0), as diffusers' image to image runs them."""
+    ``hires.steps``, or the first pass's ``steps`` when 0), as diffusers' image to image runs them; with the second
+    pass's noise ``schedule``, its own pipelines' rule (``img2img_start``: a flow model's may run one more)."""
     total = hires.steps or steps
+    if schedule is not None:
+        return total - schedule.img2img_start(total, hires.denoise)
     return min(int(total * hires.denoise), total)
 
 

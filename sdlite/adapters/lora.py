@@ -17,9 +17,9 @@ Refused, with a :class:`LoraError` naming the file and the reason: the LyCORIS t
 LoKr, (IA)^3, full weight differences, GLoRA, norm, OFT/BOFT; also LoCon's CP-decomposed ``lora_mid`` and DoRA),
 a LoRA made for another family (SD 1.x, SD 2.x, SDXL, the SDXL refiner: told from its cross-attention or
 text-encoder width), one with layers of a network the model lacks (a second text encoder on SD 1.x/2.x, a first one
-on the SDXL refiner), layers that match no layer of the model (how many, and a few of them) or whose shapes do not
-fit. An SD 1.x LoRA's text-encoder layers alone fit SDXL's first text encoder (the same CLIP ViT-L shapes) and are
-applied there, as diffusers does.
+on the SDXL refiner) or of a text encoder that takes none (Z-Image's Qwen3 LLM), layers that match no layer of the
+model (how many, and a few of them) or whose shapes do not fit. An SD 1.x LoRA's text-encoder layers alone fit
+SDXL's first text encoder (the same CLIP ViT-L shapes) and are applied there, as diffusers does.
 
 Application (:func:`merge`), chosen by how the network holds its weights:
 
@@ -80,6 +80,7 @@ from .lora_targets import (  # noqa: F401
     check_components,
     check_denoiser,
     check_family,
+    check_text_encoders,
     resolve_targets,
     split_fused,
 )
@@ -440,6 +441,7 @@ def engine_with_loras(engine, loras: Sequence[tuple[LoraSource, Weight]]):
         components = _model_components(spec)
         for lora, _ in loaded:
             check_denoiser(lora, spec)
+            check_text_encoders(lora, spec)
         loaded = [(lora.for_denoiser(components[0]), weight) for lora, weight in loaded]
         touched = [c for c in components if any(lora.layers_of(c) for lora, _ in loaded)]
         for component in touched:   # check every layer against the model before touching anything
@@ -477,4 +479,4 @@ def engine_with_loras(engine, loras: Sequence[tuple[LoraSource, Weight]]):
 
 __all__ = ["Lora", "LoraLayer", "LoraError", "MergeHandle", "read_lora", "merge", "apply_on_the_fly",
            "engine_with_loras", "lora_hash", "lora_hashes_infotext", "check_family", "check_components",
-           "check_denoiser", "resolve_targets", "find_lora", "lora_name"]
+           "check_denoiser", "check_text_encoders", "resolve_targets", "find_lora", "lora_name"]

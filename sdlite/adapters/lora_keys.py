@@ -38,6 +38,13 @@ Formats (told apart by their keys, whatever the file's extension; safetensors or
   ``lora_te1_``, T5 as ``lora_te3_``. And XLabs': ``double_blocks.N.processor.qkv_lora1`` / ``proj_lora1`` (the image
   stream), ``qkv_lora2`` / ``proj_lora2`` (the text stream), ``single_blocks.N.processor.qkv_lora`` / ``proj_lora``,
   ``.down.weight`` / ``.up.weight``, no alpha (scale 1), stacked q/k/v split in three as diffusers' converter does.
+* Z-Image (transformer): diffusers / PEFT ``transformer.<module>`` (``ZImageTransformer2DModel``'s paths,
+  ``layers.0.attention.to_q``; what ``ZImagePipeline.load_lora_weights`` takes), the same under ComfyUI's and
+  ai-toolkit's ``diffusion_model.`` (``lora_A`` / ``lora_B`` or kohya's ``lora_down`` / ``lora_up``, ``.alpha`` keys),
+  on diffusers' names or on the original code's (ComfyUI's: ``layers.0.attention.qkv`` with q, k and v stacked,
+  ``attention.out``, ``x_embedder``, ``final_layer.linear``; :mod:`sdlite.weights.zimage_keys`), and kohya's
+  ``lora_unet_`` over either (``lora_unet_layers_0_attention_qkv``). Its Qwen3 text encoder takes none
+  (:func:`sdlite.adapters.lora_targets.check_text_encoders`).
 
 Scale of one layer: ``multiplier * alpha / rank`` (``alpha / sqrt(rank)`` for rsLoRA; 1 without alpha), as
 A1111, kohya and PEFT compute it.
@@ -93,6 +100,8 @@ _KOHYA = re.compile(r"^lora_(unet|transformer|te|te1|te2|te3)_([^.]+)\.(.+)$")
 _DOTTED_PARTS = (
     (re.compile(r"^(.+)\.lora_A(?:\.[^.]+)?\.weight$"), "down"),
     (re.compile(r"^(.+)\.lora_B(?:\.[^.]+)?\.weight$"), "up"),
+    (re.compile(r"^(.+)\.lora_down\.weight$"), "down"),       # kohya's parts on dotted names (ComfyUI, ai-toolkit)
+    (re.compile(r"^(.+)\.lora_up\.weight$"), "up"),
     (re.compile(r"^(.+)\.lora(?:_linear_layer)?\.down\.weight$"), "down"),
     (re.compile(r"^(.+)\.lora(?:_linear_layer)?\.up\.weight$"), "up"),
     (re.compile(r"^(.+)_lora\.down\.weight$"), "down"),      # attention processors: to_q_lora.down.weight
@@ -121,7 +130,9 @@ _PROCESSOR_NAMES = {
     ("text_encoder_2", "to_out"): "out_proj",
 }
 _PEFT_PREFIXES = {"unet": "unet", "text_encoder": "text_encoder", "text_encoder_2": "text_encoder_2",
-                  "text_encoder_3": "text_encoder_3", "transformer": "transformer"}
+                  "text_encoder_3": "text_encoder_3", "transformer": "transformer",
+                  # ComfyUI's and ai-toolkit's name for the denoiser (a UNet or a transformer: Lora.for_denoiser)
+                  "diffusion_model": "unet"}
 METADATA_KEY = "lora_adapter_metadata"   # diffusers' JSON of each component's peft LoraConfig
 
 
@@ -192,7 +203,7 @@ class Lora:
     """A parsed LoRA file, independent of its format."""
 
     path: str
-    format: str                    # "kohya" | "peft" | "diffusers-legacy" | "xlabs"
+    format: str                    # "kohya" | "peft" | "diffusers-legacy" | "comfy" | "xlabs"
     layers: list[LoraLayer]
     metadata: dict = field(default_factory=dict)
 
@@ -416,7 +427,7 @@ def _peft_alphas(path: str, metadata: dict):
 
 def _dotted_lora(path: str, tensors: dict, metadata: dict) -> Lora:
     groups: dict = {}
-    unknown, legacy = [], False
+    unknown, legacy, comfy = [], False, False
     for key, tensor in tensors.items():
         name = key.removeprefix("base_model.model.")
         head, _, rest = name.partition(".")
@@ -431,7 +442,9 @@ def _dotted_lora(path: str, tensors: dict, metadata: dict) -> Lora:
             unknown.append(key)
             continue
         target = match.group(1)
-        if "lora_A" not in key and "lora_B" not in key and role != "alpha":
+        if head == "diffusion_model" or (role != "alpha" and key.endswith((".lora_down.weight", ".lora_up.weight"))):
+            comfy = True
+        elif "lora_A" not in key and "lora_B" not in key and role != "alpha":
             legacy = True
         target = target.replace(".processor.", ".")
         if pattern.pattern.startswith(r"^(.+)_lora"):   # attention processors: ...attn1.processor.to_q_lora
@@ -447,5 +460,5 @@ def _dotted_lora(path: str, tensors: dict, metadata: dict) -> Lora:
     if unknown:
         raise LoraError(f"{len(unknown)} keys are neither kohya (lora_unet_*/lora_te_*) nor diffusers/PEFT "
                         f"(*.lora_A.weight/*.lora_B.weight) LoRA weights: {_listing(unknown)}", path)
-    return Lora(path, "diffusers-legacy" if legacy else "peft",
+    return Lora(path, "comfy" if comfy else "diffusers-legacy" if legacy else "peft",
                 _assemble(path, groups, _peft_alphas(path, metadata)), metadata)

@@ -5,10 +5,13 @@ without transformers' ``text_model.``, or a UNet's by the original LDM / SGM lay
 converter's own table, :func:`sdlite.weights.convert.unet_to_original`), an SD3 transformer's by Stability's MMDiT
 layout (:func:`sdlite.weights.mmdit_keys.mmdit_to_original`; its stacked q/k/v layers split into the model's three
 by :func:`split_fused`), a FLUX transformer's by BFL's (:func:`sdlite.weights.flux_keys.flux_to_original`, split
-likewise). Refused, with a :class:`LoraError`: a LoRA
-made for another family (SD 1.x, SD 2.x, SDXL, the SDXL refiner: told from its cross-attention or text-encoder
-width), a UNet's LoRA on a transformer and the other way round, one with layers of a network the model lacks, layers that match no layer of the model or whose shapes do
-not fit. Everything is re-exported by :mod:`sdlite.adapters.lora`.
+likewise), a Z-Image transformer's by the original code's, as ComfyUI names it
+(:func:`sdlite.weights.zimage_keys.zimage_to_comfy`: ``attention.qkv`` split likewise).
+
+Refused, with a :class:`LoraError`: a LoRA made for another family (SD 1.x, SD 2.x, SDXL, the SDXL refiner: told from
+its cross-attention or text-encoder width), a UNet's LoRA on a transformer and the other way round, one with layers of
+a network the model lacks or of a text encoder that takes none (Z-Image's Qwen3), layers that match no layer of the
+model or whose shapes do not fit. Everything is re-exported by :mod:`sdlite.adapters.lora`.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ _DENSE = (nn.Linear, nn.Conv2d, BF16Linear, BF16Conv2d)   # a float weight of th
 # a model's family (ModelSpec.family, "-inpaint" removed) as messages name it
 _SPEC_FAMILY = {"sd1": "SD 1.x", "sd2": "SD 2.x", "sdxl": "SDXL", "sdxl-refiner": "the SDXL refiner", "sd3": "SD3",
                 "sd3.5-medium": "SD3.5 Medium", "sd3.5-large": "SD3.5 Large", "flux-dev": "FLUX.1 dev",
-                "flux-schnell": "FLUX.1 schnell"}
+                "flux-schnell": "FLUX.1 schnell", "z-image-turbo": "Z-Image-Turbo"}
 # what a layer of each component is called in the two file formats (for messages)
 _COMPONENT_KEYS = {"unet": "lora_unet_ / unet.", "transformer": "lora_transformer_ / transformer.",
                    "text_encoder": "lora_te_ or lora_te1_ / text_encoder.",
@@ -78,6 +81,10 @@ def _original_plan(module: nn.Module, component: str, weights: list[str]):
             from ..weights.flux_keys import flux_to_original
 
             return flux_to_original(weights, prefix="")
+        if component == "transformer" and type(config).__name__ == "ZImageConfig":
+            from ..weights.zimage_keys import zimage_to_comfy
+
+            return zimage_to_comfy(weights, prefix="")
     except SDLiteError:
         return None
     return None
@@ -86,7 +93,8 @@ def _original_plan(module: nn.Module, component: str, weights: list[str]):
 def _lookup(module: nn.Module, component: str) -> dict[str, str]:
     """Every name a file may give a layer -> its module path: dotted and underscored (kohya), the text encoder's
     without ``text_model.`` (transformers 5's naming), the UNet's in the original LDM layout and the transformer's
-    in Stability's (a fused or reordered layer there -> a :class:`_Fused`)."""
+    in its original one (Stability's, BFL's, Z-Image's as ComfyUI names it), dotted and underscored (a fused or
+    reordered layer there -> a :class:`_Fused`). The model's own names come first."""
     table: dict[str, str] = {}
     leaves = [(name, layer) for name, layer in module.named_modules()
               if name and not any(True for _ in layer.children())]
@@ -102,10 +110,11 @@ def _lookup(module: nn.Module, component: str) -> dict[str, str]:
         for original, entry in plan.entries.items():
             if not original.endswith(".weight"):
                 continue
-            alias = original.removesuffix(".weight").replace(".", "_")
+            dotted = original.removesuffix(".weight")
             paths = tuple(source.removesuffix(".weight") for source in entry.sources)
             op = entry.transform.op
-            table.setdefault(alias, paths[0] if op == "copy" else _Fused((op, paths)))
+            for alias in (dotted, dotted.replace(".", "_")):
+                table.setdefault(alias, paths[0] if op == "copy" else _Fused((op, paths)))
     return table
 
 
@@ -177,6 +186,23 @@ def check_denoiser(lora: Lora, spec) -> None:
         raise LoraError(f"made for {made} (it has layers of UNet blocks: "
                         f"{_listing([layer.key for layer in lora.layers_of('unet')], 2)}){this}, whose denoiser is "
                         "a transformer", lora.path)
+
+
+def check_text_encoders(lora: Lora, spec) -> None:
+    """Refuse layers of a text encoder that takes no LoRA here: an LLM's (the Qwen3 decoder of Z-Image), which
+    diffusers' loaders leave alone too (``ZImagePipeline.load_lora_weights`` loads the transformer's layers only).
+    The message names one of the file's keys."""
+    for component in TEXT_COMPONENTS:
+        config = getattr(spec, {"text_encoder": "text", "text_encoder_2": "text2",
+                                "text_encoder_3": "text3"}[component], None)
+        layers = lora.layers_of(component)
+        if layers and type(config).__name__ == "QwenConfig":
+            name = _spec_family(spec)
+            this = f"this model ({name})" if name else "this model"
+            raise LoraError(f"has {len(layers)} layers of a text encoder (e.g. {layers[0].key!r}); {this} reads an "
+                            "LLM (Qwen3) as its text encoder, which takes no LoRA in sdlite: only the transformer's "
+                            "layers (transformer. / diffusion_model. / lora_unet_) are applied. Remove the text "
+                            "encoder's keys from the file", lora.path)
 
 
 def check_components(lora: Lora, spec) -> None:

@@ -151,6 +151,10 @@ class Family:
 
     name = "sd"
     preview_rgb = CHEAP_RGB   # the cheap preview's colours for its VAE's latents
+    # image to image and inpainting from one source image: False, each image of a batch draws its own sample of the
+    # source's latent from its generator (diffusers' SD and SDXL pipelines encode the source once per image); True,
+    # the first image's generator draws one sample that the batch shares (Z-Image's pipelines encode it once)
+    shared_source_sample = False
 
     def __init__(self, spec):
         self.spec = spec

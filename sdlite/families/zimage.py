@@ -30,6 +30,7 @@ import torch
 
 from ..config.zimage import ZImageConfig
 from ..errors import RequestError
+from ..hires import target_size as hires_target
 from ..prompts import parse_attention, text_at_step
 from ..sampling.denoisers import FlowDenoiser
 from ..sampling.flow import FlowSchedule
@@ -87,6 +88,7 @@ class ZImageFamily(Family):
 
     name = "z-image"
     preview_rgb = CHEAP_RGB_FLUX
+    shared_source_sample = True   # ZImageImg2ImgPipeline / ZImageInpaintPipeline encode the one source image once
 
     @classmethod
     def takes(cls, spec) -> bool:
@@ -115,6 +117,14 @@ class ZImageFamily(Family):
         if (r.width or 0) % 16 or (r.height or 0) % 16:   # (image to image: the source's size, checked later)
             raise RequestError(f"Z-Image draws images whose sides are multiples of 16 pixels (2x2 latent patches); "
                                f"{r.width}x{r.height} is not")
+        if r.hires is not None:   # the second pass is image to image at the target size: refused before the first
+            target = hires_target(r.width, r.height, r.hires, self.latent.downscale)
+            if target.width % 16 or target.height % 16:
+                asked = (f"resize {r.hires.resize_x}x{r.hires.resize_y}" if r.hires.resize_x or r.hires.resize_y
+                         else f"scale {r.hires.scale:g}")
+                raise RequestError(f"the hires fix's target size {target.width}x{target.height} ({asked} of "
+                                   f"{r.width}x{r.height}) is not a multiple of 16 pixels, which Z-Image draws "
+                                   "(2x2 latent patches): choose a scale or resize that gives one")
 
     @property
     def sampling_defaults(self) -> dict:

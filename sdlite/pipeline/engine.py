@@ -426,7 +426,10 @@ class Engine(LoadedModel):
         # diffusers' inpainting pipeline starts from pure noise at strength 1 and needs no source latents then,
         # unless a 4-channel UNet re-imposes them; its img2img pipeline always noises the source
         need_source = not is_inpaint or not strength_max or not inpaint_model
-        x0 = self.encode_image(pixels, generators) if need_source else None
+        # one source image: a latent sample drawn by each image's generator, or (the family's pipelines encode it
+        # once) by the first image's alone, shared by the batch
+        drawing = generators[:1] if self.family.shared_source_sample else generators
+        x0 = self.encode_image(pixels, drawing).expand(len(generators), -1, -1, -1) if need_source else None
         noise = initial_noise(generators, shape)
         concat = blend = None
         if is_inpaint:
@@ -436,7 +439,7 @@ class Engine(LoadedModel):
                 masked_latents = self.encode_image(masked, generators)
                 concat = torch.cat([lat_mask.expand(len(generators), -1, -1, -1), masked_latents], dim=1)
             else:  # the reference encodes the masked image here too; only its draws matter to what follows
-                for g in generators:
+                for g in drawing:
                     torch.randn(shape, generator=g)
             if x0 is not None and r.inpaint_fill in ("latent-noise", "latent-nothing"):
                 fill = initial_noise(generators, shape) if r.inpaint_fill == "latent-noise" else torch.zeros_like(x0)

@@ -61,7 +61,7 @@ def generate_hires(engine, r: Request, callback, on_latents, t0) -> Result:
                             negative_prompt=r.negative_prompt if h.negative_prompt is None else h.negative_prompt,
                             strength=h.denoise, hires=None), second_engine.family.default_size)
     first_steps = r.steps
-    grand = first_steps + hires_module.second_pass_steps(h, r.steps)
+    grand = first_steps + hires_module.second_pass_steps(h, r.steps, second_engine.schedule_for(r2))
     seeds = [r.seed + i for i in range(r.batch_size)]
 
     def progress(offset):

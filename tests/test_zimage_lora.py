@@ -1,0 +1,205 @@
+"""Z-Image LoRAs in the layouts they are published in, against diffusers' ``load_lora_weights`` + ``fuse_lora`` on the
+tiny random ZImagePipeline of tests/test_zimage_pipeline.py. Every linear layer of the transformer is targeted (the
+blocks' attention, feed-forward and modulation, the refiners, the embedders, the output layer), q, k and v of one
+attention sharing their down factor so that ComfyUI's stacked ``attention.qkv`` holds them:
+
+* diffusers / PEFT ``transformer.*`` with the alpha in ``lora_adapter_metadata``: the reference itself;
+* diffusers' names under ComfyUI's and ai-toolkit's ``diffusion_model.`` with ``.alpha`` keys;
+* ComfyUI's names (the original code's: ``attention.qkv`` with q, k and v stacked, ``attention.out``, ``x_embedder``,
+  ``final_layer``) under ``diffusion_model.``, as ``lora_down`` / ``lora_up`` and as ``lora_A`` / ``lora_B``;
+* kohya's ``lora_unet_`` over diffusers' names,
+
+all made of the same factors, so all give diffusers' image; and the layouts diffusers converts itself (its
+``_convert_non_diffusers_z_image_lora_to_diffusers``: ``diffusion_model.``, ``lora_unet_`` over either name set, the
+stacked qkv split) against diffusers' own reading of the same file. Memory mode 0 applies them as the blocks stream.
+LoRA layers of the Qwen3 text encoder are refused (diffusers' Z-Image loader takes the transformer's alone)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from sdlite.adapters import lora as L
+from sdlite.pipeline import Engine, Request
+from sdlite.weights.zimage_keys import zimage_to_comfy
+from tests.test_zimage_pipeline import MAX_PIXEL_DIFF, PROMPT, _pipeline, _pixels
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+RANK, ALPHA, WEIGHT = 4, 2.0, 0.8
+SIZE = 64
+
+
+def _factors(transformer, seed: int, strength: float = 0.6) -> dict:
+    """Diffusers' module path -> (down, up) for every Linear of ``transformer``; q, k and v of an attention share
+    ``down``."""
+    shapes = {name: tuple(m.weight.shape) for name, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)}
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, (rows, cols) in sorted(shapes.items(), key=lambda item: item[0].endswith((".to_k", ".to_v"))):
+        head, _, leaf = name.rpartition(".")
+        shared = leaf in ("to_k", "to_v")
+        down = out[f"{head}.to_q"][0] if shared else torch.randn(RANK, cols, generator=g) / cols ** 0.5
+        out[name] = (down, torch.randn(rows, RANK, generator=g) * strength / RANK ** 0.5)
+    return out
+
+
+def _comfy(factors: dict) -> dict:
+    """The same factors on ComfyUI's names: each attention's q, k and v as one ``attention.qkv`` (their ups
+    stacked)."""
+    out = {}
+    for original, entry in zimage_to_comfy([f"{name}.weight" for name in factors]).entries.items():
+        names = [source.removesuffix(".weight") for source in entry.sources]
+        down = factors[names[0]][0]
+        if entry.transform.op == "cat":
+            assert all(factors[n][0] is down for n in names), names
+        out[original.removesuffix(".weight")] = (down, torch.cat([factors[n][1] for n in names]))
+    assert "layers.0.attention.qkv" in out and "x_embedder" in out and "final_layer.linear" in out
+    return out
+
+
+def _write(path, layers: dict, parts: str = "lora_A", alpha: bool = True, metadata: dict | None = None) -> str:
+    """``layers``: the file's name of a layer -> (down, up), written with ``lora_A``/``lora_B`` or
+    ``lora_down``/``lora_up`` and (``alpha``) an ``.alpha`` key each."""
+    down_part, up_part = ("lora_A", "lora_B") if parts == "lora_A" else ("lora_down", "lora_up")
+    state = {}
+    for name, (down, up) in layers.items():
+        state[f"{name}.{down_part}.weight"] = down.clone()
+        state[f"{name}.{up_part}.weight"] = up.clone()
+        if alpha:
+            state[f"{name}.alpha"] = torch.tensor(ALPHA)
+    save_file(state, str(path), metadata=metadata)
+    return str(path)
+
+
+def _peft_metadata(names) -> dict:
+    config = {"transformer.r": RANK, "transformer.lora_alpha": ALPHA, "transformer.alpha_pattern": {},
+              "transformer.rank_pattern": {}, "transformer.use_dora": False, "transformer.use_rslora": False,
+              "transformer.peft_type": "LORA", "transformer.target_modules": sorted(names)}
+    return {"format": "pt", L.METADATA_KEY: json.dumps(config)}
+
+
+@pytest.fixture(scope="module")
+def zimage(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("zimage_lora")
+    pipe = _pipeline(tmp / "z-image")
+    factors = _factors(pipe.transformer, 11)
+    comfy = _comfy(factors)
+    under = lambda prefix, layers: {prefix + name: f for name, f in layers.items()}   # noqa: E731
+    underscored = lambda layers: {"lora_unet_" + n.replace(".", "_"): f for n, f in layers.items()}   # noqa: E731
+    files = {
+        "peft": _write(tmp / "peft.safetensors", under("transformer.", factors), alpha=False,
+                       metadata=_peft_metadata(factors)),
+        "diffusion_model": _write(tmp / "ai_toolkit.safetensors", under("diffusion_model.", factors)),
+        "comfy": _write(tmp / "comfy.safetensors", under("diffusion_model.", comfy), parts="lora_down"),
+        "comfy-lora_A": _write(tmp / "comfy_a.safetensors", under("diffusion_model.", comfy)),
+        "kohya": _write(tmp / "kohya.safetensors", underscored(factors), parts="lora_down"),
+    }
+    # kohya's lora_unet_ over ComfyUI's names (stacked qkv), as diffusers' converter reads them: the blocks, the
+    # refiners and the embedders it knows by those names (it has no name for x_embedder or final_layer)
+    blocks = {n: f for n, f in _comfy(_factors(pipe.transformer, 12)).items()
+              if not n.startswith(("x_embedder", "final_layer"))}
+    files["kohya-comfy"] = _write(tmp / "kohya_comfy.safetensors", underscored(blocks), parts="lora_down")
+    return pipe, Engine.load(tmp / "z-image", precision="exact"), files, tmp
+
+
+def _seeds():
+    return [torch.Generator().manual_seed(s) for s in (21, 22)]
+
+
+def _diffusers(pipe, path=None) -> np.ndarray:
+    """ZImagePipeline's batch of 2 (3 steps, no guidance), with the LoRA at ``path`` loaded and fused at WEIGHT."""
+    kw = dict(prompt=PROMPT, num_inference_steps=3, guidance_scale=0.0, num_images_per_prompt=2, height=SIZE,
+              width=SIZE, output_type="np")
+    if path is None:
+        out = pipe(generator=_seeds(), **kw).images
+    else:
+        pipe.load_lora_weights(path, adapter_name="style")
+        try:
+            pipe.fuse_lora(lora_scale=WEIGHT, adapter_names=["style"], components=["transformer"])
+            out = pipe(generator=_seeds(), **kw).images
+        finally:
+            pipe.unfuse_lora(components=["transformer"])
+            pipe.unload_lora_weights()
+    return np.round(np.clip(out, 0, 1) * 255).astype(np.int16)
+
+
+@pytest.fixture(scope="module")
+def expected(zimage):
+    pipe, _, files, _ = zimage
+    base = _diffusers(pipe)
+    with_lora = _diffusers(pipe, files["peft"])
+    assert np.abs(with_lora - base).mean() > 8, "the LoRA should change the image clearly"
+    return with_lora, base
+
+
+def _request(**kw) -> Request:
+    return Request(**{"prompt": PROMPT, "steps": 3, "cfg_scale": 1.0, "sampler": "euler", "seed": 21,
+                      "batch_size": 2, "width": SIZE, "height": SIZE, **kw})
+
+
+@pytest.mark.parametrize("layout", ["peft", "diffusion_model", "comfy", "comfy-lora_A", "kohya"])
+def test_each_layout_gives_diffusers_image(zimage, expected, layout):
+    _, engine, files, _ = zimage
+    with_lora, base = expected
+    lora = L.read_lora(files[layout])
+    assert lora.format == {"peft": "peft", "kohya": "kohya"}.get(layout, "comfy")
+    got = _pixels(engine.generate(_request(loras=((files[layout], WEIGHT),))).images)
+    assert np.abs(got - with_lora).max() <= MAX_PIXEL_DIFF
+    assert np.abs(_pixels(engine.generate(_request()).images) - base).max() <= MAX_PIXEL_DIFF, "restored exactly"
+
+
+@pytest.mark.parametrize("layout", ["diffusion_model", "kohya", "kohya-comfy"])
+def test_layouts_diffusers_converts_match_its_reading(zimage, layout):
+    """The files diffusers' Z-Image loader converts itself (``diffusion_model.``, ``.alpha`` folded into the
+    factors; kohya's names; the stacked qkv of ``lora_unet_layers_N_attention_qkv`` split in three)."""
+    pipe, engine, files, _ = zimage
+    want = _diffusers(pipe, files[layout])
+    got = _pixels(engine.generate(_request(loras=((files[layout], WEIGHT),))).images)
+    assert np.abs(got - want).max() <= MAX_PIXEL_DIFF
+
+
+def test_prompt_tag_and_low_memory_mode(zimage, expected):
+    """``<lora:comfy:0.8>`` in the prompt finds the file in the LoRA folder; memory mode 0 merges the LoRA into each
+    block's weights as they stream, to the same image."""
+    _, engine, files, tmp = zimage
+    tagged = engine.generate(_request(prompt=f"{PROMPT} <lora:comfy:{WEIGHT}>", lora_dir=str(tmp)))
+    assert np.abs(_pixels(tagged.images) - expected[0]).max() <= MAX_PIXEL_DIFF
+    assert tagged.infotext["Lora hashes"].startswith("comfy: ")
+    low = Engine.load(tmp / "z-image", precision="exact", memory_mode=0)
+    r = _request(loras=((files["comfy"], WEIGHT),))
+    assert np.array_equal(_pixels(low.generate(r).images), _pixels(tagged.images))
+
+
+def test_refusals_name_the_key(zimage, tmp_path):
+    """Text-encoder layers (PEFT's and kohya's names), a FLUX LoRA, a UNet's, a stacked qkv of the wrong size:
+    each refused naming a key, the model left as it was."""
+    _, engine, files, _ = zimage
+    down, up = torch.zeros(RANK, 32), torch.zeros(32, RANK)
+    cases = {
+        "te_peft.safetensors": ({"text_encoder.layers.0.self_attn.q_proj": (down, up)}, "lora_A",
+                                r"text encoder \(e\.g\. 'text_encoder\.layers\.0\.self_attn\.q_proj\.lora_A\.weight'\)"
+                                r".*Z-Image-Turbo.*Qwen3"),
+        "te_kohya.safetensors": ({"lora_te_layers_0_mlp_up_proj": (down, torch.zeros(48, RANK)),
+                                  "lora_unet_layers_0_attention_to_q": (torch.zeros(RANK, 64), torch.zeros(64, RANK))},
+                                 "lora_down", r"1 layers of a text encoder \(e\.g\. 'lora_te_layers_0_mlp_up_proj"),
+        "flux.safetensors": ({"transformer.transformer_blocks.0.attn.to_q": (torch.zeros(RANK, 64),
+                                                                             torch.zeros(64, RANK))}, "lora_A",
+                             r"1 of its 1 transformer layers match no layer.*transformer_blocks\.0\.attn\.to_q"),
+        "unet.safetensors": ({"unet.down_blocks.0.attentions.0.proj_in": (down, up)}, "lora_A",
+                             r"layers of UNet blocks.*Z-Image-Turbo, whose denoiser is a transformer"),
+        "qkv.safetensors": ({"diffusion_model.layers.0.attention.qkv": (torch.zeros(RANK, 64),
+                                                                        torch.zeros(3 * 64 + 1, RANK))},
+                            "lora_down", r"'diffusion_model\.layers\.0\.attention\.qkv\.lora_down\.weight' does not "
+                                         r"fit 'layers\.0\.attention\.to_q' \+ .*193 outputs, the layers have "
+                                         r"64 \+ 64 \+ 64"),
+    }
+    before = _pixels(engine.generate(_request(steps=1, batch_size=1)).images)
+    for name, (layers, parts, message) in cases.items():
+        path = _write(tmp_path / name, layers, parts=parts)
+        with pytest.raises(L.LoraError, match=message):
+            engine.generate(_request(steps=1, batch_size=1, loras=((path, 1.0),)))
+    assert np.array_equal(_pixels(engine.generate(_request(steps=1, batch_size=1)).images), before)
