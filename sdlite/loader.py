@@ -45,6 +45,7 @@ from .weights.folders import (LARGE_VAE, component_store as _component_store, fo
 from .weights.io import open_checkpoint
 from .weights.quants import QuantizedTensor
 from .weights.flux import FLUX_PIPELINES, is_flux_file, open_flux_file, open_flux_folder
+from .weights.flux2_keys import is_flux2
 from .weights.sd3 import SD3_PIPELINES, is_sd3_file, open_sd3_file, open_sd3_folder
 from .weights.store import ComponentSource, TensorStore
 from .weights.text_keys import normalize_bert_keys
@@ -688,6 +689,10 @@ def _open_single_file(path: Path, use_ema: bool, text_encoders=()) -> Checkpoint
     store = open_checkpoint(path)
     if is_sd3_file(store.keys()):
         return Checkpoint(**open_sd3_file(path, store, text_encoders))
+    if is_flux2(list(store.keys())):   # before FLUX.1, whose block names FLUX.2 shares
+        store.close()
+        raise CheckpointError("a FLUX.2 transformer (klein or dev: it has FLUX.2's shared 'double_stream_modulation' "
+                              "weights); sdlite runs FLUX.1, not FLUX.2 yet", path)
     if is_flux_file(store.keys()):
         return Checkpoint(**open_flux_file(path, store, text_encoders))
     if is_zimage_file(store.keys()):

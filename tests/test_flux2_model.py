@@ -287,3 +287,18 @@ def test_config():
         Flux2Config(mlp_ratio=0)
     with pytest.raises(ConfigError, match="guidance_embeds"):
         Flux2Config(guidance_embeds="yes")
+
+
+def test_a_flux2_file_is_refused_by_name(tmp_path):
+    """sdlite runs no FLUX.2 yet: its BFL single file, which shares FLUX.1's block names, is named as FLUX.2 rather
+    than opened as a broken FLUX.1."""
+    from safetensors.torch import save_file
+
+    from sdlite.errors import CheckpointError
+    from sdlite.loader import open_model
+
+    _, ours = _pair(Flux2Config(**TINY))
+    path = tmp_path / "flux-2-klein-4b.safetensors"
+    save_file({k: v.contiguous() for k, v in _bfl(ours.state_dict()).items()}, str(path))
+    with pytest.raises(CheckpointError, match="FLUX.2"):
+        open_model(path)

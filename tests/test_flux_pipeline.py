@@ -151,7 +151,8 @@ def _source(seed: int):
 
 
 def test_image_to_image_matches_fluximg2imgpipeline(models):
-    """dev, strength 0.6 (mu from the source's size), guidance 4."""
+    """dev, strength 0.6 (mu from the source's size), guidance 4; batch 2, the source encoded once with the first
+    image's generator and shared by the batch, as the pipeline does."""
     from diffusers import FluxImg2ImgPipeline
 
     pipe, engine = models["dev"]
@@ -160,15 +161,16 @@ def test_image_to_image_matches_fluximg2imgpipeline(models):
     source = _source(0)
     out = img2img(prompt=PROMPT, image=source, strength=0.6, num_inference_steps=5, guidance_scale=4.0, height=SIZE,
                   width=SIZE,
-                  max_sequence_length=512, generator=torch.Generator().manual_seed(9), output_type="np").images
+                  max_sequence_length=512, num_images_per_prompt=2,
+                  generator=[torch.Generator().manual_seed(s) for s in (9, 10)], output_type="np").images
     expected = np.round(np.clip(out, 0, 1) * 255).astype(np.int16)
     got = engine.generate(Request(prompt=PROMPT, init_image=source, strength=0.6, steps=5, guidance=4.0,
-                                  sampler="euler", seed=9, cfg_scale=1.0))
+                                  sampler="euler", seed=9, cfg_scale=1.0, batch_size=2))
     assert np.abs(_pixels(got.images) - expected).max() <= MAX_PIXEL_DIFF
 
 
 def test_inpainting_matches_fluxinpaintpipeline(models):
-    """schnell, the unmasked region re-imposed after each step as FluxInpaintPipeline does."""
+    """schnell, the unmasked region re-imposed after each step as FluxInpaintPipeline does; batch 2."""
     from diffusers import FluxInpaintPipeline
     from PIL import Image
 
@@ -179,11 +181,11 @@ def test_inpainting_matches_fluxinpaintpipeline(models):
     mask = Image.new("L", (SIZE, SIZE), 0)
     mask.paste(255, (16, 16, 48, 48))
     out = inpaint(prompt=PROMPT, image=source, mask_image=mask, strength=0.8, num_inference_steps=4, height=SIZE,
-                  width=SIZE, max_sequence_length=256, generator=torch.Generator().manual_seed(4),
-                  output_type="np").images
+                  width=SIZE, max_sequence_length=256, num_images_per_prompt=2,
+                  generator=[torch.Generator().manual_seed(s) for s in (4, 5)], output_type="np").images
     expected = np.round(np.clip(out, 0, 1) * 255).astype(np.int16)
     got = engine.generate(Request(prompt=PROMPT, init_image=source, mask=mask, strength=0.8, steps=4,
-                                  sampler="euler", seed=4, mask_blur=0, overlay=False, cfg_scale=1.0))
+                                  sampler="euler", seed=4, mask_blur=0, overlay=False, cfg_scale=1.0, batch_size=2))
     assert np.abs(_pixels(got.images) - expected).max() <= MAX_PIXEL_DIFF
 
 

@@ -49,6 +49,7 @@ class FluxFamily(SD3Family):
 
     name = "flux"
     preview_rgb = CHEAP_RGB_FLUX
+    shared_source_sample = True   # FluxImg2ImgPipeline / FluxInpaintPipeline encode the one source once
 
     @classmethod
     def takes(cls, spec) -> bool:
