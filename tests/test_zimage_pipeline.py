@@ -141,3 +141,30 @@ def test_refusals(model):
     with pytest.raises(RequestError, match="skip-layer guidance"):
         engine.generate(Request(prompt=PROMPT, steps=1, width=64, height=64, cfg_scale=2.0, slg_layers=(0,),
                                 sampler="euler"))
+
+
+def test_off_exact_the_encoder_reads_the_prompts_tokens_alone(model):
+    """Away from exact, the Qwen encoder runs on the batch's longest chat-templated prompt rather than 512 positions
+    (causal attention: no real token sees the pads after it). The captions are the same values; exact keeps the
+    pipeline's 512 rows."""
+    import dataclasses
+
+    _, engine, _ = model
+    texts = [PROMPT, PROMPT_ZH, ""]
+    lengths = []
+    with engine.models.use("text_encoder") as encoder:
+        hook = encoder.register_forward_pre_hook(lambda module, args: lengths.append(args[0].shape[1]))
+    try:
+        exact, _ = engine.family.encode_texts(engine, texts, 1, None)
+        precision = engine.precision
+        engine.precision = dataclasses.replace(precision, name="fp32-fast")
+        try:
+            cut, _ = engine.family.encode_texts(engine, texts, 1, None)
+        finally:
+            engine.precision = precision
+    finally:
+        hook.remove()
+    assert lengths[0] == 512 and lengths[1] == max(c.shape[1] for c in exact) < 40
+    for a, b in zip(exact, cut):
+        assert a.shape == b.shape
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)

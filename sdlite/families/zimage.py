@@ -160,6 +160,13 @@ class ZImageFamily(Family):
             if count > MAX_TOKENS:
                 _note(notes, f"Z-Image's text encoder reads {MAX_TOKENS} tokens of the chat-templated prompt: the "
                              f"last {count - MAX_TOKENS} were cut")
+        if not _exact(model):
+            # the pads after the longest prompt change nothing the family reads: attention is causal, so a real
+            # token never sees a later position, and only the real tokens' states are kept. Cut, the encoder runs
+            # on the prompt's ~20-100 tokens rather than 512 (the same values; other sums of rounding, so exact
+            # keeps the pipeline's 512 and its bits)
+            longest = int(mask.sum(dim=1).max())
+            ids, mask = ids[:, :longest], mask[:, :longest]
         with torch.no_grad(), model.models.use("text_encoder") as encoder:
             hidden = encoder(ids.to(model.device), mask.to(model.device), hidden_states=HIDDEN_STATE)
         lengths = mask.sum(dim=1).tolist()
@@ -184,6 +191,12 @@ class ZImageFamily(Family):
     def conditioning(self, model, r, use_cfg: bool, embeddings=None) -> ScheduledConditioning:
         cond = super().conditioning(model, r, use_cfg, embeddings)
         return LengthsConditioning(cond.prompt, cond.negative, cond.encoded, cond.warnings)
+
+
+def _exact(model) -> bool:
+    """Whether ``model`` runs at the ``exact`` precision (bit for bit with the reference pipeline's shapes)."""
+    precision = getattr(model, "precision", None)
+    return precision is None or precision.name == "exact"
 
 
 def _note(notes: list[str], text: str) -> None:
