@@ -168,3 +168,21 @@ def test_off_exact_the_encoder_reads_the_prompts_tokens_alone(model):
     for a, b in zip(exact, cut):
         assert a.shape == b.shape
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("precision,kept", [("int8", 31), ("int4", 27)])
+def test_low_bit_precisions_keep_the_blocks_and_the_encoder_quantized(model, precision, kept):
+    """--precision int8 / int4: the transformer's block Linears (its joint and refiner blocks; int4 where the inputs
+    are whole groups of 64) and the Qwen encoder's decoder layers (int8 under both, as T5's) stay quantised."""
+    from sdlite.engine.lowbit import LowBitLinear
+
+    _, _, folder = model
+    engine = Engine.load(folder, precision=precision)
+    with engine.models.use("transformer") as transformer:
+        assert sum(isinstance(m, LowBitLinear) for m in transformer.modules()) == kept
+    with engine.models.use("text_encoder") as encoder:
+        layers = [m for m in encoder.modules() if isinstance(m, LowBitLinear)]
+        assert len(layers) == 7 * QWEN["num_hidden_layers"]
+    got = _pixels(engine.generate(Request(prompt=PROMPT, steps=2, seed=1, width=64, height=64,
+                                          sampler="euler")).images)
+    assert got.std() > 10

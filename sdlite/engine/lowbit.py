@@ -186,10 +186,11 @@ LOW_BIT_MODES = {
 #: the fp8 storages: their torch dtype (ComfyUI's names for them)
 FP8_MODES = {"fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 #: the Linear layers quantised: those of the repeated blocks (FLUX's double and single blocks, SD3's joint blocks, T5's
-#: encoder blocks), over 97 % of each network's weights. The embedders (of the latent patches, the text, the timestep
+#: encoder blocks, Z-Image's joint and refiner blocks), over 97 % of each network's weights. The embedders (of the latent patches, the text, the timestep
 #: and guidance, the pooled text), the final norm's modulation and the output projection stay in the compute dtype:
 #: they are small, and each feeds every block or writes the prediction itself
-BLOCK_PREFIXES = ("transformer_blocks.", "single_transformer_blocks.", "encoder.block.")
+BLOCK_PREFIXES = ("transformer_blocks.", "single_transformer_blocks.", "encoder.block.", "layers.", "noise_refiner.",
+                  "context_refiner.")
 #: bytes of dense weights read from the file between two hand-backs of its pages while quantising
 _RELEASE_EVERY = 1 << 28
 

@@ -399,10 +399,10 @@ class ModelManager:
 
     def low_bit_mode(self, name: str) -> str:
         """How the int8 / int4 precisions store network ``name``'s block Linears: the transformer as the precision
-        says, T5 (``text_encoder_3``) in int8 under both (4-bit T5 is not measured against exact; int8 halves its 9.5
-        GB of bf16 weights), every other network "none". The fp8 storages (ComfyUI's UNETLoader ``weight_dtype``) are
-        the transformer's alone."""
-        if self.lowbit == "none" or name not in LOW_BIT_NETWORKS:
+        says, T5 (``text_encoder_3``) and an LLM text encoder (Qwen) in int8 under both (4-bit encoders are not
+        measured against exact; int8 halves T5's 9.5 GB and Qwen3-4B's 8 GB of bf16 weights), every other network
+        "none". The fp8 storages (ComfyUI's UNETLoader ``weight_dtype``) are the transformer's alone."""
+        if self.lowbit == "none" or not self.keeps_blocks(name):
             return "none"
         if self.lowbit in FP8_MODES:
             return self.lowbit if name == "transformer" else "none"
