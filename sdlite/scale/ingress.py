@@ -192,8 +192,8 @@ class ClusterServer(ServerBase):
         path = self.checkpoints.current.path
         if path not in self._widths:
             try:
-                with open_model(path) as ckpt:
-                    self._widths[path] = ckpt.spec.text.width
+                with open_model(path) as ckpt:   # the encoder prompts are read by: CLIP, BERT, or an LLM (Z-Image)
+                    self._widths[path] = ckpt.spec.context_text.width
             except Exception:  # noqa: BLE001 - unknown: every embedding is listed as loaded
                 self._widths[path] = None
         return self._widths[path]

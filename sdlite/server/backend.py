@@ -79,13 +79,15 @@ class ServerBase:
             enabled, every = self.options["live_previews_enable"], self.options["show_progress_every_n_steps"]
         return enabled and (step == total if every == -1 else step % every == 0)
 
-    def build_plan(self, req: a1111.Txt2ImgRequest, options: dict | None = None) -> a1111.Plan:
+    def build_plan(self, req: a1111.Txt2ImgRequest, options: dict | None = None,
+                   defaults: dict | None = None) -> a1111.Plan:
         """:func:`~.a1111.build_plan` with this server's folders, limits and ControlNets: what every front-end's request
-        becomes (``options``: a snapshot of the options; None: the current ones)."""
+        becomes (``options``: a snapshot of the options; None: the current ones; ``defaults``: the front-end's own
+        for fields left out, in place of A1111's)."""
         return a1111.build_plan(req, self.options_snapshot() if options is None else options,
                                 max_image_bytes=self.max_body_bytes, lora_dir=self.lora_dir,
                                 embeddings_dir=self.embeddings_dir, limits=self.limits, upscaler_dir=self.upscaler_dir,
-                                controlnets=self.controlnets, vae_dir=self.vae_dir)
+                                controlnets=self.controlnets, vae_dir=self.vae_dir, defaults=defaults)
 
     def find_checkpoint(self, name: Any, field: str | None = None) -> Checkpoint:
         """The checkpoint ``name`` means (404 when there is none; ``field`` names the request field it came from)."""
@@ -291,7 +293,9 @@ def stop_warning(control, limits: Limits | None) -> str | None:
 
 def run_plan(engines: Engines, checkpoint: Checkpoint, plan: a1111.Plan, control) -> a1111.Outcome:
     """Run one A1111 request's iterations on ``checkpoint``'s engine (loaded by ``engines`` if needed), reporting
-    through ``control`` (a :class:`~.jobs.JobControl`, or anything with its methods: a Ray replica's)."""
+    through ``control`` (a :class:`~.jobs.JobControl`, or anything with its methods: a Ray replica's). The sampling
+    fields the client left out take the model family's own settings where it has them (:func:`~.a1111.model_defaults`:
+    FLUX.1's, SD3's and Z-Image's model cards)."""
     control.begin(len(plan.requests))
     vae = getattr(plan, "vae", None)   # a VAE file in place of the model's own (sd_vae)
     if engines.loaded(checkpoint, vae) is None:
@@ -299,9 +303,10 @@ def run_plan(engines: Engines, checkpoint: Checkpoint, plan: a1111.Plan, control
     engine = engines.get(checkpoint, vae)
     timestamp = datetime.datetime.now().strftime("%Y%m%d%H%M%S")
     downscale = engine.spec.vae.downscale
+    requests, defaulted = a1111.model_defaults(plan, engine.family.sampling_defaults)
     if plan.limits is not None:   # a size left out is the model's native one, known only now
         native = engine.spec.default_size
-        for request in plan.requests[:1]:
+        for request in requests[:1]:
             if request.init_image is None:
                 check_size(request.width or native, request.height or native, plan.limits,
                            "width x height (the model's native size where not given)")
@@ -310,7 +315,6 @@ def run_plan(engines: Engines, checkpoint: Checkpoint, plan: a1111.Plan, control
                                  plan.limits)
             admit(engine, request, plan.limits)   # 503 when it does not fit now, 422 when it never could
     results, warnings = [], []
-    requests = plan.requests
     if plan.hr_checkpoint is not None and plan.hr_checkpoint.path != checkpoint.path:
         from dataclasses import replace
 
@@ -344,7 +348,7 @@ def run_plan(engines: Engines, checkpoint: Checkpoint, plan: a1111.Plan, control
     warning = stop_warning(control, plan.limits) if control.interrupted else None
     return a1111.Outcome(results, checkpoint.short_name, engines.checkpoints.hash_of(checkpoint), inpainting,
                          timestamp, interrupted=control.interrupted, infotext=extra,
-                         warnings=warnings + ([warning] if warning else []))
+                         warnings=warnings + ([warning] if warning else []), defaulted=defaulted)
 
 
 NO_TAESD_WARNING = ("live previews: show_progress_type 'TAESD' needs a TAESD for this model's latents (sdlite serve "

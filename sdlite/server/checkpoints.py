@@ -165,7 +165,7 @@ class Engines:
     def get(self, checkpoint: Checkpoint, vae: str | None = None, text_encoders: tuple = (),
             weight_storage: str = "default"):
         """The engine of ``checkpoint`` (with the VAE file ``vae`` in place of its own, the text-encoder files
-        ``text_encoders`` a bare SD3 or FLUX transformer file lacks, and its transformer's weights kept as
+        ``text_encoders`` a bare SD3, FLUX or Z-Image transformer file lacks, and its transformer's weights kept as
         ``weight_storage`` says: ComfyUI's fp8 ``weight_dtype``, :meth:`Engine.load <sdlite.pipeline.Engine.load>`),
         loaded if needed (dropping the least recently used beyond the limit)."""
         key = _key(checkpoint, vae, text_encoders, weight_storage)
@@ -219,8 +219,8 @@ class Engines:
             return self._refiner[1]
         source = checkpoint.path
         if text_encoders:
-            # a bare FLUX transformer takes its VAE with its other parts when it is opened
-            files = [*text_encoders, *([vae] if vae is not None and _is_flux(checkpoint.path) else [])]
+            # a bare FLUX or Z-Image transformer takes its VAE with its other parts when it is opened
+            files = [*text_encoders, *([vae] if vae is not None and _takes_vae_with_parts(checkpoint.path) else [])]
             source = open_model(checkpoint.path, text_encoders=files)
             if vae in files:
                 vae = None
@@ -263,12 +263,16 @@ def _key(checkpoint: Checkpoint, vae: str | None = None, text_encoders: tuple = 
     return key if weight_storage == "default" else (*key, weight_storage)
 
 
-def _is_flux(path: Path) -> bool:
-    """Whether the single file ``path`` holds a FLUX transformer (read from its keys)."""
+def _takes_vae_with_parts(path: Path) -> bool:
+    """Whether the single file ``path`` holds a FLUX or Z-Image transformer (read from its keys), whose opener takes
+    the VAE file with the text encoders (:func:`sdlite.weights.flux.open_flux_file`,
+    :func:`sdlite.weights.zimage.open_zimage_file`)."""
     from ..weights.flux import is_flux_file
     from ..weights.io import open_checkpoint
+    from ..weights.zimage import is_zimage_file
 
     if not Path(path).is_file():
         return False
     with open_checkpoint(path) as store:
-        return is_flux_file(store.keys())
+        keys = list(store.keys())
+        return is_flux_file(keys) or is_zimage_file(keys)

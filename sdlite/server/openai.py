@@ -18,8 +18,10 @@ How OpenAI's fields are read (docs/server/openai.md has the table):
   ``complexity``, ``partial_images``, ``frame_count``, ``frame_duration_ms``, ``svg``. Refused with a 400 naming the
   field: ``background: "transparent"``, ``stream: true``, ``output_format`` gif / svg, ``markup``, more than one
   source image, and any field neither OpenAI nor sdlite has (OpenAI's ``unknown_parameter``).
-* sdlite's own fields (JSON, or form fields for an edit): ``steps`` (default :data:`DEFAULTS`), ``seed`` (-1:
-  random), ``sampler`` and ``scheduler`` (A1111's or sdlite's names), ``negative_prompt``, ``cfg_scale``; for an
+* sdlite's own fields (JSON, or form fields for an edit): ``steps`` (default :data:`DEFAULTS`; ``steps``,
+  ``sampler`` and ``cfg_scale`` left out are the model's own where its family has settings of its own: FLUX.1's,
+  SD3's, Z-Image's), ``seed`` (-1: random), ``sampler`` and ``scheduler`` (A1111's or sdlite's names),
+  ``negative_prompt``, ``cfg_scale``; for an
   edit ``strength`` (A1111's denoising strength: default 1.0 where a mask marks the area, 0.75 for a whole-image
   edit).
 * Edits: the ``mask``'s fully transparent pixels (alpha 0) are the area to repaint, as OpenAI's; without a mask the
@@ -58,7 +60,7 @@ from .decode import decode_image
 from .http import add_error_shape
 
 PREFIX = "/v1"
-DEFAULTS = {"steps": 20, "sampler": "DPM++ 2M", "cfg_scale": 7.0}   # where the request leaves them out
+DEFAULTS = {"steps": 20, "sampler": "DPM++ 2M", "cfg_scale": 7.0}   # where the request and the model leave them out
 OPENAI_MODELS = ("dall-e", "gpt-image")   # name prefixes of OpenAI's models: the current checkpoint
 MASKED_STRENGTH, WHOLE_STRENGTH = 1.0, 0.75   # an edit's default strength, with and without an area to repaint
 URL_TTL_S = 3600.0              # how long an image answered by URL can be fetched (OpenAI's: an hour)
@@ -281,8 +283,7 @@ def _options(body: dict, server: ServerBase, edit: bool, form: bool = False) -> 
         _integer(body["output_compression"], "output_compression", 0, 100, form),
     }
     fields: dict[str, Any] = {"prompt": prompt, "batch_size": n, "n_iter": 1, "width": width, "height": height,
-                              "steps": DEFAULTS["steps"], "sampler_name": DEFAULTS["sampler"],
-                              "cfg_scale": DEFAULTS["cfg_scale"], "seed": -1}
+                              "seed": -1}   # steps, sampler and cfg_scale left out: the model's, else DEFAULTS
     checkpoint = _model(body.get("model"), server)
     if checkpoint is not None:
         fields["override_settings"] = {"sd_model_checkpoint": checkpoint}
@@ -397,7 +398,7 @@ def _a1111_request(fields: dict, edit: bool) -> a1111.Txt2ImgRequest:
 
 async def _run(request: Request, server: ServerBase, fields: dict, answer: dict, edit: bool, store: ImageStore):
     req = _a1111_request(fields, edit)
-    plan = await run_in_threadpool(server.build_plan, req)
+    plan = await run_in_threadpool(server.build_plan, req, None, {_A1111_FIELD[k]: v for k, v in DEFAULTS.items()})
     outcome = await server.generate(plan, request)
     if outcome is None:   # the client went away
         return Response(status_code=499)

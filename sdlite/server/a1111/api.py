@@ -233,9 +233,43 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-def with_defaults(req: Txt2ImgRequest) -> dict:
-    """The request's fields, each ``None`` replaced by its default."""
-    return {name: (value if value is not None else DEFAULTS.get(name)) for name, value in req.model_dump().items()}
+def with_defaults(req: Txt2ImgRequest, defaults: dict | None = None) -> dict:
+    """The request's fields, each ``None`` replaced by its default: ``defaults``' (a front-end's own, OpenAI's and
+    MCP's) where it has one, else A1111's (:data:`DEFAULTS`)."""
+    chosen = {**DEFAULTS, **(defaults or {})}
+    return {name: (value if value is not None else chosen.get(name)) for name, value in req.model_dump().items()}
+
+
+# the sampling fields a model family may have settings of its own for (Family.sampling_defaults: FLUX.1's, SD3's and
+# Z-Image's model cards): left out of a request, they take the model's, where it has them, when the job runs
+FAMILY_FIELDS = ("steps", "cfg_scale", "sampler_name")
+
+
+def left_out(req: Txt2ImgRequest) -> tuple[str, ...]:
+    """Which of :data:`FAMILY_FIELDS` the request leaves out (steps given by ``sdlite_timesteps`` / ``_sigmas`` are
+    given; a sampler by ``sampler_name`` or ``sampler_index``)."""
+    given = {"steps": req.steps is not None or req.sdlite_timesteps is not None or req.sdlite_sigmas is not None,
+             "cfg_scale": req.cfg_scale is not None, "sampler_name": bool(req.sampler_name or req.sampler_index)}
+    return tuple(name for name in FAMILY_FIELDS if not given[name])
+
+
+def model_defaults(plan: "Plan", defaults: dict | None) -> tuple[list[Request], dict]:
+    """The plan's requests with the fields its client left out (``plan.unset``) set to the model family's own
+    settings ``defaults`` (:attr:`Family.sampling_defaults <sdlite.families.base.Family.sampling_defaults>`; None:
+    the family has none, and the plan's, A1111's or the front-end's, stay), and those fields as A1111 names them with
+    the values they took (for the response). A sampler left out is the family's with the request's scheduler."""
+    if not defaults or not plan.unset:
+        return plan.requests, {}
+    fields, changes = {}, {}
+    if "steps" in plan.unset:
+        fields["steps"] = changes["steps"] = int(defaults["steps"])
+    if "cfg_scale" in plan.unset:
+        fields["cfg_scale"] = changes["cfg_scale"] = float(defaults["cfg"])
+    if "sampler_name" in plan.unset:
+        choice = resolve_sampler_a1111(defaults["sampler"], plan.parameters.get("scheduler"), [])
+        fields["sampler_name"] = choice.name
+        changes.update(sampler=choice.sampler, schedule=choice.schedule)
+    return [r.replace(**changes) for r in plan.requests], fields
 
 
 # --- samplers and schedulers -------------------------------------------------------------------------------------
@@ -515,6 +549,7 @@ class Plan:
     preview: str = "Auto"
     control_maps: tuple = ()           # per ControlNet unit: its control map goes back after the images
     vae: str | None = None             # a VAE file in place of the model's own (sd_vae); None: its own
+    unset: tuple = ()                  # FAMILY_FIELDS the client left out: the model family's own where it has them
 
 
 def _ignored(p: dict, img2img: bool) -> list[str]:
@@ -620,15 +655,18 @@ def _cache_fields(value) -> dict:
 
 def build_plan(req: Txt2ImgRequest, options: dict, *, max_image_bytes: int, lora_dir=None,
                embeddings_dir=None, limits: Limits | None = None, upscaler_dir=None, controlnets=None,
-               vae_dir=None) -> Plan:
+               vae_dir=None, defaults: dict | None = None) -> Plan:
     """Check an A1111 request and turn it into sdlite Requests (images decoded, names resolved). ``limits`` (the
     server's; None: none, as for ``sdlite batch``) are checked first, before anything costly. ``controlnets``: the
     :class:`~.controlnet.ControlNets` that ``alwayson_scripts`` ControlNet units name (None: none); ``vae_dir``: the
-    VAE files ``sd_vae`` names (:func:`chosen_vae`; None: none, only the model's own). Raises
+    VAE files ``sd_vae`` names (:func:`chosen_vae`; None: none, only the model's own); ``defaults``: a front-end's own
+    defaults for fields left out, in place of A1111's (:func:`with_defaults`). Of :data:`FAMILY_FIELDS` those left
+    out are recorded (``Plan.unset``): a model family with settings of its own replaces them when the job runs
+    (:func:`model_defaults`). Raises
     :class:`RequestError` (422; :class:`~.limits.LimitExceeded` over a limit, :class:`~.controlnet.ControlNetNotFound`
     404), :class:`ImageTooLarge` (413) or HTTPException (404: no init image, 422: unknown script)."""
     img2img = isinstance(req, Img2ImgRequest)
-    p = with_defaults(req)
+    p = with_defaults(req, defaults)
     if limits is not None:
         check_request(p, limits)
     warnings = _ignored(p, img2img)
@@ -700,7 +738,7 @@ def build_plan(req: Txt2ImgRequest, options: dict, *, max_image_bytes: int, lora
                 refiner_switch_at=switch, hr_checkpoint_name=hr_checkpoint, upscaler_dir=upscaler_dir, limits=limits,
                 keep_overrides={} if p["override_settings_restore_afterwards"] else overrides,
                 warnings=warnings, send_images=bool(p["send_images"]), preview=opts["show_progress_type"],
-                control_maps=tuple(saves), vae=vae)
+                control_maps=tuple(saves), vae=vae, unset=left_out(req))
 
 
 def named_checkpoint(name) -> str | None:
@@ -774,6 +812,7 @@ class Outcome:
     interrupted: bool = False
     infotext: dict = field(default_factory=dict)   # more fields for every image ("Refiner", "Refiner switch at")
     warnings: list = field(default_factory=list)   # the server's own (a job time limit, a shutdown)
+    defaulted: dict = field(default_factory=dict)  # A1111 fields the model family set (model_defaults)
 
 
 def response(plan: Plan, outcome: Outcome) -> dict:
@@ -802,15 +841,17 @@ def response(plan: Plan, outcome: Outcome) -> dict:
     if infotexts:
         extra = {k: v for k, v in parse_infotext(infotexts[0]).items() if k[:1].isupper() and k not in _MAIN_FIELDS}
         extra.update(outcome.infotext)   # as A1111 holds them: "Refiner switch at" a number
-    parameters = dict(plan.parameters, width=used.width, height=used.height)
+    parameters = dict(plan.parameters, width=used.width, height=used.height, **outcome.defaulted)
     count = len(seeds)
     p = plan.parameters
+    sampler = plan.sampler if "sampler_name" not in outcome.defaulted else \
+        resolve_sampler_a1111(outcome.defaulted["sampler_name"], p["scheduler"], [])
     info = {
         "prompt": p["prompt"], "all_prompts": [p["prompt"]] * count,
         "negative_prompt": p["negative_prompt"], "all_negative_prompts": [p["negative_prompt"]] * count,
         "seed": seeds[0], "all_seeds": seeds, "subseed": p["subseed"], "all_subseeds": [p["subseed"]] * count,
         "subseed_strength": p["subseed_strength"], "width": used.width, "height": used.height,
-        "sampler_name": plan.sampler.name, "scheduler": plan.sampler.scheduler, "cfg_scale": used.cfg_scale,
+        "sampler_name": sampler.name, "scheduler": sampler.scheduler, "cfg_scale": used.cfg_scale,
         "steps": used.steps, "batch_size": used.batch_size, "restore_faces": False, "face_restoration_model": None,
         "sd_model_name": outcome.model_name, "sd_model_hash": outcome.model_hash,
         "sd_vae_name": Path(plan.vae).name if plan.vae else None,

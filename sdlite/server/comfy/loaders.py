@@ -1,6 +1,8 @@
 """ComfyUI's separate-file loaders on sdlite: UNETLoader, CLIPLoader, DualCLIPLoader, TripleCLIPLoader and VAELoader,
 and city96's GGUF loaders (UnetLoaderGGUF, CLIPLoaderGGUF, DualCLIPLoaderGGUF, TripleCLIPLoaderGGUF), the way
-ComfyUI users run FLUX.1 and SD3.5.
+ComfyUI users run FLUX.1, SD3.5 and Z-Image (its transformer by UNETLoader, its Qwen3-4B by CLIPLoader of type
+``lumina2``, as ComfyUI's stock Z-Image workflow loads them; the nodes of that workflow the others lack are
+:mod:`.zimage`'s).
 
 Their files come from ComfyUI's folders under the server's ``--models-dir``: ``diffusion_models`` (and the older
 ``unet``), ``text_encoders`` (and ``clip``), ``vae`` (and ``--vae-dir``). What they output are references
@@ -12,19 +14,20 @@ the sampler's engine is its model's file with the text encoders of its condition
 decodes with (when every VAE input of the prompt comes from VAELoaders naming one file, and the prompt loads one
 model), so a VAEDecode after it finds the same engine, and a queued-again prompt loads nothing.
 
-UNETLoader's fp8 ``weight_dtype`` (``fp8_e4m3fn``, ``fp8_e5m2``) is honoured for FLUX.1 and SD3 transformer files as
-ComfyUI stores the model: every Linear weight of the transformer cast to that fp8 type as it loads (torch's rounding)
-and kept so in memory, one byte a weight, converted exactly into the engine's compute dtype layer by layer as it runs
-(:mod:`sdlite.engine.lowbit`). ComfyUI casts the biases, norms and embeddings too; sdlite keeps those (under 0.1 % of
+UNETLoader's fp8 ``weight_dtype`` (``fp8_e4m3fn``, ``fp8_e5m2``) is honoured for FLUX.1, SD3 and Z-Image transformer
+files as ComfyUI stores the model: every Linear weight of the transformer cast to that fp8 type as it loads (torch's
+rounding) and kept so in memory, one byte a weight, converted exactly into the engine's compute dtype layer by layer as
+it runs (:mod:`sdlite.engine.lowbit`). ComfyUI casts the biases, norms and embeddings too; sdlite keeps those (under 0.1 % of
 the bytes) in the compute dtype. ComfyUI on a CPU computes in fp32; sdlite in its engine's precision (bf16 on CPUs
 with native bf16). ``fp8_e4m3fn_fast`` (fp8 matrix products on GPUs that have them, in ComfyUI) is the same storage
 as ``fp8_e4m3fn`` here, on every device. The storage is part of the engine's key: a default engine and an fp8 one of
 the same file are two engines.
 
-Refused at validation: text-encoder types other than SD3's and FLUX's (sdlite takes separate text-encoder files for
-those two families only), a file that is not what its input takes (a VAE given as a text encoder, a FLUX pair without
-T5 or CLIP, a CLIP-G for FLUX), a file that is not a VAE for VAELoader, an fp8 ``weight_dtype`` for a file that is no
-FLUX or SD3 transformer (a UNet's weights stay in the engine's precision) or on a server in memory mode 0 or under
+Refused at validation: text-encoder types other than SD3's, FLUX's and Z-Image's (``lumina2``: sdlite takes separate
+text-encoder files for those three families only), a file that is not what its input takes (a VAE given as a text
+encoder, a FLUX pair without T5 or CLIP, a CLIP-G for FLUX, anything but a Qwen LLM for ``lumina2``, a Qwen LLM for
+the others), a file that is not a VAE for VAELoader, an fp8 ``weight_dtype`` for a file that is no FLUX, SD3 or
+Z-Image transformer (a UNet's weights stay in the engine's precision) or on a server in memory mode 0 or under
 ``--precision int8`` / ``int4``. At run time a combination that does not make a model (a FLUX VAE for an SD 1.5
 checkpoint, CLIP widths that are not the transformer's) is an error naming the nodes, inputs and files.
 """
@@ -39,12 +42,12 @@ from .nodes import COMBO, ClipRef, Input, Lists, ModelRef, Refused, VaeRef, node
 MODEL_SUFFIXES = (".safetensors", ".sft", ".ckpt", ".pt", ".pth", ".bin")
 FOLDERS = {"diffusion_models": ("diffusion_models", "unet"), "text_encoders": ("text_encoders", "clip"),
            "vae": ("vae",)}
-# ComfyUI's type lists; sdlite takes separate text-encoder files for SD3 and FLUX only
+# ComfyUI's type lists; sdlite takes separate text-encoder files for SD3, FLUX and Z-Image (lumina2) only
 CLIP_TYPES = ("stable_diffusion", "stable_cascade", "sd3", "stable_audio", "mochi", "ltxv", "pixart", "cosmos",
               "lumina2", "wan", "hidream", "chroma", "ace", "omnigen2", "qwen_image")
 DUAL_CLIP_TYPES = ("sdxl", "sd3", "flux", "hunyuan_video", "hidream")
 WEIGHT_DTYPES = ("default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2")
-TAKEN_TYPES = ("sd3", "flux")
+TAKEN_TYPES = ("sd3", "flux", "lumina2")   # lumina2: Z-Image's Qwen3-4B (ComfyUI's Lumina 2 Gemma is no sdlite model)
 
 
 # --- the folders ---------------------------------------------------------------------------------------------
@@ -86,8 +89,10 @@ def _names(files) -> Input:
 
 def file_kind(path: Path) -> str:
     """What a separate file holds, read from its keys: "T5", "CLIP-L" (768 wide), "CLIP-G" (1280), "CLIP" (another
-    width), "VAE", or "unknown"."""
+    width), "Qwen" (a Qwen LLM decoder: Z-Image's Qwen3-4B), "LLM" (a decoder of the same names without Qwen's q/k norms
+    or q/k/v biases: Lumina 2's Gemma, a Llama), "VAE", or "unknown"."""
     from ...weights.io import open_checkpoint
+    from ...weights.qwen_keys import find_qwen_prefix
     from ...weights.t5_keys import find_t5_prefix
 
     with open_checkpoint(path) as store:
@@ -97,6 +102,11 @@ def file_kind(path: Path) -> str:
         embed = next((k for k in keys if k.endswith("embeddings.token_embedding.weight")), None)
         if embed is not None:
             return {768: "CLIP-L", 1280: "CLIP-G"}.get(tuple(store.shape(embed))[1], "CLIP")
+        prefix = find_qwen_prefix(keys)
+        if prefix is not None:
+            marks = ("layers.0.self_attn.q_norm.weight", "layers.0.self_attn.q_proj.bias", "blk.0.attn_q_norm.weight",
+                     "blk.0.attn_q.bias")
+            return "Qwen" if any(prefix + mark in keys for mark in marks) else "LLM"
         if any(k.endswith("decoder.conv_in.weight") for k in keys):
             return "VAE"
     return "unknown"
@@ -117,14 +127,25 @@ def _refuse_clips(names: list[str], files, fixed_type: str | None = None):
     def refuse(values: dict, lists: Lists) -> None:
         kind_of = fixed_type or values.get("type")
         if kind_of not in TAKEN_TYPES:
-            raise Refused("type", f"{kind_of!r}: sdlite takes separate text-encoder files for SD3 (sd3) and FLUX.1 "
-                          "(flux) only; other models load their text encoders from their checkpoint "
-                          "(CheckpointLoaderSimple)")
+            raise Refused("type", f"{kind_of!r}: sdlite takes separate text-encoder files for Z-Image (lumina2), "
+                          "SD3 (sd3) and FLUX.1 (flux) only; other models load their text encoders from their "
+                          "checkpoint (CheckpointLoaderSimple)")
         kinds = _kinds(values, names, files(lists))
         for name, kind in kinds.items():
             if kind in ("VAE", "unknown"):
                 raise Refused(name, f"{values[name]!r} holds {'a VAE' if kind == 'VAE' else 'no text encoder'} "
-                              "(no T5 'encoder.block...' nor CLIP 'text_model.embeddings...' keys)")
+                              "(no T5 'encoder.block...', CLIP 'text_model.embeddings...' nor Qwen "
+                              "'layers.0.self_attn...' keys)")
+            if kind == "LLM":
+                raise Refused(name, f"{values[name]!r} holds an LLM that is no Qwen (its first layer has neither "
+                              "Qwen3's q/k norms nor Qwen2's q/k/v biases: Lumina 2's Gemma, a Llama); of LLMs sdlite "
+                              "reads Z-Image's Qwen3-4B (type 'lumina2')")
+            if kind_of == "lumina2" and kind != "Qwen":
+                raise Refused(name, f"{values[name]!r} is a {kind}: type 'lumina2' is Z-Image's, whose text encoder "
+                              "is the Qwen3-4B LLM (qwen_3_4b.safetensors, or a GGUF of it)")
+            if kind_of != "lumina2" and kind == "Qwen":
+                raise Refused(name, f"{values[name]!r} is a Qwen LLM, Z-Image's text encoder: load it with type "
+                              f"'lumina2' (type {kind_of!r} takes CLIP and T5 files)")
             if kind_of == "flux" and kind == "CLIP-G":
                 raise Refused(name, f"{values[name]!r} is a CLIP-G (1280 wide): FLUX.1 takes CLIP-L and T5")
         if kind_of == "flux" and len(names) > 1:
@@ -149,12 +170,13 @@ def weight_storage(weight_dtype: str) -> str:
 
 
 def _refuse_dtype(values: dict, lists: Lists) -> None:
-    """UNETLoader's fp8 ``weight_dtype``: for a FLUX or SD3 transformer file, on a server whose engines can hold it
-    (not memory mode 0, nor a precision that keeps the weights in int8 / int4)."""
+    """UNETLoader's fp8 ``weight_dtype``: for a FLUX, SD3 or Z-Image transformer file, on a server whose engines can
+    hold it (not memory mode 0, nor a precision that keeps the weights in int8 / int4)."""
     from ...engine.precision import PrecisionError, check_precision
     from ...weights.flux import is_flux_file
     from ...weights.io import open_checkpoint
     from ...weights.sd3 import is_sd3_file
+    from ...weights.zimage import is_zimage_file
 
     value = values.get("weight_dtype", "default")
     if value == "default":
@@ -165,10 +187,10 @@ def _refuse_dtype(values: dict, lists: Lists) -> None:
             keys = list(store.keys())
     except (CheckpointError, OSError, ValueError) as e:
         raise Refused("unet_name", f"{values['unet_name']!r} cannot be read: {e}") from None
-    if not (is_flux_file(keys) or is_sd3_file(keys)):
+    if not (is_flux_file(keys) or is_sd3_file(keys) or is_zimage_file(keys)):
         raise Refused("weight_dtype", f"{value!r}: sdlite keeps fp8 weights for FLUX.1 and SD3 transformers; "
-                      f"{values['unet_name']!r} is neither (a UNet's weights stay in the engine's precision): use "
-                      "'default'")
+                      f"{values['unet_name']!r} is neither, nor a Z-Image transformer, the third kind it keeps them "
+                      "for (a UNet's weights stay in the engine's precision): use 'default'")
     options = getattr(getattr(lists.server, "engines", None), "load_options", None) or {}
     if options.get("memory_mode", 1) == 0:
         raise Refused("weight_dtype", f"{value!r}: this server runs in memory mode 0, which streams the transformer "

@@ -20,8 +20,8 @@ ConditioningSetAreaStrength give a conditioning its :class:`~sdlite.sampling.reg
 the predictions as ComfyUI does.
 
 Refused at validation (a ``custom_validation_failed`` error naming the node's input and value): the ``bislerp`` latent
-upscale. At run time: ModelSamplingSD3 / ModelSamplingFlux on a model they do not fit (checked by the sampler, on its
-engine: :func:`check_sampling`), a sampler whose conditionings
+upscale. At run time: a ModelSampling node on a model it does not fit (checked by the sampler, on its engine:
+:func:`check_sampling`), a zeroed conditioning the sampler would evaluate (.zimage), a sampler whose conditionings
 come from another checkpoint's CLIP, or whose positive and negative were encoded by CLIPs with other LoRAs; an area
 outside the latent, an area on a flow model, areas with ControlNets (:func:`sdlite.sampling.regions.refuse`).
 """
@@ -237,6 +237,7 @@ class Cond:
     guidance: float | None = None
     controls: tuple = ()        # sdlite ControlUnits
     region: Region = WHOLE      # ConditioningSetArea's area and strength
+    zeroed: str = ""            # the ConditioningZeroOut node that zeroed it (.zimage), checked by the sampler
 
 
 @dataclass
@@ -537,9 +538,9 @@ def flux_guidance(ctx, conditioning, guidance):
 
 def check_sampling(engine, model: ModelRef) -> None:
     """That the ModelSampling node which set ``model``'s shift fits the model the sampler runs: a flow-matching model
-    (SD3, FLUX), with a fixed shift for ModelSamplingSD3 and one by image size for ModelSamplingFlux. Checked by the
-    sampler, on the engine it samples with: the nodes themselves load nothing (after a UNETLoader the bare file's
-    engine would be one more engine than the sampler's)."""
+    (SD3, FLUX, Z-Image), with a fixed shift for ModelSamplingSD3 and ModelSamplingAuraFlow (.zimage) and one by image
+    size for ModelSamplingFlux. Checked by the sampler, on the engine it samples with: the nodes themselves load
+    nothing (after a UNETLoader the bare file's engine would be one more engine than the sampler's)."""
     from ...sampling.flow import FlowSchedule
 
     if not model.sampling:
@@ -547,14 +548,14 @@ def check_sampling(engine, model: ModelRef) -> None:
     name = model.origin or model.checkpoint.name
     schedule = engine.schedule_for(Request(prompt="", width=1024, height=1024))   # its kind, whatever the size
     if not isinstance(schedule, FlowSchedule):
-        raise RequestError(f"{model.sampling}: {name} ({engine.spec.family}) is no flow-matching model (SD3, FLUX): "
-                           "leave the node out")
-    if model.sampling == "ModelSamplingSD3" and schedule.use_dynamic_shifting:
-        raise RequestError(f"ModelSamplingSD3: {name} shifts its schedule by image size (FLUX.1 dev): use "
+        raise RequestError(f"{model.sampling}: {name} ({engine.spec.family}) is no flow-matching model (SD3, FLUX, "
+                           "Z-Image): leave the node out")
+    if model.sampling != "ModelSamplingFlux" and schedule.use_dynamic_shifting:
+        raise RequestError(f"{model.sampling}: {name} shifts its schedule by image size (FLUX.1 dev): use "
                            "ModelSamplingFlux")
     if model.sampling == "ModelSamplingFlux" and not schedule.use_dynamic_shifting:
         raise RequestError(f"ModelSamplingFlux: {name} has a fixed shift ({schedule.shift:g}), no shift by image "
-                           "size: use ModelSamplingSD3")
+                           "size: use ModelSamplingSD3 (ModelSamplingAuraFlow for Z-Image)")
 
 
 @node("ModelSamplingSD3", "ModelSamplingSD3", "advanced/model",
@@ -687,6 +688,11 @@ def _combined(positive: list, negative: list) -> dict:
 
 def _request(ctx, model: ModelRef, seed, steps, cfg, sampler_name, scheduler, positive, negative) -> Request:
     pos, neg = _first(positive, "positive"), _first(negative, "negative")
+    for what, c in [("positive", c) for c in positive] + [("negative", c) for c in negative if cfg > 1.0]:
+        if c.zeroed:   # at cfg 1 the negative is never evaluated (ComfyUI's cfg1 optimization, sdlite's too)
+            raise RequestError(f"{c.zeroed}: sdlite samples with no zeroed conditioning: " + (
+                "the positive must be a prompt's (CLIPTextEncode)" if what == "positive" else f"at cfg {cfg:g} the "
+                "negative must be a prompt's (CLIPTextEncode, an empty one too); at cfg 1 a zeroed one is unused"))
     for what, c in (("positive", pos), ("negative", neg)):
         if not c.clip.files and model.origin:
             raise RequestError(f"{what}: its CLIP is {c.clip.checkpoint.name}'s, the model {model.origin}'s: a "
@@ -705,7 +711,7 @@ def _request(ctx, model: ModelRef, seed, steps, cfg, sampler_name, scheduler, po
     if [u.model for u in pos.controls] != [u.model for u in neg.controls]:
         raise RequestError("positive and negative: other ControlNets (sdlite applies a ControlNet to both halves)")
     server = ctx.server
-    return Request(prompt=pos.text, negative_prompt=neg.text, steps=steps, cfg_scale=cfg,
+    return Request(prompt=pos.text, negative_prompt="" if neg.zeroed else neg.text, steps=steps, cfg_scale=cfg,
                    sampler=COMFY_SAMPLERS[sampler_name], schedule=scheduler, seed=seed, clip_skip=pos.clip.clip_skip,
                    loras=lora_weights(model.loras, pos.clip.loras), guidance=pos.guidance, controls=pos.controls,
                    lora_dir=server.lora_dir, embeddings_dir=server.embeddings_dir, noise="comfy")

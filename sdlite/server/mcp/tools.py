@@ -38,6 +38,8 @@ from ..jobs import Unavailable
 log = logging.getLogger("sdlite.server")
 
 DEFAULT_STEPS, DEFAULT_CFG, DEFAULT_SAMPLER = 20, 7.0, "DPM++ 2M"   # A1111's web UI defaults (the API's: 50 steps)
+# a call's defaults as A1111's fields, where the model's family has no settings of its own (FLUX.1, SD3, Z-Image have)
+DEFAULTS = {"steps": DEFAULT_STEPS, "cfg_scale": DEFAULT_CFG, "sampler_name": DEFAULT_SAMPLER}
 
 
 # --- the arguments ------------------------------------------------------------------------------------------------
@@ -50,11 +52,14 @@ class _Sampling(_Arguments):
     prompt: str = Field(description="What to draw. A1111 prompt syntax: (word:1.2) weights, [from:to:when], "
                                     "<lora:NAME:WEIGHT> for the server's LoRAs (list_models)")
     negative_prompt: str = Field("", description="What not to draw")
-    steps: int = Field(DEFAULT_STEPS, ge=1, le=MAX_STEPS, description="Sampler steps")
+    steps: int = Field(DEFAULT_STEPS, ge=1, le=MAX_STEPS, description="Sampler steps (left out: the model's own "
+                                                                      "where it has them: FLUX.1, SD3, Z-Image)")
     cfg_scale: float = Field(DEFAULT_CFG, ge=0, le=100, description="Classifier-free guidance scale (1: no "
-                                                                      "negative pass)")
+                                                                      "negative pass; left out: the model's own "
+                                                                      "where it has one)")
     sampler: str = Field(DEFAULT_SAMPLER, description="An A1111 sampler name (list_samplers), optionally with a "
-                                                      "scheduler after it ('DPM++ 2M Karras'), or sdlite's name")
+                                                      "scheduler after it ('DPM++ 2M Karras'), or sdlite's name "
+                                                      "(left out: the model's own where it has one)")
     scheduler: str | None = Field(None, description="An A1111 scheduler (list_samplers); default: the sampler's own")
     seed: int = Field(-1, ge=-1, description="Seed of the first image (the next ones count up); -1: random")
     batch_size: int = Field(1, ge=1, le=MAX_BATCH, description="Images to generate")
@@ -277,10 +282,15 @@ class Tools:
         return data
 
     def _fields(self, tool: str, args) -> dict:
-        """The A1111 request's fields of a generating tool's arguments."""
-        fields = dict(prompt=args.prompt, negative_prompt=args.negative_prompt, steps=args.steps,
-                      cfg_scale=args.cfg_scale, sampler_name=args.sampler, scheduler=args.scheduler, seed=args.seed,
-                      batch_size=args.batch_size, width=args.width, height=args.height)
+        """The A1111 request's fields of a generating tool's arguments: steps, cfg_scale and sampler only where the
+        call gives them (left out, they are the model's own where its family has settings of its own, else
+        :data:`DEFAULTS`)."""
+        given = args.model_fields_set
+        fields = dict(prompt=args.prompt, negative_prompt=args.negative_prompt,
+                      steps=args.steps if "steps" in given else None,
+                      cfg_scale=args.cfg_scale if "cfg_scale" in given else None,
+                      sampler_name=args.sampler if "sampler" in given else None, scheduler=args.scheduler,
+                      seed=args.seed, batch_size=args.batch_size, width=args.width, height=args.height)
         if args.model is not None:
             fields["override_settings"] = {"sd_model_checkpoint": args.model}
         if tool != "generate":
@@ -296,7 +306,7 @@ class Tools:
         server = self.server
         fields = await run_in_threadpool(self._fields, tool, args)
         request = (a1111.Txt2ImgRequest if tool == "generate" else a1111.Img2ImgRequest)(**fields)
-        plan = await run_in_threadpool(server.build_plan, request)
+        plan = await run_in_threadpool(server.build_plan, request, None, DEFAULTS)
         if plan.checkpoint is not None:   # before the queue, naming the argument
             await run_in_threadpool(server.find_checkpoint, plan.checkpoint, "model")
         progress = StepProgress(session)
