@@ -250,15 +250,20 @@ def _resolve_turbo_defaults(args):
 
 
 def _cache_option(text: str | None) -> dict:
-    """``--cache [N[:B]]`` as the Request's ``cache_interval`` and ``cache_branch`` (left out: the Request's, off)."""
+    """``--cache [N[:B] | T]`` as the Request's ``cache_interval`` and ``cache_branch`` (DeepCache on a UNet; on a
+    transformer any interval turns on the first-block cache at its default threshold), or with a decimal point its
+    ``cache_threshold`` (the first-block cache's, transformers). Left out: the Request's, off."""
+    from ..engine.blockcache import BlockCacheError, parse_threshold
     from ..engine.stepcache import StepCacheError, parse
     from ..pipeline import RequestError
 
     if text is None:
         return {}
     try:
+        if "." in str(text):
+            return {"cache_threshold": parse_threshold(text)}
         interval, branch = parse(text)
-    except StepCacheError as e:
+    except (StepCacheError, BlockCacheError) as e:
         raise RequestError(f"--cache: {e}") from None
     return {"cache_interval": interval, "cache_branch": branch}
 
@@ -286,11 +291,13 @@ def add_parser(sub) -> None:
                    help="FLUX.1 dev's distilled guidance scale (Forge's \"Distilled CFG Scale\"; default 3.5); not "
                         "CFG, which --cfg is and which FLUX runs without (cfg 1)")
     g.add_argument("--steps", type=int, default=None, help="default 20 (Turbo models: 1; SD3: 28, SD3.5 Medium 40)")
-    g.add_argument("--cache", nargs="?", const="on", default=None, metavar="N[:B]",
-                   help="the step cache (DeepCache; UNet models): the whole UNet every N-th step and the last, the "
+    g.add_argument("--cache", nargs="?", const="on", default=None, metavar="N[:B]|T",
+                   help="the step cache. UNet models (DeepCache): the whole UNet every N-th step and the last, the "
                         "steps between reuse its deep features and run only skip branch B (0, the shallowest, is the "
-                        "fastest; higher is closer to the uncached image). --cache alone: N=3, B=0. Faster, not "
-                        "exact: off by default (see docs/speed.md)")
+                        "fastest; higher is closer to the uncached image); --cache alone: N=3, B=0. Transformers "
+                        "(SD3, FLUX, Z-Image: first-block cache): the blocks after the first are skipped on a step "
+                        "whose first block changed less than T (a number with a decimal point, 0 to 1; --cache alone "
+                        "or with N: 0.08). Faster, not exact: off by default (see docs/speed.md)")
     g.add_argument("--cfg", type=float, default=None,
                    help="classifier-free guidance scale (1 = off; default 7.5, Turbo models 1, SD3 7, SD3.5 Large 3.5, "
                         "SD3.5 Medium 4.5)")

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..config.flux import FluxConfig
 from ..errors import RequestError
-from .layers import TimestepEmbedding, per_sample, residual, timestep_embedding
+from .layers import TimestepEmbedding, per_sample, residual, run_blocks, timestep_embedding
 from .mmdit import NORM_EPS, AdaNorm, FeedForward, attention, gated, layer_norm, modulate
 
 __all__ = ["Flux", "pack_latents", "unpack_latents", "image_ids", "rope_tables"]
@@ -228,11 +228,12 @@ class Flux(nn.Module):
         return self.proj_out.bias.dtype
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, pooled_projections: torch.Tensor,
-                guidance: torch.Tensor | float | None = None) -> torch.Tensor:
+                guidance: torch.Tensor | float | None = None, cache=None) -> torch.Tensor:
         """x (B, 16, H, W) latent (H, W even); t (B,) timesteps as the reference pipeline hands them to the network:
         the training timestep / 1000, i.e. sigma (one value serves the batch);
         context (B, M, joint_attention_dim) T5 states; pooled_projections (B, pooled_projection_dim) CLIP's pooled
-        output; ``guidance`` the distilled guidance scale (dev: required; schnell: none). Returns (B, 16, H, W)."""
+        output; ``guidance`` the distilled guidance scale (dev: required; schnell: none); ``cache`` a step cache's
+        hook on the blocks (:func:`~sdlite.models.layers.run_blocks`; None: none). Returns (B, 16, H, W)."""
         cfg = self.config
         dtype = self.dtype
         t, guidance = self._check(x, t, context, pooled_projections, guidance)
@@ -246,13 +247,22 @@ class Flux(nn.Module):
         m = c.shape[1]
         ids = torch.cat([torch.zeros(m, 3, device=x.device), image_ids(hgt // 2, wid // 2, x.device)])
         rope = rope_tables(ids, cfg.axes_dims_rope)                                  # 2 x (S, D)
-        for block in self.transformer_blocks:
-            h, c = block(h, c, emb, rope)
-        h = torch.cat([c, h], dim=1)                                                 # (B, S, C)
-        del c
-        for block in self.single_transformer_blocks:
-            h = block(h, emb, rope)
-        h = h[:, m:]
+
+        def first(state):
+            return self.transformer_blocks[0](*state, emb, rope)
+
+        def rest(state):
+            h, c = state
+            del state
+            for block in self.transformer_blocks[1:]:
+                h, c = block(h, c, emb, rope)
+            h = torch.cat([c, h], dim=1)                                             # (B, S, C)
+            del c
+            for block in self.single_transformer_blocks:
+                h = block(h, emb, rope)
+            return h[:, m:], h[:, :m]                                                # the streams again
+
+        h, _ = run_blocks(first, rest, (h, c), cache)
         scale, shift = self.norm_out(emb)
         h = self.proj_out(modulate(layer_norm(h), shift, scale))                    # (B, N, 64)
         return unpack_latents(h, hgt, wid)

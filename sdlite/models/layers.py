@@ -30,6 +30,17 @@ def residual(x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
     return x + branch if torch.is_grad_enabled() else branch.add_(x)
 
 
+def run_blocks(first, rest, state: tuple, cache=None) -> tuple:
+    """A transformer's block stack as its step cache sees it: ``first(state)`` runs the first block and ``rest`` the
+    ones after it (and whatever joins or splits the streams between them); a state is a tuple of the streams'
+    tokens. With no ``cache`` this is ``rest(first(state))``, the plain forward. A ``cache`` (the network's
+    ``forward(..., cache=)``, :mod:`sdlite.engine.blockcache`) is called as ``cache(first, rest, state)`` and may
+    skip ``rest``."""
+    if cache is None:
+        return rest(first(state))
+    return cache(first, rest, state)
+
+
 def timestep_embedding(t: torch.Tensor, dim: int, flip_sin_to_cos: bool = True, shift: float = 0.0,
                        max_period: float = 10000.0) -> torch.Tensor:
     """Sinusoidal embedding of (possibly fractional) timesteps, (B,) -> (B, dim), computed in fp32."""

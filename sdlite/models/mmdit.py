@@ -22,7 +22,7 @@ from torch import nn
 from ..config.mmdit import TIME_EMBED_CHANNELS, MMDiTConfig
 from ..errors import RequestError
 from ..kernels import fp32
-from .layers import RMSNorm, TimestepEmbedding, residual, timestep_embedding
+from .layers import RMSNorm, TimestepEmbedding, residual, run_blocks, timestep_embedding
 
 __all__ = ["MMDiT", "sincos_grid"]
 
@@ -278,10 +278,12 @@ class MMDiT(nn.Module):
         return self.proj_out.bias.dtype
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, pooled_projections: torch.Tensor,
-                skip_layers: Iterable[int] | None = None) -> torch.Tensor:
+                skip_layers: Iterable[int] | None = None, cache=None) -> torch.Tensor:
         """x (B, in_channels, H, W) latent; t (B,) timesteps (sigma x 1000; a single value serves the batch);
         context (B, M, joint_attention_dim) text embeddings; pooled_projections (B, pooled_projection_dim).
-        ``skip_layers``: indices of blocks not run (SD3.5's skip-layer guidance). Returns (B, out_channels, H, W)."""
+        ``skip_layers``: indices of blocks not run (SD3.5's skip-layer guidance); ``cache`` a step cache's hook on the
+        blocks (:func:`~sdlite.models.layers.run_blocks`; not used by a call that skips blocks). Returns
+        (B, out_channels, H, W)."""
         dtype = self.dtype
         t = self._check(x, t, context, pooled_projections)
         skip = self._skip(skip_layers)
@@ -290,9 +292,19 @@ class MMDiT(nn.Module):
         x = self.pos_embed(x.to(dtype))                                                  # (B, N, C)
         emb = F.silu(self.time_text_embed(t, pooled_projections.to(dtype)))               # (B, C)
         c = self.context_embedder(context.to(dtype))                                     # (B, M, C)
-        for i, block in enumerate(self.transformer_blocks):
-            if i not in skip:
+        blocks = [block for i, block in enumerate(self.transformer_blocks) if i not in skip]
+
+        def first(state):
+            return blocks[0](*state, emb) if blocks else state   # (skip-layer guidance may skip them all)
+
+        def rest(state):
+            x, c = state
+            del state
+            for block in blocks[1:]:
                 x, c = block(x, c, emb)
+            return x, c
+
+        x, _ = run_blocks(first, rest, (x, c), None if skip else cache)
         scale, shift = self.norm_out(emb)
         x = self.proj_out(modulate(layer_norm(x), shift, scale))                         # (B, N, p*p*out)
         x = x.view(b, hgt // p, wid // p, p, p, self.config.out_channels)

@@ -25,7 +25,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from ..config.zimage import ZImageConfig
 from ..errors import RequestError
-from .layers import RMSNorm, per_sample, residual, timestep_embedding
+from .layers import RMSNorm, per_sample, residual, run_blocks, timestep_embedding
 
 __all__ = ["ZImage", "rope_freqs", "image_ids", "caption_ids", "padded_length"]
 
@@ -210,11 +210,13 @@ class ZImage(nn.Module):
         its float dtype)."""
         return self.all_final_layer[self.config.patch_key].linear.bias.dtype
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor | float, context, context_lengths=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, t: torch.Tensor | float, context, context_lengths=None,
+                cache=None) -> torch.Tensor:
         """x (B, 16, H, W) latent (H, W even). ``t`` (B,) or one value: the timestep as ZImagePipeline hands it to
         the network, ``1 - sigma`` (0 at pure noise, 1 at the clean image). ``context``: the captions, Qwen3's
         hidden states of each prompt's real tokens, as the pipeline hands them: a list of B tensors (L_i, 2560); or
         one padded tensor (B, L, 2560) with ``context_lengths`` (B,) the real tokens of each (None: all L are).
+        ``cache``: a step cache's hook on the main layers (:func:`~sdlite.models.layers.run_blocks`; None: none).
         Returns (B, 16, H, W): ``x0 - noise`` (the negated velocity), as diffusers' model returns it."""
         cfg = self.config
         dtype = self.dtype
@@ -264,8 +266,18 @@ class ZImage(nn.Module):
                              batch_first=True)                                       # (B, S, D/2)
         del cap, x_freqs, cap_freqs
         mask = _mask([n_pad + lp for lp in cap_pads], x.device)
-        for block in self.layers:
-            h = block(h, mask, freqs, emb)                                          # (B, S, C)
+
+        def first(state):
+            return (self.layers[0](state[0], mask, freqs, emb),)
+
+        def rest(state):
+            h, = state
+            del state
+            for block in self.layers[1:]:
+                h = block(h, mask, freqs, emb)                                      # (B, S, C)
+            return (h,)
+
+        h, = run_blocks(first, rest, (h,), cache)
         out = self.all_final_layer[cfg.patch_key](h, emb)[:, :n]                    # (B, N, 64)
         return out.reshape(b, rows, cols, p, p, c).permute(0, 5, 1, 3, 2, 4).reshape(b, c, hgt, wid)
 

@@ -27,6 +27,8 @@ from .. import sources
 from ..engine import budget
 from ..engine.memory import ModelManager, check_memory_mode, tune_heap
 from ..engine.precision import choose_precision, stored_as, whole_unet
+from ..engine import blockcache
+from ..engine.blockcache import BlockCache
 from ..engine.stepcache import StepCache, StepCacheError, cache_infotext
 from ..errors import RequestError, StopSampling
 from ..families import family_for
@@ -207,7 +209,10 @@ class Engine(LoadedModel):
         if self.vae_decoder is not None:
             result.infotext["VAE decoder"] = self.vae_decoder.name
         result.warnings += ignored
-        result.infotext.update(cache_infotext(r.cache_interval, r.cache_branch))
+        if self.spec.denoiser == "unet":
+            result.infotext.update(cache_infotext(r.cache_interval, r.cache_branch))
+        else:
+            result.infotext.update(blockcache.cache_infotext(self.block_cache_threshold(r)))
         return result
 
     # -- what a run uses: a source image, ControlNets, LoRAs and embeddings, a hires checkpoint ---------------
@@ -317,7 +322,7 @@ class Engine(LoadedModel):
             network = engine.spec.denoiser   # the UNet, or a transformer
             with torch.no_grad(), engine.models.use(network) as unet:
                 model = engine.models.runner(network, unet)
-                if r.cache_interval:   # DeepCache: a fresh cache for each stage of each run
+                if r.cache_interval or r.cache_threshold is not None:   # a fresh cache for each stage of each run
                     cache = engine.step_cache(r, unet, st.end - st.start)
                     model = cache.wrap(unet)
                 if controls and engine is self:
@@ -360,27 +365,41 @@ class Engine(LoadedModel):
                                                   "total": t3 - t0}, interrupted=interrupted)
 
     def check_step_cache(self, r: Request) -> None:
-        """Refuse a step cache (``r.cache_interval``, :mod:`sdlite.engine.stepcache`) where it cannot run: a model
-        without a UNet's skip branches, a compiled UNet, a branch the UNet does not have."""
-        if not r.cache_interval:
+        """Refuse a step cache (``r.cache_interval``, :mod:`sdlite.engine.stepcache`; on a transformer the first-block
+        cache, :mod:`sdlite.engine.blockcache`) where it cannot run: a compiled network, a branch the UNet does not
+        have, a first-block threshold on a UNet."""
+        if not r.cache_interval and r.cache_threshold is None:
             return
         what = "the step cache (cache_interval / --cache)"
-        if self.spec.denoiser != "unet":
-            raise RequestError(f"{what} reuses a UNet's deep features; this model ({self.spec.family}) denoises "
-                               f"with a {self.spec.denoiser}: leave it off")
         if self.models.compile:
-            raise RequestError(f"{what} does not run on a compiled UNet (its graph is the whole network): leave "
-                               "out --compile or the cache")
+            network = "UNet" if self.spec.denoiser == "unet" else "transformer"
+            raise RequestError(f"{what} does not run on a compiled {network} (its graph is the whole "
+                               "network): leave out --compile or the cache")
+        if self.spec.denoiser != "unet":
+            return
+        if r.cache_threshold is not None:
+            raise RequestError(f"step cache threshold {r.cache_threshold!r} (cache_threshold / --cache T) is the "
+                               f"first-block cache of a transformer; this model ({self.spec.family}) denoises with a "
+                               "UNet: its step cache is DeepCache (cache_interval, --cache N[:B])")
         cfg = self.spec.unet
         n = len(cfg.block_channels) * (cfg.layers_per_block + 1)   # one skip per up layer
         if r.cache_branch >= n:
             raise RequestError(f"step cache branch {r.cache_branch} is not valid for this model: its UNet has {n} "
                                f"skip branches (0 to {n - 1})")
 
-    def step_cache(self, r: Request, unet, steps: int) -> StepCache:
+    def block_cache_threshold(self, r: Request) -> float | None:
+        """The first-block cache's threshold for ``r`` on a transformer: its own, the default where only the
+        interval turns the cache on, None where the cache is off."""
+        if r.cache_threshold is not None:
+            return float(r.cache_threshold)
+        return blockcache.DEFAULT_THRESHOLD if r.cache_interval else None
+
+    def step_cache(self, r: Request, unet, steps: int) -> StepCache | BlockCache:
         """A fresh step cache for one stage of ``steps`` steps of ``r`` on ``unet`` (checked by
-        :meth:`check_step_cache`)."""
+        :meth:`check_step_cache`): DeepCache on a UNet, the first-block cache on a transformer."""
         self.check_step_cache(r)
+        if self.spec.denoiser != "unet":
+            return BlockCache(self.block_cache_threshold(r))
         try:
             return StepCache(r.cache_interval, r.cache_branch, steps).checked(unet)
         except StepCacheError as e:

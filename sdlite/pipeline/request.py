@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import CFG_RANGE, MAX_BATCH, MAX_SEED, MAX_STEPS
+from ..engine.blockcache import BlockCacheError, check_threshold
 from ..engine.stepcache import DEFAULT_BRANCH as DEFAULT_CACHE_BRANCH
 from ..engine.stepcache import StepCacheError
 from ..engine.stepcache import check_options as check_cache_options
@@ -86,9 +87,12 @@ class Request:
     guidance: float | None = None
     # the step cache (DeepCache, sdlite.engine.stepcache): the whole UNet runs every cache_interval-th step (and the
     # last), the steps between reuse its deep features and run only skip branch cache_branch (0: the shallowest).
-    # 0 = off (the default: exact); UNet models only
+    # 0 = off (the default: exact). On a transformer (SD3, FLUX, Z-Image) the step cache is the first-block cache
+    # (sdlite.engine.blockcache): on where cache_interval is set (at the default threshold) or cache_threshold is given;
+    # the blocks after the first are skipped on a call whose first block changed less than cache_threshold
     cache_interval: int = 0
     cache_branch: int = DEFAULT_CACHE_BRANCH
+    cache_threshold: float | None = None
     # how the noise is drawn and the sigmas placed: "a1111" (diffusers' and A1111's: image i's noise from a generator
     # seeded with seed + i) or "comfy" (ComfyUI's KSampler: the whole batch from one generator seeded with the seed,
     # ComfyUI's schedulers, which ``schedule`` may then name (normal, simple, sgm_uniform, ...; None: normal, or the
@@ -230,7 +234,8 @@ def validate(request: Request, native_size: int = 512) -> Request:
     hires = _validate_hires(r, width, height)
     try:
         check_cache_options(r.cache_interval, r.cache_branch)
-    except StepCacheError as e:
+        check_threshold(r.cache_threshold)
+    except (StepCacheError, BlockCacheError) as e:
         raise RequestError(str(e)) from None
     return _validate_image_options(r).replace(width=width, height=height, sampler=sampler, schedule=schedule,
                                               seed=seed, cfg_scale=float(r.cfg_scale), hires=hires,
@@ -256,6 +261,7 @@ def _validate_comfy(r: Request, sampler: str, schedule: str) -> str:
     for name, value, default in (("init_image", r.init_image, None), ("hires", r.hires, None),
                                  ("refiner_switch_at", r.refiner_switch_at, None), ("timesteps", r.timesteps, None),
                                  ("sigmas", r.sigmas, None), ("cache_interval", r.cache_interval, 0),
+                                 ("cache_threshold", r.cache_threshold, None),
                                  ("slg_layers", tuple(r.slg_layers), ())):
         if value != default:
             raise RequestError(f"{name} does not run with noise='comfy', which samples as ComfyUI's KSampler does "
