@@ -352,11 +352,13 @@ class ModelManager:
         return self._streams_from_file(name) or (self.weight_dtype is not None and self.weight_dtype != self.dtype)
 
     def _streams_from_file(self, name: str) -> bool:
-        """Memory mode 0 streams the UNet (or transformer), SDXL's text encoders (bigG alone is 2.8 GB in fp32) and
-        T5 (SD3's third encoder, 19 GB in fp32) from the file, its pages handed back after each block."""
+        """Memory mode 0 streams the UNet (or transformer), SDXL's text encoders (bigG alone is 2.8 GB in fp32), T5
+        (SD3's third encoder, 19 GB in fp32) and an LLM text encoder (Qwen3-4B: 8 GB in bf16) from the file, its
+        pages handed back after each block."""
         return self.mode == 0 and (name == self.denoiser or (name in TEXT_ENCODERS and self.ckpt is not None
                                                              and self.ckpt.spec.is_sdxl)
-                                   or name == "text_encoder_3")
+                                   or name == "text_encoder_3"
+                                   or isinstance(self._text_config(name), QwenConfig))
 
     def dtype_of(self, name: str) -> torch.dtype:
         """The compute dtype of network ``name``."""
