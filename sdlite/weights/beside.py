@@ -10,16 +10,18 @@ file that does not exist, one that holds nothing the family takes, a part given 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import VAEConfig
 from ..errors import CheckpointError
 from .io import open_checkpoint
+from .plan import UnsupportedModelError
 from .store import ComponentSource, TensorStore
 from .vae_keys import infer_vae, vae_from_original
 
-__all__ = ["Parts", "beside_places", "find_beside", "add_parts", "vae_part"]
+__all__ = ["Parts", "beside_places", "find_beside", "add_parts", "vae_part", "vae_prefix", "opened"]
 
 
 @dataclass(frozen=True)
@@ -102,3 +104,27 @@ def vae_part(keys: list[str], prefix: str, store: TensorStore, path, preset: VAE
                     use_post_quant_conv="post_quant_conv.weight" in source.shapes,
                     sample_size=preset.sample_size if sample_size is None else sample_size)
     return source, vae
+
+
+def vae_prefix(shapes, prefixes=("",)) -> str | None:
+    """The first of ``prefixes`` under which ``shapes`` (a file's keys) hold a VAE in LDM names (its encoder's and
+    decoder's ``conv_in``); None when under none."""
+    return next((prefix for prefix in prefixes if f"{prefix}decoder.conv_in.weight" in shapes
+                 and f"{prefix}encoder.conv_in.weight" in shapes), None)
+
+
+@contextmanager
+def opened(stores: list[TensorStore], where):
+    """The body of an opener: on any error the ``stores`` it opened are closed, and a model it cannot run
+    (:class:`~sdlite.weights.plan.UnsupportedModelError`) is a :class:`~sdlite.errors.CheckpointError` naming
+    ``where`` (the file or folder opened)."""
+    try:
+        yield
+    except UnsupportedModelError as e:
+        for store in stores:
+            store.close()
+        raise CheckpointError(str(e), where) from None
+    except BaseException:
+        for store in stores:
+            store.close()
+        raise

@@ -27,12 +27,12 @@ from pathlib import Path
 from ..config import ConfigError, TextEncoderConfig, VAEConfig
 from ..config.flux import FLUX_TEXT_L, FLUX_VAE, FluxConfig, flux_spec
 from ..errors import CheckpointError
-from .beside import Parts, add_parts, vae_part
+from .beside import Parts, add_parts, opened, vae_part, vae_prefix
 from .convert import normalize_diffusers_keys
 from .detect import Detection
 from .flux_keys import flux_layout, flux_plan, infer_flux_config, is_flux, original_names
 from .folders import component_store, folder_tokenizer, read_json, storage_dtype, text_architecture
-from .plan import ComponentPlan, UnsupportedModelError
+from .plan import ComponentPlan
 from .sd3 import CLIP_L_PREFIX
 from .store import ComponentSource, TensorStore
 from .t5_keys import SINGLE_FILE_PREFIX as T5_PREFIX
@@ -153,9 +153,9 @@ def _file_kind(keys: list[str], shapes: dict, where) -> tuple[str, str]:
     for prefix in ("", CLIP_L_PREFIX):
         if any(k.startswith((prefix + "text_model.", prefix + "embeddings.token_embedding.")) for k in keys):
             return "text_encoder", prefix
-    for prefix in ("", *_VAE_PREFIXES):
-        if f"{prefix}decoder.conv_in.weight" in shapes and f"{prefix}encoder.conv_in.weight" in shapes:
-            return "vae", prefix
+    prefix = vae_prefix(shapes, ("", *_VAE_PREFIXES))
+    if prefix is not None:
+        return "vae", prefix
     raise CheckpointError("not a file FLUX takes beside its transformer (no T5 'encoder.block.0...', CLIP "
                           "'text_model...' or VAE 'encoder.conv_in'/'decoder.conv_in' keys)"
                           + (f"; the first key is {keys[0]!r}" if keys else ""), where)
@@ -198,7 +198,7 @@ def open_flux_file(path: Path, store: TensorStore, text_encoders=()) -> dict:
     stores = [store]
     sources: dict[str, ComponentSource] = {}
     notes: list[str] = []
-    try:
+    with opened(stores, path):
         keys = list(store.keys())
         _, prefix = flux_layout(keys)
         inside = [k for k in keys if k.startswith(prefix)] if prefix else \
@@ -229,14 +229,6 @@ def open_flux_file(path: Path, store: TensorStore, text_encoders=()) -> dict:
         for name, source in sources.items():
             if source.unexpected:
                 notes.append(f"{len(source.unexpected)} {name} keys not understood (ignored)")
-    except UnsupportedModelError as e:
-        for s in stores:
-            s.close()
-        raise CheckpointError(str(e), path) from None
-    except BaseException:
-        for s in stores:
-            s.close()
-        raise
     return dict(path=str(path), layout="original", spec=spec, detection=detection,
                 storage_dtype=storage_dtype(store, prefix=prefix if prefix else ""),
                 prediction_source="flow matching (FLUX.1)", sources=sources, scheduler_config=dict(spec.scheduler),

@@ -34,7 +34,7 @@ from .convert import normalize_diffusers_keys
 from .detect import Detection
 from .folders import component_store, folder_tokenizer, read_json, storage_dtype, text_architecture
 from .mmdit_keys import MMDIT_PREFIX, infer_mmdit_config, mmdit_plan
-from .plan import COPY, ComponentPlan, PlanEntry, UnsupportedModelError, add_entry
+from .plan import COPY, ComponentPlan, PlanEntry, add_entry
 from .store import ComponentSource, TensorStore
 from .t5_keys import SINGLE_FILE_PREFIX as T5_PREFIX
 from .t5_keys import find_t5_prefix, infer_t5_config, t5_plan
@@ -235,7 +235,7 @@ def open_sd3_file(path: Path, store: TensorStore, text_encoders=()) -> dict:
     sources: dict[str, ComponentSource] = {}
     notes: list[str] = []
     texts: dict = {}
-    try:
+    with beside.opened(stores, path):
         keys = list(store.keys())
         plan = mmdit_plan([k for k in keys if k.startswith((MMDIT_PREFIX, "joint_blocks.", "x_embedder.", "t_embedder.",
                                                             "y_embedder.", "context_embedder.", "pos_embed",
@@ -273,14 +273,6 @@ def open_sd3_file(path: Path, store: TensorStore, text_encoders=()) -> dict:
         for name, source in sources.items():
             if source.unexpected:
                 notes.append(f"{len(source.unexpected)} {name} keys not understood (ignored)")
-    except UnsupportedModelError as e:
-        for s in stores:
-            s.close()
-        raise CheckpointError(str(e), path) from None
-    except BaseException:
-        for s in stores:
-            s.close()
-        raise
     return dict(path=str(path), layout="original", spec=spec, detection=detection,
                 storage_dtype=storage_dtype(store, prefix=MMDIT_PREFIX), prediction_source="flow matching (SD3)",
                 sources=sources, scheduler_config=dict(spec.scheduler),

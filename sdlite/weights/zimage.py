@@ -23,11 +23,10 @@ from ..config.qwen import QwenConfig
 from ..config.zimage import ZIMAGE_VAE, ZImageConfig, zimage_spec
 from ..errors import CheckpointError
 from ..tokenizers.qwen import QwenTokenizer
-from .beside import Parts, add_parts, vae_part
+from .beside import Parts, add_parts, opened, vae_part, vae_prefix
 from .convert import normalize_diffusers_keys
 from .detect import Detection
 from .folders import component_store, read_json, storage_dtype
-from .plan import UnsupportedModelError
 from .qwen_keys import find_qwen_prefix, infer_qwen_config, qwen_config_from_gguf, qwen_plan
 from .store import ComponentSource, TensorStore
 from .zimage_keys import ZIMAGE_PREFIX, comfy_names, infer_zimage_config, zimage_layout, zimage_plan
@@ -85,7 +84,7 @@ def open_zimage_folder(folder: Path, index: dict, index_file: Path) -> dict:
             raise CheckpointError(f"the {cls} folder has no {needed}", folder)
     stores: list[TensorStore] = []
     sources: dict[str, ComponentSource] = {}
-    try:
+    with opened(stores, folder):
         configs = {}
         for component in ("text_encoder", "transformer", "vae"):
             configs[component] = read_json(folder / component / "config.json")
@@ -118,14 +117,6 @@ def open_zimage_folder(folder: Path, index: dict, index_file: Path) -> dict:
         sched_file = folder / "scheduler" / "scheduler_config.json"
         scheduler = read_json(sched_file) if sched_file.is_file() else None
         spec, detection = _spec_and_detection(transformer, vae, text, scheduler, "diffusers", folder)
-    except UnsupportedModelError as e:
-        for store in stores:
-            store.close()
-        raise CheckpointError(str(e), folder) from None
-    except BaseException:
-        for store in stores:
-            store.close()
-        raise
     return dict(path=str(folder), layout="diffusers", spec=spec, detection=detection,
                 storage_dtype=storage_dtype(stores[1]), prediction_source=PREDICTION_SOURCE,
                 sources=sources, scheduler_config=dict(spec.scheduler),
@@ -143,9 +134,9 @@ def _file_kind(keys: list[str], shapes: dict, where) -> tuple[str, str]:
     prefix = find_qwen_prefix(keys)
     if prefix is not None:
         return "text_encoder", prefix
-    for prefix in ("", *_VAE_PREFIXES):
-        if f"{prefix}decoder.conv_in.weight" in shapes and f"{prefix}encoder.conv_in.weight" in shapes:
-            return "vae", prefix
+    prefix = vae_prefix(shapes, ("", *_VAE_PREFIXES))
+    if prefix is not None:
+        return "vae", prefix
     raise CheckpointError("not a file Z-Image takes beside its transformer (no Qwen3 'model.layers.0...' / GGUF "
                           "'blk.0...' or VAE 'encoder.conv_in'/'decoder.conv_in' keys)"
                           + (f"; the first key is {keys[0]!r}" if keys else ""), where)
@@ -187,7 +178,7 @@ def open_zimage_file(path: Path, store: TensorStore, text_encoders=()) -> dict:
     stores = [store]
     sources: dict[str, ComponentSource] = {}
     notes: list[str] = []
-    try:
+    with opened(stores, path):
         keys = list(store.keys())
         layout, prefix = zimage_layout(keys)
         inside = [k for k in keys if k.startswith(prefix)] if prefix else \
@@ -213,14 +204,6 @@ def open_zimage_file(path: Path, store: TensorStore, text_encoders=()) -> dict:
         for name, source in sources.items():
             if source.unexpected:
                 notes.append(f"{len(source.unexpected)} {name} keys not understood (ignored)")
-    except UnsupportedModelError as e:
-        for s in stores:
-            s.close()
-        raise CheckpointError(str(e), path) from None
-    except BaseException:
-        for s in stores:
-            s.close()
-        raise
     return dict(path=str(path), layout="original", spec=spec, detection=detection,
                 storage_dtype=storage_dtype(store, prefix=prefix if prefix else ""),
                 prediction_source=PREDICTION_SOURCE, sources=sources, scheduler_config=dict(spec.scheduler),
