@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 from . import ConfigError
 
-__all__ = ["Flux2Config", "FLUX2_KLEIN_4B", "FLUX2_KLEIN_9B", "FLUX2_DEV", "FLUX2_PRESETS", "FLUX2_RELEASE_AXES",
+__all__ = ["Flux2Config", "FLUX2_FAMILIES", "FLUX2_KLEIN_SCHEDULER", "flux2_spec", "FLUX2_KLEIN_4B", "FLUX2_KLEIN_9B", "FLUX2_DEV", "FLUX2_PRESETS", "FLUX2_RELEASE_AXES",
            "FLUX2_RELEASE_THETA", "FLUX2_RELEASE_EPS", "REFERENCE_TIME_STEP"]
 
 _CLASS_NAME = "Flux2Transformer2DModel"
@@ -183,3 +183,25 @@ FLUX2_KLEIN_9B = Flux2Config(num_layers=8, num_single_layers=24, num_attention_h
 FLUX2_DEV = Flux2Config()
 
 FLUX2_PRESETS = {"flux2-klein-4b": FLUX2_KLEIN_4B, "flux2-klein-9b": FLUX2_KLEIN_9B, "flux2-dev": FLUX2_DEV}
+
+
+# the model families: a step-distilled klein (4 steps, no CFG) and a klein base model (CFG, 50 steps); the two have
+# the same transformer shapes, told apart by the pipeline's ``is_distilled`` (model_index.json) or a file's name
+FLUX2_FAMILIES = ("flux2-klein", "flux2-klein-base")
+# black-forest-labs/FLUX.2-klein-4B, scheduler/scheduler_config.json: FLUX.1's dynamic shifting; the pipeline sets mu
+# itself from the image's token count and the step count (Flux2KleinPipeline's compute_empirical_mu)
+FLUX2_KLEIN_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0,
+                         "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15,
+                         "base_image_seq_len": 256, "max_image_seq_len": 4096, "time_shift_type": "exponential"}
+
+
+def flux2_spec(transformer: Flux2Config, *, text, vae, distilled: bool = True, scheduler: dict | None = None):
+    """A FLUX.2 [klein] model (:class:`~sdlite.config.ModelSpec`): the transformer, its Qwen3 text encoder ``text``
+    (a :class:`~sdlite.config.qwen.QwenConfig`), the VAE (a :class:`~sdlite.config.flux2_vae.Flux2VAEConfig` with its
+    latent statistics), ``distilled`` (the 4-step models) or a base model, and klein's scheduler unless a folder gives
+    its own."""
+    from . import ModelSpec
+
+    return ModelSpec(family=FLUX2_FAMILIES[0 if distilled else 1], text=text, text2=None, text3=None, unet=None,
+                     transformer=transformer, vae=vae, prediction_type="flow", default_size=1024,
+                     scheduler=dict(FLUX2_KLEIN_SCHEDULER if scheduler is None else scheduler))

@@ -67,8 +67,21 @@ class Flux2VAEConfig:
     batch_norm_eps: float = 1e-4
     batch_norm_momentum: float = 0.1
     patch_size: tuple[int, int] = (2, 2)
+    # the batch-norm statistics of the patchified latent (``bn.running_mean`` / ``bn.running_var``, 128 values each),
+    # read from the weights when a model is opened: the sampler's latent is normalised by them. Not diffusers config
+    # fields (its config has none; they are weights); None where no weights were read (a config alone)
+    latents_mean: tuple[float, ...] | None = None
+    latents_var: tuple[float, ...] | None = None
 
     def __post_init__(self):
+        for name in ("latents_mean", "latents_var"):
+            value = getattr(self, name)
+            if value is not None:
+                value = tuple(float(v) for v in value)
+                if len(value) != self.patched_channels:
+                    raise ConfigError(f"FLUX.2 VAE {name} has {len(value)} values: the batch-norm statistics cover "
+                                      f"the {self.patched_channels} channels of the patchified latent")
+                object.__setattr__(self, name, value)
         for name in ("block_out_channels", "decoder_block_out_channels", "patch_size"):
             value = getattr(self, name)
             if value is not None:
@@ -127,6 +140,19 @@ class Flux2VAEConfig:
     def patched_downscale(self) -> int:
         """Image pixels per patchified latent pixel: 16 (image sizes must be multiples of it)."""
         return self.downscale * self.patch_size[0]
+
+    # what code written for :class:`~sdlite.config.VAEConfig` reads of a model's VAE (sizes, memory estimates)
+
+    @property
+    def block_channels(self) -> tuple[int, ...]:
+        return self.block_out_channels
+
+    @property
+    def norm_groups(self) -> int:
+        return self.norm_num_groups
+
+    scaling_factor = 1.0   # no scale or shift: the batch-norm statistics normalise the latent instead
+    shift_factor = 0.0
 
     @property
     def decoder_widths(self) -> tuple[int, ...]:

@@ -155,6 +155,8 @@ class Family:
     # source's latent from its generator (diffusers' SD and SDXL pipelines encode the source once per image); True,
     # the first image's generator draws one sample that the batch shares (Z-Image's pipelines encode it once)
     shared_source_sample = False
+    # reference images (Request.reference_images): the family conditions on them (FLUX.2's editing); others refuse
+    takes_references = False
 
     def __init__(self, spec):
         self.spec = spec

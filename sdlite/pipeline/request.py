@@ -55,6 +55,10 @@ class Request:
     outpaint: tuple | None = None     # (left, top, right, bottom) px, multiples of 8: extend the canvas
     resize_mode: str = "just-resize"  # just-resize | crop | fill: how a source of another size is fitted
     mask_from_alpha: bool = False     # the init image's transparency is the mask
+    # editing from reference images (FLUX.2 klein): paths or PIL images the model sees beside the prompt, in order
+    # (the first sets the output size where width and height are left unset); () = none. Families without reference
+    # conditioning refuse them
+    reference_images: tuple = ()
     # add-ons
     loras: tuple = ()                 # (path, weight) pairs, besides the prompt's <lora:name:weight> tags;
                                       # a weight may be {"unet": a, "text_encoder": b} (networks.py)
@@ -183,7 +187,8 @@ def validate(request: Request, native_size: int = 512) -> Request:
     With a source image, a width or height left None stays None: it comes from the source's size when the
     source is read (:meth:`Engine.generate`)."""
     r = _validate_explicit(request)
-    sized_by_source = r.init_image is not None
+    r = _validate_references(r)
+    sized_by_source = r.init_image is not None or bool(r.reference_images)
     width = (None if sized_by_source else native_size) if r.width is None else r.width
     height = (None if sized_by_source else native_size) if r.height is None else r.height
     for name, value in (("width", width), ("height", height)):
@@ -240,6 +245,33 @@ def validate(request: Request, native_size: int = 512) -> Request:
     return _validate_image_options(r).replace(width=width, height=height, sampler=sampler, schedule=schedule,
                                               seed=seed, cfg_scale=float(r.cfg_scale), hires=hires,
                                               controls=_validate_controls(r))
+
+
+MAX_REFERENCE_IMAGES = 10   # FLUX.2's limit for its reference images (BFL: up to 10 for [dev], fewer for [klein])
+
+
+def _validate_references(r: Request) -> Request:
+    """The reference images as a tuple of paths or PIL images (not opened here), at most MAX_REFERENCE_IMAGES."""
+    from pathlib import Path
+
+    from PIL import Image
+
+    refs = r.reference_images
+    if refs is None:
+        return r.replace(reference_images=())
+    if isinstance(refs, (str, Path, Image.Image)):
+        refs = (refs,)
+    try:
+        refs = tuple(refs)
+    except TypeError:
+        raise RequestError(f"reference_images {refs!r} is not valid: expected a list of image paths or images") \
+            from None
+    for i, ref in enumerate(refs):
+        if not isinstance(ref, (str, Path, Image.Image)) or (isinstance(ref, str) and not ref):
+            raise RequestError(f"reference image {i + 1} ({ref!r}) is not valid: expected an image path or a PIL image")
+    if len(refs) > MAX_REFERENCE_IMAGES:
+        raise RequestError(f"{len(refs)} reference images: at most {MAX_REFERENCE_IMAGES} are taken")
+    return r.replace(reference_images=refs)
 
 
 # the samplers noise="comfy" runs (the ones ComfyUI's names map to: sdlite.sampling.comfy.COMFY_SAMPLERS)
