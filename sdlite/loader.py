@@ -22,12 +22,16 @@ from .config import (PRESETS, SD3_FAMILIES, X4_FAMILY, X4_LOW_RES_SCHEDULER, X4_
                      ConfigError, ModelSpec, TextEncoderConfig, UNetConfig, VAEConfig, explicit_spacing, is_bert,
                      published_scheduler)
 from .config.flux import FluxConfig
+from .config.flux2 import Flux2Config
+from .config.flux2_vae import Flux2VAEConfig
 from .config.qwen import QwenConfig
 from .config.zimage import ZImageConfig
 from .errors import CheckpointError
 from .models.bert import BertTextEncoder
 from .models.clip import CLIPTextEncoder
 from .models.flux import Flux
+from .models.flux2 import Flux2
+from .models.flux2_vae import Flux2VAE
 from .models.mmdit import MMDiT
 from .models.qwen import QwenTextEncoder
 from .models.t5 import T5Encoder
@@ -45,7 +49,7 @@ from .weights.folders import (LARGE_VAE, component_store as _component_store, fo
 from .weights.io import open_checkpoint
 from .weights.quants import QuantizedTensor
 from .weights.flux import FLUX_PIPELINES, is_flux_file, open_flux_file, open_flux_folder
-from .weights.flux2_keys import is_flux2
+from .weights.flux2 import FLUX2_PIPELINES, is_flux2_file, open_flux2_file, open_flux2_folder
 from .weights.sd3 import SD3_PIPELINES, is_sd3_file, open_sd3_file, open_sd3_folder
 from .weights.store import ComponentSource, TensorStore
 from .weights.text_keys import normalize_bert_keys
@@ -57,6 +61,8 @@ TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 _BUILDERS = {"text_encoder": CLIPTextEncoder, "text_encoder_3": T5Encoder, "unet": UNet, "transformer": MMDiT,
              "vae": AutoencoderKL}
+# the networks their config's class names (FLUX.1's, Z-Image's and FLUX.2's transformers, FLUX.2's VAE)
+_BY_CONFIG = {FluxConfig: Flux, ZImageConfig: ZImage, Flux2Config: Flux2, Flux2VAEConfig: Flux2VAE}
 _SPEC_FIELD = {"text_encoder": "text", "text_encoder_2": "text2", "text_encoder_3": "text3", "unet": "unet",
                "transformer": "transformer", "vae": "vae"}
 # pipeline classes of the diffusers folders sdlite opens (model_index.json _class_name)
@@ -77,13 +83,12 @@ def build_network(component: str, spec: ModelSpec) -> nn.Module:
         return CLIPTextEncoder(spec.text2, projection=True)
     if component == "text_encoder" and spec.family in SD3_FAMILIES:   # SD3's CLIP-L: its pooled output too
         return CLIPTextEncoder(spec.text, projection=True)
-    if component == "transformer" and isinstance(spec.transformer, FluxConfig):
-        return Flux(spec.transformer)
-    if component == "transformer" and isinstance(spec.transformer, ZImageConfig):
-        return ZImage(spec.transformer)
+    config = getattr(spec, _SPEC_FIELD[component])
+    if component in ("transformer", "vae") and type(config) in _BY_CONFIG:   # FLUX.1, Z-Image, FLUX.2
+        return _BY_CONFIG[type(config)](config)
     if component == "text_encoder" and isinstance(spec.text, QwenConfig):   # an LLM as the text encoder (Z-Image)
         return QwenTextEncoder(spec.text)
-    return _BUILDERS[component](getattr(spec, _SPEC_FIELD[component]))
+    return _BUILDERS[component](config)
 
 
 def model_components(spec: ModelSpec) -> tuple[str, ...]:
@@ -424,10 +429,12 @@ def _open_diffusers_folder(folder: Path) -> Checkpoint:
         return Checkpoint(**open_flux_folder(folder, index, index_file))
     if cls in ZIMAGE_PIPELINES:
         return Checkpoint(**open_zimage_folder(folder, index, index_file))
+    if cls in FLUX2_PIPELINES:
+        return Checkpoint(**open_flux2_folder(folder, index, index_file))
     if cls and cls not in SD_PIPELINES + X4_PIPELINES:
         raise CheckpointError(f"pipeline class {cls!r} is not a pipeline sdlite runs (Stable Diffusion 1.x/2.x: "
                               f"{', '.join(SD_PIPELINES)}; SDXL: {', '.join(SDXL_PIPELINES)}; SD3: "
-                              f"{', '.join(SD3_PIPELINES)}; FLUX.1: {', '.join(FLUX_PIPELINES)}; Z-Image: {', '.join(ZIMAGE_PIPELINES)}; the x4 upscaler: {', '.join(X4_PIPELINES)})", index_file)
+                              f"{', '.join(SD3_PIPELINES)}; FLUX.1: {', '.join(FLUX_PIPELINES)}; Z-Image: {', '.join(ZIMAGE_PIPELINES)}; FLUX.2 [klein]: {', '.join(FLUX2_PIPELINES[:-1])}; the x4 upscaler: {', '.join(X4_PIPELINES)})", index_file)
     where = _component_folders(folder, index, index_file)
     stores: list[TensorStore] = []
     sources: dict[str, ComponentSource] = {}
@@ -689,10 +696,8 @@ def _open_single_file(path: Path, use_ema: bool, text_encoders=()) -> Checkpoint
     store = open_checkpoint(path)
     if is_sd3_file(store.keys()):
         return Checkpoint(**open_sd3_file(path, store, text_encoders))
-    if is_flux2(list(store.keys())):   # before FLUX.1, whose block names FLUX.2 shares
-        store.close()
-        raise CheckpointError("a FLUX.2 transformer (klein or dev: it has FLUX.2's shared 'double_stream_modulation' "
-                              "weights); sdlite runs FLUX.1, not FLUX.2 yet", path)
+    if is_flux2_file(store.keys()):   # before FLUX.1, whose block names FLUX.2 shares
+        return Checkpoint(**open_flux2_file(path, store, text_encoders))
     if is_flux_file(store.keys()):
         return Checkpoint(**open_flux_file(path, store, text_encoders))
     if is_zimage_file(store.keys()):

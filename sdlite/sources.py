@@ -468,6 +468,26 @@ def apply_overlay(result: Image.Image, source: Image.Image, overlay_mask: Image.
     return Image.fromarray(np.clip(np.rint(out), 0, 255).astype(np.uint8), "RGB")
 
 
+def fit_size(width: int, height: int, multiple: int = 8) -> tuple[int, int]:
+    """A source of ``width`` x ``height`` pixels as a generation size: each side rounded down to a multiple of
+    ``multiple`` (at least one multiple), as diffusers' image processor rounds an image to its scale factor (8: the
+    VAE's; 16 for the transformers that patch 2x2 latents, FLUX.1 and Z-Image)."""
+    return max(multiple, width // multiple * multiple), max(multiple, height // multiple * multiple)
+
+
+def source_size(r, multiple: int = 8) -> tuple[int, int]:
+    """The size an image-to-image request ``r`` is generated at where it leaves width or height unset: its source's
+    as :func:`prepare` reads it (EXIF orientation applied, the outpaint border added), by :func:`fit_size`. Sides
+    ``r`` gives are kept. Read before any model work, so that a family can fit the size to its patches."""
+    try:
+        image = load_image(r.init_image, "init image")
+    except ImageInputError as e:
+        raise RequestError(str(e)) from None
+    left, top, right, bottom = r.outpaint or (0, 0, 0, 0)
+    width, height = fit_size(image.width + left + right, image.height + top + bottom, multiple)
+    return r.width or width, r.height or height
+
+
 def prepare(r) -> "Source":
     """Read the source image (and mask) of an image-to-image request and prepare the pixels as A1111 does:
     outpaint canvas, mask inversion and blur, fitting to the generation size (or the crop around the mask),
@@ -497,8 +517,8 @@ def prepare(r) -> "Source":
     except ImageInputError as e:
         raise RequestError(str(e)) from None
     # the source's size, rounded down to a multiple of 8 as diffusers' image processor does
-    width = r.width or max(8, image.width // 8 * 8)
-    height = r.height or max(8, image.height // 8 * 8)
+    width, height = fit_size(image.width, image.height)
+    width, height = r.width or width, r.height or height
     blurred = blur_mask(mask, r.mask_blur) if mask is not None and r.mask_blur else mask
     paste_box = None
     if mask is not None and r.inpaint_area == "masked":

@@ -169,6 +169,29 @@ def test_image_to_image_matches_fluximg2imgpipeline(models):
     assert np.abs(_pixels(got.images) - expected).max() <= MAX_PIXEL_DIFF
 
 
+def test_a_source_whose_sides_are_not_multiples_of_16_is_fitted_to_them(models):
+    """Image to image with no size given on a 72x56 source: the source's size rounded down to multiples of 16
+    (64x48) and the source resized to it: FluxImg2ImgPipeline's image at that size (it resizes a source to the size it
+    is given). A size given that FLUX cannot draw is refused naming the nearest sizes."""
+    from diffusers import FluxImg2ImgPipeline
+    from PIL import Image
+
+    pipe, engine = models["schnell"]
+    img2img = FluxImg2ImgPipeline(**pipe.components)
+    img2img.set_progress_bar_config(disable=True)
+    source = Image.fromarray(np.random.default_rng(3).integers(0, 256, (56, 72, 3), dtype=np.uint8))
+    out = img2img(prompt=PROMPT, image=source, strength=0.7, num_inference_steps=4, height=48, width=64,
+                  max_sequence_length=256, generator=torch.Generator().manual_seed(2), output_type="np").images
+    expected = np.round(np.clip(out, 0, 1) * 255).astype(np.int16)
+    got = engine.generate(Request(prompt=PROMPT, init_image=source, strength=0.7, steps=4, sampler="euler", seed=2,
+                                  cfg_scale=1.0))
+    assert _pixels(got.images).shape == expected.shape == (1, 48, 64, 3)
+    assert np.abs(_pixels(got.images) - expected).max() <= MAX_PIXEL_DIFF
+    with pytest.raises(RequestError, match=r"56x\(the source's\) is not: the nearest that are: 48x\(the source's\) "
+                                           r"or 64x\(the source's\)"):
+        engine.generate(Request(prompt=PROMPT, init_image=source, width=56, steps=2, sampler="euler"))
+
+
 def test_inpainting_matches_fluxinpaintpipeline(models):
     """schnell, the unmasked region re-imposed after each step as FluxInpaintPipeline does; batch 2."""
     from diffusers import FluxInpaintPipeline
@@ -214,6 +237,34 @@ def test_hires_fix_matches_the_diffusers_composition(models):
                                   cfg_scale=1.0, batch_size=2, hires=Hires(scale=2, upscaler="Latent", denoise=0.6)))
     assert [im.size for im in got.images] == [(big, big)] * 2
     assert np.abs(_pixels(got.images) - expected).max() <= MAX_PIXEL_DIFF
+
+
+def test_a_zeroed_negative_is_diffusers_true_cfg_with_zero_embeddings(models):
+    """ComfyUI's ConditioningZeroOut as the negative at cfg 2 (LatentRun.negative_zeroed, as the ComfyUI server's
+    KSampler runs it; ModelSamplingFlux's shift for the size is FluxPipeline's mu): T5's rows and CLIP's pooled
+    output of the negative are zeros, which is FluxPipeline's true CFG given zero negative embeddings. A negative of
+    the encoded prompt gives another image."""
+    from sdlite.families.base import latents_to_images
+    from sdlite.pipeline.latents import LatentRun
+    from sdlite.sampling.comfy import flux_shift
+
+    pipe, engine = models["dev"]
+    embeds, pooled, _ = pipe.encode_prompt(prompt=PROMPT, prompt_2=None, max_sequence_length=512)
+    expected = _reference(pipe, "dev", prompt_embeds=embeds, pooled_prompt_embeds=pooled, true_cfg_scale=2.0,
+                          negative_prompt_embeds=torch.zeros_like(embeds),
+                          negative_pooled_prompt_embeds=torch.zeros_like(pooled), num_inference_steps=4,
+                          generator=torch.Generator().manual_seed(3))
+    r = Request(prompt=PROMPT, negative_prompt=PROMPT, steps=4, cfg_scale=2.0, sampler="euler", schedule="simple",
+                seed=3)
+    empty = torch.zeros(1, 16, SIZE // 8, SIZE // 8)
+
+    def image(**zeroed):
+        run = LatentRun(empty, shift=flux_shift(SIZE, SIZE), **zeroed)
+        return _pixels(latents_to_images(engine.decode_scaled(engine.sample_latents(r, run).latents)))
+
+    got = image(negative_zeroed=(0,))
+    assert np.abs(got - expected).max() <= MAX_PIXEL_DIFF and got.std() > 10
+    assert np.abs(image() - expected).max() > 20
 
 
 def test_low_memory_mode_gives_the_same_images(models):

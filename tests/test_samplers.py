@@ -6,6 +6,7 @@ The parity tests run each diffusers scheduler's loop (as ``StableDiffusionPipeli
 from __future__ import annotations
 
 import inspect
+import math
 
 import pytest
 import torch
@@ -268,7 +269,7 @@ def test_deterministic_samplers_converge_to_exact_ode_solution(name, kind):
 
 
 @pytest.mark.parametrize("name,eta", [("euler_a", None), ("dpmpp_2m_sde", None), ("dpmpp_sde", None),
-                                      ("ddpm", None), ("ddim", 1.0)])
+                                      ("ddpm", None), ("ddim", 1.0), ("res_multistep_ancestral", None)])
 def test_stochastic_samplers_sample_the_data_distribution(name, eta):
     schedule = NoiseSchedule.from_config(SD_SCHEDULER)
     info = SAMPLERS[name]
@@ -282,6 +283,49 @@ def test_stochastic_samplers_sample_the_data_distribution(name, eta):
     x = x / (1 + sigmas[-1] ** 2) ** 0.5
     assert abs(x.mean().item() - MU) < 0.05
     assert abs(x.std().item() / S - 1) < 0.03
+
+
+def _log_grid(steps: int, high: float = 10.0, low: float = 0.1) -> torch.Tensor:
+    """``steps + 1`` sigmas evenly spaced in log sigma: the step size h in t = -log(sigma) is the same everywhere."""
+    return torch.exp(torch.linspace(math.log(high), math.log(low), steps + 1, dtype=torch.float64)).float()
+
+
+def test_res_multistep_is_second_order_and_starts_with_an_euler_step():
+    """ComfyUI's res_multistep on the exact Gaussian denoiser: halving the step quarters the error against the exact
+    ODE solution (second order; Euler's halves), and its first step, with no earlier estimate, is Euler's."""
+    noise = torch.randn(1, 1, 16, 16, generator=torch.Generator().manual_seed(21))
+    errors = {"res_multistep": [], "euler": []}
+    for name, found in errors.items():
+        for steps in (16, 32, 64, 128):
+            sigmas = _log_grid(steps)
+            x_start = noise * sigmas[0]
+            x = SAMPLERS[name].fn(gaussian_denoiser, x_start, sigmas)
+            exact = exact_ode(x_start.double(), sigmas[0].double(), sigmas[-1].double())
+            found.append((x.double() - exact).abs().max().item())
+    ratios = [a / b for a, b in zip(errors["res_multistep"], errors["res_multistep"][1:])]
+    assert all(3.5 < r < 4.6 for r in ratios), errors
+    assert all(1.8 < a / b < 2.2 for a, b in zip(errors["euler"], errors["euler"][1:])), errors
+    assert errors["res_multistep"][-1] < errors["euler"][-1] / 50, errors
+    sigmas = _log_grid(8)
+    x_start = noise * sigmas[0]
+    one = SAMPLERS["res_multistep"].fn(gaussian_denoiser, x_start, sigmas[:2])
+    assert torch.equal(one, SAMPLERS["euler"].fn(gaussian_denoiser, x_start, sigmas[:2]))
+    two = SAMPLERS["res_multistep"].fn(gaussian_denoiser, x_start, sigmas[:3])
+    assert not torch.allclose(two, SAMPLERS["euler"].fn(gaussian_denoiser, x_start, sigmas[:3]), atol=1e-4)
+
+
+def test_res_multistep_ancestral_at_eta_0_is_res_multistep_and_draws_noise_otherwise():
+    sigmas = _log_grid(6)
+    x = torch.randn(1, 1, 8, 8, generator=torch.Generator().manual_seed(4)) * sigmas[0]
+    plain = SAMPLERS["res_multistep"].fn(gaussian_denoiser, x, sigmas)
+    at_0 = SAMPLERS["res_multistep_ancestral"].fn(gaussian_denoiser, x, sigmas, eta=0.0,
+                                                  generator=torch.Generator().manual_seed(1))
+    assert torch.equal(at_0, plain)
+    runs = [SAMPLERS["res_multistep_ancestral"].fn(gaussian_denoiser, x, sigmas,
+                                                   generator=torch.Generator().manual_seed(s)) for s in (1, 1, 2)]
+    assert torch.equal(runs[0], runs[1]) and not torch.allclose(runs[0], runs[2])
+    assert resolve_sampler("Res Multistep") == ("res_multistep", "discrete")
+    assert resolve_sampler("res_multistep_ancestral") == ("res_multistep_ancestral", "discrete")
 
 
 def test_brownian_noise_is_one_brownian_path():

@@ -222,5 +222,28 @@ def test_refusals_name_the_problem(model):
         engine.generate(_request(steps=2, width=64, height=64, hires=Hires(scale=1.375)))
     with pytest.raises(RequestError, match=r"hires fix's target size 88x64 \(resize 88x0 of 64x48\)"):
         engine.generate(_request(steps=2, width=64, height=48, hires=Hires(resize_x=88)))
-    with pytest.raises(RequestError, match="multiple of 16"):   # a source whose size is a multiple of 8 only
-        engine.generate(_request(init_image=_source(0, 72, 64), strength=0.5, steps=2))
+    with pytest.raises(RequestError, match=r"multiples of 16 .*72x64 is not: the nearest that are: 64x64 or 80x64"):
+        engine.generate(_request(width=72, height=64, steps=2))
+
+
+def test_a_source_whose_sides_are_not_multiples_of_16_is_fitted_as_diffusers_fits_it(model, monkeypatch):
+    """Image to image with no size given: the source's size rounded down to multiples of 16 (72x56 -> 64x48) and the
+    source resized to it, as ZImageImg2ImgPipeline's image processor does with a source it gets no size for: its
+    image. A size given that Z-Image cannot draw is refused naming the nearest sizes, before any model work."""
+    img2img, _, engine = model
+    source = _source(5, 72, 56)
+    expected = _np(img2img(prompt=PROMPT, image=source, strength=0.6, num_inference_steps=4, guidance_scale=0.0,
+                           generator=_seeds(6), output_type="np").images)
+    result = engine.generate(_request(init_image=source, strength=0.6, steps=4, seed=6))
+    got = _pixels(result.images)
+    assert got.shape == expected.shape == (1, 48, 64, 3)
+    assert (result.request.width, result.request.height) == (64, 48)
+    assert np.abs(got - expected).max() <= MAX_PIXEL_DIFF
+
+    def no_model_work(*args, **kwargs):
+        raise AssertionError("the text encoder ran before the size was refused")
+
+    monkeypatch.setattr(type(engine.family), "encode_texts", no_model_work)
+    with pytest.raises(RequestError, match=r"72x\(the source's\) is not: the nearest that are: "
+                                           r"64x\(the source's\) or 80x\(the source's\)"):
+        engine.generate(_request(init_image=source, width=72, strength=0.6, steps=2))

@@ -4,12 +4,15 @@ ComfyUI users have (the transformer in ComfyUI's names in diffusion_models/, Qwe
 
 * A1111: the folder is listed, switched to, and its txt2img is the engine's image; steps, cfg and sampler left out
   are the family's (8 steps of Euler at cfg 1), ``cfg_scale`` is A1111's cfg, Forge's ``distilled_cfg_scale`` is
-  ignored with a warning, a size Z-Image cannot draw is refused naming it.
+  ignored with a warning, a size Z-Image cannot draw is refused naming it; --max-steps checks the steps the model
+  runs; a hires fix announces the steps the engine then runs (its flow schedule's second-pass rule).
+* ``sdlite batch``: lines that leave steps, cfg and sampler out get the family's, in either vocabulary.
 * OpenAI's ``/v1/images/generations`` and MCP's ``generate`` (in-process, through the SDK's client): the engine's
   image, with the family's defaults where the call leaves them out.
 * ComfyUI: the stock Z-Image workflow (UNETLoader, CLIPLoader type lumina2, VAELoader, ModelSamplingAuraFlow,
   CLIPTextEncode, ConditioningZeroOut, EmptySD3LatentImage, KSampler, VAEDecode, SaveImage), with euler / simple
-  for its res_multistep (which is refused by name), gives sdlite's engine's image of the same files; so do city96's
+  for its res_multistep (which the KSampler refuses by name until sdlite's ComfyUI noise path runs it), gives
+  sdlite's engine's image of the same files; at cfg 2 its zeroed negative is diffusers' zero embeddings; so do city96's
   GGUF loaders and UNETLoader's fp8 weight_dtype (the image of the transformer rounded to fp8); ModelSamplingAuraFlow's
   shift reaches the sampler; what does not fit is refused naming the node, input and value.
 * Ray (a unit-level check): the ingress reads the width of Z-Image's LLM encoder as it reads CLIP's.
@@ -105,7 +108,7 @@ def env(tmp_path_factory):
         folder.mkdir()
     server = Server(model_path(), models, preload=False, engine_options=OPTIONS)
     yield SimpleNamespace(server=server, executor=Executor(server, dirs), models=models, dirs=dirs,
-                          folder=models / "z-image-turbo")
+                          folder=models / "z-image-turbo", pipe=pipe)
     server.jobs.stop(1)
 
 
@@ -188,6 +191,111 @@ def test_a1111_refusal_names_the_size(client):
     r = c.post(f"{API}/txt2img", json={"prompt": PROMPT, "steps": 1, "width": 72, "height": SIZE,
                                        "override_settings": {"sd_model_checkpoint": "z-image-turbo"}})
     assert r.status_code == 422 and "multiples of 16" in r.text and "72x64" in r.text
+
+
+class Progress:
+    """What run_plan reports through (a JobControl stand-in): each iteration's announced total, each step's."""
+
+    interrupted, stop_reason = False, None
+
+    def __init__(self):
+        self.announced, self.steps = [], []
+
+    def begin(self, *a): pass
+    def info(self, *a): pass
+    def set_preview(self, *a): pass
+
+    def preview_due(self, step, total):
+        return False
+
+    def iteration(self, job_no, total):
+        self.announced.append(total)
+
+    def step(self, step, total):
+        self.steps.append((step, total))
+
+
+def test_a1111_hires_progress_announces_the_steps_the_engine_runs(client):
+    """A hires fix on Z-Image (flow matching) at 5 steps and denoising 0.5: the second pass runs 3 of its 5 planned
+    steps (StableDiffusion3Img2ImgPipeline's rule, which truncates the steps skipped), where a DDPM model's rule gives
+    2. The total the job announces before it runs is the 8 steps the engine then counts."""
+    from sdlite.server.a1111 import api as a1111
+    from sdlite.server.backend import run_plan
+
+    _, server = client
+    plan = server.build_plan(a1111.Txt2ImgRequest(
+        prompt=PROMPT, seed=2, steps=5, width=SIZE, height=SIZE, enable_hr=True, hr_scale=1.5, hr_upscaler="Latent",
+        denoising_strength=0.5))
+    progress = Progress()
+    outcome = run_plan(server.engines, server.find_checkpoint("z-image-turbo"), plan, progress)
+    assert outcome.results[0].images[0].size == (96, 96)
+    assert progress.steps == [(i, 8) for i in range(1, 9)]
+    assert progress.announced == [8]
+
+
+def _limited(env, max_steps: int):
+    from fastapi.testclient import TestClient
+
+    from sdlite.demo import model_path
+    from sdlite.server.app import build_app
+    from sdlite.server.backend import Server
+    from sdlite.server.limits import Limits
+
+    return TestClient(build_app(Server(model_path(), env.models, preload=False, engine_options=OPTIONS,
+                                       limits=Limits(max_steps=max_steps))))
+
+
+def test_a1111_max_steps_checks_the_steps_the_model_runs(env, folder_engine):
+    """--max-steps on a request that leaves steps out is checked against the steps the model runs: Z-Image's 8 pass
+    a limit of 10 (A1111's default of 50 would not), and are refused under a limit of 5, naming them; given steps are
+    checked as given, before the job is queued; on a model without defaults of its own, A1111's 50 are checked."""
+    body = {"prompt": PROMPT, "seed": 8, "width": SIZE, "height": SIZE,
+            "override_settings": {"sd_model_checkpoint": "z-image-turbo"}}
+    with _limited(env, 10) as c:
+        r = c.post(f"{API}/txt2img", json=body)
+        assert r.status_code == 200, r.text
+        assert json.loads(r.json()["info"])["steps"] == 8
+        assert np.array_equal(_png(r.json()["images"][0]), _image(folder_engine, seed=8))
+        r = c.post(f"{API}/txt2img", json={**body, "steps": 12})
+        assert r.status_code == 422 and "steps=12 is over this server's limit of 10 steps" in r.text
+        r = c.post(f"{API}/txt2img", json={"prompt": PROMPT, "width": SIZE, "height": SIZE})   # the demo model
+        assert r.status_code == 422, r.text
+        assert "steps=50 (the default, as the request leaves steps out) is over this server's limit of 10" in r.text
+    with _limited(env, 5) as c:
+        r = c.post(f"{API}/txt2img", json=body)
+        assert r.status_code == 422, r.text
+        assert ("steps=8 (the model's default, as the request leaves steps out) is over this server's limit of 5 "
+                "steps (--max-steps)") in r.text
+
+
+def test_batch_jobs_take_the_models_defaults_where_they_leave_them_out(env, folder_engine, tmp_path):
+    """`sdlite batch` on the Z-Image folder: a line in either vocabulary that leaves steps, cfg and sampler out runs
+    the Turbo's 8 steps of Euler at cfg 1, the engine's image; what a line gives is kept (3 steps, the family's
+    sampler and cfg for the rest). Two lines of consecutive seeds, one giving A1111's 50 steps, are not batched
+    together: the other runs the model's 8."""
+    from sdlite.images import parse_infotext
+    from sdlite.scale.batch import run_batch
+
+    jobs = tmp_path / "jobs.jsonl"
+    lines = [{"id": "api", "prompt": PROMPT, "seed": 8, "width": SIZE, "height": SIZE},
+             {"id": "request", "prompt": PROMPT, "seed": 4, "width": SIZE, "height": SIZE, "schedule": "discrete"},
+             {"id": "given", "prompt": PROMPT, "seed": 2, "width": SIZE, "height": SIZE, "steps": 3},
+             {"id": "fifty", "prompt": PROMPT, "seed": 20, "width": SIZE, "height": SIZE, "steps": 50},
+             {"id": "after", "prompt": PROMPT, "seed": 21, "width": SIZE, "height": SIZE}]
+    jobs.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out"
+    summary = run_batch(jobs, out, model=str(env.folder), engine_options=OPTIONS, progress=False)
+    assert summary.done == 5 and not summary.failed, summary.failed
+
+    def made(name):
+        with Image.open(out / f"{name}.png") as im:
+            return np.asarray(im.convert("RGB")), parse_infotext(im.info["parameters"])
+
+    for name, seed, steps in (("api", 8, 8), ("request", 4, 8), ("given", 2, 3), ("after", 21, 8)):
+        pixels, params = made(name)
+        assert (params["Steps"], params["Sampler"], params["CFG scale"]) == (str(steps), "Euler", "1"), (name, params)
+        assert np.array_equal(pixels, _image(folder_engine, seed=seed, steps=steps)), name
+    assert made("fifty")[1]["Steps"] == "50"
 
 
 def test_openai_generation_with_zimage(client, folder_engine):
@@ -361,7 +469,8 @@ def test_unet_loader_fp8_weight_dtype(env):
 
 
 def test_res_multistep_is_refused_by_name(env):
-    """The stock workflow as ComfyUI ships it: its res_multistep sampler is one sdlite does not have."""
+    """The stock workflow as ComfyUI ships it: its res_multistep sampler, which sdlite's ComfyUI noise path does not
+    run yet (Request(noise="comfy") refuses it), is refused by name at validation, before any model loads."""
     (error,) = refusal(env, stock_workflow(sampler="res_multistep"))["3"]["errors"]
     assert error["type"] == "value_not_in_list" and error["extra_info"]["input_name"] == "sampler_name"
     assert "'res_multistep' is a ComfyUI name sdlite does not have" in error["details"]
@@ -391,11 +500,57 @@ def validate_ok(env, prompt) -> bool:
     return validate(copy.deepcopy(prompt), env.server) == ["9"]
 
 
+def _spy_guidance(monkeypatch) -> list[dict]:
+    """The conditioning every guided denoiser call gets (CFGDenoiser's keyword arguments), recorded."""
+    from sdlite.sampling.denoisers import CFGDenoiser
+
+    calls, original = [], CFGDenoiser.__call__
+
+    def spy(self, x, sigma, **kw):
+        calls.append({"scale": self.scale, **kw})
+        return original(self, x, sigma, **kw)
+
+    monkeypatch.setattr(CFGDenoiser, "__call__", spy)
+    return calls
+
+
+def test_a_zeroed_negative_at_cfg_above_1_is_zeros_of_the_positives_shape(env, monkeypatch):
+    """The stock workflow at cfg 2: ConditioningZeroOut's negative is what ComfyUI makes of the positive, zeros of its
+    shape: a caption of the positive's length, all zeros, beside the positive's own encoding. The image is diffusers'
+    ZImagePipeline's given those zeros as its negative embeddings, another than at cfg 1 and than with an empty
+    negative prompt at cfg 2."""
+    calls = _spy_guidance(monkeypatch)
+    got = run(env, stock_workflow(cfg=2.0))
+    assert len(calls) == 4 and all(kw["scale"] == 2.0 for kw in calls)
+    for kw in calls:
+        context, uncond = kw["context"], kw["uncond"]
+        assert uncond.shape == context.shape and not uncond.any() and context.abs().sum() > 0
+        assert torch.equal(kw["uncond_added"]["context_lengths"], kw["added"]["context_lengths"])
+        assert int(kw["added"]["context_lengths"][0]) == context.shape[1]   # the positive's caption, unpadded
+    # diffusers' ZImagePipeline given the same zeros as its negative embeddings (guidance_scale 1: cfg 2)
+    embeds, _ = env.pipe.encode_prompt(PROMPT, do_classifier_free_guidance=False)
+    expected = tiny._reference(env.pipe, SIZE, SIZE, prompt_embeds=embeds, guidance_scale=1.0,
+                               negative_prompt_embeds=[torch.zeros_like(e) for e in embeds], num_inference_steps=4,
+                               generator=torch.Generator().manual_seed(5))
+    assert np.abs(got.astype(np.int16) - expected[0]).max() <= tiny.MAX_PIXEL_DIFF and got.std() > 10
+    (engine,) = env.server.engines._loaded.values()
+    empty_negative = _image(engine, seed=5, steps=4, cfg_scale=2.0, schedule="simple", negative_prompt="",
+                            noise="comfy")
+    assert not np.array_equal(got, empty_negative) and not np.array_equal(got, run(env, stock_workflow()))
+
+
+def test_a_zeroed_positive_is_zeros_too(env, monkeypatch):
+    """ConditioningZeroOut as the positive (the prompt as the negative): ComfyUI guides from zeros; so does sdlite."""
+    calls = _spy_guidance(monkeypatch)
+    prompt = stock_workflow(cfg=2.0, steps=2)
+    prompt["3"]["inputs"].update(positive=["7", 0], negative=["6", 0])
+    run(env, prompt)
+    assert len(calls) == 2
+    for kw in calls:
+        assert not kw["context"].any() and kw["uncond"].abs().sum() > 0
+
+
 @pytest.mark.parametrize("change,words", [
-    ({"3": {"cfg": 2.0}}, "ConditioningZeroOut (node 7): sdlite samples with no zeroed conditioning: at cfg 2 the "
-                          "negative must be a prompt's"),
-    ({"3": {"positive": ["7", 0], "negative": ["6", 0]}}, "ConditioningZeroOut (node 7): sdlite samples with no "
-                                                          "zeroed conditioning: the positive must be a prompt's"),
     ({"11": {"class_type": "ModelSamplingFlux"}}, "ModelSamplingFlux: UNETLoader (node 16) unet_name "
                                                   f"'{UNET}' has a fixed shift (3)"),
     ({"13": {"width": 72}}, "72x64 is not"),

@@ -5,7 +5,7 @@ without transformers' ``text_model.``, or a UNet's by the original LDM / SGM lay
 converter's own table, :func:`sdlite.weights.convert.unet_to_original`), an SD3 transformer's by Stability's MMDiT
 layout (:func:`sdlite.weights.mmdit_keys.mmdit_to_original`; its stacked q/k/v layers split into the model's three
 by :func:`split_fused`), a FLUX transformer's by BFL's (:func:`sdlite.weights.flux_keys.flux_to_original`, split
-likewise), a Z-Image transformer's by the original code's, as ComfyUI names it
+likewise), a FLUX.2 transformer's by BFL's too (:func:`sdlite.weights.flux2_keys.flux2_to_original`), a Z-Image transformer's by the original code's, as ComfyUI names it
 (:func:`sdlite.weights.zimage_keys.zimage_to_comfy`: ``attention.qkv`` split likewise).
 
 Refused, with a :class:`LoraError`: a LoRA made for another family (SD 1.x, SD 2.x, SDXL, the SDXL refiner: told from
@@ -40,7 +40,8 @@ _DENSE = (nn.Linear, nn.Conv2d, BF16Linear, BF16Conv2d)   # a float weight of th
 # a model's family (ModelSpec.family, "-inpaint" removed) as messages name it
 _SPEC_FAMILY = {"sd1": "SD 1.x", "sd2": "SD 2.x", "sdxl": "SDXL", "sdxl-refiner": "the SDXL refiner", "sd3": "SD3",
                 "sd3.5-medium": "SD3.5 Medium", "sd3.5-large": "SD3.5 Large", "flux-dev": "FLUX.1 dev",
-                "flux-schnell": "FLUX.1 schnell", "z-image-turbo": "Z-Image-Turbo"}
+                "flux-schnell": "FLUX.1 schnell", "z-image-turbo": "Z-Image-Turbo", "flux2-klein": "FLUX.2 [klein]",
+                "flux2-klein-base": "FLUX.2 [klein] base"}
 # what a layer of each component is called in the two file formats (for messages)
 _COMPONENT_KEYS = {"unet": "lora_unet_ / unet.", "transformer": "lora_transformer_ / transformer.",
                    "text_encoder": "lora_te_ or lora_te1_ / text_encoder.",
@@ -81,6 +82,10 @@ def _original_plan(module: nn.Module, component: str, weights: list[str]):
             from ..weights.flux_keys import flux_to_original
 
             return flux_to_original(weights, prefix="")
+        if component == "transformer" and type(config).__name__ == "Flux2Config":
+            from ..weights.flux2_keys import flux2_to_original
+
+            return flux2_to_original(weights, prefix="")
         if component == "transformer" and type(config).__name__ == "ZImageConfig":
             from ..weights.zimage_keys import zimage_to_comfy
 

@@ -64,6 +64,7 @@ def cmd_generate(args) -> int:
 
     # the demo model with no size asked for: its 64x64 image is upscaled 4x by the shipped demo upscaler
     demo_upscale = (args.model is None and args.width is None and args.height is None and args.init_image is None
+                    and not args.ref_image
                     and args.hires is None and args.hires_size is None)
     args.model = resolve_model(args.model, args.prompt)
     args.timesteps = parse_numbers("--timesteps", args.timesteps, integers=True)
@@ -84,7 +85,7 @@ def cmd_generate(args) -> int:
                       steps=args.steps, cfg_scale=args.cfg, sampler=args.sampler, schedule=args.schedule,
                       noise=args.noise, seed=args.seed, batch_size=args.batch, clip_skip=args.clip_skip, eta=args.eta,
                       timestep_spacing=args.timestep_spacing, timesteps=args.timesteps, sigmas=args.sigmas,
-                      init_image=args.init_image, mask=args.mask,
+                      init_image=args.init_image, mask=args.mask, reference_images=tuple(args.ref_image),
                       mask_from_alpha=args.mask_from_alpha, invert_mask=args.invert_mask,
                       overlay=not args.no_overlay, outpaint=parse_outpaint(args.outpaint), **image_options,
                       loras=tuple(parse_lora(v) for v in args.lora), lora_dir=args.lora_dir,
@@ -104,7 +105,7 @@ def cmd_generate(args) -> int:
         check_upscaler_name(hires.upscaler, args.upscaler_dir, latent_ok=True)
     check_addons(request)
     check_stray_options(args)
-    if request.is_img2img:
+    if request.is_img2img or request.reference_images:
         check_sources(request)
     if args.format not in FORMATS:
         raise RequestError(f"format {args.format!r} is not valid: expected one of {', '.join(FORMATS)}")

@@ -55,7 +55,8 @@ def check_sources(request) -> None:
     from .. import sources
     from ..pipeline import RequestError
 
-    for path, what in ((request.init_image, "init image"), (request.mask, "mask")):
+    references = [(ref, f"reference image {i + 1}") for i, ref in enumerate(request.reference_images)]
+    for path, what in ((request.init_image, "init image"), (request.mask, "mask"), *references):
         if path is None:
             continue
         if not os.path.exists(path):
@@ -65,6 +66,10 @@ def check_sources(request) -> None:
         if not os.path.isfile(path):
             raise RequestError(f"{what} {path}: is not a regular file (a device, pipe or socket?)")
     try:
+        for ref, what in references:
+            sources.load_image(ref, what)
+        if request.init_image is None:
+            return
         image = sources.load_image(request.init_image, "init image")
         if request.mask_from_alpha:
             mask = sources.load_mask(image, f"init image {request.init_image}", from_alpha=True)
@@ -91,6 +96,9 @@ def add_img2img_arguments(g) -> None:
     i = g.add_argument_group("image to image, inpainting, outpainting (defaults: A1111's)")
     i.add_argument("--init-image", metavar="PATH", default=None,
                    help="source image: image to image, or inpainting with a mask")
+    i.add_argument("--ref-image", metavar="PATH", action="append", default=[],
+                   help="a reference image the model edits from or draws after (FLUX.2 klein; repeatable, in order: "
+                        "image 1, image 2, ...); without --width/--height the output takes the first one's size")
     i.add_argument("--strength", metavar="S", type=float, default=None,
                    help="how much of the source is repainted, above 0 up to 1 (runs int(steps x S) of the steps; "
                         "default 0.75)")

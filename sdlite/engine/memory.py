@@ -28,6 +28,7 @@ from ..models.bert import BertEmbeddings, BertLayer
 from ..models.clip import Embeddings, EncoderLayer
 from ..models.layers import Downsample, ResnetBlock, Upsample
 from ..models.flux import DoubleBlock, SingleBlock
+from ..models.flux2 import DoubleBlock as Flux2DoubleBlock, SingleBlock as Flux2SingleBlock
 from ..weights.quants import QuantizedTensor
 from .lowbit import FP8_MODES, check_low_bit_mode, load_low_bit, load_quantized, quantized_linears
 from ..models.mmdit import JointBlock
@@ -52,10 +53,11 @@ MEMORY_MODES = {
 # transformer is streamed one transformer block at a time (its norm and projections are units of their own): SDXL's
 # deepest ones hold 10 blocks, 1.4 GB in fp32, where one block is 139 MB
 # SD3's transformer one joint block at a time, T5 one feed-forward at a time (its attention's Linears are units of their
-# own: block 0's relative-position table is read before that block runs); Z-Image's transformer one block at a time,
-# a Qwen text encoder one decoder layer at a time
+# own: block 0's relative-position table is read before that block runs); Z-Image's and FLUX.2's transformers one
+# block at a time, a Qwen text encoder one decoder layer at a time
 _UNIT_TYPES = (ResnetBlock, TransformerBlock, Downsample, Upsample, Embeddings, EncoderLayer, BertEmbeddings,
-               BertLayer, JointBlock, DoubleBlock, SingleBlock, T5LayerFF, ZImageBlock, QwenDecoderLayer)
+               BertLayer, JointBlock, DoubleBlock, SingleBlock, T5LayerFF, ZImageBlock, QwenDecoderLayer,
+               Flux2DoubleBlock, Flux2SingleBlock)
 
 
 class MemoryModeError(SDLiteError, ValueError):

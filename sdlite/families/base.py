@@ -155,8 +155,14 @@ class Family:
     # source's latent from its generator (diffusers' SD and SDXL pipelines encode the source once per image); True,
     # the first image's generator draws one sample that the batch shares (Z-Image's pipelines encode it once)
     shared_source_sample = False
+    # the source image's latent: "sample" (a draw of the VAE's distribution from the image's generator, as diffusers'
+    # img2img and inpaint pipelines encode it) or "mean" (the distribution's mean, no draw: FLUX.2 klein's pipelines)
+    source_latent = "sample"
     # reference images (Request.reference_images): the family conditions on them (FLUX.2's editing); others refuse
     takes_references = False
+    # a prompt and a negative prompt of different lengths are padded with the empty prompt's encoding (A1111's rule),
+    # so classifier-free guidance encodes "" too; False where the family pads otherwise or its lengths are fixed
+    pads_with_empty = True
 
     def __init__(self, spec):
         self.spec = spec
@@ -177,9 +183,9 @@ class Family:
         """The training noise schedule the samplers walk, from the model's scheduler config."""
         return NoiseSchedule.from_config(scheduler_config)
 
-    def schedule_for(self, schedule, width: int, height: int):
-        """The model's noise schedule for a ``width`` x ``height`` image (a resolution-dependent shift sets it
-        here); by default the schedule itself."""
+    def schedule_for(self, schedule, width: int, height: int, steps: int | None = None):
+        """The model's noise schedule for a ``width`` x ``height`` image sampled in ``steps`` steps (a shift that
+        depends on them sets it here); by default the schedule itself."""
         return schedule
 
     def resolve(self, r):
@@ -204,6 +210,11 @@ class Family:
     def inpainting(self) -> bool:
         """An inpainting variant: its UNet reads the mask and the masked image's latents beside the latent."""
         return self.spec.unet.in_channels != self.latent.channels
+
+    def latent_mask(self, mask: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        """An inpainting mask (1, 1, H, W) in [0, 1] (1 = repaint) at the latent's ``size`` (h, w): nearest, as
+        diffusers' inpainting pipelines take it."""
+        return torch.nn.functional.interpolate(mask, size=size)
 
     def check_generate(self, request) -> None:
         """Refuse (:class:`~sdlite.errors.RequestError`) any request, before it is validated, where this family
@@ -271,7 +282,7 @@ class Family:
         if use_cfg:
             schedules.append(prompt_schedule(r.negative_prompt, r.steps))
         texts = list(dict.fromkeys(p.text for schedule in schedules for p in schedule))
-        if use_cfg:
+        if use_cfg and self.pads_with_empty:
             texts.append("")  # the padding of a prompt and negative of different lengths
         warnings: list[str] = []
         contexts, pooled = model.encoded_texts(texts, r.clip_skip, embeddings, warnings)

@@ -56,6 +56,12 @@ def describe_component(name: str, spec) -> str:
         t = spec.text3
         return (f"T5 encoder (v1.1): {t.num_layers} layers, width {t.d_model}, {t.num_heads} heads, feed-forward "
                 f"{t.d_ff} {t.feed_forward_proj}{family_for(spec).text_encoder_note(name)}")
+    if name == "transformer" and type(t := spec.transformer).__name__ == "Flux2Config":
+        return (f"FLUX.2 transformer: {t.num_layers} double and {t.num_single_layers} single blocks, width {t.hidden} "
+                f"({t.num_attention_heads} heads of {t.attention_head_dim}, rotary axes "
+                f"{'/'.join(map(str, t.axes_dims_rope))}), {t.in_channels} values a token (2x2 patches of "
+                f"{t.latent_channels} latent channels), text context {t.joint_attention_dim}, shared modulations"
+                + (", guidance embedding" if t.guidance_embeds else ""))
     if name == "transformer" and hasattr(t := spec.transformer, "num_single_layers"):
         return (f"FLUX transformer: {t.num_layers} double and {t.num_single_layers} single blocks, width {t.hidden} "
                 f"({t.num_attention_heads} heads of {t.attention_head_dim}, rotary axes "
@@ -88,6 +94,11 @@ def describe_component(name: str, spec) -> str:
                    f" {'size/crop/aesthetic' if spec.requires_aesthetics_score else 'size/crop'} ids"
                    if u.addition_embed == "text_time" and spec.text2 is not None else ""))
     v = spec.vae
+    if hasattr(v, "patched_channels"):   # FLUX.2's
+        return (f"AutoencoderKLFlux2: widths {list(v.block_channels)}"
+                + (f" (decoder {list(v.decoder_widths)})" if v.decoder_widths != v.block_channels else "")
+                + f", {v.latent_channels} latent channels, {v.downscale}x downsampling, patchified 2x2 to "
+                f"{v.patched_channels} channels and normalised by its batch-norm statistics")
     return f"AutoencoderKL: widths {list(v.block_channels)}, {v.latent_channels} latent channels, " \
            f"{v.downscale}x downsampling, scaling factor {v.scaling_factor}" + \
            (f", shift {v.shift_factor}" if v.shift_factor else "")

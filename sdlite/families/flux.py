@@ -29,6 +29,7 @@ from ..conditioning import CHUNK_LENGTH, chunk_prompt, encode_chunks
 from ..errors import RequestError
 from ..sampling.denoisers import FlowDenoiser
 from ..sampling.flow import FlowSchedule
+from ..sources import source_size
 from .base import ScheduledConditioning
 from .sd3 import _BREAK, SD3Family, _note
 
@@ -42,6 +43,35 @@ CHEAP_RGB_FLUX = (
 )
 DEFAULT_GUIDANCE = 3.5        # FluxPipeline's guidance_scale default, the dev model card's
 T5_TOKENS = {"flux-dev": 512, "flux-schnell": 256}
+PATCH_SIDE = 16               # FLUX.1's and Z-Image's image sides: multiples of 16 pixels (2x2 latent patches)
+
+
+def check_sides(r, model: str) -> None:
+    """Refuse a request whose given width or height is not a multiple of 16 pixels, naming the nearest sizes that
+    are (a side left unset, image to image, is the source's, fitted by :func:`fit_to_patches`)."""
+    given = [v for v in (r.width, r.height) if v is not None]
+    if not any(v % PATCH_SIDE for v in given):
+        return
+
+    def size(rounded) -> str:
+        return "x".join("(the source's)" if v is None else str(rounded(v)) for v in (r.width, r.height))
+
+    down = size(lambda v: max(PATCH_SIDE, v // PATCH_SIDE * PATCH_SIDE))
+    up = size(lambda v: -(-v // PATCH_SIDE) * PATCH_SIDE)
+    nearest = down if down == up else f"{down} or {up}"
+    raise RequestError(f"{model} draws images whose sides are multiples of {PATCH_SIDE} pixels (2x2 latent patches); "
+                       f"{size(lambda v: v)} is not: the nearest that {'is' if down == up else 'are'}: {nearest}")
+
+
+def fit_to_patches(r):
+    """Image to image that leaves the size to its source: the source's size, each side rounded down to a multiple of
+    16 pixels, as diffusers' ZImageImg2ImgPipeline's image processor (a VaeImageProcessor of scale factor 16) fits a
+    source it is given no size for, and FluxImg2ImgPipeline rounds its sizes (where A1111's rule, for a VAE of 8,
+    rounds to 8); the source is then resized to it. Read before any model work."""
+    if r.init_image is None or (r.width is not None and r.height is not None):
+        return r
+    width, height = source_size(r, PATCH_SIDE)
+    return r.replace(width=width, height=height)
 
 
 class FluxFamily(SD3Family):
@@ -66,12 +96,14 @@ class FluxFamily(SD3Family):
     def noise_schedule(self, scheduler_config: dict):
         return dataclasses.replace(FlowSchedule.from_config(scheduler_config), sigma_spacing="linear")
 
-    def schedule_for(self, schedule, width: int, height: int):
+    def schedule_for(self, schedule, width: int, height: int, steps: int | None = None):
         """mu (dev's dynamic shift) from the image's token count: one token per 2x2 patch of the latent."""
         return schedule.for_image((height // 16) * (width // 16))
 
     def resolve(self, r):
-        """dev: the guidance scale 3.5 where the request leaves it unset; schnell: none."""
+        """dev: the guidance scale 3.5 where the request leaves it unset; schnell: none. Image to image without a
+        size: the source's, fitted to 2x2 latent patches (:func:`fit_to_patches`)."""
+        r = fit_to_patches(r)
         if not self.guidance_embedded:
             return super().resolve(r)
         return r if r.guidance is not None else r.replace(guidance=DEFAULT_GUIDANCE)
@@ -85,9 +117,7 @@ class FluxFamily(SD3Family):
         if r.controls:
             raise RequestError("ControlNet for FLUX is a model kind of its own (FluxControlNetModel) that sdlite does "
                                "not run yet; the SD 1.x/SDXL ControlNets cannot steer a FLUX transformer")
-        if (r.width or 0) % 16 or (r.height or 0) % 16:   # (image to image: the source's size, checked later)
-            raise RequestError(f"FLUX draws images whose sides are multiples of 16 pixels (2x2 latent patches); "
-                               f"{r.width}x{r.height} is not")
+        check_sides(r, "FLUX")
 
     def info_lines(self) -> list[str]:
         d = self.sampling_defaults

@@ -68,7 +68,7 @@ class LoadedModel:
     def schedule_for(self, r):
         """The noise schedule of request ``r`` (FLUX's shift depends on the image's size; other families': the
         model's schedule as it is), carrying the request's explicit timesteps or sigmas where it has them."""
-        schedule = self.family.schedule_for(self.schedule, r.width, r.height)
+        schedule = self.family.schedule_for(self.schedule, r.width, r.height, r.steps)
         timesteps, sigmas = getattr(r, "timesteps", None), getattr(r, "sigmas", None)
         if timesteps is None and sigmas is None:
             return schedule

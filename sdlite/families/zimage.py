@@ -35,7 +35,7 @@ from ..prompts import parse_attention, text_at_step
 from ..sampling.denoisers import FlowDenoiser
 from ..sampling.flow import FlowSchedule
 from .base import Family, ScheduledConditioning
-from .flux import CHEAP_RGB_FLUX
+from .flux import CHEAP_RGB_FLUX, check_sides, fit_to_patches
 
 MAX_TOKENS = 512          # ZImagePipeline's max_sequence_length: the chat-templated prompt's tokens
 HIDDEN_STATE = -2         # the encoder's second-to-last hidden state (hidden_states[-2])
@@ -89,6 +89,7 @@ class ZImageFamily(Family):
     name = "z-image"
     preview_rgb = CHEAP_RGB_FLUX
     shared_source_sample = True   # ZImageImg2ImgPipeline / ZImageInpaintPipeline encode the one source image once
+    pads_with_empty = False       # a prompt and a negative of different lengths are zero-padded (LengthsConditioning)
 
     @classmethod
     def takes(cls, spec) -> bool:
@@ -114,9 +115,7 @@ class ZImageFamily(Family):
         if r.controls:
             raise RequestError("ControlNet for Z-Image is a model kind of its own (ZImageControlNetModel) that sdlite "
                                "does not run yet; the SD 1.x/SDXL ControlNets cannot steer a Z-Image transformer")
-        if (r.width or 0) % 16 or (r.height or 0) % 16:   # (image to image: the source's size, checked later)
-            raise RequestError(f"Z-Image draws images whose sides are multiples of 16 pixels (2x2 latent patches); "
-                               f"{r.width}x{r.height} is not")
+        check_sides(r, "Z-Image")
         if r.hires is not None:   # the second pass is image to image at the target size: refused before the first
             target = hires_target(r.width, r.height, r.hires, self.latent.downscale)
             if target.width % 16 or target.height % 16:
@@ -125,6 +124,11 @@ class ZImageFamily(Family):
                 raise RequestError(f"the hires fix's target size {target.width}x{target.height} ({asked} of "
                                    f"{r.width}x{r.height}) is not a multiple of 16 pixels, which Z-Image draws "
                                    "(2x2 latent patches): choose a scale or resize that gives one")
+
+    def resolve(self, r):
+        """Image to image without a size: the source's, fitted to 2x2 latent patches as ZImageImg2ImgPipeline
+        fits it (:func:`~.flux.fit_to_patches`)."""
+        return super().resolve(fit_to_patches(r))
 
     @property
     def sampling_defaults(self) -> dict:
@@ -152,7 +156,7 @@ class ZImageFamily(Family):
             raise RequestError("clip skip has no meaning for Z-Image: it reads its text encoder's second-to-last "
                                "hidden state, always")
         notes: list[str] = []
-        plain = [self._plain(t, notes) for t in texts]
+        plain = [plain_prompt(t, notes, "Z-Image") for t in texts]
         tokenizer = model.tokenizers["text_encoder"]
         ids, mask = tokenizer.chat_rows(plain, max_length=MAX_TOKENS)                    # (P, 512) each
         for t, text in zip(plain, texts):
@@ -175,22 +179,22 @@ class ZImageFamily(Family):
             warnings += [n for n in notes if n not in warnings]
         return contexts, None
 
-    @staticmethod
-    def _plain(text: str, notes: list[str]) -> str:
-        """``text`` without A1111's emphasis syntax and BREAK, each dropped with a note (an LLM's hidden states
-        have no per-token weights here)."""
-        pieces = parse_attention(text)
-        if any(w < 0 for _, w in pieces) or _BREAK.search(text):
-            _note(notes, "BREAK has no meaning for Z-Image's text encoder (one chat-templated prompt): ignored")
-        if any(w >= 0 and abs(w - 1.0) > 1e-6 for _, w in pieces):
-            _note(notes, "emphasis weights ((word:1.2), [word]) have no effect on Z-Image's text encoder: the words "
-                         "are read at weight 1")
-        return " ".join(" ".join(p for p, w in pieces if w >= 0).split()) if len(pieces) != 1 or \
-            pieces[0][1] != 1.0 else pieces[0][0]
-
     def conditioning(self, model, r, use_cfg: bool, embeddings=None) -> ScheduledConditioning:
         cond = super().conditioning(model, r, use_cfg, embeddings)
         return LengthsConditioning(cond.prompt, cond.negative, cond.encoded, cond.warnings)
+
+
+def plain_prompt(text: str, notes: list[str], family: str) -> str:
+    """``text`` without A1111's emphasis syntax and BREAK, each dropped with a note naming ``family`` (an LLM's hidden
+    states have no per-token weights here, and its one chat-templated prompt no chunks)."""
+    pieces = parse_attention(text)
+    if any(w < 0 for _, w in pieces) or _BREAK.search(text):
+        _note(notes, f"BREAK has no meaning for {family}'s text encoder (one chat-templated prompt): ignored")
+    if any(w >= 0 and abs(w - 1.0) > 1e-6 for _, w in pieces):
+        _note(notes, f"emphasis weights ((word:1.2), [word]) have no effect on {family}'s text encoder: the words "
+                     "are read at weight 1")
+    return " ".join(" ".join(p for p, w in pieces if w >= 0).split()) if len(pieces) != 1 or \
+        pieces[0][1] != 1.0 else pieces[0][0]
 
 
 def _exact(model) -> bool:

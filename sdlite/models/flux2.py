@@ -31,7 +31,7 @@ from torch import nn
 from ..config.flux2 import REFERENCE_TIME_STEP, Flux2Config
 from ..errors import RequestError
 from .flux import rotate
-from .layers import per_sample, residual, timestep_embedding
+from .layers import per_sample, residual, run_blocks, timestep_embedding
 from .mmdit import attention, gated, modulate
 
 __all__ = ["Flux2", "pack", "unpack", "image_ids", "text_ids", "rope_tables"]
@@ -329,13 +329,14 @@ class Flux2(nn.Module):
 
     def forward(self, x: torch.Tensor, t: torch.Tensor | float, context: torch.Tensor,
                 guidance: torch.Tensor | float | None = None,
-                references: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+                references: Sequence[torch.Tensor] = (), cache=None) -> torch.Tensor:
         """x (B, in_channels, h, w): the sampler's latent (the VAE latent patchified, 128 values a position); t (B,)
         or one value: the timestep / 1000 (sigma) as the pipelines hand it to the network; context (B, M,
         joint_attention_dim) the stacked LLM states; ``guidance`` the distilled guidance scale ([dev]: required;
         [klein]: none); ``references`` the editing images' latents, each (in_channels, h_i, w_i) or (1 or B,
         in_channels, h_i, w_i), shared by the batch: their tokens join the image's with t ids 10, 20, ... and are
-        not returned. Returns (B, out_channels, h, w)."""
+        not returned; ``cache`` a step cache's hook on the blocks (:func:`~sdlite.models.layers.run_blocks`; None:
+        none). Returns (B, out_channels, h, w)."""
         cfg = self.config
         if x.ndim != 4 or x.shape[1] != cfg.in_channels:
             raise RequestError(f"FLUX.2 latent has shape {list(x.shape)}: expected (batch, {cfg.in_channels}, "
@@ -353,12 +354,12 @@ class Flux2(nn.Module):
             raise RequestError(f"FLUX.2 context has shape {list(context.shape)}: expected ({b}, tokens, "
                                f"{cfg.joint_attention_dim})")
         out = self.tokens(torch.cat(tokens, dim=1) if len(tokens) > 1 else tokens[0], context, t, torch.cat(ids),
-                          text_ids(context.shape[1], x.device), guidance)            # (B, N + refs, out)
+                          text_ids(context.shape[1], x.device), guidance, cache)     # (B, N + refs, out)
         return unpack(out[:, :hgt * wid], hgt, wid)
 
     def tokens(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, timestep: torch.Tensor | float,
                img_ids: torch.Tensor, txt_ids: torch.Tensor,
-               guidance: torch.Tensor | float | None = None) -> torch.Tensor:
+               guidance: torch.Tensor | float | None = None, cache=None) -> torch.Tensor:
         """diffusers' ``Flux2Transformer2DModel.forward`` contract. hidden_states (B, N, in_channels) packed image
         tokens; encoder_hidden_states (B, M, joint_attention_dim); timestep (B,) or one value, the timestep / 1000;
         img_ids (N, 4) or (B, N, 4) and txt_ids (M, 4) or (B, M, 4), the same for every sample; guidance the scale
@@ -375,13 +376,23 @@ class Flux2(nn.Module):
         mod_s = self.single_stream_modulation(emb)                                   # 3 x (B, C)
         h = self.x_embedder(hidden_states.to(dtype))                                 # (B, N, C)
         c = self.context_embedder(encoder_hidden_states.to(dtype))                   # (B, M, C)
-        for block in self.transformer_blocks:
-            h, c = block(h, c, mod_x, mod_c, rope)
-        h = torch.cat([c, h], dim=1)                                                 # (B, S, C)
-        del c
-        for block in self.single_transformer_blocks:
-            h = block(h, mod_s, rope)
-        h = self.norm_out(h[:, m:], emb)                                             # (B, N, C)
+
+        def first(state):
+            return self.transformer_blocks[0](*state, mod_x, mod_c, rope)
+
+        def rest(state):
+            h, c = state
+            del state
+            for block in self.transformer_blocks[1:]:
+                h, c = block(h, c, mod_x, mod_c, rope)
+            h = torch.cat([c, h], dim=1)                                             # (B, S, C)
+            del c
+            for block in self.single_transformer_blocks:
+                h = block(h, mod_s, rope)
+            return h[:, m:], h[:, :m]                                                # the streams again
+
+        h, _ = run_blocks(first, rest, (h, c), cache)                                # (num_layers >= 1)
+        h = self.norm_out(h, emb)                                                    # (B, N, C)
         return self.proj_out(h)                                                      # (B, N, out_channels)
 
     def _check(self, x, context, t, img_ids, txt_ids, guidance):

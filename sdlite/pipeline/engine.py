@@ -451,11 +451,13 @@ class Engine(LoadedModel):
         # one source image: a latent sample drawn by each image's generator, or (the family's pipelines encode it
         # once) by the first image's alone, shared by the batch
         drawing = generators[:1] if self.family.shared_source_sample else generators
-        x0 = self.encode_image(pixels, drawing).expand(len(generators), -1, -1, -1) if need_source else None
+        if self.family.source_latent == "mean":   # no draw: the distribution's mean (FLUX.2 klein's pipelines)
+            drawing = []
+        x0 = self.encode_image(pixels, drawing or None).expand(len(generators), -1, -1, -1) if need_source else None
         noise = initial_noise(generators, shape)
         concat = blend = None
         if is_inpaint:
-            lat_mask = torch.nn.functional.interpolate(mask, size=shape[1:])             # nearest, as diffusers
+            lat_mask = self.family.latent_mask(mask, shape[1:])
             masked = pixels * (mask < 0.5)
             if inpaint_model:
                 masked_latents = self.encode_image(masked, generators)

@@ -35,6 +35,39 @@ def hires_engine(engine, checkpoint):
     return cache[key]
 
 
+def second_pass(engine, r: Request):
+    """``(target, second engine, second request)`` of the validated hires-fix request ``r``: the upscaled size, the
+    engine the second pass runs on (this one, or the hires checkpoint's, loaded once) and its image-to-image request
+    at the target size, with the hires options in place of the first pass's."""
+    from .. import hires as hires_module
+
+    h = r.hires
+    target = hires_module.target_size(r.width, r.height, h, engine.family.latent.downscale)
+    second_engine = engine if h.checkpoint is None else engine.hires_engine(h.checkpoint)
+    r2 = validate(r.replace(width=target.width, height=target.height, steps=h.steps or r.steps,
+                            sampler=h.sampler or r.sampler,
+                            schedule=h.schedule or (r.schedule if h.sampler is None else None),
+                            cfg_scale=r.cfg_scale if h.cfg_scale is None else h.cfg_scale,
+                            prompt=r.prompt if h.prompt is None else h.prompt,
+                            negative_prompt=r.negative_prompt if h.negative_prompt is None else h.negative_prompt,
+                            strength=h.denoise, hires=None), second_engine.family.default_size)
+    return target, second_engine, r2
+
+
+def total_steps(engine, request: Request) -> int:
+    """The sampler steps ``engine`` runs for the text-to-image ``request`` in all, as its step callback counts them:
+    with the hires fix its first pass's and its second's (the second pass's share of its planned steps by that pass's
+    noise schedule's rule: a flow model may run one more than a DDPM model, :func:`sdlite.hires.second_pass_steps`),
+    else the request's steps. What a front-end reports as a job's total before the job runs."""
+    from .. import hires as hires_module
+
+    r = validate(request, engine.family.default_size)
+    if r.hires is None:
+        return r.steps
+    _, second_engine, r2 = second_pass(engine, r)
+    return r.steps + hires_module.second_pass_steps(r.hires, r.steps, second_engine.schedule_for(r2))
+
+
 def generate_hires(engine, r: Request, callback, on_latents, t0) -> Result:
     """The hires fix (:mod:`sdlite.hires`): the first pass as asked, an upscale, then image to image at the
     target size on this engine (or the hires checkpoint's)."""
@@ -42,7 +75,6 @@ def generate_hires(engine, r: Request, callback, on_latents, t0) -> Result:
     from ..images import sampler_label, schedule_label
 
     h = r.hires
-    target = hires_module.target_size(r.width, r.height, h, engine.family.latent.downscale)
     if not h.is_latent:   # an unknown upscaler is refused before any work
         from ..upscalers.registry import UpscalerError, resolve
 
@@ -51,15 +83,7 @@ def generate_hires(engine, r: Request, callback, on_latents, t0) -> Result:
         except UpscalerError as e:
             raise RequestError(f"hires upscaler: {e} (latent upscalers: "
                                f"{', '.join(hires_module.LATENT_MODES)})") from None
-    second_engine = engine if h.checkpoint is None else engine.hires_engine(h.checkpoint)
-    steps2 = h.steps or r.steps
-    r2 = validate(r.replace(width=target.width, height=target.height, steps=steps2,
-                            sampler=h.sampler or r.sampler,
-                            schedule=h.schedule or (r.schedule if h.sampler is None else None),
-                            cfg_scale=r.cfg_scale if h.cfg_scale is None else h.cfg_scale,
-                            prompt=r.prompt if h.prompt is None else h.prompt,
-                            negative_prompt=r.negative_prompt if h.negative_prompt is None else h.negative_prompt,
-                            strength=h.denoise, hires=None), second_engine.family.default_size)
+    target, second_engine, r2 = second_pass(engine, r)
     first_steps = r.steps
     grand = first_steps + hires_module.second_pass_steps(h, r.steps, second_engine.schedule_for(r2))
     seeds = [r.seed + i for i in range(r.batch_size)]

@@ -16,6 +16,7 @@ come from ComfyUI's flow tables (:class:`sdlite.sampling.comfy.FlowTable`: the m
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 from dataclasses import dataclass
@@ -60,6 +61,40 @@ class LatentRun:
     negative_prompts: tuple = ()
     regions: tuple = ()
     negative_regions: tuple = ()
+    # ComfyUI's ConditioningZeroOut: which prompts of each half (0: the request's, then ``prompts`` /
+    # ``negative_prompts`` in order) condition with zeros of their encoding's shape, pooled embedding zeroed too
+    zeroed: tuple = ()
+    negative_zeroed: tuple = ()
+
+
+ZEROED = "\x00zeros of "   # the key of a zeroed text's encoding (no prompt holds a NUL)
+
+
+def zero_out(cond, prompt: bool, negative: bool):
+    """``cond`` (a ScheduledConditioning) with the prompt's and/or the negative prompt's encodings replaced by zeros
+    of their shape and their pooled embeddings by zeros, as ComfyUI's ConditioningZeroOut makes them (``torch.
+    zeros_like`` of the conditioning and of its ``pooled_output``; its other entries, such as a caption's length, are
+    the encoded text's). The zeros are kept under keys of their own: a text that is both a prompt and a zeroed
+    negative (the stock Z-Image workflow zeroes its positive) keeps its encoding for the prompt."""
+    if not prompt and not (negative and cond.negative is not None):
+        return cond
+    encoded = dict(cond.encoded)
+    pooled = None if cond.pooled is None else dict(cond.pooled)
+
+    def zeros(schedule):
+        out = []
+        for entry in schedule:
+            key = ZEROED + entry.text
+            encoded[key] = torch.zeros_like(cond.encoded[entry.text])
+            if pooled is not None:
+                pooled[key] = torch.zeros_like(cond.pooled[entry.text])
+            out.append(dataclasses.replace(entry, text=key))
+        return out
+
+    changes = {"prompt": zeros(cond.prompt)} if prompt else {}
+    if negative and cond.negative is not None:
+        changes["negative"] = zeros(cond.negative)
+    return dataclasses.replace(cond, encoded=encoded, pooled=pooled, **changes)
 
 
 def plan_sigmas(engine, r: Request, run: LatentRun) -> torch.Tensor | None:
@@ -130,8 +165,9 @@ def _combined(engine, r: Request, run: LatentRun, networks, use_cfg: bool, regio
         if pair.loras != networks.loras:
             raise RequestError(f"combined prompt {prompt!r}: its <lora:...> tags are not the first prompt's; "
                                "sdlite applies LoRAs for the whole run")
-        conds.append(engine.conditioning(r.replace(prompt=pair.prompt, negative_prompt=pair.negative), use_cfg,
-                                         networks.embeddings))
+        cond = engine.conditioning(r.replace(prompt=pair.prompt, negative_prompt=pair.negative), use_cfg,
+                                   networks.embeddings)
+        conds.append(zero_out(cond, i in run.zeroed, j in run.negative_zeroed))
     return conds
 
 
@@ -181,8 +217,9 @@ def run_latents(engine, r: Request, run: LatentRun, callback=None, on_latents=No
         unet_piece, _ = budget.pieces(engine, r.height, r.width, r.batch_size, cfg=use_cfg)
         parts = _parts(run, schedule, controls, tuple(latent.shape))
         with networks.applied(engine):
-            conds = [engine.conditioning(r.replace(prompt=networks.prompt, negative_prompt=networks.negative),
-                                         use_cfg, networks.embeddings)]
+            cond = engine.conditioning(r.replace(prompt=networks.prompt, negative_prompt=networks.negative), use_cfg,
+                                       networks.embeddings)
+            conds = [zero_out(cond, 0 in run.zeroed, 0 in run.negative_zeroed)]
             if parts is not None or run.prompts or (use_cfg and run.negative_prompts):
                 conds += _combined(engine, r, run, networks, use_cfg, parts is not None)
             for cond in conds:

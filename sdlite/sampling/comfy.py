@@ -45,13 +45,14 @@ COMFY_SCHEDULERS_MISSING = ("linear_quadratic", "kl_optimal")
 COMFY_SAMPLERS = {
     "euler": "euler", "euler_ancestral": "euler_a", "heun": "heun", "lms": "lms", "dpmpp_2m": "dpmpp_2m",
     "dpmpp_2m_sde": "dpmpp_2m_sde", "dpmpp_sde": "dpmpp_sde", "ddim": "euler", "ddpm": "ddpm", "lcm": "lcm",
-    "uni_pc_bh2": "unipc",
+    "uni_pc_bh2": "unipc", "res_multistep": "res_multistep", "res_multistep_ancestral": "res_multistep_ancestral",
 }
 # ComfyUI's sampler names sdlite has no sampler for (refused by name)
 COMFY_SAMPLERS_MISSING = (
     "euler_cfg_pp", "euler_ancestral_cfg_pp", "heunpp2", "dpm_2", "dpm_2_ancestral", "dpm_fast", "dpm_adaptive",
     "dpmpp_2s_ancestral", "dpmpp_2s_ancestral_cfg_pp", "dpmpp_sde_gpu", "dpmpp_2m_sde_gpu", "dpmpp_2m_cfg_pp",
-    "dpmpp_3m_sde", "dpmpp_3m_sde_gpu", "ipndm", "ipndm_v", "deis", "res_multistep", "gradient_estimation",
+    "dpmpp_3m_sde", "dpmpp_3m_sde_gpu", "ipndm", "ipndm_v", "deis", "res_multistep_cfg_pp",
+    "res_multistep_ancestral_cfg_pp", "gradient_estimation",
     "er_sde", "seeds_2", "seeds_3", "sa_solver", "uni_pc",
 )
 

@@ -229,6 +229,57 @@ def sample_dpmpp_2m_sde(denoiser, x, sigmas, *, generator=None, callback=None, e
     return x
 
 
+def _res_multistep(denoiser, x, sigmas, generator, callback, extra_args, eta: float):
+    """The RES second-order multistep step (Zhang et al. 2023, "Improved Order Analysis and Design of Exponential
+    Integrator for Diffusion Models", the "Refined Exponential Solver"), as ComfyUI's ``sample_res_multistep`` runs
+    it: in time ``t = -log(sigma)`` the probability-flow ODE is ``dx/dt = D - x`` (on k-diffusion's latent and on the
+    flow latent alike: both have ``dx/dsigma = (x - D) / sigma``), so a step of ``h = t' - t`` is exactly
+    ``x' = e^-h x + integral of e^-(t' - s) D(s) ds``. The estimate D is taken linear in t through the last two
+    estimates: ``x' = e^-h x + h (b1 D + b2 D_old)`` with ``b2 = phi2(-h) / c2``, ``b1 = phi1(-h) - b2``,
+    ``phi1(z) = (e^z - 1) / z``, ``phi2(z) = (phi1(z) - 1) / z``, ``c2 = (t_prev - t_old) / h`` (``t_prev``: the
+    last step's start, ``t_old``: where its deterministic part ended; the same point without noise). The first step,
+    and the step to sigma = 0, are Euler steps. ``eta`` > 0: ancestral, k-diffusion's step to ``sigma_down`` then
+    fresh noise of std ``sigma_up`` (ComfyUI's ``res_multistep_ancestral``, on every model as ComfyUI runs it)."""
+    sigmas, extra, n = _setup(x, sigmas, extra_args)
+    old_denoised, old_down = None, None
+    for i in range(n):
+        denoised = denoiser(x, _sigma_in(sigmas[i], x), **extra)
+        down, up = _ancestral_step(sigmas[i], sigmas[i + 1], eta)
+        if down == 0 or old_denoised is None:
+            x = x + (x - denoised) / sigmas[i] * (down - sigmas[i])
+        else:
+            s, s_down, s_prev, s_old = (float(v) for v in (sigmas[i], down, sigmas[i - 1], old_down))
+            h = math.log(s) - math.log(s_down)                    # t' - t, t = -log(sigma)
+            c2 = (math.log(s_old) - math.log(s_prev)) / h         # (t_prev - t_old) / h
+            phi1 = math.expm1(-h) / -h if h else 1.0
+            phi2 = (phi1 - 1.0) / -h if h else 0.5
+            b2 = phi2 / c2 if c2 else 0.0
+            b1 = phi1 - b2
+            x = (s_down / s) * x + h * (b1 * denoised + b2 * old_denoised)
+        if eta and sigmas[i + 1] > 0:   # ComfyUI draws a step's noise whenever the step does not end at 0
+            x = x + _noise(x, generator) * up
+        old_denoised, old_down = denoised, down
+        x = _report(callback, i, n, x)
+    return x
+
+
+@torch.no_grad()
+def sample_res_multistep(denoiser, x, sigmas, *, generator=None, callback=None, extra_args=None):
+    """RES multistep (ComfyUI's ``res_multistep``): the second-order exponential integrator on the data
+    prediction of :func:`_res_multistep`, deterministic; its first step is Euler's. One model call per step."""
+    return _res_multistep(denoiser, x, sigmas, generator, callback, extra_args, 0.0)
+
+
+@torch.no_grad()
+def sample_res_multistep_ancestral(denoiser, x, sigmas, *, generator=None, callback=None, extra_args=None,
+                                   eta=1.0):
+    """Ancestral RES multistep (ComfyUI's ``res_multistep_ancestral``): :func:`sample_res_multistep` to
+    k-diffusion's ``sigma_down``, then fresh noise of std ``sigma_up`` (``eta`` scales it; 0 is
+    :func:`sample_res_multistep`). On a flow-matching latent the noise step is k-diffusion's too, as ComfyUI runs
+    this sampler (ComfyUI's and sdlite's ``euler_a`` take the flow latent's own ancestral step there)."""
+    return _res_multistep(denoiser, x, sigmas, generator, callback, extra_args, eta)
+
+
 class BrownianNoise:
     """Noise for SDE steps taken from one Brownian path W(sigma), sampled lazily from ``generator``.
 
@@ -531,6 +582,16 @@ SAMPLERS: dict[str, SamplerInfo] = {
                        custom=("timesteps",)),
     "tcd": SamplerInfo(sample_tcd, family="tcd", needs_schedule=True, stochastic=True, reference="TCDScheduler",
                        custom=("timesteps",)),
+    # ComfyUI's (no diffusers scheduler): the sigmas are placed as Euler's, on flow matching as FlowMatch Euler's
+    "res_multistep": SamplerInfo(sample_res_multistep, reference="ComfyUI's sample_res_multistep (no diffusers "
+                                 "scheduler; Euler's sigmas)", flow_family="euler",
+                                 flow_reference="ComfyUI's sample_res_multistep (FlowMatchEulerDiscreteScheduler's "
+                                 "sigmas)"),
+    "res_multistep_ancestral": SamplerInfo(sample_res_multistep_ancestral, stochastic=True,
+                                           reference="ComfyUI's sample_res_multistep_ancestral (no diffusers "
+                                           "scheduler; Euler's sigmas)", flow_family="euler",
+                                           flow_reference="ComfyUI's sample_res_multistep_ancestral "
+                                           "(FlowMatchEulerDiscreteScheduler's sigmas)"),
 }
 
 # the names the AUTOMATIC1111 web UI shows (a " Karras" / " Exponential" suffix picks the sigma schedule)
@@ -538,6 +599,8 @@ A1111_NAMES = {
     "Euler a": "euler_a", "Euler": "euler", "Heun": "heun", "LMS": "lms", "DPM++ 2M": "dpmpp_2m",
     "DPM++ 2M SDE": "dpmpp_2m_sde", "DPM++ SDE": "dpmpp_sde", "DDIM": "ddim", "PLMS": "pndm", "UniPC": "unipc",
     "LCM": "lcm", "DDPM": "ddpm", "TCD": "tcd",
+    # ComfyUI's RES samplers, under names of sdlite's (A1111 has neither)
+    "Res Multistep": "res_multistep", "Res Multistep Ancestral": "res_multistep_ancestral",
 }
 
 

@@ -7,7 +7,9 @@ Each line of ``JOBS.jsonl`` is one job, a JSON object with either vocabulary:
 * the Python :class:`~sdlite.pipeline.Request`'s fields (``sampler``, ``schedule``, ``clip_skip``, ``loras`` ...,
   with its defaults: those of ``sdlite generate``),
 
-plus an optional ``"id"`` (letters, digits, ``.``, ``_``, ``-``; default: the line number, ``00007``). A line with
+plus an optional ``"id"`` (letters, digits, ``.``, ``_``, ``-``; default: the line number, ``00007``). Steps, cfg
+and sampler a line leaves out are the model's own where its family has settings of its own (FLUX.1's, SD3's and
+Z-Image's model cards), as ``sdlite generate`` and the servers fill them (:func:`family_requests`). A line with
 only the fields both share (``prompt``, ``seed``, ``steps``, ``cfg_scale``, ``width`` ...) is read as txt2img; a
 line that mixes the two vocabularies is refused, naming the fields. Every line is checked before anything runs.
 ControlNet units come in either vocabulary: A1111's ``alwayson_scripts`` ``{"controlnet": {"args": [unit, ...]}}``
@@ -146,6 +148,38 @@ class Job:
     line: int
     kind: str                  # "txt2img" (the API's fields) or "request" (the Python Request's)
     requests: list             # sdlite Requests, one per iteration (A1111's n_iter)
+    # the sampling fields the line leaves out (A1111's names: steps, cfg_scale, sampler_name): the model family's own
+    # settings where it has them (FLUX.1's, SD3's, Z-Image's), filled in when the job runs (:func:`family_requests`)
+    unset: tuple = ()
+    scheduler: str | None = None   # the API line's scheduler, which a family's sampler takes (txt2img)
+
+
+# a Request-vocabulary line's fields -> the A1111 names of the sampling fields a model family may set
+_REQUEST_FIELDS = {"steps": "steps", "cfg_scale": "cfg_scale", "sampler": "sampler_name"}
+
+
+def family_requests(job: Job, defaults: dict | None) -> list:
+    """``job``'s requests with the sampling fields its line leaves out set to the model family's own settings
+    ``defaults`` (:attr:`Family.sampling_defaults <sdlite.families.base.Family.sampling_defaults>`; None: the family
+    has none, and the vocabulary's defaults stay), as ``sdlite generate`` and the servers fill them. A sampler left
+    out is the family's: with an API line's scheduler as the server resolves it, with a Request line's schedule as
+    given."""
+    if not defaults or not job.unset:
+        return job.requests
+    from ..server.a1111.api import resolve_sampler_a1111
+
+    changes = {}
+    if "steps" in job.unset:
+        changes["steps"] = int(defaults["steps"])
+    if "cfg_scale" in job.unset:
+        changes["cfg_scale"] = float(defaults["cfg"])
+    if "sampler_name" in job.unset:
+        if job.kind == "txt2img":
+            choice = resolve_sampler_a1111(defaults["sampler"], job.scheduler, [])
+            changes.update(sampler=choice.sampler, schedule=choice.schedule)
+        else:
+            changes["sampler"] = defaults["sampler"]
+    return [r.replace(**changes) for r in job.requests]
 
 
 # --- reading the jobs ---------------------------------------------------------------------------------------------
@@ -159,7 +193,7 @@ def _vocabularies():
     return request_fields, api_fields
 
 
-def _parse_line(obj: dict, where: str, options: dict) -> tuple[str, list]:
+def _parse_line(obj: dict, where: str, options: dict) -> tuple[str, list, tuple, str | None]:
     from pydantic import ValidationError
 
     from ..pipeline import MAX_SEED, Request, RequestError, validate
@@ -195,7 +229,9 @@ def _parse_line(obj: dict, where: str, options: dict) -> tuple[str, list]:
             validate(request)
         except (RequestError, TypeError) as e:
             raise BatchError(f"{where}: {e}") from None
-        return "request", [request]
+        given = set(keys) | ({"steps"} if values.get("timesteps") is not None or values.get("sigmas") is not None
+                             else set())
+        return "request", [request], tuple(a for name, a in _REQUEST_FIELDS.items() if name not in given), None
     if "init_images" in keys or "mask" in keys:
         raise BatchError(f"{where}: batch jobs are txt2img (init_images is an img2img field)")
     try:
@@ -219,7 +255,7 @@ def _parse_line(obj: dict, where: str, options: dict) -> tuple[str, list]:
     if plan.refiner_name is not None:
         raise BatchError(f"{where}: refiner_checkpoint is not supported in a batch yet: one model (--model) runs "
                          "every job; use sdlite generate --refiner or the server for a base-to-refiner hand-off")
-    return "txt2img", plan.requests
+    return "txt2img", plan.requests, plan.unset, plan.parameters.get("scheduler")
 
 
 def _controlnets(options: dict):
@@ -286,8 +322,8 @@ def read_jobs(path: str | os.PathLike, *, lora_dir=None, embeddings_dir=None, co
             if job_id in seen:
                 raise BatchError(f"{where}: id {job_id!r} is already used on line {seen[job_id]}")
             seen[job_id] = number
-            kind, requests = _parse_line(obj, f"{where} (id {job_id})", options)
-            jobs.append(Job(job_id, number, kind, requests))
+            kind, requests, unset, scheduler = _parse_line(obj, f"{where} (id {job_id})", options)
+            jobs.append(Job(job_id, number, kind, requests, unset, scheduler))
     if not jobs:
         raise BatchError(f"jobs file {path}: no jobs (one JSON object per line)")
     return jobs
@@ -310,7 +346,7 @@ def _joins(prev: Job, job: Job) -> bool:
         return False
     a, b = prev.requests[0], job.requests[0]
     return (a.batch_size == b.batch_size == 1 and b.seed == a.seed + 1 and a.replace(seed=0) == b.replace(seed=0)
-            and a.init_image is None)
+            and a.init_image is None and (prev.unset, prev.scheduler) == (job.unset, job.scheduler))
 
 
 # --- the manifest ---------------------------------------------------------------------------------------------------
@@ -382,7 +418,7 @@ def run_job(engine, model_hash: str, model_name: str, job: Job, worker: str = "l
 
     t0 = time.perf_counter()
     images, timings, warnings = [], collections.Counter(), []
-    for request in job.requests:
+    for request in family_requests(job, engine.family.sampling_defaults):
         result = engine.generate(request, callback)
         if result.interrupted:
             raise JobInterrupted(job.id)
@@ -404,7 +440,8 @@ def run_group(engine, model_hash: str, model_name: str, group: list[Job], worker
     from ..images import infotext, png_bytes
 
     t0 = time.perf_counter()
-    result = engine.generate(group[0].requests[0].replace(batch_size=len(group)), callback)
+    first = family_requests(group[0], engine.family.sampling_defaults)[0]
+    result = engine.generate(first.replace(batch_size=len(group)), callback)
     if result.interrupted:
         raise JobInterrupted(", ".join(job.id for job in group))
     share = {k: round(v / len(group), 4) for k, v in result.timings.items() if isinstance(v, (int, float))}

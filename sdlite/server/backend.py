@@ -19,15 +19,15 @@ from typing import Any
 from fastapi import HTTPException, Request
 from starlette.concurrency import run_in_threadpool
 
-from ..hires import second_pass_steps
 from ..images import parameters_of, png_bytes
 from ..pipeline import RequestError
+from ..pipeline.hires import total_steps
 from .a1111 import api as a1111
 from .checkpoints import Checkpoint, Checkpoints, Engines
 from .a1111.controlnet import ControlNets
 from .http import MAX_BODY_BYTES, parse_auth
 from .jobs import JobControl, Jobs, ShuttingDown
-from .limits import Limits, admit, check_hires_size, check_size
+from .limits import Limits, admit, check_hires_size, check_size, check_steps
 
 log = logging.getLogger("sdlite.server")
 
@@ -304,9 +304,12 @@ def run_plan(engines: Engines, checkpoint: Checkpoint, plan: a1111.Plan, control
     timestamp = datetime.datetime.now().strftime("%Y%m%d%H%M%S")
     downscale = engine.spec.vae.downscale
     requests, defaulted = a1111.model_defaults(plan, engine.family.sampling_defaults)
-    if plan.limits is not None:   # a size left out is the model's native one, known only now
+    if plan.limits is not None:   # a size left out is the model's native one, steps the family's: known only now
         native = engine.spec.default_size
         for request in requests[:1]:
+            if "steps" in plan.unset:
+                own = "the model's default" if "steps" in defaulted else "the default"
+                check_steps(request.steps, plan.limits, f"steps={{steps}} ({own}, as the request leaves steps out)")
             if request.init_image is None:
                 check_size(request.width or native, request.height or native, plan.limits,
                            "width x height (the model's native size where not given)")
@@ -327,8 +330,7 @@ def run_plan(engines: Engines, checkpoint: Checkpoint, plan: a1111.Plan, control
         for i, request in enumerate(requests):
             if control.interrupted:
                 break
-            hires = request.hires   # its second pass adds to the progress
-            control.iteration(i, request.steps + (0 if hires is None else second_pass_steps(hires, request.steps)))
+            control.iteration(i, total_steps(engine, request))   # a hires fix's second pass adds to the progress
 
             def on_latents(step, total, latents):
                 if control.preview_due(step, total):

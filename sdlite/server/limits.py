@@ -136,6 +136,14 @@ def check_hires_size(width, height, p: dict, limits: Limits) -> None:
                "the hires fix's target (hr_scale, or hr_resize_x x hr_resize_y, of width x height)")
 
 
+def check_steps(steps, limits: Limits, what: str = "steps={steps}") -> None:
+    """``steps`` must be within ``max_steps``; ``what`` names them in the message (``{steps}``: their number). Values
+    that are not valid are left to the request's own checks."""
+    if isinstance(steps, int) and not isinstance(steps, bool) and steps > limits.max_steps:
+        raise LimitExceeded(f"{what.format(steps=steps)} is over this server's limit of {limits.max_steps} steps "
+                            "(--max-steps)")
+
+
 def check_request(p: dict, limits: Limits) -> None:
     """The per-request limits on an A1111 request's fields (defaults filled in, as :func:`.a1111.with_defaults`
     gives them). Only the limits are checked here; the fields' own validity is checked where they are used."""
@@ -144,9 +152,7 @@ def check_request(p: dict, limits: Limits) -> None:
         if isinstance(text, str) and len(text) > limits.max_prompt_chars:
             raise LimitExceeded(f"{name} has {len(text)} characters, over this server's limit of "
                                 f"{limits.max_prompt_chars} (--max-prompt-chars)")
-    steps = p.get("steps")
-    if isinstance(steps, int) and not isinstance(steps, bool) and steps > limits.max_steps:
-        raise LimitExceeded(f"steps={steps} is over this server's limit of {limits.max_steps} steps (--max-steps)")
+    check_steps(p.get("steps"), limits)
     for name, fewer in (("sdlite_timesteps", 0), ("sdlite_sigmas", 1)):   # an explicit list sets the steps
         values = p.get(name)
         if isinstance(values, list) and len(values) - fewer > limits.max_steps:

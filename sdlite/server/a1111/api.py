@@ -291,6 +291,8 @@ SAMPLERS_A1111: dict[str, tuple[str, list[str], str | None]] = {
     "LCM": ("lcm", ["k_lcm"], None),
     "DDPM": ("ddpm", ["ddpm"], None),   # sdlite's own; A1111 has no DDPM sampler
     "TCD": ("tcd", ["tcd"], None),      # the name A1111's and Forge's TCD sampler extensions give it
+    "Res Multistep": ("res_multistep", ["res_multistep"], None),   # ComfyUI's samplers; A1111 has neither
+    "Res Multistep Ancestral": ("res_multistep_ancestral", ["res_multistep_ancestral"], None),
 }
 _A1111_BY_SDLITE = {sampler: name for name, (sampler, _, _) in SAMPLERS_A1111.items()}
 
@@ -667,8 +669,8 @@ def build_plan(req: Txt2ImgRequest, options: dict, *, max_image_bytes: int, lora
     404), :class:`ImageTooLarge` (413) or HTTPException (404: no init image, 422: unknown script)."""
     img2img = isinstance(req, Img2ImgRequest)
     p = with_defaults(req, defaults)
-    if limits is not None:
-        check_request(p, limits)
+    if limits is not None:   # steps left out are the model family's where it has some: checked when the job runs
+        check_request({**p, "steps": None} if "steps" in left_out(req) else p, limits)
     warnings = _ignored(p, img2img)
     if p["script_name"] not in (None, ""):
         raise HTTPException(422, f"Script '{p['script_name']}' not found: sdlite has no scripts")

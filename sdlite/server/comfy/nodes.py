@@ -21,9 +21,9 @@ the predictions as ComfyUI does.
 
 Refused at validation (a ``custom_validation_failed`` error naming the node's input and value): the ``bislerp`` latent
 upscale. At run time: a ModelSampling node on a model it does not fit (checked by the sampler, on its engine:
-:func:`check_sampling`), a zeroed conditioning the sampler would evaluate (.zimage), a sampler whose conditionings
-come from another checkpoint's CLIP, or whose positive and negative were encoded by CLIPs with other LoRAs; an area
-outside the latent, an area on a flow model, areas with ControlNets (:func:`sdlite.sampling.regions.refuse`).
+:func:`check_sampling`), a sampler whose conditionings come from another checkpoint's CLIP, or whose positive and
+negative were encoded by CLIPs with other LoRAs; an area outside the latent, an area on a flow model, areas with
+ControlNets (:func:`sdlite.sampling.regions.refuse`). ConditioningZeroOut's zeros are what ComfyUI makes (.zimage).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ from ...engine.precision import PrecisionError
 from ...errors import CheckpointError, ConfigError, RequestError, StopSampling
 from ...pipeline import Request
 from ...pipeline.latents import LatentRun
-from ...pipeline.request import COMFY_MAX_SEED
+from ...pipeline.request import COMFY_MAX_SEED, COMFY_NOISE_SAMPLERS
 from ...sampling.comfy import (COMFY_SAMPLERS, COMFY_SAMPLERS_MISSING, COMFY_SCHEDULERS, COMFY_SCHEDULERS_MISSING,
                               flux_shift)
 from ...sampling.regions import WHOLE, Region
@@ -237,7 +237,7 @@ class Cond:
     guidance: float | None = None
     controls: tuple = ()        # sdlite ControlUnits
     region: Region = WHOLE      # ConditioningSetArea's area and strength
-    zeroed: str = ""            # the ConditioningZeroOut node that zeroed it (.zimage), checked by the sampler
+    zeroed: str = ""            # the ConditioningZeroOut node that zeroed it (.zimage): zeros of its text's encoding
 
 
 @dataclass
@@ -640,7 +640,10 @@ def set_latent_noise_mask(ctx, samples, mask):
 
 # --- sampling ------------------------------------------------------------------------------------------------
 
-_SAMPLERS = tuple(COMFY_SAMPLERS)
+# the sampler names KSampler offers: those whose sdlite sampler runs with ComfyUI's noise (Request(noise="comfy"));
+# the others are refused by name at validation, before any model is loaded
+_SAMPLERS = tuple(name for name, sampler in COMFY_SAMPLERS.items() if sampler in COMFY_NOISE_SAMPLERS)
+_SAMPLERS_MISSING = (*(name for name in COMFY_SAMPLERS if name not in _SAMPLERS), *COMFY_SAMPLERS_MISSING)
 
 
 def _sampler_inputs(advanced: bool) -> dict[str, Input]:
@@ -650,7 +653,7 @@ def _sampler_inputs(advanced: bool) -> dict[str, Input]:
         inputs["add_noise"] = COMBO(("enable", "disable"))
     inputs["noise_seed" if advanced else "seed"] = seed
     inputs.update({"steps": INT(20, 1, MAX_STEPS), "cfg": FLOAT(8.0, CFG_RANGE[0], CFG_RANGE[1], 0.1, round=0.01),
-                   "sampler_name": COMBO(_SAMPLERS, missing=COMFY_SAMPLERS_MISSING),
+                   "sampler_name": COMBO(_SAMPLERS, missing=_SAMPLERS_MISSING),
                    "scheduler": COMBO(COMFY_SCHEDULERS, missing=COMFY_SCHEDULERS_MISSING),
                    "positive": LINK("CONDITIONING"), "negative": LINK("CONDITIONING"),
                    "latent_image": LINK("LATENT")})
@@ -680,7 +683,9 @@ def _first(conds: list, what: str) -> Cond:
 
 def _combined(positive: list, negative: list) -> dict:
     """The LatentRun fields of ConditioningCombine's further prompts, and of the areas and strengths if any."""
-    fields = {"prompts": tuple(c.text for c in positive[1:]), "negative_prompts": tuple(c.text for c in negative[1:])}
+    fields = {"prompts": tuple(c.text for c in positive[1:]), "negative_prompts": tuple(c.text for c in negative[1:]),
+              "zeroed": tuple(i for i, c in enumerate(positive) if c.zeroed),
+              "negative_zeroed": tuple(i for i, c in enumerate(negative) if c.zeroed)}
     if any(c.region != WHOLE for c in positive + negative):
         fields.update(regions=tuple(c.region for c in positive), negative_regions=tuple(c.region for c in negative))
     return fields
@@ -688,11 +693,6 @@ def _combined(positive: list, negative: list) -> dict:
 
 def _request(ctx, model: ModelRef, seed, steps, cfg, sampler_name, scheduler, positive, negative) -> Request:
     pos, neg = _first(positive, "positive"), _first(negative, "negative")
-    for what, c in [("positive", c) for c in positive] + [("negative", c) for c in negative if cfg > 1.0]:
-        if c.zeroed:   # at cfg 1 the negative is never evaluated (ComfyUI's cfg1 optimization, sdlite's too)
-            raise RequestError(f"{c.zeroed}: sdlite samples with no zeroed conditioning: " + (
-                "the positive must be a prompt's (CLIPTextEncode)" if what == "positive" else f"at cfg {cfg:g} the "
-                "negative must be a prompt's (CLIPTextEncode, an empty one too); at cfg 1 a zeroed one is unused"))
     for what, c in (("positive", pos), ("negative", neg)):
         if not c.clip.files and model.origin:
             raise RequestError(f"{what}: its CLIP is {c.clip.checkpoint.name}'s, the model {model.origin}'s: a "
@@ -711,7 +711,8 @@ def _request(ctx, model: ModelRef, seed, steps, cfg, sampler_name, scheduler, po
     if [u.model for u in pos.controls] != [u.model for u in neg.controls]:
         raise RequestError("positive and negative: other ControlNets (sdlite applies a ControlNet to both halves)")
     server = ctx.server
-    return Request(prompt=pos.text, negative_prompt="" if neg.zeroed else neg.text, steps=steps, cfg_scale=cfg,
+    # a zeroed conditioning (ConditioningZeroOut) keeps its text: its zeros take that encoding's shape (_combined)
+    return Request(prompt=pos.text, negative_prompt=neg.text, steps=steps, cfg_scale=cfg,
                    sampler=COMFY_SAMPLERS[sampler_name], schedule=scheduler, seed=seed, clip_skip=pos.clip.clip_skip,
                    loras=lora_weights(model.loras, pos.clip.loras), guidance=pos.guidance, controls=pos.controls,
                    lora_dir=server.lora_dir, embeddings_dir=server.embeddings_dir, noise="comfy")

@@ -2,8 +2,10 @@
 do not use, on sdlite: ModelSamplingAuraFlow and ConditioningZeroOut. The rest of that workflow is the other modules':
 UNETLoader (``z_image_turbo_bf16.safetensors``), CLIPLoader of type ``lumina2`` (``qwen_3_4b.safetensors``) and
 VAELoader (``ae.safetensors``) are :mod:`.loaders`'; CLIPTextEncode, EmptySD3LatentImage, KSampler, VAEDecode and
-SaveImage :mod:`.nodes`'. The workflow's sampler, ``res_multistep``, is one sdlite does not have (KSampler refuses it
-by name): ``euler`` with the ``simple`` scheduler is Z-Image-Turbo's own setting (diffusers' ZImagePipeline).
+SaveImage :mod:`.nodes`'. The workflow's sampler, ``res_multistep`` (:func:`sdlite.sampling.samplers.
+sample_res_multistep`), is offered by KSampler once sdlite's ComfyUI noise path runs it
+(``sdlite.pipeline.request.COMFY_NOISE_SAMPLERS``); ``euler`` with the ``simple`` scheduler is Z-Image-Turbo's own
+setting (diffusers' ZImagePipeline).
 
 **ModelSamplingAuraFlow** is ComfyUI's ModelSamplingSD3 with a timestep multiplier of 1 instead of 1000 (the networks
 of AuraFlow, Lumina 2 and Z-Image take sigma itself as their timestep). The multiplier changes only what the network
@@ -15,8 +17,10 @@ dev), or one without flow matching, the sampler refuses it naming the node (:fun
 
 **ConditioningZeroOut** makes a conditioning of zeros: the stock workflow's negative, made from its positive prompt.
 At cfg 1 (the Turbo's, and the workflow's) the negative is never evaluated, neither in ComfyUI (its cfg-1
-optimisation) nor in sdlite, so the workflow's image does not depend on it. sdlite cannot guide against zeros: with a
-cfg above 1 the sampler refuses a zeroed negative, and a zeroed positive always, naming the node.
+optimisation) nor in sdlite, so the workflow's image does not depend on it. Evaluated (the negative at a cfg above 1,
+or a positive), it is what ComfyUI computes: zeros of the shape of the conditioning it was made from (Z-Image: a
+caption of that prompt's length, all zeros; FLUX: T5's rows of zeros) and a pooled embedding of zeros
+(:func:`sdlite.pipeline.latents.zero_out`). The conditioning keeps its text, which the sampler encodes for the shape.
 """
 from __future__ import annotations
 
