@@ -152,6 +152,8 @@ def reference_pixels(source, index: int) -> torch.Tensor:
 
 def reference_size(source, index: int) -> tuple[int, int]:
     """(width, height) of reference image ``index`` as :func:`reference_pixels` prepares it."""
+    if isinstance(source, torch.Tensor):   # encoded latents (1, 128, h, w): one per 16 x 16 pixels
+        return source.shape[3] * REFERENCE_MULTIPLE, source.shape[2] * REFERENCE_MULTIPLE
     pixels = reference_pixels(source, index)
     return pixels.shape[3], pixels.shape[2]
 
@@ -166,7 +168,9 @@ class Velocity:
                  **extra) -> torch.Tensor:
         if extra:
             raise RequestError(f"FLUX.2's transformer takes no {', '.join(sorted(extra))}")
-        return self.network(x, t, context, references=references, cache=cache)
+        if cache is not None:
+            extra["cache"] = cache
+        return self.network(x, t, context, references=references, **extra)
 
 
 class Flux2Family(Family):
@@ -301,7 +305,14 @@ class Flux2Family(Family):
 
     def encode_reference(self, model, source, index: int) -> torch.Tensor:
         """Reference image ``index`` -> its normalised patch latents (1, 128, H/16, W/16): the VAE's mean latent (the
-        pipeline's ``sample_mode="argmax"``)."""
+        pipeline's ``sample_mode="argmax"``); already encoded latents (ComfyUI's ReferenceLatent: a VAEEncode's, the
+        same mean latent) as they are."""
+        if isinstance(source, torch.Tensor):
+            if source.shape[1] != self.latent.channels:
+                raise RequestError(f"reference image {index + 1}: a {source.shape[1]}-channel latent; this model's "
+                                   f"references are {self.latent.channels}-channel latents (encode the image with "
+                                   "its own VAE)")
+            return source.float().to(model.device)
         pixels = reference_pixels(source, index)
         with torch.no_grad(), model.models.use("vae") as vae:
             mean, _ = vae.encode_moments(pixels.to(model.device, vae.dtype))
