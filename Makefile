@@ -104,6 +104,9 @@ bench: setup setup-openvino setup-sdcpp
 	# section of BENCHMARKS.md, bench/zimage.json. 15 of the 30 joint blocks at the released widths, so that a whole
 	# bf16 pipeline (7 GB of transformer beside Qwen3-4B's 8 GB) fits in 24 GB; without --layers on a larger machine
 	$(BIN)/python bench/zimage.py --layers 15
+	# FLUX.2 [klein] 4B against diffusers bf16 (and stable-diffusion.cpp), 512^2, 4 steps; its section of BENCHMARKS.md,
+	# bench/klein.json. At the released depth: 7.8 GB of transformer beside Qwen3-4B's 8 GB fits in 24 GB
+	$(BIN)/python bench/klein.py
 
 clean:
 	rm -rf $(VENV) $(OV_VENV) $(SDCPP_VENV) build *.egg-info
