@@ -121,7 +121,8 @@ def test_object_info_describes_the_nodes_with_this_servers_lists(env):
               "LatentUpscale LatentUpscaleBy SetLatentNoiseMask KSampler KSamplerAdvanced VAEDecode VAEEncode "
               "VAEEncodeForInpaint LoadImage LoadImageMask ImageScale ImageScaleBy ImageUpscaleWithModel SaveImage "
               "PreviewImage FluxGuidance ModelSamplingSD3 ModelSamplingFlux UnetLoaderGGUF CLIPLoaderGGUF "
-              "DualCLIPLoaderGGUF TripleCLIPLoaderGGUF ModelSamplingAuraFlow ConditioningZeroOut").split()
+              "DualCLIPLoaderGGUF TripleCLIPLoaderGGUF ModelSamplingAuraFlow ConditioningZeroOut "
+              "EmptyFlux2LatentImage Flux2Scheduler ReferenceLatent").split()
     assert sorted(info) == sorted(wanted)
     ck = info["CheckpointLoaderSimple"]
     assert ck["input"]["required"]["ckpt_name"][0] == [ckpt_name(env)]

@@ -34,7 +34,7 @@ USER, PASSWORD, KEY = "agent", "s3cret", "sk-test-mcp"
 BASIC = "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
 TIMEOUT = 120
 GENERATE = {"prompt": PROMPT, "steps": 4, "seed": 5, "cfg_scale": 7, "sampler": "Euler a", "width": 64, "height": 64}
-TOOLS = {"generate", "img2img", "inpaint", "upscale", "list_models", "list_samplers"}
+TOOLS = {"generate", "img2img", "inpaint", "edit_image", "upscale", "list_models", "list_samplers"}
 
 # the servers run on one torch thread (--threads 1), and so does the engine the images are compared with
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

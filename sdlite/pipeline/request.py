@@ -251,7 +251,8 @@ MAX_REFERENCE_IMAGES = 10   # FLUX.2's limit for its reference images (BFL: up t
 
 
 def _validate_references(r: Request) -> Request:
-    """The reference images as a tuple of paths or PIL images (not opened here), at most MAX_REFERENCE_IMAGES."""
+    """The reference images as a tuple of paths, PIL images (not opened here) or encoded latents (ComfyUI's
+    ReferenceLatent), at most MAX_REFERENCE_IMAGES."""
     from pathlib import Path
 
     from PIL import Image
@@ -267,6 +268,11 @@ def _validate_references(r: Request) -> Request:
         raise RequestError(f"reference_images {refs!r} is not valid: expected a list of image paths or images") \
             from None
     for i, ref in enumerate(refs):
+        if isinstance(ref, torch.Tensor):   # an encoded reference: (1, C, h, w) latents in the sampler's scaling
+            if ref.ndim != 4 or ref.shape[0] != 1:
+                raise RequestError(f"reference image {i + 1}: a latent of shape {tuple(ref.shape)}; an encoded "
+                                   "reference is one image's latents, (1, channels, height, width)")
+            continue
         if not isinstance(ref, (str, Path, Image.Image)) or (isinstance(ref, str) and not ref):
             raise RequestError(f"reference image {i + 1} ({ref!r}) is not valid: expected an image path or a PIL image")
     if len(refs) > MAX_REFERENCE_IMAGES:

@@ -25,6 +25,7 @@ from ..pipeline.hires import total_steps
 from .a1111 import api as a1111
 from .checkpoints import Checkpoint, Checkpoints, Engines
 from .a1111.controlnet import ControlNets
+from .a1111.references import with_references
 from .http import MAX_BODY_BYTES, parse_auth
 from .jobs import JobControl, Jobs, ShuttingDown
 from .limits import Limits, admit, check_hires_size, check_size, check_steps
@@ -304,6 +305,7 @@ def run_plan(engines: Engines, checkpoint: Checkpoint, plan: a1111.Plan, control
     timestamp = datetime.datetime.now().strftime("%Y%m%d%H%M%S")
     downscale = engine.spec.vae.downscale
     requests, defaulted = a1111.model_defaults(plan, engine.family.sampling_defaults)
+    requests = with_references(plan, requests, engine.family.takes_references)   # FLUX.2 [klein]'s editing
     if plan.limits is not None:   # a size left out is the model's native one, steps the family's: known only now
         native = engine.spec.default_size
         for request in requests[:1]:

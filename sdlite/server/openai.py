@@ -27,6 +27,9 @@ How OpenAI's fields are read (docs/server/openai.md has the table):
 * Edits: the ``mask``'s fully transparent pixels (alpha 0) are the area to repaint, as OpenAI's; without a mask the
   image's own fully transparent pixels are; an image with none is edited whole (image to image). The mask runs as
   A1111's inpainting (fill, mask blur 4, the whole picture): the pixels outside the blurred mask are the source's.
+  On a FLUX.2 [klein] model an edit without a mask is instruction editing: ``image`` and every ``image[]`` (up to
+  :data:`MAX_EDIT_IMAGES`) are its reference images, the output drawn from noise at the first image's size
+  (:func:`~.a1111.references.with_references`); other models edit one image.
 
 Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, for every request under ``/v1/``
 (:func:`error_shape`, registered with :func:`.http.add_error_shape`, so the shared handlers, auth and body cap
@@ -62,6 +65,7 @@ from .http import add_error_shape
 PREFIX = "/v1"
 DEFAULTS = {"steps": 20, "sampler": "DPM++ 2M", "cfg_scale": 7.0}   # where the request and the model leave them out
 OPENAI_MODELS = ("dall-e", "gpt-image")   # name prefixes of OpenAI's models: the current checkpoint
+MAX_EDIT_IMAGES = 10   # image / image[] files of one edit: a FLUX.2 [klein] model's reference images (OpenAI: 16)
 MASKED_STRENGTH, WHOLE_STRENGTH = 1.0, 0.75   # an edit's default strength, with and without an area to repaint
 URL_TTL_S = 3600.0              # how long an image answered by URL can be fetched (OpenAI's: an hour)
 URL_STORE_BYTES = 256 << 20     # the images kept for URLs at most, the oldest dropped first
@@ -343,18 +347,18 @@ def _edit_images(image_b64: str, mask_b64: str | None, max_bytes: int) -> tuple[
     return _b64_png(area), True
 
 
-async def _edit_body(request: Request) -> tuple[dict, str, str | None]:
-    """The form fields of a multipart edit request, the image and the mask (base64)."""
+async def _edit_body(request: Request) -> tuple[dict, list[str], str | None]:
+    """The form fields of a multipart edit request, the images and the mask (base64)."""
     if not request.headers.get("content-type", "").lower().startswith(("multipart/form-data",
                                                                        "application/x-www-form-urlencoded")):
         raise OpenAIError(400, "Invalid Content-Type: an edit is sent as multipart/form-data (the image and mask as "
                                "files)", None, "invalid_content_type")
-    async with request.form(max_files=8, max_fields=64) as form:   # the uploads' temporary files closed after
+    async with request.form(max_files=MAX_EDIT_IMAGES + 1, max_fields=64) as form:   # the uploads' temporary files closed after
         return await _read_form(form)
 
 
-async def _read_form(form) -> tuple[dict, str, str | None]:
-    """A parsed form's text fields, its image and its mask (base64; the mask None when there is none)."""
+async def _read_form(form) -> tuple[dict, list[str], str | None]:
+    """A parsed form's text fields, its images and its mask (base64; the mask None when there is none)."""
     body: dict[str, Any] = {}
     for name in form:
         if name not in ("image", "image[]", "mask"):
@@ -365,13 +369,14 @@ async def _read_form(form) -> tuple[dict, str, str | None]:
     images = form.getlist("image") + form.getlist("image[]")
     if not images:
         raise _missing("image")
-    if len(images) > 1:
-        raise _invalid("image", f"{len(images)} images were sent; sdlite edits one image at a time")
+    if len(images) > MAX_EDIT_IMAGES:
+        raise _invalid("image", f"{len(images)} images were sent; at most {MAX_EDIT_IMAGES} are taken (reference "
+                                "images of a FLUX.2 [klein] model)")
     masks = form.getlist("mask")
     if len(masks) > 1:
         raise _invalid("mask", "more than one mask was sent")
     files = []
-    for param, item in (("image", images[0]), ("mask", masks[0] if masks else None)):
+    for param, item in (*(("image", image) for image in images), ("mask", masks[0] if masks else None)):
         if item is None:
             files.append(None)
             continue
@@ -381,7 +386,7 @@ async def _read_form(form) -> tuple[dict, str, str | None]:
         if not data:
             raise _invalid(param, "the file is empty")
         files.append(base64.b64encode(data).decode("ascii"))
-    return body, files[0], files[1]
+    return body, files[:-1], files[-1]
 
 
 # --- running and answering ----------------------------------------------------------------------------------------
@@ -399,6 +404,8 @@ def _a1111_request(fields: dict, edit: bool) -> a1111.Txt2ImgRequest:
 async def _run(request: Request, server: ServerBase, fields: dict, answer: dict, edit: bool, store: ImageStore):
     req = _a1111_request(fields, edit)
     plan = await run_in_threadpool(server.build_plan, req, None, {_A1111_FIELD[k]: v for k, v in DEFAULTS.items()})
+    if edit:   # a FLUX.2 [klein] model edits from the images as references (a1111/references.py)
+        plan.reference_mode = "edit"
     outcome = await server.generate(plan, request)
     if outcome is None:   # the client went away
         return Response(status_code=499)
@@ -558,10 +565,10 @@ def add_routes(app: FastAPI, server: ServerBase, dependencies: list) -> None:
     @api.post("/images/edits", responses=images(), openapi_extra={"requestBody": {
         "required": True, "content": {"multipart/form-data": {"schema": _body_schema(server, edit=True)}}}})
     async def edits(request: Request):
-        body, image_b64, mask_b64 = await _edit_body(request)
+        body, images_b64, mask_b64 = await _edit_body(request)
         fields, answer = _options(body, server, edit=True, form=True)
-        mask, masked = await run_in_threadpool(_edit_images, image_b64, mask_b64, server.max_body_bytes)
-        fields.update(init_images=[image_b64], mask=mask, inpainting_fill=0, inpaint_full_res=False,
+        mask, masked = await run_in_threadpool(_edit_images, images_b64[0], mask_b64, server.max_body_bytes)
+        fields.update(init_images=images_b64, mask=mask, inpainting_fill=0, inpaint_full_res=False,
                       resize_mode=0)
         fields.setdefault("denoising_strength", MASKED_STRENGTH if masked else WHOLE_STRENGTH)
         return await _run(request, server, fields, answer, True, store)

@@ -552,6 +552,11 @@ class Plan:
     control_maps: tuple = ()           # per ControlNet unit: its control map goes back after the images
     vae: str | None = None             # a VAE file in place of the model's own (sd_vae); None: its own
     unset: tuple = ()                  # FAMILY_FIELDS the client left out: the model family's own where it has them
+    # every init image (img2img): reference images where the model edits from them (.references); the
+    # front-end's way: "a1111" (init_images[0] also the init image), "edit" (references only, from noise),
+    # "required" (references only; a model without reference editing is refused)
+    references: tuple = ()
+    reference_mode: str = "a1111"
 
 
 def _ignored(p: dict, img2img: bool) -> list[str]:
@@ -719,10 +724,13 @@ def build_plan(req: Txt2ImgRequest, options: dict, *, max_image_bytes: int, lora
             hr_checkpoint = named_checkpoint(p["hr_checkpoint_name"])
     if img2img:
         common.update(_image_fields(p, max_image_bytes, warnings))
+        references = (common["init_image"], *(decode_image(b, f"init_images[{i}]", max_image_bytes)
+                                                for i, b in enumerate(p["init_images"][1:], 1)))
         source = common["init_image"]   # no size given: the source's, rounded down to a multiple of 8
         if limits is not None:
             check_size(p["width"] or max(8, source.width // 8 * 8), p["height"] or max(8, source.height // 8 * 8),
                        limits, "width x height (of init_images[0] where not given)")
+    references = () if not img2img else references
     saves: list[bool] = []
     common["controls"] = units_from_scripts(p["alwayson_scripts"], controlnets=controlnets, img2img=img2img,
                                             img2img_resize_mode=p.get("resize_mode", 0),
@@ -740,7 +748,7 @@ def build_plan(req: Txt2ImgRequest, options: dict, *, max_image_bytes: int, lora
                 refiner_switch_at=switch, hr_checkpoint_name=hr_checkpoint, upscaler_dir=upscaler_dir, limits=limits,
                 keep_overrides={} if p["override_settings_restore_afterwards"] else overrides,
                 warnings=warnings, send_images=bool(p["send_images"]), preview=opts["show_progress_type"],
-                control_maps=tuple(saves), vae=vae, unset=left_out(req))
+                control_maps=tuple(saves), vae=vae, unset=left_out(req), references=references)
 
 
 def named_checkpoint(name) -> str | None:

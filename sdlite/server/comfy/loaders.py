@@ -44,10 +44,11 @@ FOLDERS = {"diffusion_models": ("diffusion_models", "unet"), "text_encoders": ("
            "vae": ("vae",)}
 # ComfyUI's type lists; sdlite takes separate text-encoder files for SD3, FLUX and Z-Image (lumina2) only
 CLIP_TYPES = ("stable_diffusion", "stable_cascade", "sd3", "stable_audio", "mochi", "ltxv", "pixart", "cosmos",
-              "lumina2", "wan", "hidream", "chroma", "ace", "omnigen2", "qwen_image")
+              "lumina2", "wan", "hidream", "chroma", "ace", "omnigen2", "qwen_image", "flux2")
 DUAL_CLIP_TYPES = ("sdxl", "sd3", "flux", "hunyuan_video", "hidream")
 WEIGHT_DTYPES = ("default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2")
-TAKEN_TYPES = ("sd3", "flux", "lumina2")   # lumina2: Z-Image's Qwen3-4B (ComfyUI's Lumina 2 Gemma is no sdlite model)
+TAKEN_TYPES = ("sd3", "flux", "lumina2", "flux2")   # lumina2: Z-Image's Qwen3-4B (ComfyUI's Lumina 2 Gemma is no sdlite
+QWEN_TYPES = ("lumina2", "flux2")                   # model); flux2: FLUX.2 [klein]'s Qwen3-4B / Qwen3-8B
 
 
 # --- the folders ---------------------------------------------------------------------------------------------
@@ -128,8 +129,8 @@ def _refuse_clips(names: list[str], files, fixed_type: str | None = None):
         kind_of = fixed_type or values.get("type")
         if kind_of not in TAKEN_TYPES:
             raise Refused("type", f"{kind_of!r}: sdlite takes separate text-encoder files for Z-Image (lumina2), "
-                          "SD3 (sd3) and FLUX.1 (flux) only; other models load their text encoders from their "
-                          "checkpoint (CheckpointLoaderSimple)")
+                          "FLUX.2 [klein] (flux2), SD3 (sd3) and FLUX.1 (flux) only; other models load their text "
+                          "encoders from their checkpoint (CheckpointLoaderSimple)")
         kinds = _kinds(values, names, files(lists))
         for name, kind in kinds.items():
             if kind in ("VAE", "unknown"):
@@ -143,7 +144,10 @@ def _refuse_clips(names: list[str], files, fixed_type: str | None = None):
             if kind_of == "lumina2" and kind != "Qwen":
                 raise Refused(name, f"{values[name]!r} is a {kind}: type 'lumina2' is Z-Image's, whose text encoder "
                               "is the Qwen3-4B LLM (qwen_3_4b.safetensors, or a GGUF of it)")
-            if kind_of != "lumina2" and kind == "Qwen":
+            if kind_of == "flux2" and kind != "Qwen":
+                raise Refused(name, f"{values[name]!r} is a {kind}: type 'flux2' is FLUX.2 [klein]'s, whose text "
+                              "encoder is a Qwen3 LLM (qwen_3_4b.safetensors for klein 4B, qwen_3_8b for 9B)")
+            if kind_of not in QWEN_TYPES and kind == "Qwen":
                 raise Refused(name, f"{values[name]!r} is a Qwen LLM, Z-Image's text encoder: load it with type "
                               f"'lumina2' (type {kind_of!r} takes CLIP and T5 files)")
             if kind_of == "flux" and kind == "CLIP-G":

@@ -238,6 +238,7 @@ class Cond:
     controls: tuple = ()        # sdlite ControlUnits
     region: Region = WHOLE      # ConditioningSetArea's area and strength
     zeroed: str = ""            # the ConditioningZeroOut node that zeroed it (.zimage): zeros of its text's encoding
+    references: tuple = ()      # ReferenceLatent's latents (.flux2), each (1, C, h, w): FLUX.2 [klein]'s references
 
 
 @dataclass
@@ -711,11 +712,14 @@ def _request(ctx, model: ModelRef, seed, steps, cfg, sampler_name, scheduler, po
     if [u.model for u in pos.controls] != [u.model for u in neg.controls]:
         raise RequestError("positive and negative: other ControlNets (sdlite applies a ControlNet to both halves)")
     server = ctx.server
-    # a zeroed conditioning (ConditioningZeroOut) keeps its text: its zeros take that encoding's shape (_combined)
-    return Request(prompt=pos.text, negative_prompt=neg.text, steps=steps, cfg_scale=cfg,
+    # a zeroed conditioning (ConditioningZeroOut) keeps its text: its zeros take that encoding's shape (_combined);
+    # a negative at cfg 1 is never evaluated
+    negative_text = "" if neg.zeroed and cfg <= 1.0 else neg.text
+    return Request(prompt=pos.text, negative_prompt=negative_text, steps=steps, cfg_scale=cfg,
                    sampler=COMFY_SAMPLERS[sampler_name], schedule=scheduler, seed=seed, clip_skip=pos.clip.clip_skip,
                    loras=lora_weights(model.loras, pos.clip.loras), guidance=pos.guidance, controls=pos.controls,
-                   lora_dir=server.lora_dir, embeddings_dir=server.embeddings_dir, noise="comfy")
+                   lora_dir=server.lora_dir, embeddings_dir=server.embeddings_dir, noise="comfy",
+                   reference_images=pos.references)
 
 
 def _sample(ctx: Context, model: ModelRef, clip: ClipRef, request: Request, latent: dict, **run) -> tuple:

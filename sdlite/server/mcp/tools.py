@@ -1,4 +1,5 @@
-"""MCP's tools over the server: ``generate``, ``img2img``, ``inpaint``, ``upscale``, ``list_models``, ``list_samplers``.
+"""MCP's tools over the server: ``generate``, ``img2img``, ``inpaint``, ``edit_image`` (FLUX.2 [klein]'s instruction
+editing), ``upscale``, ``list_models``, ``list_samplers``.
 
 Each tool checks its arguments (an error names the argument), turns them into an AUTOMATIC1111 request and from it a
 :class:`~.a1111.Plan` (:func:`~.a1111.build_plan`: the server's limits, names and checks), and hands the plan to the
@@ -105,6 +106,20 @@ class UpscaleArguments(_Source):
     scale: float = Field(2.0, gt=0, le=8, description="Size factor")
 
 
+class EditImageArguments(_Source):
+    instruction: str = Field(description="What to change, in words ('make the sky a sunset', 'put the cat from the "
+                                         "second image on the sofa'): the prompt")
+    reference_images: list[str] = Field([], description="More reference images after image, base64, in order (the "
+                                                        "prompt may name them: 'the second image')")
+    reference_image_paths: list[str] = Field([], description="Instead of reference_images: files on this machine")
+    width: int | None = Field(None, ge=16, le=8192, description="Multiple of 16; default: the image's width")
+    height: int | None = Field(None, ge=16, le=8192, description="Multiple of 16; default: the image's height")
+    steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="Sampler steps (left out: the model's own)")
+    seed: int = Field(-1, ge=-1, description="Seed; -1: random")
+    model: str | None = Field(None, description="A checkpoint of list_models that edits from reference images "
+                                                "(FLUX.2 [klein]), for this call only; default: the current model")
+
+
 class _NoArguments(_Arguments):
     pass
 
@@ -118,11 +133,15 @@ TOOLS: dict[str, tuple[type[_Arguments], str, str]] = {
                 "the rest. Returns PNG images and their parameters."),
     "upscale": (UpscaleArguments, "Upscale an image", "Enlarge an image with an upscaler network or a built-in "
                 "resampler (A1111's extras). Returns the PNG."),
+    "edit_image": (EditImageArguments, "Edit an image by instruction", "Instruction editing with a model that edits "
+                   "from reference images (FLUX.2 [klein]): the image, and any more reference images, are what the "
+                   "model sees beside the instruction; the output is drawn from noise at the image's size. Returns "
+                   "PNG images and their parameters. Other models refuse it (use img2img or inpaint)."),
     "list_models": (_NoArguments, "List models", "The checkpoints the server can generate with (the current one "
                     "marked), its upscalers and its LoRAs."),
     "list_samplers": (_NoArguments, "List samplers", "The sampler and scheduler names the generating tools take."),
 }
-_LOCAL_FILES = ("image_path", "mask_path")
+_LOCAL_FILES = ("image_path", "mask_path", "reference_image_paths")
 
 
 def _schema(model: type[_Arguments], local_files: bool) -> dict:
@@ -241,7 +260,7 @@ class Tools:
                 args = model.model_validate(arguments)
             except ValidationError as e:
                 raise ToolError(_argument_errors(e)) from None
-            if name in ("generate", "img2img", "inpaint"):
+            if name in ("generate", "img2img", "inpaint", "edit_image"):
                 return await self._generate(name, args, session)
             if name == "upscale":
                 return await self._upscale(args)
@@ -302,11 +321,29 @@ class Tools:
                           inpaint_full_res=args.inpaint_area == "masked", inpainting_mask_invert=int(args.invert_mask))
         return fields
 
+    def _edit_fields(self, args: EditImageArguments) -> dict:
+        """The A1111 img2img fields of an ``edit_image`` call: every image an init image, which the plan makes the
+        reference images (:func:`~.a1111.references.with_references`, "required": other models refuse)."""
+        if args.reference_images and args.reference_image_paths:
+            raise ToolError("give reference_images or reference_image_paths, not both")
+        images = [self._image(args.image, args.image_path, "image")]
+        images += [self._image(data, None, f"reference_images[{i}]") for i, data in enumerate(args.reference_images)]
+        images += [self._image(None, path, f"reference_images[{i}]")
+                   for i, path in enumerate(args.reference_image_paths)]
+        fields = dict(prompt=args.instruction, steps=args.steps, seed=args.seed, width=args.width,
+                      height=args.height, init_images=images, denoising_strength=1.0)
+        if args.model is not None:
+            fields["override_settings"] = {"sd_model_checkpoint": args.model}
+        return fields
+
     async def _generate(self, tool: str, args, session) -> types.CallToolResult:
         server = self.server
-        fields = await run_in_threadpool(self._fields, tool, args)
+        fields = await run_in_threadpool(self._edit_fields if tool == "edit_image" else self._fields,
+                                         *(() if tool == "edit_image" else (tool,)), args)
         request = (a1111.Txt2ImgRequest if tool == "generate" else a1111.Img2ImgRequest)(**fields)
         plan = await run_in_threadpool(server.build_plan, request, None, DEFAULTS)
+        if tool == "edit_image":
+            plan.reference_mode = "required"
         if plan.checkpoint is not None:   # before the queue, naming the argument
             await run_in_threadpool(server.find_checkpoint, plan.checkpoint, "model")
         progress = StepProgress(session)
