@@ -11,10 +11,9 @@ ComfyUI users have (the transformer in ComfyUI's names in diffusion_models/, Qwe
   image, with the family's defaults where the call leaves them out.
 * ComfyUI: the stock Z-Image workflow (UNETLoader, CLIPLoader type lumina2, VAELoader, ModelSamplingAuraFlow,
   CLIPTextEncode, ConditioningZeroOut, EmptySD3LatentImage, KSampler, VAEDecode, SaveImage), with euler / simple
-  for its res_multistep (which the KSampler refuses by name until sdlite's ComfyUI noise path runs it), gives
-  sdlite's engine's image of the same files; at cfg 2 its zeroed negative is diffusers' zero embeddings; so do city96's
-  GGUF loaders and UNETLoader's fp8 weight_dtype (the image of the transformer rounded to fp8); ModelSamplingAuraFlow's
-  shift reaches the sampler; what does not fit is refused naming the node, input and value.
+  or its own res_multistep / simple, gives sdlite's engine's image of the same files; at cfg 2 its zeroed negative
+  is diffusers' zero embeddings; so do city96's GGUF loaders and UNETLoader's fp8 weight_dtype (the image of the
+  transformer rounded to fp8); ModelSamplingAuraFlow's shift reaches the sampler; what does not fit is refused naming the node, input and value.
 * Ray (a unit-level check): the ingress reads the width of Z-Image's LLM encoder as it reads CLIP's.
 """
 from __future__ import annotations
@@ -341,7 +340,8 @@ def test_mcp_generate_with_zimage(client, folder_engine):
 
 def stock_workflow(seed=5, steps=4, cfg=1.0, shift=3.0, unet="UNETLoader", clip="CLIPLoader", unet_name=UNET,
                    clip_name=QWEN, sampler="euler"):
-    """ComfyUI's stock Z-Image Turbo workflow (its node ids), in API format; euler in place of its res_multistep."""
+    """ComfyUI's stock Z-Image Turbo workflow (its node ids), in API format; euler in place of its res_multistep
+    unless ``sampler`` says."""
     model = {"unet_name": unet_name} | ({"weight_dtype": "default"} if unet == "UNETLoader" else {})
     return {
         "16": {"class_type": unet, "inputs": model},
@@ -397,7 +397,7 @@ def test_the_folders_make_the_combo_lists(env):
 
 
 def test_stock_workflow_gives_sdlites_own_image(env):
-    """The stock workflow (euler for res_multistep, cfg 1 with a zeroed negative, shift 3: the model's own) is one
+    """The stock workflow (euler for its res_multistep, cfg 1 with a zeroed negative, shift 3: the model's own) is one
     engine of the three files and sdlite's engine's image of them; queued again with a new seed, nothing loads."""
     got = run(env, stock_workflow())
     engine = _files_engine(env)
@@ -468,12 +468,15 @@ def test_unet_loader_fp8_weight_dtype(env):
         (folder / UNET_FP8).unlink()
 
 
-def test_res_multistep_is_refused_by_name(env):
-    """The stock workflow as ComfyUI ships it: its res_multistep sampler, which sdlite's ComfyUI noise path does not
-    run yet (Request(noise="comfy") refuses it), is refused by name at validation, before any model loads."""
-    (error,) = refusal(env, stock_workflow(sampler="res_multistep"))["3"]["errors"]
-    assert error["type"] == "value_not_in_list" and error["extra_info"]["input_name"] == "sampler_name"
-    assert "'res_multistep' is a ComfyUI name sdlite does not have" in error["details"]
+def test_stock_workflow_with_its_res_multistep(env):
+    """The stock workflow as ComfyUI ships it, with its res_multistep sampler: the engine's own res_multistep run
+    with ComfyUI's noise on the same files, another image than euler's."""
+    got = run(env, stock_workflow(sampler="res_multistep"))
+    engine = _files_engine(env)
+    want = _image(engine, seed=5, steps=4, sampler="res_multistep", schedule="simple", negative_prompt="",
+                  noise="comfy")
+    assert np.array_equal(got, want) and got.std() > 10
+    assert not np.array_equal(got, own_image(engine))
 
 
 @pytest.mark.parametrize("node,change,input_name,words", [

@@ -3,9 +3,10 @@
 Every user-facing failure is an :class:`~sdlite.errors.SDLiteError`; it is printed as one line and the
 command exits with status 2.
 
-One module a sub-command (``info``, ``generate``, ``upscale``, ``samplers``, ``serve``, ``mcp``, ``batch``,
-``tokens``), each with its ``add_parser(sub)`` and its ``cmd_*``; ``generate``'s option groups for image to image
-(``img2img``), the hires fix (``hires``) and ControlNets (``controlnet``) have modules of their own; ``options`` holds
+One module a sub-command (``info``, ``generate``, ``edit``, ``upscale``, ``samplers``, ``serve``, ``mcp``,
+``batch``, ``tokens``), each with its ``add_parser(sub)`` and its ``cmd_*`` (``edit`` is ``generate`` with its image
+as the first reference image); ``generate``'s option groups for image to image (``img2img``), the hires fix
+(``hires``) and ControlNets (``controlnet``) have modules of their own; ``options`` holds
 the options several sub-commands share and ``progress`` the progress line. Heavy modules (torch, the engine) are
 imported inside the commands, so that ``sdlite --help`` starts fast.
 """
@@ -16,7 +17,7 @@ import gc
 import sys
 
 from ..errors import SDLiteError
-from . import batch, generate, info, mcp, samplers, serve, tokens, upscale
+from . import batch, edit, generate, info, mcp, samplers, serve, tokens, upscale
 # the names this module held before it became a package (tests and scripts import them from sdlite.cli)
 from .batch import cmd_batch
 from .controlnet import control_units, resolve_controlnet
@@ -40,7 +41,7 @@ __all__ = ["main", "run", "build_parser", "cmd_batch", "control_units", "resolve
            "SHUTDOWN_OUTCOMES", "cmd_serve", "graceful_server_class", "cmd_tokens", "cmd_upscale"]
 
 # in the order `sdlite --help` lists them
-COMMANDS = (info, generate, upscale, samplers, serve, mcp, batch, tokens)
+COMMANDS = (info, generate, edit, upscale, samplers, serve, mcp, batch, tokens)
 
 
 def build_parser() -> argparse.ArgumentParser:

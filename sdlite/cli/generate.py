@@ -2,6 +2,7 @@
 LoRAs, embeddings and ControlNets; the images are written with A1111's generation parameters."""
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -272,6 +273,38 @@ def _cache_option(text: str | None) -> dict:
 def add_parser(sub) -> None:
     g = sub.add_parser("generate", help="text to image, image to image, inpainting, outpainting")
     g.add_argument("prompt")
+    add_shared_arguments(g)
+    add_image_arguments(g)
+    g.set_defaults(func=cmd_generate)
+
+
+def add_image_arguments(g) -> None:
+    """``generate``'s own option groups, which ``edit`` does not take: the SDXL refiner, image to image (with
+    ``--ref-image``), the hires fix, ControlNets."""
+    x = g.add_argument_group("SDXL")
+    x.add_argument("--refiner", metavar="PATH", default=None,
+                   help="an SDXL refiner that takes the latents over for the last steps (A1111's refiner)")
+    x.add_argument("--refiner-switch", metavar="F", type=float, default=None,
+                   help=f"the fraction of the steps the base runs before the refiner (default {DEFAULT_REFINER_SWITCH})")
+    x.add_argument("--aesthetic-score", metavar="S", type=float, default=None,
+                   help="the refiner's aesthetic score conditioning of the prompt (default 6)")
+    x.add_argument("--negative-aesthetic-score", metavar="S", type=float, default=None,
+                   help="... of the negative prompt (default 2.5)")
+    add_img2img_arguments(g)
+    add_hires_arguments(g)
+    add_controlnet_arguments(g)
+
+
+def image_option_defaults() -> dict:
+    """The defaults of :func:`add_image_arguments`' options but ``--ref-image``: what :func:`cmd_generate` reads of
+    them on a command that does not offer them (``edit``)."""
+    scratch = argparse.ArgumentParser(add_help=False)
+    add_image_arguments(scratch)
+    return {dest: value for dest, value in vars(scratch.parse_args([])).items() if dest != "ref_image"}
+
+
+def add_shared_arguments(g) -> None:
+    """The options ``generate`` and ``edit`` share: the model, the sampling, the output, the engine, the add-ons."""
     g.add_argument("--model", "-m", default=None,
                    help="a diffusers folder or a .safetensors/.ckpt single file, or demo / demo-zh (default: the "
                         "shipped demo model; demo-zh, its Chinese text encoder, when the prompt has Chinese characters)")
@@ -367,15 +400,6 @@ def add_parser(sub) -> None:
     g.add_argument("--no-winograd", action="store_true",
                    help="run every 3x3 convolution directly; by default, with fp32 on the CPU, the UNet's and VAE's "
                         "large-map ones use Winograd's F(2x2,3x3): 1.3-1.6x faster, the same result to fp32 rounding")
-    x = g.add_argument_group("SDXL")
-    x.add_argument("--refiner", metavar="PATH", default=None,
-                   help="an SDXL refiner that takes the latents over for the last steps (A1111's refiner)")
-    x.add_argument("--refiner-switch", metavar="F", type=float, default=None,
-                   help=f"the fraction of the steps the base runs before the refiner (default {DEFAULT_REFINER_SWITCH})")
-    x.add_argument("--aesthetic-score", metavar="S", type=float, default=None,
-                   help="the refiner's aesthetic score conditioning of the prompt (default 6)")
-    x.add_argument("--negative-aesthetic-score", metavar="S", type=float, default=None,
-                   help="... of the negative prompt (default 2.5)")
     a = g.add_argument_group("add-ons")
     a.add_argument("--lora", metavar="PATH[:WEIGHT]", action="append", default=[],
                    help="apply a LoRA (kohya/A1111 or diffusers/PEFT .safetensors) at WEIGHT (default 1); repeatable. "
@@ -384,7 +408,3 @@ def add_parser(sub) -> None:
     a.add_argument("--embeddings", metavar="DIR", default=None,
                    help="textual-inversion embeddings (.pt/.safetensors): a prompt word equal to a file's stem, or "
                         "<embedding:NAME>, uses it")
-    add_img2img_arguments(g)
-    add_hires_arguments(g)
-    add_controlnet_arguments(g)
-    g.set_defaults(func=cmd_generate)

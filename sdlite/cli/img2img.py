@@ -91,14 +91,19 @@ def check_sources(request) -> None:
     raise RequestError(f"mask {request.mask} is all black: nothing to repaint (white marks the area to repaint)")
 
 
+def add_reference_argument(g, help: str) -> None:
+    """``--ref-image PATH`` (repeatable): FLUX.2 [klein]'s reference images, ``generate``'s and ``edit``'s."""
+    g.add_argument("--ref-image", metavar="PATH", action="append", default=[], help=help)
+
+
 def add_img2img_arguments(g) -> None:
     """The "image to image, inpainting, outpainting" argument group of ``sdlite generate``."""
     i = g.add_argument_group("image to image, inpainting, outpainting (defaults: A1111's)")
     i.add_argument("--init-image", metavar="PATH", default=None,
                    help="source image: image to image, or inpainting with a mask")
-    i.add_argument("--ref-image", metavar="PATH", action="append", default=[],
-                   help="a reference image the model edits from or draws after (FLUX.2 klein; repeatable, in order: "
-                        "image 1, image 2, ...); without --width/--height the output takes the first one's size")
+    add_reference_argument(i, "a reference image the model edits from or draws after (FLUX.2 klein; repeatable, in "
+                              "order: image 1, image 2, ...); without --width/--height the output takes the first "
+                              "one's size")
     i.add_argument("--strength", metavar="S", type=float, default=None,
                    help="how much of the source is repainted, above 0 up to 1 (runs int(steps x S) of the steps; "
                         "default 0.75)")

@@ -15,6 +15,7 @@ from ..engine.stepcache import DEFAULT_BRANCH as DEFAULT_CACHE_BRANCH
 from ..engine.stepcache import StepCacheError
 from ..engine.stepcache import check_options as check_cache_options
 from ..errors import RequestError
+from ..sampling.comfy import COMFY_SAMPLERS, COMFY_SCHEDULERS
 from ..sampling.samplers import resolve_sampler
 from ..sampling.schedules import SIGMA_KINDS, SPACINGS
 
@@ -280,16 +281,15 @@ def _validate_references(r: Request) -> Request:
     return r.replace(reference_images=refs)
 
 
-# the samplers noise="comfy" runs (the ones ComfyUI's names map to: sdlite.sampling.comfy.COMFY_SAMPLERS)
 COMFY_MAX_SEED = 2**64 - 1
-COMFY_NOISE_SAMPLERS = ("euler", "euler_a", "heun", "lms", "dpmpp_2m", "dpmpp_2m_sde", "dpmpp_sde", "ddpm", "lcm",
-                        "unipc")
+# the samplers noise="comfy" runs: every one a ComfyUI name maps to (sdlite.sampling.comfy.COMFY_SAMPLERS). The
+# comfy path (pipeline/latents.py) calls a sampler's function on ComfyUI's sigmas with only what every sampler takes
+# (generator, callback, extra_args; schedule and eta where its signature has them), so each of them runs there
+COMFY_NOISE_SAMPLERS = tuple(dict.fromkeys(COMFY_SAMPLERS.values()))
 
 
 def _validate_comfy(r: Request, sampler: str, schedule: str) -> str:
     """noise="comfy": the sampler and ComfyUI scheduler name checked, and what it does not run refused by name."""
-    from ..sampling.comfy import COMFY_SCHEDULERS
-
     if sampler not in COMFY_NOISE_SAMPLERS:
         raise RequestError(f"sampler {sampler!r} does not run with noise='comfy' (ComfyUI's KSampler); the ones that "
                            f"do: {', '.join(COMFY_NOISE_SAMPLERS)}")

@@ -2,8 +2,8 @@
 server for besides workflows: the user (one, "default"), its settings and user data (saved workflows, templates
 of its own), the extensions (none: sdlite runs no custom nodes), translations (none beyond the page's own), the
 server's features, and the workflow templates: one, ComfyUI's classic text-to-image graph on the server's current
-checkpoint (the package's own default graph is a Z-Image Turbo graph: its nodes are sdlite's too, but its sampler,
-``res_multistep``, is not, and it needs Z-Image's files in ComfyUI's folders).
+checkpoint (the package's own default graph is a Z-Image Turbo graph: its nodes and its ``res_multistep`` sampler
+are sdlite's too, but it needs Z-Image's files in ComfyUI's folders).
 
 The page finds its API next to itself: it takes the path it was loaded from (``/comfy/``) as its base and calls
 ``/comfy/api/...`` and ``/comfy/ws``, which :mod:`.routes` answers as it answers ``/api/...``. A user's files

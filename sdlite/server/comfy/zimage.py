@@ -3,7 +3,7 @@ do not use, on sdlite: ModelSamplingAuraFlow and ConditioningZeroOut. The rest o
 UNETLoader (``z_image_turbo_bf16.safetensors``), CLIPLoader of type ``lumina2`` (``qwen_3_4b.safetensors``) and
 VAELoader (``ae.safetensors``) are :mod:`.loaders`'; CLIPTextEncode, EmptySD3LatentImage, KSampler, VAEDecode and
 SaveImage :mod:`.nodes`'. The workflow's sampler, ``res_multistep`` (:func:`sdlite.sampling.samplers.
-sample_res_multistep`), is offered by KSampler once sdlite's ComfyUI noise path runs it
+sample_res_multistep`), is KSampler's as every sampler sdlite's ComfyUI noise path runs
 (``sdlite.pipeline.request.COMFY_NOISE_SAMPLERS``); ``euler`` with the ``simple`` scheduler is Z-Image-Turbo's own
 setting (diffusers' ZImagePipeline).
 
