@@ -659,3 +659,28 @@ def test_detection_from_shapes(ref3):
     assert find_qwen_prefix(["text_model.encoder.layers.0.mlp.fc1.weight"]) is None
     assert llama_cpp_name("layers.3.self_attn.o_proj.weight") == "blk.3.attn_output.weight"
     assert llama_cpp_name("norm.weight") == "output_norm.weight" and llama_cpp_name("lm_head.weight") is None
+
+
+def test_qwen2_5_vl_model_text_only(ids):
+    """The whole Qwen2_5_VLModel (vision tower present, unused) on text-only rows, as Qwen-Image's text prompts reach
+    it: it builds its 3-section multimodal positions itself (get_rope_index: for text, three equal ids), so the
+    language model's states equal sdlite's plain-RoPE encoder bit for bit on the real tokens, with and without
+    right padding (transformers gives the pads other positions; no real token sees a pad)."""
+    torch.manual_seed(4)
+    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}
+    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 64,
+              "fullatt_block_indexes": [0], "patch_size": 2, "spatial_merge_size": 1, "temporal_patch_size": 1}
+    ref = transformers.Qwen2_5_VLModel(transformers.Qwen2_5_VLConfig(
+        text_config={**TINY2, "rope_parameters": rope}, vision_config=vision)).eval()
+    _randomize_norms(ref, 4)
+    lm = {k[len("language_model."):]: v for k, v in ref.state_dict().items() if k.startswith("language_model.")}
+    model = load_qwen(lm, config=QwenConfig(**TINY2, head_dim=16, qk_norm=False, attention_bias=True,
+                                            tie_word_embeddings=False))
+    right = torch.ones_like(ids)
+    right[1, 25:] = 0
+    with torch.no_grad():
+        for mask in (None, right):
+            want = ref(input_ids=ids, attention_mask=mask).last_hidden_state
+            got = model(ids, mask)
+            keep = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+            assert torch.equal(got[keep], want[keep])
