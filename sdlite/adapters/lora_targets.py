@@ -40,7 +40,8 @@ _DENSE = (nn.Linear, nn.Conv2d, BF16Linear, BF16Conv2d)   # a float weight of th
 # a model's family (ModelSpec.family, "-inpaint" removed) as messages name it
 _SPEC_FAMILY = {"sd1": "SD 1.x", "sd2": "SD 2.x", "sdxl": "SDXL", "sdxl-refiner": "the SDXL refiner", "sd3": "SD3",
                 "sd3.5-medium": "SD3.5 Medium", "sd3.5-large": "SD3.5 Large", "flux-dev": "FLUX.1 dev",
-                "flux-schnell": "FLUX.1 schnell", "z-image-turbo": "Z-Image-Turbo", "flux2-klein": "FLUX.2 [klein]",
+                "flux-schnell": "FLUX.1 schnell", "flux-kontext": "FLUX.1 Kontext",
+                "z-image-turbo": "Z-Image-Turbo", "flux2-klein": "FLUX.2 [klein]",
                 "flux2-klein-base": "FLUX.2 [klein] base"}
 # what a layer of each component is called in the two file formats (for messages)
 _COMPONENT_KEYS = {"unet": "lora_unet_ / unet.", "transformer": "lora_transformer_ / transformer.",

@@ -87,6 +87,7 @@ def cmd_generate(args) -> int:
                       noise=args.noise, seed=args.seed, batch_size=args.batch, clip_skip=args.clip_skip, eta=args.eta,
                       timestep_spacing=args.timestep_spacing, timesteps=args.timesteps, sigmas=args.sigmas,
                       init_image=args.init_image, mask=args.mask, reference_images=tuple(args.ref_image),
+                      reference_resize=not args.no_ref_resize,
                       mask_from_alpha=args.mask_from_alpha, invert_mask=args.invert_mask,
                       overlay=not args.no_overlay, outpaint=parse_outpaint(args.outpaint), **image_options,
                       loras=tuple(parse_lora(v) for v in args.lora), lora_dir=args.lora_dir,

@@ -92,8 +92,12 @@ def check_sources(request) -> None:
 
 
 def add_reference_argument(g, help: str) -> None:
-    """``--ref-image PATH`` (repeatable): FLUX.2 [klein]'s reference images, ``generate``'s and ``edit``'s."""
+    """``--ref-image PATH`` (repeatable): the reference images of FLUX.2 [klein] and FLUX.1 dev / Kontext,
+    ``generate``'s and ``edit``'s; ``--no-ref-resize``: FLUX.1 Kontext's references keep their own size."""
     g.add_argument("--ref-image", metavar="PATH", action="append", default=[], help=help)
+    g.add_argument("--no-ref-resize", action="store_true",
+                   help="FLUX.1 Kontext: keep each reference image's own size (rounded down to multiples of 16) "
+                        "instead of resizing it to the nearest of the resolutions Kontext was trained at")
 
 
 def add_img2img_arguments(g) -> None:
@@ -101,7 +105,8 @@ def add_img2img_arguments(g) -> None:
     i = g.add_argument_group("image to image, inpainting, outpainting (defaults: A1111's)")
     i.add_argument("--init-image", metavar="PATH", default=None,
                    help="source image: image to image, or inpainting with a mask")
-    add_reference_argument(i, "a reference image the model edits from or draws after (FLUX.2 klein; repeatable, in "
+    add_reference_argument(i, "a reference image the model edits from or draws after (FLUX.2 klein, FLUX.1 dev / "
+                              "Kontext; repeatable, in "
                               "order: image 1, image 2, ...); without --width/--height the output takes the first "
                               "one's size")
     i.add_argument("--strength", metavar="S", type=float, default=None,

@@ -34,7 +34,7 @@ _DIFFUSERS_FIELDS = ("patch_size", "in_channels", "out_channels", "num_layers", 
                      "attention_head_dim", "num_attention_heads", "joint_attention_dim", "pooled_projection_dim",
                      "guidance_embeds", "axes_dims_rope")
 _CLASS_NAME = "FluxTransformer2DModel"
-FLUX_FAMILIES = ("flux-dev", "flux-schnell")
+FLUX_FAMILIES = ("flux-dev", "flux-schnell", "flux-kontext")   # Kontext: dev's network, an editing release
 
 
 @dataclass(frozen=True)
@@ -129,10 +129,16 @@ FLUX_SCHNELL_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num
 
 
 def flux_spec(transformer: FluxConfig, *, text=FLUX_TEXT_L, text3=T5_XXL, vae: VAEConfig = FLUX_VAE,
-              scheduler: dict | None = None) -> ModelSpec:
-    """A FLUX.1 model: dev when its transformer embeds the guidance scale, else schnell (the only two kinds). The
-    scheduler defaults to the release's."""
+              scheduler: dict | None = None, kontext: bool = False) -> ModelSpec:
+    """A FLUX.1 model: dev when its transformer embeds the guidance scale, else schnell. ``kontext``: a FLUX.1
+    Kontext release (dev's network trained to edit from a reference image; family ``flux-kontext``), known only from
+    its folder's pipeline class or its file's name. The scheduler defaults to the release's."""
     family = "flux-dev" if transformer.guidance_embeds else "flux-schnell"
+    if kontext:
+        if not transformer.guidance_embeds:
+            raise ConfigError("a FLUX.1 Kontext model embeds the guidance scale (dev's network); this transformer "
+                              "has no guidance embedding")
+        family = "flux-kontext"
     if scheduler is None:
         scheduler = FLUX_DEV_SCHEDULER if transformer.guidance_embeds else FLUX_SCHNELL_SCHEDULER
     return ModelSpec(family=family, text=text, text2=None, text3=text3, unet=None, transformer=transformer,

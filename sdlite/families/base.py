@@ -145,6 +145,21 @@ class ScheduledConditioning:
         return extra
 
 
+@dataclass
+class ReferenceConditioning(ScheduledConditioning):
+    """Per-step conditioning with the reference images' latents, each (1, channels, h_i, w_i) in the sampler's
+    scaling, passed to the network with every call (both guidance halves): FLUX.2 klein's and FLUX.1 Kontext's
+    editing."""
+
+    references: tuple = ()
+
+    def extra_at(self, step: int, batch: int) -> dict:
+        extra = super().extra_at(step, batch)
+        if self.references:
+            extra["references"] = self.references
+        return extra
+
+
 class Family:
     """A model family: what the loop asks of the networks a :class:`~sdlite.config.ModelSpec` describes. Subclasses
     say which specs they take (:meth:`takes`) and override what differs."""
@@ -160,6 +175,10 @@ class Family:
     source_latent = "sample"
     # reference images (Request.reference_images): the family conditions on them (FLUX.2's editing); others refuse
     takes_references = False
+    # an editing model (FLUX.2 klein, FLUX.1 Kontext): trained to edit from reference images, so the servers' image
+    # routes (A1111 img2img, OpenAI edits without a mask, MCP edit_image) hand it their images as references. A model
+    # that takes references without being trained on them (plain FLUX.1 dev) gets them only when asked explicitly
+    edits_from_images = False
     # a prompt and a negative prompt of different lengths are padded with the empty prompt's encoding (A1111's rule),
     # so classifier-free guidance encodes "" too; False where the family pads otherwise or its lengths are fixed
     pads_with_empty = True

@@ -19,6 +19,7 @@ FAMILY_NAMES = {
     "sd3.5-large": "Stable Diffusion 3.5 Large",
     "flux-dev": "FLUX.1 dev (guidance-distilled)",
     "flux-schnell": "FLUX.1 schnell (timestep-distilled: 1-4 steps)",
+    "flux-kontext": "FLUX.1 Kontext dev (instruction editing from a reference image)",
     "z-image-turbo": "Z-Image-Turbo (distilled: 8 steps, no guidance)",
 }
 

@@ -17,6 +17,11 @@ Conditioning, as diffusers' ``FluxPipeline`` builds it:
 The latents: the VAE's 16 channels less 0.1159, times 0.3611. The schedule: FlowMatchEulerDiscreteScheduler's, with
 FLUX's pipeline sigmas ``linspace(1, 1/steps, steps)``; dev shifts them by ``mu`` from the image's token count (2x2
 latent patches), schnell not at all.
+
+Editing (dev's network: FLUX.1 dev and FLUX.1 Kontext, family ``flux-kontext``): reference images
+(``Request.reference_images``) join the transformer's sequence as FLUX.1 Kontext's source image does
+(:mod:`sdlite.families.flux_kontext`); both guidance halves see them. Without an explicit size the first reference's
+(prepared) size is the output's. A Kontext release's guidance scale is 2.5 by default.
 """
 from __future__ import annotations
 
@@ -30,7 +35,8 @@ from ..errors import RequestError
 from ..sampling.denoisers import FlowDenoiser
 from ..sampling.flow import FlowSchedule
 from ..sources import source_size
-from .base import ScheduledConditioning
+from .base import ReferenceConditioning, ScheduledConditioning
+from .flux_kontext import KONTEXT_FAMILY, KONTEXT_GUIDANCE, encode_references, reference_size
 from .sd3 import _BREAK, SD3Family, _note
 
 # latent -> RGB of FLUX's VAE for the cheap preview, one row per channel (the factors ComfyUI's Flux latent format
@@ -42,7 +48,7 @@ CHEAP_RGB_FLUX = (
     (0.0982, 0.0941, 0.0976), (-0.1233, -0.0280, -0.0897), (-0.0005, -0.0530, -0.0020), (-0.1273, -0.0932, -0.0680),
 )
 DEFAULT_GUIDANCE = 3.5        # FluxPipeline's guidance_scale default, the dev model card's
-T5_TOKENS = {"flux-dev": 512, "flux-schnell": 256}
+T5_TOKENS = {"flux-dev": 512, "flux-schnell": 256, "flux-kontext": 512}
 PATCH_SIDE = 16               # FLUX.1's and Z-Image's image sides: multiples of 16 pixels (2x2 latent patches)
 
 
@@ -93,6 +99,30 @@ class FluxFamily(SD3Family):
     def guidance_embedded(self) -> bool:
         return self.spec.transformer.guidance_embeds
 
+    @property
+    def kontext(self) -> bool:
+        """A FLUX.1 Kontext release: guidance 2.5, references resized to Kontext's preferred resolutions."""
+        return self.spec.family == KONTEXT_FAMILY
+
+    @property
+    def takes_references(self) -> bool:
+        """dev's network takes reference images (Kontext's source image); schnell's was never trained with them."""
+        return self.guidance_embedded
+
+    @property
+    def edits_from_images(self) -> bool:
+        """A Kontext release was trained to edit from its reference; plain dev takes one only when asked."""
+        return self.kontext
+
+    @property
+    def default_guidance(self) -> float:
+        return KONTEXT_GUIDANCE if self.kontext else DEFAULT_GUIDANCE
+
+    def resizes_references(self, r) -> bool:
+        """Whether ``r``'s reference images go to Kontext's preferred resolutions: a Kontext release's do, unless
+        the request turns it off (``reference_resize``)."""
+        return self.kontext and r.reference_resize
+
     def noise_schedule(self, scheduler_config: dict):
         return dataclasses.replace(FlowSchedule.from_config(scheduler_config), sigma_spacing="linear")
 
@@ -101,12 +131,18 @@ class FluxFamily(SD3Family):
         return schedule.for_image((height // 16) * (width // 16))
 
     def resolve(self, r):
-        """dev: the guidance scale 3.5 where the request leaves it unset; schnell: none. Image to image without a
-        size: the source's, fitted to 2x2 latent patches (:func:`fit_to_patches`)."""
+        """dev: the guidance scale 3.5 (Kontext: 2.5) where the request leaves it unset; schnell: none. Image to
+        image without a size: the source's, fitted to 2x2 latent patches (:func:`fit_to_patches`); text to image
+        with reference images and no size: the first reference's, as it is prepared."""
         r = fit_to_patches(r)
         if not self.guidance_embedded:
             return super().resolve(r)
-        return r if r.guidance is not None else r.replace(guidance=DEFAULT_GUIDANCE)
+        if r.guidance is None:
+            r = r.replace(guidance=self.default_guidance)
+        if r.reference_images and (r.width is None or r.height is None) and not r.is_img2img:
+            width, height = reference_size(r.reference_images[0], 0, self.resizes_references(r))
+            r = r.replace(width=r.width or width, height=r.height or height)
+        return r
 
     def denoiser(self, model, schedule, dtype: torch.dtype | None):
         return FlowDenoiser(model, schedule, dtype=dtype, multiplier=1.0)   # the network takes sigma itself
@@ -123,8 +159,13 @@ class FluxFamily(SD3Family):
         d = self.sampling_defaults
         lines = [f"defaults:    {d['steps']} steps, cfg {d['cfg']} (off), {d['sampler']} (flow matching)"]
         if self.guidance_embedded:
-            lines.append(f"guidance:    distilled, {DEFAULT_GUIDANCE} by default (--guidance)")
+            lines.append(f"guidance:    distilled, {self.default_guidance} by default (--guidance)")
         lines.append(f"T5:          {self.t5_tokens} tokens")
+        if self.kontext:
+            lines.append("editing:     a reference image (sdlite edit, --ref-image), resized to Kontext's preferred "
+                         "resolutions (--no-ref-resize: not)")
+        elif self.guidance_embedded:
+            lines.append("editing:     reference images as FLUX.1 Kontext's (--ref-image)")
         return lines
 
     @property
@@ -171,10 +212,20 @@ class FluxFamily(SD3Family):
             warnings += [n for n in notes if n not in warnings]
         return contexts, [pooled[i] for i in range(len(texts_in))]
 
+    def conditioning(self, model, r, use_cfg: bool, embeddings=None) -> ScheduledConditioning:
+        """The texts' conditioning and (dev's network) the reference images' latents
+        (:func:`~.flux_kontext.encode_references`)."""
+        cond = super().conditioning(model, r, use_cfg, embeddings)
+        if not r.reference_images:
+            return cond
+        references = encode_references(self, model, r, self.resizes_references(r))
+        return ReferenceConditioning(**{f.name: getattr(cond, f.name) for f in dataclasses.fields(cond)},
+                                     references=references)
+
     def scheduled(self, model, r, use_cfg, schedules, texts, contexts, pooled, warnings) -> ScheduledConditioning:
         constants = None
         if self.guidance_embedded:
-            g = DEFAULT_GUIDANCE if r.guidance is None else float(r.guidance)   # (resolve has set it)
+            g = self.default_guidance if r.guidance is None else float(r.guidance)   # (resolve has set it)
             constants = {"guidance": torch.tensor([g], dtype=torch.float32, device=model.device)}
         return ScheduledConditioning(schedules[0], schedules[1] if use_cfg else None, dict(zip(texts, contexts)),
                                      warnings, pooled=dict(zip(texts, pooled)), pooled_key="pooled_projections",

@@ -44,7 +44,7 @@ from ..sampling.denoisers import FlowDenoiser
 from ..sampling.flow import FlowSchedule
 from ..sources import image_to_tensor, load_image
 from ..sources import prepare as prepare_source
-from .base import Family, LatentFormat, ScheduledConditioning
+from .base import Family, LatentFormat, ReferenceConditioning, ScheduledConditioning
 from .flux import check_sides, fit_to_patches
 from .zimage import _note, plain_prompt
 
@@ -114,20 +114,6 @@ class NormalizedPatches(LatentFormat):
         return unpatchify_latents(denormalize_latents(latents, mean, var, self.eps))
 
 
-@dataclass
-class ReferenceConditioning(ScheduledConditioning):
-    """Per-step conditioning with the reference images' latents, each (1, 128, h_i, w_i), passed to the transformer
-    with every call (both guidance halves)."""
-
-    references: tuple = ()
-
-    def extra_at(self, step: int, batch: int) -> dict:
-        extra = super().extra_at(step, batch)
-        if self.references:
-            extra["references"] = self.references
-        return extra
-
-
 def reference_pixels(source, index: int) -> torch.Tensor:
     """Reference image ``index`` (a path or a PIL image) as the pipeline prepares it: (1, 3, H, W) in [-1, 1], float32,
     with H and W multiples of 16 (scaled down to at most 1024^2 pixels, then centre-cropped)."""
@@ -181,6 +167,7 @@ class Flux2Family(Family):
     shared_source_sample = True   # the klein pipelines encode the one source image once
     source_latent = "mean"        # ... with its latent distribution's mean (sample_mode="argmax")
     takes_references = True
+    edits_from_images = True
     pads_with_empty = False       # every text is 512 tokens
 
     def __init__(self, spec):

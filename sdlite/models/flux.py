@@ -20,7 +20,7 @@ from ..errors import RequestError
 from .layers import TimestepEmbedding, per_sample, residual, run_blocks, timestep_embedding
 from .mmdit import NORM_EPS, AdaNorm, FeedForward, attention, gated, layer_norm, modulate
 
-__all__ = ["Flux", "pack_latents", "unpack_latents", "image_ids", "rope_tables"]
+__all__ = ["Flux", "pack_latents", "unpack_latents", "image_ids", "reference_ids", "rope_tables"]
 
 TIME_EMBED_CHANNELS = 256     # sinusoidal channels of the timestep and of the guidance scale
 ROPE_THETA = 10000.0
@@ -45,6 +45,23 @@ def image_ids(h: int, w: int, device=None) -> torch.Tensor:
     ids[..., 1] = torch.arange(h, device=device)[:, None]
     ids[..., 2] = torch.arange(w, device=device)[None, :]
     return ids.reshape(h * w, 3)
+
+
+def reference_ids(sizes: list[tuple[int, int]], device=None) -> list[torch.Tensor]:
+    """The ids of reference latents of ``sizes`` (h, w) (FLUX.1 Kontext's source images), each (h/2 * w/2, 3):
+    first axis 1, then the patch's row and column. The first starts at (0, 0), as FluxKontextPipeline places its one
+    image; each further one beside the region the earlier ones cover, as ComfyUI's chained ReferenceLatents are
+    placed (its "offset" method): to the right of it where that keeps the region squarer, else below it."""
+    out, covered_h, covered_w = [], 0, 0
+    for h, w in sizes:
+        down, right = (0, covered_w) if h + covered_h > w + covered_w else (covered_h, 0)
+        covered_h, covered_w = max(covered_h, h + down), max(covered_w, w + right)
+        ids = image_ids(h // 2, w // 2, device)
+        ids[:, 0] = 1
+        ids[:, 1] += down // 2
+        ids[:, 2] += right // 2
+        out.append(ids)
+    return out
 
 
 def rope_tables(ids: torch.Tensor, axes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,24 +245,33 @@ class Flux(nn.Module):
         return self.proj_out.bias.dtype
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, pooled_projections: torch.Tensor,
-                guidance: torch.Tensor | float | None = None, cache=None) -> torch.Tensor:
+                guidance: torch.Tensor | float | None = None, references=(), cache=None) -> torch.Tensor:
         """x (B, 16, H, W) latent (H, W even); t (B,) timesteps as the reference pipeline hands them to the network:
         the training timestep / 1000, i.e. sigma (one value serves the batch);
         context (B, M, joint_attention_dim) T5 states; pooled_projections (B, pooled_projection_dim) CLIP's pooled
-        output; ``guidance`` the distilled guidance scale (dev: required; schnell: none); ``cache`` a step cache's
-        hook on the blocks (:func:`~sdlite.models.layers.run_blocks`; None: none). Returns (B, 16, H, W)."""
+        output; ``guidance`` the distilled guidance scale (dev: required; schnell: none); ``references`` latents
+        (1 or B, 16, h_i, w_i) of source images (Kontext's editing): their tokens follow the image's in the sequence
+        with the ids of :func:`reference_ids`, and their outputs are dropped; ``cache`` a step cache's hook on the
+        blocks (:func:`~sdlite.models.layers.run_blocks`; None: none). Returns (B, 16, H, W)."""
         cfg = self.config
         dtype = self.dtype
         t, guidance = self._check(x, t, context, pooled_projections, guidance)
         b, _, hgt, wid = x.shape
+        self._check_references(references, b)
         t = t.to(dtype) * 1000
         if guidance is not None:
             guidance = guidance.to(dtype) * 1000
-        h = self.x_embedder(pack_latents(x.to(dtype)))                               # (B, N, C)
+        tokens = pack_latents(x.to(dtype))                                            # (B, N, 64)
+        n = tokens.shape[1]
+        if references:   # (B, N + R, 64): the image's tokens, then each reference's
+            tokens = torch.cat([tokens, *(pack_latents(ref.to(dtype)).expand(b, -1, -1) for ref in references)], 1)
+        h = self.x_embedder(tokens)                                                   # (B, N (+ R), C)
+        del tokens
         emb = F.silu(self.time_text_embed(t, guidance, pooled_projections.to(dtype)))  # (B, C)
         c = self.context_embedder(context.to(dtype))                                 # (B, M, C)
         m = c.shape[1]
-        ids = torch.cat([torch.zeros(m, 3, device=x.device), image_ids(hgt // 2, wid // 2, x.device)])
+        ref_ids = reference_ids([tuple(ref.shape[2:]) for ref in references], x.device)
+        ids = torch.cat([torch.zeros(m, 3, device=x.device), image_ids(hgt // 2, wid // 2, x.device), *ref_ids])
         rope = rope_tables(ids, cfg.axes_dims_rope)                                  # 2 x (S, D)
 
         def first(state):
@@ -263,9 +289,22 @@ class Flux(nn.Module):
             return h[:, m:], h[:, :m]                                                # the streams again
 
         h, _ = run_blocks(first, rest, (h, c), cache)
+        h = h[:, :n]                                                                  # (B, N, C): the image's
         scale, shift = self.norm_out(emb)
         h = self.proj_out(modulate(layer_norm(h), shift, scale))                    # (B, N, 64)
         return unpack_latents(h, hgt, wid)
+
+    def _check_references(self, references, b: int) -> None:
+        """Each reference a (1 or B, 16, h, w) latent with h and w even (a clear error naming the reference)."""
+        for i, ref in enumerate(references):
+            if not isinstance(ref, torch.Tensor) or ref.ndim != 4 or ref.shape[0] not in (1, b) \
+                    or ref.shape[1] != self.config.latent_channels:
+                shape = list(ref.shape) if isinstance(ref, torch.Tensor) else type(ref).__name__
+                raise RequestError(f"FLUX reference {i + 1} is {shape}: expected a latent (1 or {b}, "
+                                   f"{self.config.latent_channels}, height, width)")
+            if ref.shape[2] % 2 or ref.shape[3] % 2:
+                raise RequestError(f"FLUX reference {i + 1} is a {ref.shape[2]}x{ref.shape[3]} latent: its sides "
+                                   "must be even (2x2 patches), i.e. the image a multiple of 16 pixels")
 
     def _check(self, x, t, context, pooled, guidance):
         """The inputs' shapes against the config (a clear error naming the input); timesteps and guidance, one per

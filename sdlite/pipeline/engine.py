@@ -190,7 +190,8 @@ class Engine(LoadedModel):
         self.family.check_generate(request)
         r = validate(request, self.family.default_size)
         if r.reference_images and not self.family.takes_references:
-            raise RequestError(f"reference images (editing from images) are for FLUX.2 [klein] models; this model "
+            raise RequestError(f"reference images (editing from images) are for FLUX.2 [klein] and FLUX.1 dev / "
+                               f"Kontext models; this model "
                                f"({self.spec.family}) takes none: use init_image (--init-image) for image to image")
         self.family.check_request(r)
         return self.family.resolve(r)

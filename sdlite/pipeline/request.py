@@ -56,10 +56,14 @@ class Request:
     outpaint: tuple | None = None     # (left, top, right, bottom) px, multiples of 8: extend the canvas
     resize_mode: str = "just-resize"  # just-resize | crop | fill: how a source of another size is fitted
     mask_from_alpha: bool = False     # the init image's transparency is the mask
-    # editing from reference images (FLUX.2 klein): paths or PIL images the model sees beside the prompt, in order
+    # editing from reference images (FLUX.2 klein, FLUX.1 Kontext): paths or PIL images the model sees beside the
+    # prompt, in order
     # (the first sets the output size where width and height are left unset); () = none. Families without reference
     # conditioning refuse them
     reference_images: tuple = ()
+    # FLUX.1 Kontext: resize the reference images to the resolutions Kontext was trained at (nearest aspect ratio),
+    # as FluxKontextPipeline does by default; False keeps each image's own size (rounded down to multiples of 16)
+    reference_resize: bool = True
     # add-ons
     loras: tuple = ()                 # (path, weight) pairs, besides the prompt's <lora:name:weight> tags;
                                       # a weight may be {"unet": a, "text_encoder": b} (networks.py)
@@ -258,6 +262,8 @@ def _validate_references(r: Request) -> Request:
 
     from PIL import Image
 
+    if not isinstance(r.reference_resize, bool):
+        raise RequestError(f"reference_resize {r.reference_resize!r} is not valid: expected true or false")
     refs = r.reference_images
     if refs is None:
         return r.replace(reference_images=())

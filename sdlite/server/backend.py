@@ -305,7 +305,7 @@ def run_plan(engines: Engines, checkpoint: Checkpoint, plan: a1111.Plan, control
     timestamp = datetime.datetime.now().strftime("%Y%m%d%H%M%S")
     downscale = engine.spec.vae.downscale
     requests, defaulted = a1111.model_defaults(plan, engine.family.sampling_defaults)
-    requests = with_references(plan, requests, engine.family.takes_references)   # FLUX.2 [klein]'s editing
+    requests = with_references(plan, requests, engine.family.edits_from_images)   # klein's and Kontext's editing
     if plan.limits is not None:   # a size left out is the model's native one, steps the family's: known only now
         native = engine.spec.default_size
         for request in requests[:1]:

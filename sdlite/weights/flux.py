@@ -1,6 +1,8 @@
 """Opening FLUX.1 checkpoints (dev and schnell): what :func:`sdlite.loader.open_model` does for this family.
 
-**diffusers folders** (``model_index.json``: ``FluxPipeline`` and its img2img and inpaint siblings): ``text_encoder``
+**diffusers folders** (``model_index.json``: ``FluxPipeline`` and its img2img and inpaint siblings; a
+``FluxKontextPipeline`` or ``FluxKontextInpaintPipeline`` folder is a FLUX.1 Kontext release, family
+``flux-kontext``): ``text_encoder``
 (CLIPTextModel, CLIP ViT-L: only its pooled output is read), ``text_encoder_2`` (T5-XXL), their tokenizers,
 ``transformer``, ``vae`` (16 channels with FLUX's shift and scale) and ``scheduler``. In sdlite T5 is the model's
 ``text_encoder_3`` component, as in SD3 (one T5 slot for every family); the folder's names are kept on disk.
@@ -15,9 +17,10 @@ VAE under ``vae.`` (or ``first_stage_model.``), the encoders under ``text_encode
 ``text_encoders.t5xxl.transformer.``. What a separate file holds is read from its keys and shapes. fp8 weights are
 converted to the compute dtype when loaded, as for SD3.
 
-Which release a transformer is shows in its weights: dev embeds the guidance scale (``guidance_in``), schnell does
-not. A file with neither VAE nor CLIP-L found is refused, naming what is missing; T5 is required too (FLUX's text
-conditioning is T5's alone).
+Which release a transformer is shows in its weights: dev embeds the guidance scale (``guidance_in``), schnell does not.
+Kontext's weights are dev's in shape: a single file is a Kontext release when its name says so (``kontext`` in it, as in
+``flux1-kontext-dev.safetensors`` or a GGUF ``flux1-kontext-dev-Q4_K_M.gguf``). A file with neither VAE nor CLIP-L found
+is refused, naming what is missing; T5 is required too (FLUX's text conditioning is T5's alone).
 """
 from __future__ import annotations
 
@@ -39,9 +42,11 @@ from .t5_keys import SINGLE_FILE_PREFIX as T5_PREFIX
 from .t5_keys import find_t5_prefix, infer_t5_config, t5_plan
 from .text_keys import clip_from_original, infer_text_encoder
 
-__all__ = ["FLUX_PIPELINES", "open_flux_folder", "open_flux_file", "is_flux_file", "flux_family"]
+__all__ = ["FLUX_PIPELINES", "KONTEXT_PIPELINES", "is_kontext_name", "open_flux_folder", "open_flux_file",
+           "is_flux_file", "flux_family"]
 
-FLUX_PIPELINES = ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline")
+KONTEXT_PIPELINES = ("FluxKontextPipeline", "FluxKontextInpaintPipeline")
+FLUX_PIPELINES = ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline", *KONTEXT_PIPELINES)
 # VAE prefixes of the all-in-one checkpoints (ComfyUI writes FLUX's under "vae.")
 _VAE_PREFIXES = ("vae.", "first_stage_model.")
 _NAMES = {"text_encoder": "CLIP-L", "text_encoder_3": "T5-XXL", "vae": "VAE (ae.safetensors)"}
@@ -49,6 +54,11 @@ _NAMES = {"text_encoder": "CLIP-L", "text_encoder_3": "T5-XXL", "vae": "VAE (ae.
 _BESIDE = (("text_encoder", ("clip_l*.safetensors",)),
            ("text_encoder_3", ("t5xxl_fp16*.safetensors", "t5xxl*.safetensors", "t5*.safetensors", "t5*.gguf")),
            ("vae", ("ae.safetensors", "ae*.safetensors", "flux*vae*.safetensors")))
+
+
+def is_kontext_name(path) -> bool:
+    """Whether a single file's name says it is a FLUX.1 Kontext release (its weights are dev's in shape)."""
+    return "kontext" in Path(path).name.lower()
 
 
 def flux_family(transformer: FluxConfig) -> str:
@@ -73,9 +83,12 @@ def _check_parts(transformer: FluxConfig, vae: VAEConfig, clip, t5, where) -> No
                               f"{transformer.in_channels}-value tokens (2x2 patches)", where)
 
 
-def _spec_and_detection(transformer, vae, clip, t5, scheduler, layout, where):
+def _spec_and_detection(transformer, vae, clip, t5, scheduler, layout, where, kontext: bool = False):
     _check_parts(transformer, vae, clip, t5, where)
-    spec = flux_spec(transformer, text=clip, text3=t5, vae=vae, scheduler=scheduler)
+    try:
+        spec = flux_spec(transformer, text=clip, text3=t5, vae=vae, scheduler=scheduler, kontext=kontext)
+    except ConfigError as e:
+        raise CheckpointError(str(e), where) from None
     return spec, Detection(layout=layout, family=spec.family, components=(*spec.text_encoders, "transformer", "vae"),
                            unet=None)
 
@@ -119,7 +132,8 @@ def open_flux_folder(folder: Path, index: dict, index_file: Path) -> dict:
             raise CheckpointError(f"unusable component config: {e}", folder) from None
         sched_file = folder / "scheduler" / "scheduler_config.json"
         scheduler = read_json(sched_file) if sched_file.is_file() else None
-        spec, detection = _spec_and_detection(transformer, vae, clip, t5, scheduler, "diffusers", folder)
+        spec, detection = _spec_and_detection(transformer, vae, clip, t5, scheduler, "diffusers", folder,
+                                              kontext=cls in KONTEXT_PIPELINES)
     except BaseException:
         for store in stores:
             store.close()
@@ -225,7 +239,7 @@ def open_flux_file(path: Path, store: TensorStore, text_encoders=()) -> dict:
                     "or found beside it", path)
         t5 = infer_t5_config(sources["text_encoder_3"].shapes)
         spec, detection = _spec_and_detection(transformer, configs["vae"], configs["text_encoder"], t5, None,
-                                              "original", path)
+                                              "original", path, kontext=is_kontext_name(path))
         for name, source in sources.items():
             if source.unexpected:
                 notes.append(f"{len(source.unexpected)} {name} keys not understood (ignored)")

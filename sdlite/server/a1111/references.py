@@ -1,5 +1,5 @@
 """Editing from reference images on the A1111 plan's road: a FLUX.2 [klein] model (a family whose
-``takes_references`` is true) takes an img2img request's init images as its reference images, in the way of the
+``edits_from_images`` is true) takes an img2img request's init images as its reference images, in the way of the
 front-end that built the plan (:attr:`~.api.Plan.reference_mode`):
 
 * ``"a1111"`` (``/sdapi/v1/img2img``, Forge's way with editing models): ``init_images[0]`` stays the init image (image
@@ -19,10 +19,10 @@ from ...pipeline import Request, RequestError
 from .api import Plan
 
 
-def with_references(plan: Plan, requests: list[Request], takes_references: bool) -> list[Request]:
+def with_references(plan: Plan, requests: list[Request], edits_from_images: bool) -> list[Request]:
     """The plan's requests with its init images as reference images where the model edits from them
-    (``takes_references``: FLUX.2 [klein]) and no mask marks an area to repaint. ``plan.reference_mode`` "a1111":
-    ``init_images[0]`` stays the init image (image to image at the denoising strength; 1.0: editing from noise) and is
+    (``edits_from_images``: FLUX.2 [klein], FLUX.1 Kontext) and no mask marks an area to repaint.
+    ``plan.reference_mode`` "a1111": ``init_images[0]`` stays the init image (image to image at the denoising strength; 1.0: editing from noise) and is
     the first reference, the others follow (Forge's way with editing models); "edit" and "required": the images are
     references only and the output starts from noise (OpenAI's and MCP's instruction editing). A model without
     reference editing keeps image to image on the first image; "required" refuses it, and so does "edit" given several
@@ -30,14 +30,14 @@ def with_references(plan: Plan, requests: list[Request], takes_references: bool)
     refs = plan.references
     if not refs or not requests or requests[0].mask is not None:
         return requests
-    if not takes_references:
+    if not edits_from_images:
         if plan.reference_mode == "required":
             raise RequestError("editing from reference images (an instruction edit) needs a model that edits from "
-                               "them (FLUX.2 [klein]); this model does not: switch to a klein model, or redraw the "
-                               "image with image to image")
+                               "them (FLUX.2 [klein], FLUX.1 Kontext); this model does not: switch to one, or redraw "
+                               "the image with image to image")
         if plan.reference_mode == "edit" and len(refs) > 1:
             raise RequestError(f"init_images: {len(refs)} images were sent; this model edits one image at a time "
-                               "(several are reference images for a model that edits from them: FLUX.2 [klein])")
+                               "(several are reference images for a model that edits from them: FLUX.2 [klein], FLUX.1 Kontext)")
         return requests
     plan.warnings[:] = [w for w in plan.warnings if not w.startswith("init_images:")]
     if plan.reference_mode == "a1111":
