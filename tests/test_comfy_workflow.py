@@ -122,7 +122,8 @@ def test_object_info_describes_the_nodes_with_this_servers_lists(env):
               "VAEEncodeForInpaint LoadImage LoadImageMask ImageScale ImageScaleBy ImageUpscaleWithModel SaveImage "
               "PreviewImage FluxGuidance ModelSamplingSD3 ModelSamplingFlux UnetLoaderGGUF CLIPLoaderGGUF "
               "DualCLIPLoaderGGUF TripleCLIPLoaderGGUF ModelSamplingAuraFlow ConditioningZeroOut "
-              "EmptyFlux2LatentImage Flux2Scheduler ReferenceLatent").split()
+              "EmptyFlux2LatentImage Flux2Scheduler ReferenceLatent SamplerCustomAdvanced SamplerCustom RandomNoise "
+              "DisableNoise CFGGuider BasicGuider KSamplerSelect BasicScheduler").split()
     assert sorted(info) == sorted(wanted)
     ck = info["CheckpointLoaderSimple"]
     assert ck["input"]["required"]["ckpt_name"][0] == [ckpt_name(env)]

@@ -271,3 +271,22 @@ def test_first_block_cache_with_references(distilled):
         again = wrapped(x, torch.tensor([0.7]), context, references=[ref])
     assert (cache.full_calls, cache.skipped_calls) == (1, 1)
     torch.testing.assert_close(again, full, rtol=1e-5, atol=1e-5)
+
+
+def test_comfyui_schedulers_use_comfyuis_flux2_shift(distilled):
+    """ComfyUI samples FLUX.2 with ModelSamplingFlux at mu 2.02 (not FLUX.1's 1.15): its KSampler's "simple" sigmas
+    on klein are those of that table; a ModelSampling node's shift still wins."""
+    from sdlite.pipeline.latents import LatentRun, plan_sigmas
+    from sdlite.sampling.comfy import comfy_sigmas
+
+    _, engine, _ = distilled
+    r = engine._checked(Request(prompt=PROMPT, steps=4, cfg_scale=1.0, width=64, height=64, sampler="euler",
+                                schedule="simple", noise="comfy", seed=1))
+    latent = torch.zeros(1, 32, 4, 4)
+    schedule = engine.schedule_for(r)
+    got = plan_sigmas(engine, r, LatentRun(latent))
+    assert torch.equal(got, comfy_sigmas(schedule, "simple", 4, 2.02))
+    assert not torch.equal(got, comfy_sigmas(schedule, "simple", 4, None))   # FLUX.1's 1.15
+    sig = torch.tensor(1.0 - 1 / 4)   # the simple scheduler's second sigma: timestep 0.75 of ModelSamplingFlux
+    assert float(got[1]) == pytest.approx(float(np.exp(2.02) / (np.exp(2.02) + 1 / sig - 1)), rel=1e-4)
+    assert torch.equal(plan_sigmas(engine, r, LatentRun(latent, shift=1.5)), comfy_sigmas(schedule, "simple", 4, 1.5))

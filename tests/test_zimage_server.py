@@ -479,6 +479,24 @@ def test_stock_workflow_with_its_res_multistep(env):
     assert not np.array_equal(got, own_image(engine))
 
 
+def test_the_workflow_with_a_custom_sampler_is_ksamplers(env):
+    """SamplerCustomAdvanced with RandomNoise, CFGGuider, KSamplerSelect (res_multistep) and BasicScheduler over
+    ModelSamplingAuraFlow's model (shift 2): the KSampler workflow's image (:mod:`sdlite.server.comfy.custom`)."""
+    prompt = stock_workflow(seed=4, shift=2.0, sampler="res_multistep")
+    want = run(env, prompt)
+    prompt.update({
+        "30": {"class_type": "RandomNoise", "inputs": {"noise_seed": 4}},
+        "31": {"class_type": "CFGGuider", "inputs": {"model": ["11", 0], "positive": ["6", 0], "negative": ["7", 0],
+                                                     "cfg": 1.0}},
+        "32": {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "res_multistep"}},
+        "33": {"class_type": "BasicScheduler", "inputs": {"model": ["11", 0], "scheduler": "simple", "steps": 4,
+                                                          "denoise": 1.0}},
+        "3": {"class_type": "SamplerCustomAdvanced", "inputs": {"noise": ["30", 0], "guider": ["31", 0],
+                                                                "sampler": ["32", 0], "sigmas": ["33", 0],
+                                                                "latent_image": ["13", 0]}}})
+    assert np.array_equal(run(env, prompt), want) and want.std() > 10
+
+
 @pytest.mark.parametrize("node,change,input_name,words", [
     ("18", {"clip_name": "not_a_text_encoder.safetensors"}, "clip_name", "holds a VAE"),
     ("18", {"clip_name": "gemma_2_2b.safetensors"}, "clip_name", "holds an LLM that is no Qwen"),

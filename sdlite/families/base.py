@@ -179,9 +179,17 @@ class Family:
     # routes (A1111 img2img, OpenAI edits without a mask, MCP edit_image) hand it their images as references. A model
     # that takes references without being trained on them (plain FLUX.1 dev) gets them only when asked explicitly
     edits_from_images = False
+    # ComfyUI's sampling shift of the family's models where its ModelSampling differs from what the model's schedule
+    # implies (its model_sampling settings: FLUX.2's mu 2.02); None: the schedule's (sdlite.sampling.comfy.FlowTable)
+    comfy_shift: float | None = None
     # a prompt and a negative prompt of different lengths are padded with the empty prompt's encoding (A1111's rule),
     # so classifier-free guidance encodes "" too; False where the family pads otherwise or its lengths are fixed
     pads_with_empty = True
+    # its VAE decodes in tiles (sdlite.engine.tiling: AutoencoderKL's structure); False decodes whole (Qwen-Image's)
+    tiles_vae = True
+    # classifier-free guidance of the family's own (CFGDenoiser's ``combine``): None, A1111's
+    # ``uncond + cfg * (cond - uncond)``; Qwen-Image's true CFG rescales the result
+    guidance = None
 
     def __init__(self, spec):
         self.spec = spec

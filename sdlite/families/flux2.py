@@ -168,6 +168,7 @@ class Flux2Family(Family):
     source_latent = "mean"        # ... with its latent distribution's mean (sample_mode="argmax")
     takes_references = True
     edits_from_images = True
+    comfy_shift = 2.02            # ComfyUI's FLUX.2 model sampling (supported_models.Flux2: ModelSamplingFlux, mu 2.02)
     pads_with_empty = False       # every text is 512 tokens
 
     def __init__(self, spec):

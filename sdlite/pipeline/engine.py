@@ -335,7 +335,8 @@ class Engine(LoadedModel):
                     model = controlled = ControlledUNet(unet, controls, use_cfg, r.steps - start, st.start - start)
                 stage_schedule = engine.schedule_for(r)
                 guided = CFGDenoiser(engine.family.denoiser(model, stage_schedule, unet.dtype),
-                                     r.cfg_scale if use_cfg else 1.0, **engine.skip_layer_guidance(r))
+                                     r.cfg_scale if use_cfg else 1.0, combine=engine.family.guidance,
+                                     **engine.skip_layer_guidance(r))
                 denoised = Recorded(Pieces(guided, unet_piece, r.batch_size) if unet_piece < r.batch_size
                                      else guided)
                 try:

@@ -1,5 +1,6 @@
 """Sampling from given latents with ComfyUI's KSampler conventions: the run behind ``Request(noise="comfy")`` and
-behind a ComfyUI workflow's KSampler / KSamplerAdvanced nodes (:mod:`sdlite.server.comfy.workflow`).
+behind a ComfyUI workflow's KSampler / KSamplerAdvanced nodes and its custom samplers (SamplerCustomAdvanced's
+explicit sigmas: :attr:`LatentRun.sigmas`) (:mod:`sdlite.server.comfy.workflow`).
 
 What differs from the A1111 loop of :meth:`Engine.run_pass <sdlite.pipeline.engine.Engine.run_pass>` is ComfyUI's
 (:mod:`sdlite.sampling.comfy`): the sigmas come from ComfyUI's scheduler formulas, cut by KSampler's ``denoise`` or
@@ -47,7 +48,9 @@ class LatentRun:
     strength (:class:`~sdlite.sampling.regions.Region`, one per prompt, the request's first; ComfyUI's
     ConditioningSetArea and ConditioningSetAreaStrength), empty for the whole latent at strength 1: with them each
     half's prediction is ComfyUI's weighted blend of its prompts' predictions on their areas
-    (:class:`~sdlite.sampling.regions.Regional`)."""
+    (:class:`~sdlite.sampling.regions.Regional`). ``sigmas``: explicit sigmas (ComfyUI's SIGMAS, a custom sampler's:
+    a 1-D float tensor, descending) that the sampler is given as they are, in place of the request's scheduler,
+    steps and denoise and of ``start_step`` / ``last_step`` (fewer than two: nothing to sample)."""
 
     latents: torch.Tensor
     mask: torch.Tensor | None = None
@@ -65,6 +68,7 @@ class LatentRun:
     # ``negative_prompts`` in order) condition with zeros of their encoding's shape, pooled embedding zeroed too
     zeroed: tuple = ()
     negative_zeroed: tuple = ()
+    sigmas: torch.Tensor | None = None
 
 
 ZEROED = "\x00zeros of "   # the key of a zeroed text's encoding (no prompt holds a NUL)
@@ -99,11 +103,16 @@ def zero_out(cond, prompt: bool, negative: bool):
 
 def plan_sigmas(engine, r: Request, run: LatentRun) -> torch.Tensor | None:
     """The run's sigmas (descending), as ComfyUI's KSampler cuts them; None when there is nothing to sample
-    (denoise 0, or a start step at or past the end: the latent is returned untouched)."""
+    (denoise 0, or a start step at or past the end, or fewer than two explicit sigmas: the latent is returned
+    untouched)."""
+    if run.sigmas is not None:
+        sigmas = explicit_sigmas(run.sigmas)
+        return sigmas if len(sigmas) >= 2 else None
     schedule = engine.schedule_for(r)
 
     def full(steps: int) -> torch.Tensor:
-        return comfy_sigmas(schedule, r.schedule, steps, run.shift)
+        shift = run.shift if run.shift is not None else engine.family.comfy_shift   # a ModelSampling node's first
+        return comfy_sigmas(schedule, r.schedule, steps, shift)
 
     sigmas = denoise_sigmas(full, r.steps, run.denoise)
     if len(sigmas) < 2:
@@ -112,6 +121,21 @@ def plan_sigmas(engine, r: Request, run: LatentRun) -> torch.Tensor | None:
         return sigmas
     last = len(sigmas) - 1 if run.last_step is None else run.last_step
     return advanced_sigmas(sigmas, run.start_step or 0, last, run.force_full_denoise)
+
+
+def explicit_sigmas(sigmas) -> torch.Tensor:
+    """Explicit sigmas as the sampler takes them: a float32 CPU copy of a 1-D list of finite sigmas, each above the
+    next and none below 0 (the last may be above 0: the run then returns the latent with that noise left in it, as
+    KSamplerAdvanced's leftover noise). Raises :class:`RequestError` naming what is wrong."""
+    values = torch.as_tensor(sigmas).detach().to("cpu", torch.float32)
+    if values.ndim != 1:
+        raise RequestError(f"sigmas: a tensor of shape {tuple(values.shape)}; expected one sigma per step boundary, "
+                           "a 1-D list")
+    if not bool(torch.isfinite(values).all()) or bool((values < 0).any()):
+        raise RequestError(f"sigmas {values.tolist()}: each must be a finite number, 0 or more")
+    if len(values) > 1 and not bool((values[:-1] > values[1:]).all()):
+        raise RequestError(f"sigmas {values.tolist()} are not strictly descending")
+    return values.clone()
 
 
 def prepare_mask(mask: torch.Tensor, shape: tuple) -> torch.Tensor:
@@ -236,7 +260,7 @@ def run_latents(engine, r: Request, run: LatentRun, callback=None, on_latents=No
                 scale = r.cfg_scale if use_cfg else 1.0
                 guided = engine.family.denoiser(model, schedule, unet.dtype)
                 if parts is None:   # with areas each prompt runs on its own (Regional guides them; no ControlNets)
-                    guided = CFGDenoiser(guided, scale)
+                    guided = CFGDenoiser(guided, scale, combine=engine.family.guidance)
                 timesteps = comfy_timesteps(schedule, sigmas[:-1])
                 if timesteps is not None:
                     guided = guided.with_timesteps(sigmas, timesteps)

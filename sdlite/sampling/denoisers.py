@@ -156,6 +156,9 @@ class CFGDenoiser:
     skip_layers: tuple = ()
     skip_scale: float = 0.0
     skip_sigmas: frozenset = frozenset()
+    # a family's own guidance in place of ``uncond + scale * (cond - uncond)``: ``combine(x, sigma, uncond, cond,
+    # scale) -> guided`` on the two halves' denoised estimates, sigma (B,) (Qwen-Image's norm-preserving true CFG)
+    combine: Callable | None = None
 
     def with_timesteps(self, sigmas: torch.Tensor, timesteps: torch.Tensor) -> "CFGDenoiser":
         inner = self.denoiser
@@ -183,7 +186,8 @@ class CFGDenoiser:
         out = self.denoiser(torch.cat([x, x]), torch.cat([sigma, sigma]),              # (2B, C, h, w)
                             context=torch.cat([uncond, context]), **extra)
         out_uncond, out_cond = out.chunk(2)
-        guided = out_uncond + self.scale * (out_cond - out_uncond)
+        guided = out_uncond + self.scale * (out_cond - out_uncond) if self.combine is None else \
+            self.combine(x, sigma, out_uncond, out_cond, self.scale)
         if self.skip_layers and float(sigma[0]) in self.skip_sigmas:
             skipped = self.denoiser(x, sigma, context=context, skip_layers=self.skip_layers, **cond_extra)
             guided = guided + (out_cond - skipped) * self.skip_scale

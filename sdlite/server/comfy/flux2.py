@@ -5,11 +5,10 @@ ReferenceLatent. The rest is the other modules': UNETLoader (``flux-2-klein-4b.s
 (``flux2-vae.safetensors``) are :mod:`.loaders`'; CLIPTextEncode, LoadImage, VAEEncode, KSampler, VAEDecode and
 SaveImage :mod:`.nodes`'.
 
-**The sampler.** The stock templates sample with SamplerCustomAdvanced over CFGGuider, KSamplerSelect, RandomNoise and
-Flux2Scheduler; sdlite's ComfyUI backend has no SamplerCustomAdvanced, so the same graph runs with a KSampler
-(``euler``, any scheduler: the FLUX.2 family shifts the schedule by its empirical mu from the latent's size and the
-steps, as Flux2Scheduler does) taking the positive and negative conditionings and the empty latent. Flux2Scheduler is
-offered for graphs that show its SIGMAS (and for a custom sampler once sdlite has one).
+**The sampler.** The stock templates sample with SamplerCustomAdvanced over RandomNoise, CFGGuider, KSamplerSelect
+and Flux2Scheduler (:mod:`.custom`), which run as they are: Flux2Scheduler's sigmas reach the sampler unchanged. The
+same graph with a KSampler (``euler``, cfg 1 for the distilled model) also runs; its sigmas are ComfyUI's scheduler's
+on the model's flow table, not Flux2Scheduler's.
 
 **EmptyFlux2LatentImage** is ComfyUI's: zeros (B, 128, H/16, W/16), the 32-channel VAE latent cut into 2 x 2 patches.
 A model whose patch latents have other channels (a tiny test model) takes zeros of its own (the sampler's

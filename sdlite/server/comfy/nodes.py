@@ -722,7 +722,8 @@ def _request(ctx, model: ModelRef, seed, steps, cfg, sampler_name, scheduler, po
                    reference_images=pos.references)
 
 
-def _sample(ctx: Context, model: ModelRef, clip: ClipRef, request: Request, latent: dict, **run) -> tuple:
+def _sample(ctx: Context, model: ModelRef, clip: ClipRef, request: Request, latent: dict, denoised=None,
+            **run) -> tuple:
     engine = engine_for(ctx, model, clip, prompt_vae(ctx))
     check_sampling(engine, model)
     ctx.sampled = (model, clip)
@@ -745,6 +746,8 @@ def _sample(ctx: Context, model: ModelRef, clip: ClipRef, request: Request, late
         control.step(step, total)
 
     def on_latents(step, total, estimate):   # a preview only when someone would see it (control.preview_wanted)
+        if denoised is not None:   # the custom samplers' denoised_output: the last step's estimate (.custom)
+            denoised["x0"] = estimate
         if previews and estimate is not None and control.preview_wanted():
             image = engine.preview(estimate[:1])[0]
             control.set_preview(image, step)
