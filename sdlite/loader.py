@@ -25,6 +25,8 @@ from .config.flux import FluxConfig
 from .config.flux2 import Flux2Config
 from .config.flux2_vae import Flux2VAEConfig
 from .config.qwen import QwenConfig
+from .config.qwenimage import QwenImageConfig
+from .config.qwenimage_vae import QwenImageVAEConfig
 from .config.zimage import ZImageConfig
 from .errors import CheckpointError
 from .models.bert import BertTextEncoder
@@ -34,6 +36,8 @@ from .models.flux2 import Flux2
 from .models.flux2_vae import Flux2VAE
 from .models.mmdit import MMDiT
 from .models.qwen import QwenTextEncoder
+from .models.qwenimage import QwenImage
+from .models.qwenimage_vae import QwenImageVAE
 from .models.t5 import T5Encoder
 from .models.unet import UNet
 from .models.vae import AutoencoderKL
@@ -43,7 +47,8 @@ from .tokenizers.t5 import T5Tokenizer
 from .tokenizers import WordPieceTokenizer, tokenizer_kind
 from .weights.convert import normalize_diffusers_keys, plan_from_original
 from .weights.detect import Detection, detect
-from .weights.folders import (LARGE_VAE, component_store as _component_store, folder_tokenizer as _folder_tokenizer,
+from .weights.folders import (LARGE_VAE, SHARED_FROM_KEY, component_folders as _component_folders,
+                              component_store as _component_store, folder_tokenizer as _folder_tokenizer,
                               read_json as _read_json, storage_dtype as _storage_dtype,
                               text_architecture as _text_architecture, vae_folders as _vae_folders)
 from .weights.io import open_checkpoint
@@ -54,6 +59,7 @@ from .weights.sd3 import SD3_PIPELINES, is_sd3_file, open_sd3_file, open_sd3_fol
 from .weights.store import ComponentSource, TensorStore
 from .weights.text_keys import normalize_bert_keys
 from .weights.vae_keys import vae_from_original
+from .weights.qwenimage import QWENIMAGE_EDIT_PIPELINES, QWENIMAGE_PIPELINES, open_qwenimage_folder
 from .weights.zimage import ZIMAGE_PIPELINES, is_zimage_file, open_zimage_file, open_zimage_folder
 
 COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "unet", "transformer", "vae")
@@ -61,18 +67,18 @@ TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 _BUILDERS = {"text_encoder": CLIPTextEncoder, "text_encoder_3": T5Encoder, "unet": UNet, "transformer": MMDiT,
              "vae": AutoencoderKL}
-# the networks their config's class names (FLUX.1's, Z-Image's and FLUX.2's transformers, FLUX.2's VAE)
-_BY_CONFIG = {FluxConfig: Flux, ZImageConfig: ZImage, Flux2Config: Flux2, Flux2VAEConfig: Flux2VAE}
+# the networks their config's class names (FLUX.1's, Z-Image's, FLUX.2's and Qwen-Image's transformers and VAEs)
+_BY_CONFIG = {FluxConfig: Flux, ZImageConfig: ZImage, Flux2Config: Flux2, Flux2VAEConfig: Flux2VAE,
+              QwenImageConfig: QwenImage, QwenImageVAEConfig: QwenImageVAE}
 _SPEC_FIELD = {"text_encoder": "text", "text_encoder_2": "text2", "text_encoder_3": "text3", "unet": "unet",
                "transformer": "transformer", "vae": "vae"}
 # pipeline classes of the diffusers folders sdlite opens (model_index.json _class_name)
 SD_PIPELINES = ("StableDiffusionPipeline", "StableDiffusionInpaintPipeline", "StableDiffusionImg2ImgPipeline")
 SDXL_PIPELINES = ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline")
 X4_PIPELINES = ("StableDiffusionUpscalePipeline",)   # the SD x4 upscaler (run by sdlite.upscalers.x4)
-# model_index.json key of a folder that holds only some components and takes the others from another folder (a
-# path relative to it): the shipped ``demo-zh`` has its own text encoder and tokenizer and shares the demo's UNet,
-# VAE and scheduler. diffusers ignores keys that start with "_".
-SHARED_FROM_KEY = "_sdlite_shared_from"
+_FOLDER_OPENERS = {**dict.fromkeys(SD3_PIPELINES, open_sd3_folder), **dict.fromkeys(FLUX_PIPELINES, open_flux_folder),
+                   **dict.fromkeys(ZIMAGE_PIPELINES, open_zimage_folder), **dict.fromkeys(FLUX2_PIPELINES, open_flux2_folder),
+                   **dict.fromkeys(QWENIMAGE_PIPELINES + QWENIMAGE_EDIT_PIPELINES, open_qwenimage_folder)}
 
 
 def build_network(component: str, spec: ModelSpec) -> nn.Module:
@@ -84,7 +90,7 @@ def build_network(component: str, spec: ModelSpec) -> nn.Module:
     if component == "text_encoder" and spec.family in SD3_FAMILIES:   # SD3's CLIP-L: its pooled output too
         return CLIPTextEncoder(spec.text, projection=True)
     config = getattr(spec, _SPEC_FIELD[component])
-    if component in ("transformer", "vae") and type(config) in _BY_CONFIG:   # FLUX.1, Z-Image, FLUX.2
+    if component in ("transformer", "vae") and type(config) in _BY_CONFIG:   # FLUX.1, Z-Image, FLUX.2, Qwen-Image
         return _BY_CONFIG[type(config)](config)
     if component == "text_encoder" and isinstance(spec.text, QwenConfig):   # an LLM as the text encoder (Z-Image)
         return QwenTextEncoder(spec.text)
@@ -392,28 +398,6 @@ def open_model(path: str | os.PathLike, prediction_type: str | None = None, use_
 # --- diffusers folders --------------------------------------------------------------------------------------
 
 
-def _component_folders(folder: Path, index: dict, index_file: Path) -> dict[str, Path]:
-    """Where each part (``text_encoder``, ``unet``, ``vae``, ``tokenizer``, ``scheduler``) of a folder is: in the
-    folder itself, or, for a part it lacks, in the folder its model_index.json names under ``_sdlite_shared_from``
-    (relative to it)."""
-    parts = ("text_encoder", "unet", "vae", "tokenizer", "scheduler")
-    where = {p: folder / p for p in parts}
-    shared = index.get(SHARED_FROM_KEY)
-    if shared is None:
-        return where
-    if not isinstance(shared, str) or not shared:
-        raise CheckpointError(f"{SHARED_FROM_KEY} must be a folder path (relative to the model folder), got "
-                              f"{shared!r}", index_file)
-    base = (folder / shared).resolve()
-    if not (base / "model_index.json").is_file():
-        raise CheckpointError(f"{SHARED_FROM_KEY} names {shared!r}, which is not a diffusers folder ({base})",
-                              index_file)
-    for p in parts:
-        if not where[p].is_dir():
-            where[p] = base / p
-    return where
-
-
 def _open_diffusers_folder(folder: Path) -> Checkpoint:
     index_file = folder / "model_index.json"
     if not index_file.is_file():
@@ -423,18 +407,13 @@ def _open_diffusers_folder(folder: Path) -> Checkpoint:
     cls = index.get("_class_name", "")
     if cls in SDXL_PIPELINES:
         return _open_sdxl_folder(folder, index, index_file)
-    if cls in SD3_PIPELINES:
-        return Checkpoint(**open_sd3_folder(folder, index, index_file))
-    if cls in FLUX_PIPELINES:
-        return Checkpoint(**open_flux_folder(folder, index, index_file))
-    if cls in ZIMAGE_PIPELINES:
-        return Checkpoint(**open_zimage_folder(folder, index, index_file))
-    if cls in FLUX2_PIPELINES:
-        return Checkpoint(**open_flux2_folder(folder, index, index_file))
+    opener = _FOLDER_OPENERS.get(cls)   # the families whose folders have openers of their own
+    if opener is not None:
+        return Checkpoint(**opener(folder, index, index_file))
     if cls and cls not in SD_PIPELINES + X4_PIPELINES:
         raise CheckpointError(f"pipeline class {cls!r} is not a pipeline sdlite runs (Stable Diffusion 1.x/2.x: "
                               f"{', '.join(SD_PIPELINES)}; SDXL: {', '.join(SDXL_PIPELINES)}; SD3: "
-                              f"{', '.join(SD3_PIPELINES)}; FLUX.1: {', '.join(FLUX_PIPELINES)}; Z-Image: {', '.join(ZIMAGE_PIPELINES)}; FLUX.2 [klein]: {', '.join(FLUX2_PIPELINES[:-1])}; the x4 upscaler: {', '.join(X4_PIPELINES)})", index_file)
+                              f"{', '.join(SD3_PIPELINES)}; FLUX.1: {', '.join(FLUX_PIPELINES)}; Z-Image: {', '.join(ZIMAGE_PIPELINES)}; FLUX.2 [klein]: {', '.join(FLUX2_PIPELINES[:-1])}; Qwen-Image: {', '.join(QWENIMAGE_PIPELINES)}; the x4 upscaler: {', '.join(X4_PIPELINES)})", index_file)
     where = _component_folders(folder, index, index_file)
     stores: list[TensorStore] = []
     sources: dict[str, ComponentSource] = {}

@@ -48,7 +48,8 @@ from dataclasses import dataclass
 from . import ConfigError
 
 __all__ = ["QwenImageConfig", "QWEN_IMAGE", "QWEN_IMAGE_EDIT", "QWEN_IMAGE_EDIT_2509", "QWEN_IMAGE_EDIT_2511",
-           "QWEN_IMAGE_PRESETS", "QWEN_IMAGE_ROPE_THETA", "QWEN_IMAGE_EPS", "QWEN_IMAGE_TIME_CHANNELS"]
+           "QWEN_IMAGE_PRESETS", "QWEN_IMAGE_ROPE_THETA", "QWEN_IMAGE_EPS", "QWEN_IMAGE_TIME_CHANNELS",
+           "QWEN_IMAGE_FAMILY", "QWEN_IMAGE_SCHEDULER", "qwenimage_spec"]
 
 _CLASS_NAME = "QwenImageTransformer2DModel"
 _DIFFUSERS_FIELDS = ("patch_size", "in_channels", "out_channels", "num_layers", "attention_head_dim",
@@ -164,3 +165,24 @@ QWEN_IMAGE_EDIT_2511 = QwenImageConfig(zero_cond_t=True)
 
 QWEN_IMAGE_PRESETS = {"qwen-image": QWEN_IMAGE, "qwen-image-edit": QWEN_IMAGE_EDIT,
                       "qwen-image-edit-2509": QWEN_IMAGE_EDIT_2509, "qwen-image-edit-2511": QWEN_IMAGE_EDIT_2511}
+
+
+QWEN_IMAGE_FAMILY = "qwen-image"
+# Qwen/Qwen-Image, scheduler/scheduler_config.json: FLUX.1's dynamic shifting (the pipeline sets mu from the image's
+# token count with calculate_shift) over a longer range of token counts, to a smaller top shift, the sigmas stretched
+# to end at 0.02
+QWEN_IMAGE_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 1.0,
+                        "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 0.9, "base_image_seq_len": 256,
+                        "max_image_seq_len": 8192, "shift_terminal": 0.02, "time_shift_type": "exponential"}
+
+
+def qwenimage_spec(transformer: QwenImageConfig, *, text, vae, scheduler: dict | None = None):
+    """A Qwen-Image model (:class:`~sdlite.config.ModelSpec`): the transformer, the Qwen2.5-VL language model ``text``
+    (a :class:`~sdlite.config.qwen.QwenConfig`), the VAE (a :class:`~sdlite.config.qwenimage_vae.QwenImageVAEConfig`
+    with its latent statistics) and Qwen-Image's scheduler unless a folder gives its own. The native size is the model
+    card's 1328 x 1328 (the pipeline's own default, 1024, is what it draws when no size is given)."""
+    from . import ModelSpec
+
+    return ModelSpec(family=QWEN_IMAGE_FAMILY, text=text, text2=None, text3=None, unet=None, transformer=transformer,
+                     vae=vae, prediction_type="flow", default_size=1328,
+                     scheduler=dict(QWEN_IMAGE_SCHEDULER if scheduler is None else scheduler))

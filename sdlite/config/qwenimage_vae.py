@@ -104,6 +104,16 @@ class QwenImageVAEConfig:
     def latent_channels(self) -> int:
         return self.z_dim
 
+    @property
+    def downscale(self) -> int:
+        """The same as :attr:`scale_factor` under the name the engine's budget reads for every VAE."""
+        return self.scale_factor
+
+    @property
+    def block_channels(self) -> tuple[int, ...]:
+        """Each level's channels (``base_dim * m``), for the engine's memory estimates."""
+        return tuple(self.base_dim * m for m in self.dim_mult)
+
     @classmethod
     def from_diffusers(cls, cfg: dict) -> "QwenImageVAEConfig":
         """From a diffusers ``AutoencoderKLQwenImage`` config dict; entries starting with ``_`` are bookkeeping, any

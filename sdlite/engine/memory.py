@@ -36,6 +36,7 @@ from ..config.qwen import QwenConfig
 from ..config.t5 import T5Config
 from ..models.t5 import T5LayerFF
 from ..models.qwen import QwenDecoderLayer
+from ..models.qwenimage import DoubleBlock as QwenImageBlock
 from ..models.unet import TransformerBlock
 from ..models.zimage import Block as ZImageBlock
 from .cpu import default_prepack
@@ -53,11 +54,11 @@ MEMORY_MODES = {
 # transformer is streamed one transformer block at a time (its norm and projections are units of their own): SDXL's
 # deepest ones hold 10 blocks, 1.4 GB in fp32, where one block is 139 MB
 # SD3's transformer one joint block at a time, T5 one feed-forward at a time (its attention's Linears are units of their
-# own: block 0's relative-position table is read before that block runs); Z-Image's and FLUX.2's transformers one
-# block at a time, a Qwen text encoder one decoder layer at a time
+# own: block 0's relative-position table is read before that block runs); Z-Image's, FLUX.2's and Qwen-Image's
+# transformers one block at a time, a Qwen text encoder one decoder layer at a time
 _UNIT_TYPES = (ResnetBlock, TransformerBlock, Downsample, Upsample, Embeddings, EncoderLayer, BertEmbeddings,
                BertLayer, JointBlock, DoubleBlock, SingleBlock, T5LayerFF, ZImageBlock, QwenDecoderLayer,
-               Flux2DoubleBlock, Flux2SingleBlock)
+               Flux2DoubleBlock, Flux2SingleBlock, QwenImageBlock)
 
 
 class MemoryModeError(SDLiteError, ValueError):

@@ -63,6 +63,11 @@ def describe_component(name: str, spec) -> str:
                 f"{'/'.join(map(str, t.axes_dims_rope))}), {t.in_channels} values a token (2x2 patches of "
                 f"{t.latent_channels} latent channels), text context {t.joint_attention_dim}, shared modulations"
                 + (", guidance embedding" if t.guidance_embeds else ""))
+    if name == "transformer" and type(t := spec.transformer).__name__ == "QwenImageConfig":
+        return (f"Qwen-Image MMDiT: {t.num_layers} double-stream blocks, width {t.hidden} ({t.num_attention_heads} "
+                f"heads of {t.attention_head_dim}, rotary axes {'/'.join(map(str, t.axes_dims_rope))}), "
+                f"{t.latent_channels} latent channels in 2x2 patches, text context {t.joint_attention_dim}"
+                + (", source images modulated at timestep 0" if t.zero_cond_t else ""))
     if name == "transformer" and hasattr(t := spec.transformer, "num_single_layers"):
         return (f"FLUX transformer: {t.num_layers} double and {t.num_single_layers} single blocks, width {t.hidden} "
                 f"({t.num_attention_heads} heads of {t.attention_head_dim}, rotary axes "
@@ -95,6 +100,9 @@ def describe_component(name: str, spec) -> str:
                    f" {'size/crop/aesthetic' if spec.requires_aesthetics_score else 'size/crop'} ids"
                    if u.addition_embed == "text_time" and spec.text2 is not None else ""))
     v = spec.vae
+    if hasattr(v, "latents_std"):   # Qwen-Image's
+        return (f"AutoencoderKLQwenImage (one frame): widths {list(v.block_channels)}, {v.latent_channels} latent "
+                f"channels, {v.downscale}x downsampling, normalised by its per-channel latents_mean / latents_std")
     if hasattr(v, "patched_channels"):   # FLUX.2's
         return (f"AutoencoderKLFlux2: widths {list(v.block_channels)}"
                 + (f" (decoder {list(v.decoder_widths)})" if v.decoder_widths != v.block_channels else "")

@@ -164,6 +164,8 @@ class LoadedModel:
 
     def decode_tile(self, height: int, width: int) -> int:
         """The tile (latent pixels; 0: untiled) a latent of ``height`` x ``width`` is decoded in."""
+        if not self.family.tiles_vae:
+            return 0
         tile = self.vae_tile
         if tile is None:  # automatic: large images are decoded in tiles, which bounds the decoder's temporaries
             side = max(height, width)

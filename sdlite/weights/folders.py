@@ -1,6 +1,7 @@
 """What every diffusers folder has, for the openers of each family (:mod:`sdlite.loader`, :mod:`sdlite.weights.sd3`):
 its JSON files, a component's weight files (plain, fp16/bf16 variants, sharded, ``.bin``), its tokenizers, what its
-text encoder's config declares, and the dtype its weights are stored in."""
+text encoder's config declares, the dtype its weights are stored in, and where each part is (a folder may share
+parts from another)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ from .io import open_checkpoint, open_sharded
 from .store import TensorStore
 
 __all__ = ["read_json", "component_store", "text_architecture", "folder_tokenizer", "storage_dtype", "vae_folders",
-           "WEIGHT_NAMES", "LARGE_VAE"]
+           "WEIGHT_NAMES", "LARGE_VAE", "SHARED_FROM_KEY", "component_folders"]
 
 # weight files of a diffusers component, in order of preference (a variant such as fp16 is tried after)
 WEIGHT_NAMES = {
@@ -26,6 +27,10 @@ WEIGHT_NAMES = {
 
 # where a folder whose vae/ is an AutoencoderTiny keeps the full AutoencoderKL (IDKiro's SDXS folders)
 LARGE_VAE = "vae_large"
+# model_index.json key of a folder that holds only some components and takes the others from another folder (a
+# path relative to it): the shipped ``demo-zh`` has its own text encoder and tokenizer and shares the demo's UNet,
+# VAE and scheduler. diffusers ignores keys that start with "_".
+SHARED_FROM_KEY = "_sdlite_shared_from"
 
 # text-encoder architectures a folder's text_encoder/config.json can declare
 _CLIP_ARCHITECTURES = {"CLIPTextModel", "CLIPTextModelWithProjection"}
@@ -124,3 +129,25 @@ def storage_dtype(store: TensorStore, prefix: str = "") -> torch.dtype:
         if key.startswith(prefix) and store.dtype(key).is_floating_point:
             sizes[store.dtype(key)] += store.nbytes(key)
     return sizes.most_common(1)[0][0] if sizes else torch.float32
+
+
+def component_folders(folder: Path, index: dict, index_file: Path) -> dict[str, Path]:
+    """Where each part (``text_encoder``, ``unet``, ``vae``, ``tokenizer``, ``scheduler``) of a folder is: in the
+    folder itself, or, for a part it lacks, in the folder its model_index.json names under ``_sdlite_shared_from``
+    (relative to it)."""
+    parts = ("text_encoder", "unet", "vae", "tokenizer", "scheduler")
+    where = {p: folder / p for p in parts}
+    shared = index.get(SHARED_FROM_KEY)
+    if shared is None:
+        return where
+    if not isinstance(shared, str) or not shared:
+        raise CheckpointError(f"{SHARED_FROM_KEY} must be a folder path (relative to the model folder), got "
+                              f"{shared!r}", index_file)
+    base = (folder / shared).resolve()
+    if not (base / "model_index.json").is_file():
+        raise CheckpointError(f"{SHARED_FROM_KEY} names {shared!r}, which is not a diffusers folder ({base})",
+                              index_file)
+    for p in parts:
+        if not where[p].is_dir():
+            where[p] = base / p
+    return where
