@@ -20,6 +20,7 @@ The ``model`` the methods take is a loaded model (:class:`sdlite.families.loaded
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,6 +31,7 @@ from ..conditioning import pad_to_same_length
 from ..errors import RequestError
 from ..prompts import ScheduledPrompt, prompt_schedule, text_at_step
 from ..sampling.denoisers import Denoiser
+from ..sampling.flow import FlowSchedule
 from ..sampling.schedules import NoiseSchedule
 
 # latent -> RGB in [-1, 1], one linear map per latent channel: the approximation of the SD 1.x/2.x VAE that the
@@ -320,3 +322,20 @@ class Family:
         it here)."""
         return ScheduledConditioning(schedules[0], schedules[1] if use_cfg else None, dict(zip(texts, contexts)),
                                      warnings)
+
+
+class FlowFamily(Family):
+    """A rectified-flow transformer family of the LLM generation (Z-Image, FLUX.2 [klein], Qwen-Image): flow
+    prediction, no inpainting variant of the network (inpainting re-imposes the source's latents after each step), and
+    the pipelines' sigmas ``linspace(1, 1/steps, steps)`` before the model's shift."""
+
+    @property
+    def prediction_type(self) -> str:
+        return "flow"
+
+    @property
+    def inpainting(self) -> bool:
+        return False
+
+    def noise_schedule(self, scheduler_config: dict):
+        return dataclasses.replace(FlowSchedule.from_config(scheduler_config), sigma_spacing="linear")

@@ -29,7 +29,6 @@ the sigmas ``linspace(1, 1/steps, steps)``, shifted by ``mu`` from the image's t
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -41,10 +40,9 @@ from ..config.flux2 import FLUX2_FAMILIES, Flux2Config
 from ..errors import RequestError
 from ..models.flux2_vae import denormalize_latents, normalize_latents, patchify_latents, unpatchify_latents
 from ..sampling.denoisers import FlowDenoiser
-from ..sampling.flow import FlowSchedule
 from ..sources import image_to_tensor, load_image
 from ..sources import prepare as prepare_source
-from .base import Family, LatentFormat, ReferenceConditioning, ScheduledConditioning
+from .base import FlowFamily, LatentFormat, ReferenceConditioning, ScheduledConditioning
 from .flux import check_sides, fit_to_patches
 from .zimage import _note, plain_prompt
 
@@ -159,7 +157,7 @@ class Velocity:
         return self.network(x, t, context, references=references, **extra)
 
 
-class Flux2Family(Family):
+class Flux2Family(FlowFamily):
     """FLUX.2 [klein]: stacked Qwen3 states, reference images, flow matching on normalised 2 x 2 patches."""
 
     name = "flux2"
@@ -185,17 +183,6 @@ class Flux2Family(Family):
     @property
     def distilled(self) -> bool:
         return self.spec.family == FLUX2_FAMILIES[0]
-
-    @property
-    def prediction_type(self) -> str:
-        return "flow"
-
-    @property
-    def inpainting(self) -> bool:
-        return False
-
-    def noise_schedule(self, scheduler_config: dict):
-        return dataclasses.replace(FlowSchedule.from_config(scheduler_config), sigma_spacing="linear")
 
     def schedule_for(self, schedule, width: int, height: int, steps: int | None = None):
         """mu from the image's token count (one per 2 x 2 patch of the VAE latent, 16 x 16 pixels) and the steps."""

@@ -27,7 +27,6 @@ network takes ``sigma`` (the training timestep / 1000) and returns the velocity.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -36,8 +35,7 @@ from ..config.qwenimage import QwenImageConfig
 from ..errors import RequestError
 from ..models.flux import pack_latents, unpack_latents
 from ..sampling.denoisers import FlowDenoiser
-from ..sampling.flow import FlowSchedule
-from .base import Family, LatentFormat, ScheduledConditioning
+from .base import FlowFamily, LatentFormat, ScheduledConditioning
 from .flux import check_sides
 from .zimage import LengthsConditioning, _exact, _note, plain_prompt
 
@@ -125,7 +123,7 @@ def true_cfg(x: torch.Tensor, sigma: torch.Tensor, uncond: torch.Tensor, cond: t
     return x - s * v
 
 
-class QwenImageFamily(Family):
+class QwenImageFamily(FlowFamily):
     """Qwen-Image: Qwen2.5-VL captions of their own lengths, true CFG, flow matching on normalised latents."""
 
     name = "qwen-image"
@@ -143,20 +141,9 @@ class QwenImageFamily(Family):
     def takes(cls, spec) -> bool:
         return isinstance(spec.transformer, QwenImageConfig)
 
-    @property
-    def prediction_type(self) -> str:
-        return "flow"
-
-    @property
-    def inpainting(self) -> bool:
-        return False
-
     def guidance(self, x, sigma, uncond, cond, scale):
         """The family's classifier-free guidance (:func:`true_cfg`)."""
         return true_cfg(x, sigma, uncond, cond, scale)
-
-    def noise_schedule(self, scheduler_config: dict):
-        return dataclasses.replace(FlowSchedule.from_config(scheduler_config), sigma_spacing="linear")
 
     def schedule_for(self, schedule, width: int, height: int, steps: int | None = None):
         """mu from the image's token count: one per 2 x 2 patch of the latent (16 x 16 pixels)."""

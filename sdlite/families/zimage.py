@@ -33,8 +33,7 @@ from ..errors import RequestError
 from ..hires import target_size as hires_target
 from ..prompts import parse_attention, text_at_step
 from ..sampling.denoisers import FlowDenoiser
-from ..sampling.flow import FlowSchedule
-from .base import Family, ScheduledConditioning
+from .base import FlowFamily, ScheduledConditioning
 from .flux import CHEAP_RGB_FLUX, check_sides, fit_to_patches
 
 MAX_TOKENS = 512          # ZImagePipeline's max_sequence_length: the chat-templated prompt's tokens
@@ -83,7 +82,7 @@ class LengthsConditioning(ScheduledConditioning):
         return extra
 
 
-class ZImageFamily(Family):
+class ZImageFamily(FlowFamily):
     """Z-Image: Qwen3 captions of their own lengths, flow matching on FLUX.1's 16-channel latents."""
 
     name = "z-image"
@@ -94,17 +93,6 @@ class ZImageFamily(Family):
     @classmethod
     def takes(cls, spec) -> bool:
         return isinstance(spec.transformer, ZImageConfig)
-
-    @property
-    def prediction_type(self) -> str:
-        return "flow"
-
-    @property
-    def inpainting(self) -> bool:
-        return False
-
-    def noise_schedule(self, scheduler_config: dict):
-        return dataclasses.replace(FlowSchedule.from_config(scheduler_config), sigma_spacing="linear")
 
     def denoiser(self, model, schedule, dtype: torch.dtype | None):
         return FlowDenoiser(Velocity(model), schedule, dtype=dtype)   # timestep sigma * 1000, as the pipeline's
