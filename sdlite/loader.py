@@ -59,7 +59,8 @@ from .weights.sd3 import SD3_PIPELINES, is_sd3_file, open_sd3_file, open_sd3_fol
 from .weights.store import ComponentSource, TensorStore
 from .weights.text_keys import normalize_bert_keys
 from .weights.vae_keys import vae_from_original
-from .weights.qwenimage import QWENIMAGE_EDIT_PIPELINES, QWENIMAGE_PIPELINES, open_qwenimage_folder
+from .weights.qwenimage import (QWENIMAGE_EDIT_PIPELINES, QWENIMAGE_PIPELINES, is_qwenimage_file, open_qwenimage_file,
+                                open_qwenimage_folder)
 from .weights.zimage import ZIMAGE_PIPELINES, is_zimage_file, open_zimage_file, open_zimage_folder
 
 COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "unet", "transformer", "vae")
@@ -681,10 +682,12 @@ def _open_single_file(path: Path, use_ema: bool, text_encoders=()) -> Checkpoint
         return Checkpoint(**open_flux_file(path, store, text_encoders))
     if is_zimage_file(store.keys()):
         return Checkpoint(**open_zimage_file(path, store, text_encoders))
+    if is_qwenimage_file(store.keys()):
+        return Checkpoint(**open_qwenimage_file(path, store, text_encoders))
     if text_encoders:
         store.close()
-        raise CheckpointError("separate text-encoder files (--text-encoder) go with SD3, FLUX and Z-Image models; "
-                              "this file is not one", path)
+        raise CheckpointError("separate text-encoder files (--text-encoder) go with SD3, FLUX, Z-Image and Qwen-Image "
+                              "models; this file is not one", path)
     try:
         shapes = _shapes(store)
         detection = detect(shapes, store.metadata)

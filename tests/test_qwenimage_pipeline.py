@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 import sdlite
 from sdlite.config.qwenimage import QWEN_IMAGE_SCHEDULER
 from sdlite.config.qwenimage_vae import QWEN_IMAGE_LATENTS_MEAN, QWEN_IMAGE_LATENTS_STD
 from sdlite.errors import CheckpointError
 from sdlite.families.qwenimage import DROPPED_TOKENS, true_cfg
+from sdlite.hires import Hires
 from sdlite.pipeline import Engine, Request, RequestError
 from tests.reference import seed_all
 
@@ -199,9 +199,9 @@ def test_refusals(model, tmp_path):
     with pytest.raises(RequestError, match="skip-layer guidance"):
         engine.generate(Request(prompt=PROMPT, steps=1, width=64, height=64, cfg_scale=2.0, slg_layers=(0,),
                                 sampler="euler"))
-    with pytest.raises(RequestError, match="text to image only"):
+    with pytest.raises(RequestError, match="hires fix is not supported for Qwen-Image"):
         engine.generate(Request(prompt=PROMPT, steps=4, width=64, height=64, sampler="euler",
-                                init_image=Image.new("RGB", (64, 64))))
+                                hires=Hires(scale=2.0, upscaler="Latent")))
     edit = tmp_path / "edit"
     edit.mkdir()
     (edit / "model_index.json").write_text(json.dumps({"_class_name": "QwenImageEditPipeline"}))

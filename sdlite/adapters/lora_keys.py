@@ -45,6 +45,10 @@ Formats (told apart by their keys, whatever the file's extension; safetensors or
   ``attention.out``, ``x_embedder``, ``final_layer.linear``; :mod:`sdlite.weights.zimage_keys`), and kohya's
   ``lora_unet_`` over either (``lora_unet_layers_0_attention_qkv``). Its Qwen3 text encoder takes none
   (:func:`sdlite.adapters.lora_targets.check_text_encoders`).
+* Qwen-Image (transformer): diffusers / PEFT ``transformer.<module>`` (``QwenImageTransformer2DModel``'s paths, which
+  are ComfyUI's too: ``transformer_blocks.0.attn.to_q``, ``img_mod.1``, ``img_mlp.net.0.proj``), the same under
+  ``diffusion_model.`` or bare (lightx2v's Lightning files: ``lora_down`` / ``lora_up`` with ``.alpha``), and kohya's
+  ``lora_unet_`` over the underscored names. Its Qwen2.5-VL text encoder takes none.
 
 Scale of one layer: ``multiplier * alpha / rank`` (``alpha / sqrt(rank)`` for rsLoRA; 1 without alpha), as
 A1111, kohya and PEFT compute it.

@@ -6,7 +6,8 @@ converter's own table, :func:`sdlite.weights.convert.unet_to_original`), an SD3 
 layout (:func:`sdlite.weights.mmdit_keys.mmdit_to_original`; its stacked q/k/v layers split into the model's three
 by :func:`split_fused`), a FLUX transformer's by BFL's (:func:`sdlite.weights.flux_keys.flux_to_original`, split
 likewise), a FLUX.2 transformer's by BFL's too (:func:`sdlite.weights.flux2_keys.flux2_to_original`), a Z-Image transformer's by the original code's, as ComfyUI names it
-(:func:`sdlite.weights.zimage_keys.zimage_to_comfy`: ``attention.qkv`` split likewise).
+(:func:`sdlite.weights.zimage_keys.zimage_to_comfy`: ``attention.qkv`` split likewise). A Qwen-Image transformer has
+one layout: diffusers' names are ComfyUI's and the original code's.
 
 Refused, with a :class:`LoraError`: a LoRA made for another family (SD 1.x, SD 2.x, SDXL, the SDXL refiner: told from
 its cross-attention or text-encoder width), a UNet's LoRA on a transformer and the other way round, one with layers of
@@ -42,7 +43,9 @@ _SPEC_FAMILY = {"sd1": "SD 1.x", "sd2": "SD 2.x", "sdxl": "SDXL", "sdxl-refiner"
                 "sd3.5-medium": "SD3.5 Medium", "sd3.5-large": "SD3.5 Large", "flux-dev": "FLUX.1 dev",
                 "flux-schnell": "FLUX.1 schnell", "flux-kontext": "FLUX.1 Kontext",
                 "z-image-turbo": "Z-Image-Turbo", "flux2-klein": "FLUX.2 [klein]",
-                "flux2-klein-base": "FLUX.2 [klein] base"}
+                "flux2-klein-base": "FLUX.2 [klein] base", "qwen-image": "Qwen-Image"}
+# the LLM a family reads as its text encoder (for messages; an LLM takes no LoRA)
+_LLM_NAMES = {"z-image-turbo": "Qwen3", "qwen-image": "Qwen2.5-VL's language model"}
 # what a layer of each component is called in the two file formats (for messages)
 _COMPONENT_KEYS = {"unet": "lora_unet_ / unet.", "transformer": "lora_transformer_ / transformer.",
                    "text_encoder": "lora_te_ or lora_te1_ / text_encoder.",
@@ -195,9 +198,10 @@ def check_denoiser(lora: Lora, spec) -> None:
 
 
 def check_text_encoders(lora: Lora, spec) -> None:
-    """Refuse layers of a text encoder that takes no LoRA here: an LLM's (the Qwen3 decoder of Z-Image), which
-    diffusers' loaders leave alone too (``ZImagePipeline.load_lora_weights`` loads the transformer's layers only).
-    The message names one of the file's keys."""
+    """Refuse layers of a text encoder that takes no LoRA here: an LLM's (the Qwen3 decoder of Z-Image, Qwen2.5-VL's
+    language model for Qwen-Image), which diffusers' loaders leave alone too (``ZImagePipeline.load_lora_weights`` and
+    ``QwenImagePipeline.load_lora_weights`` load the transformer's layers only). The message names one of the file's
+    keys."""
     for component in TEXT_COMPONENTS:
         config = getattr(spec, {"text_encoder": "text", "text_encoder_2": "text2",
                                 "text_encoder_3": "text3"}[component], None)
@@ -205,8 +209,9 @@ def check_text_encoders(lora: Lora, spec) -> None:
         if layers and type(config).__name__ == "QwenConfig":
             name = _spec_family(spec)
             this = f"this model ({name})" if name else "this model"
+            llm = _LLM_NAMES.get(getattr(spec, "family", ""), "Qwen")
             raise LoraError(f"has {len(layers)} layers of a text encoder (e.g. {layers[0].key!r}); {this} reads an "
-                            "LLM (Qwen3) as its text encoder, which takes no LoRA in sdlite: only the transformer's "
+                            f"LLM ({llm}) as its text encoder, which takes no LoRA in sdlite: only the transformer's "
                             "layers (transformer. / diffusion_model. / lora_unet_) are applied. Remove the text "
                             "encoder's keys from the file", lora.path)
 

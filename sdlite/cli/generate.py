@@ -310,11 +310,13 @@ def add_shared_arguments(g) -> None:
                    help="a diffusers folder or a .safetensors/.ckpt single file, or demo / demo-zh (default: the "
                         "shipped demo model; demo-zh, its Chinese text encoder, when the prompt has Chinese characters)")
     g.add_argument("--text-encoder", action="append", metavar="PATH", default=None,
-                   help="a part a single-file SD3, FLUX or Z-Image model lacks (repeatable): ComfyUI's "
-                        "clip_l.safetensors, clip_g.safetensors (SD3), t5xxl_fp16.safetensors or "
-                        "t5xxl_fp8_e4m3fn.safetensors, Z-Image's qwen_3_4b.safetensors or a Qwen3-4B GGUF, and "
-                        "ae.safetensors (the VAE of FLUX and Z-Image); found beside the model (its folder, "
-                        "text_encoders/, vae/, ComfyUI's models/text_encoders, models/clip, models/vae) when not given")
+                   help="a part a single-file SD3, FLUX, Z-Image, FLUX.2 klein or Qwen-Image model lacks "
+                        "(repeatable): ComfyUI's clip_l.safetensors, clip_g.safetensors (SD3), t5xxl_fp16.safetensors "
+                        "or t5xxl_fp8_e4m3fn.safetensors, qwen_3_4b.safetensors or a Qwen3 GGUF (Z-Image, klein), "
+                        "qwen_2.5_vl_7b.safetensors or its GGUF (Qwen-Image), and the VAE: ae.safetensors (FLUX, "
+                        "Z-Image), flux2-vae.safetensors (klein), qwen_image_vae.safetensors (Qwen-Image); found "
+                        "beside the model (its folder, text_encoders/, vae/, ComfyUI's models/text_encoders, "
+                        "models/clip, models/vae) when not given")
     g.add_argument("--negative", "-n", default="", help="negative prompt")
     g.add_argument("--slg", default=None, metavar="LAYERS",
                    help="skip-layer guidance (SD3.5): the transformer blocks an extra pass skips, e.g. 7,8,9 (SD3.5 "

@@ -72,8 +72,8 @@ def add_parser(sub) -> None:
     p.add_argument("--prediction-type", choices=["epsilon", "v_prediction"], default=None,
                    help="override what the checkpoint says (SD 2.x single files)")
     p.add_argument("--text-encoder", action="append", metavar="PATH", default=None,
-                   help="a part a single-file SD3, FLUX or Z-Image model lacks (repeatable; see `sdlite generate "
-                        "--help`)")
+                   help="a part a single-file SD3, FLUX, Z-Image, FLUX.2 klein or Qwen-Image model lacks "
+                        "(repeatable; see `sdlite generate --help`)")
     p.add_argument("--system", action="store_true",
                    help="describe this machine instead (CPU, ISA flags and caps, torch, and the engine's choices: "
                         "prepacking, int8 activation range, quantize modes); with a PATH, the checkpoint too")

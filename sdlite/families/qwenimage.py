@@ -1,6 +1,7 @@
 """Qwen-Image (Alibaba's Qwen team, 2025): a 20B double-stream MMDiT (:mod:`sdlite.models.qwenimage`) on the
 normalised 16-channel latents of a causal 3D VAE run on one frame (:mod:`sdlite.models.qwenimage_vae`), conditioned on
-the last hidden state of Qwen2.5-VL-7B's language model (:mod:`sdlite.models.qwen`). Text to image.
+the last hidden state of Qwen2.5-VL-7B's language model (:mod:`sdlite.models.qwen`). Text to image, image to image
+and inpainting.
 
 Conditioning, as diffusers' ``QwenImagePipeline`` builds it:
 
@@ -24,6 +25,14 @@ The latents: the VAE's (B, 16, H/8, W/8), normalised per channel by the VAE conf
 FlowMatchEulerDiscreteScheduler's over the sigmas ``linspace(1, 1/steps, steps)`` with the dynamic shift ``mu`` from
 the image's token count (``calculate_shift``, one token per 16 x 16 pixels), stretched to ``shift_terminal``. The
 network takes ``sigma`` (the training timestep / 1000) and returns the velocity.
+
+Image to image and inpainting, as ``QwenImageImg2ImgPipeline`` and ``QwenImageInpaintPipeline`` run them: the one
+source image encoded once, a sample of its posterior drawn by the first image's generator and shared by the batch
+(``retrieve_latents`` with the default ``sample_mode``), normalised; each image's noise from its own generator after it;
+the schedule's first ``int(steps - steps * strength)`` steps skipped (the pipelines' ``get_timesteps``). Inpainting: the mask binarised at half white and
+nearest-resized to the latent, the masked image encoded too (its draw taken from the first generator, its latents
+unused by the 16-channel transformer), the unmasked region put back after each step (the source noised to the next
+step's sigma, the clean source after the last).
 """
 from __future__ import annotations
 
@@ -36,7 +45,7 @@ from ..errors import RequestError
 from ..models.flux import pack_latents, unpack_latents
 from ..sampling.denoisers import FlowDenoiser
 from .base import FlowFamily, LatentFormat, ScheduledConditioning
-from .flux import check_sides
+from .flux import check_sides, fit_to_patches
 from .zimage import LengthsConditioning, _exact, _note, plain_prompt
 
 __all__ = ["QwenImageFamily", "NormalizedLatents", "Velocity", "true_cfg", "SYSTEM_PROMPT", "DROPPED_TOKENS",
@@ -129,6 +138,8 @@ class QwenImageFamily(FlowFamily):
     name = "qwen-image"
     preview_rgb = CHEAP_RGB_QWEN_IMAGE
     pads_with_empty = False       # a prompt and a negative of different lengths are masked (LengthsConditioning)
+    shared_source_sample = True   # QwenImageImg2ImgPipeline / QwenImageInpaintPipeline encode the one source once,
+    source_latent = "sample"      # ... drawing the posterior's sample with the first image's generator
     tiles_vae = False             # the causal 3D VAE has no tiled decode in sdlite yet: decoded whole
 
     def __init__(self, spec):
@@ -152,15 +163,19 @@ class QwenImageFamily(FlowFamily):
     def denoiser(self, model, schedule, dtype: torch.dtype | None):
         return FlowDenoiser(Velocity(model), schedule, dtype=dtype, multiplier=1.0)   # the network takes sigma
 
+    def resolve(self, r):
+        """Image to image without a size: the source's, fitted to multiples of 16 (:func:`~.flux.fit_to_patches`)."""
+        return super().resolve(fit_to_patches(r))
+
     def check_request(self, r) -> None:
         if r.slg_layers:
             raise RequestError("skip-layer guidance is SD3.5's; Qwen-Image has no such option")
         if r.controls:
             raise RequestError("ControlNets for Qwen-Image are model kinds of their own that sdlite does not run yet; "
                                "the SD 1.x/SDXL ControlNets cannot steer a Qwen-Image transformer")
-        if r.is_img2img or r.hires is not None:
-            raise RequestError("Qwen-Image runs text to image only for now: image to image, inpainting and the hires "
-                               "fix (which encodes with Qwen-Image's VAE) are not supported yet")
+        if r.hires is not None:
+            raise RequestError("the hires fix is not supported for Qwen-Image yet; run image to image on the "
+                               "upscaled image instead")
         check_sides(r, "Qwen-Image")
 
     @property

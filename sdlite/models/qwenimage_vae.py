@@ -12,6 +12,7 @@ one frame up to fp32 rounding (its 3D convolutions sum the zero taps too, in ano
 
 Images are (B, 3, H, W) in [-1, 1] with H and W multiples of 8; latents (B, 16, H/8, W/8), not normalised
 (:meth:`QwenImageVAE.normalize` and :meth:`QwenImageVAE.denormalize` are the pipelines' per-channel statistics).
+:meth:`QwenImageVAE.encode_moments` gives the posterior's moments, from which image to image draws its sample.
 Shapes are written where they change: B batch, C channels, H/W spatial.
 """
 from __future__ import annotations
@@ -220,6 +221,12 @@ class QwenImageVAE(nn.Module):
         h = self.quant_conv(self.encoder(image.to(self.dtype)))                      # (B, 2 z, H/8, W/8)
         mean, logvar = h.chunk(2, dim=1)
         return mean, logvar.clamp(-30.0, 20.0)
+
+    def encode_moments(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`moments` under the name the engine's image to image and inpainting call on every VAE: the posterior
+        of one frame, (mean, log-variance) each (B, z, H/8, W/8), not normalised; a sample is ``mean + exp(logvar /
+        2) * noise``, as ``AutoencoderKLQwenImage.encode(x).latent_dist.sample`` draws it (with a frame axis)."""
+        return self.moments(image)
 
     def encode(self, image: torch.Tensor) -> torch.Tensor:
         """image (B, C, H, W) in [-1, 1] -> the posterior's mean (B, z, H/8, W/8), as the edit pipelines take it

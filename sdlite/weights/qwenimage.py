@@ -15,11 +15,28 @@
   ``latents_mean`` and ``latents_std``, which the family normalises the sampler's latents with;
 * ``scheduler``: FlowMatchEulerDiscreteScheduler's config (Qwen-Image's published one where the folder has none).
 
-The Qwen-Image-Edit pipelines' folders (``QwenImageEditPipeline``, ``QwenImageEditPlusPipeline``) have the same parts
-and are refused by name until their editing is built; ComfyUI's split files and GGUF transformers are not opened yet.
+**ComfyUI's split files**: the transformer ``qwen_image_bf16.safetensors`` / ``qwen_image_fp8_e4m3fn.safetensors``
+(diffusers' names, bare or under ``model.diffusion_model.``; fp8 as stored, ComfyUI's scaled fp8 too: a per-tensor
+``scale_weight`` / ``weight_scale`` beside a weight is applied as it is read, input scales and ``comfy_quant`` records
+ignored) and the city96 / QuantStack GGUF files (``qwen-image-Q8_0.gguf``: the same names, block formats kept). The
+parts the transformer's file lacks come from files given (``text_encoders=``: the CLI's ``--text-encoder``,
+repeatable, which also takes the VAE) or found beside the model (its folder, ``text_encoders/``, ``vae/``, ComfyUI's
+``models/text_encoders``, ``models/clip`` and ``models/vae``):
+
+* the text encoder ``qwen_2.5_vl_7b.safetensors`` / ``qwen_2.5_vl_7b_fp8_scaled.safetensors`` (the language model in
+  transformers' names under ``model.``; the vision tower under ``visual.`` is not read) or a llama.cpp GGUF of
+  Qwen2.5-VL-7B (``Qwen2.5-VL-7B-Instruct-Q4_K_M.gguf``, architecture ``qwen2vl``; its ``mmproj`` file, the vision
+  tower, is not needed);
+* the VAE ``qwen_image_vae.safetensors`` in Wan 2.1's names, or in diffusers' (:mod:`.qwenimage_vae_keys`).
+
+What a separate file holds is read from its keys and shapes; the text encoder must be a Qwen2 / 2.5 as wide as the
+transformer's text input (3584), the VAE have 16 latent channels (Wan 2.2's 48-channel VAE and LDM-named autoencoders
+such as FLUX.1's ``ae.safetensors`` are refused by name). The Qwen-Image-Edit releases' files (``qwen_image_edit*``)
+are refused by name, as their folders are. The tokenizer is the package's (:mod:`sdlite.tokenizers.qwen`).
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from ..config import ConfigError
@@ -28,15 +45,17 @@ from ..config.qwenimage import QwenImageConfig, qwenimage_spec
 from ..config.qwenimage_vae import QwenImageVAEConfig
 from ..errors import CheckpointError
 from ..tokenizers.qwen import QwenTokenizer
-from .beside import opened
+from .beside import Parts, add_parts, opened, vae_prefix
 from .detect import Detection
+from .encoders import scaled_plan
 from .folders import component_store, read_json, storage_dtype
-from .plan import same_names
-from .qwen_keys import find_qwen_prefix, qwen_plan
-from .qwenimage_keys import qwenimage_plan
+from .plan import UnsupportedModelError, same_names
+from .qwen_keys import find_qwen_prefix, infer_qwen_config, qwen_config_from_gguf, qwen_plan
+from .qwenimage_keys import infer_qwenimage_config, is_qwenimage, qwenimage_layout, qwenimage_plan
+from .qwenimage_vae_keys import infer_qwenimage_vae, is_qwenimage_vae, qwenimage_vae_plan, wan_names
 from .store import ComponentSource, TensorStore
 
-__all__ = ["QWENIMAGE_PIPELINES", "open_qwenimage_folder"]
+__all__ = ["QWENIMAGE_PIPELINES", "open_qwenimage_folder", "is_qwenimage_file", "open_qwenimage_file"]
 
 QWENIMAGE_PIPELINES = ("QwenImagePipeline",)
 #: the editing pipelines' folders: recognised, refused by name
@@ -44,16 +63,19 @@ QWENIMAGE_EDIT_PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline"
 PREDICTION_SOURCE = "flow matching (Qwen-Image)"
 
 
-def _check_parts(transformer: QwenImageConfig, vae: QwenImageVAEConfig, text: QwenConfig, folder: Path) -> None:
-    """The parts fit the transformer; the message names the component's folder at fault."""
+def _check_parts(transformer: QwenImageConfig, vae: QwenImageVAEConfig, text: QwenConfig, text_at, vae_at) -> None:
+    """The parts fit the transformer; the message names the file or folder at fault (``text_at``, ``vae_at``)."""
+    if text.kind != "qwen2":
+        raise CheckpointError(f"the text encoder is a {text.kind} (q/k norms, no q/k/v biases): Qwen-Image reads "
+                              "Qwen2.5-VL-7B's language model (qwen_2.5_vl_7b.safetensors)", text_at)
     if text.hidden_size != transformer.joint_attention_dim:
         raise CheckpointError(f"the text encoder's width {text.hidden_size} is not the text width "
                               f"{transformer.joint_attention_dim} of the transformer: Qwen-Image reads Qwen2.5-VL-7B's "
-                              "language model (3584 wide)", folder / "text_encoder")
+                              "language model (3584 wide)", text_at)
     if vae.z_dim != transformer.latent_channels:
         raise CheckpointError(f"the VAE's {vae.z_dim} latent channels are not the {transformer.latent_channels} of "
                               "the transformer: Qwen-Image decodes with its own 16-channel VAE "
-                              "(AutoencoderKLQwenImage)", folder / "vae")
+                              "(AutoencoderKLQwenImage)", vae_at)
 
 
 def _plan(component: str, keys: list[str], folder: Path):
@@ -99,7 +121,7 @@ def open_qwenimage_folder(folder: Path, index: dict, index_file: Path) -> dict:
                 raise CheckpointError(f"unusable {component} config: {e}", folder / component / "config.json") \
                     from None
         text, transformer, vae = parsed["text_encoder"], parsed["transformer"], parsed["vae"]
-        _check_parts(transformer, vae, text, folder)
+        _check_parts(transformer, vae, text, folder / "text_encoder", folder / "vae")
         tokenizer_dir = folder / "tokenizer"
         own = (tokenizer_dir / "tokenizer.json").is_file()
         try:
@@ -125,3 +147,149 @@ def open_qwenimage_folder(folder: Path, index: dict, index_file: Path) -> dict:
                 else "Qwen-Image's published scheduler (the folder has none)",
                 tokenizer_dir=str(tokenizer_dir) if own else None, notes=notes, _stores=stores,
                 _tokenizer=tokenizer)
+
+
+# --- single files and the files beside them --------------------------------------------------------------------
+
+_VAE_PREFIXES = ("vae.", "first_stage_model.")
+_NAMES = {"text_encoder": "Qwen2.5-VL text encoder (qwen_2.5_vl_7b.safetensors)",
+          "vae": "VAE (qwen_image_vae.safetensors)"}
+# the names the separate files go by, tried beside a model that lacks them
+_BESIDE = (("text_encoder", ("qwen_2.5_vl_7b*.safetensors", "qwen_2.5_vl*.safetensors", "qwen2.5*vl*.safetensors",
+                             "Qwen2.5-VL-7B*.gguf", "qwen2.5-vl-7b*.gguf", "Qwen2.5-VL*.gguf", "qwen2.5-vl*.gguf")),
+           ("vae", ("qwen_image_vae*.safetensors", "qwen_image*vae*.safetensors", "qwen-image*vae*.safetensors")))
+_EDIT_FILE = re.compile(r"qwen[-_ ]?image[-_ ]?edit", re.IGNORECASE)
+_IGNORED = (".comfy_quant",)   # besides the scaled fp8 marker and input scales (scaled_plan's)
+
+
+def is_qwenimage_file(keys) -> bool:
+    """Whether a single file's keys hold a Qwen-Image transformer (bare or under ComfyUI's prefix)."""
+    return is_qwenimage(list(keys))
+
+
+def _transformer_plan(keys: list[str], prefix: str, expected=None):
+    """The transformer's keys under ``prefix`` as they are, a scaled fp8 weight times its per-tensor scale."""
+    return scaled_plan("transformer", keys, prefix=prefix, canonical=re.compile(r".+"), rename=lambda name: name,
+                       ignore=lambda name, names: name.endswith(_IGNORED), expected=expected)
+
+
+def _check_complete(transformer: QwenImageConfig, keys: list[str], prefix: str, store, path) -> ComponentSource:
+    """The transformer's source, every tensor its shapes describe there (the missing ones named as the file names
+    them)."""
+    import torch
+
+    from ..models.qwenimage import QwenImage
+
+    with torch.device("meta"):
+        expected = list(QwenImage(transformer).state_dict().keys())
+    plan = _transformer_plan(keys, prefix, expected)
+    if plan.missing:
+        names = [prefix + k for k in plan.missing]
+        raise CheckpointError(f"{len(names)} Qwen-Image transformer tensors are missing from the file, first few: "
+                              + ", ".join(repr(n) for n in names[:5]), path, names[0])
+    return ComponentSource.from_plan(plan, store, (str(path),))
+
+
+def _file_kind(keys: list[str], shapes: dict, where) -> tuple[str, str]:
+    """``(component, prefix)`` of a separate file: the Qwen2.5-VL text encoder or the VAE. An LDM-named autoencoder
+    (FLUX.1's, SD's) is refused naming its latent channels."""
+    prefix = find_qwen_prefix(keys)
+    if prefix is not None:
+        return "text_encoder", prefix
+    if is_qwenimage_vae(keys):
+        return "vae", ""
+    prefix = vae_prefix(shapes, ("", *_VAE_PREFIXES))
+    if prefix is not None:
+        channels = shapes[f"{prefix}decoder.conv_in.weight"][1]
+        raise CheckpointError(f"a VAE in LDM names ('decoder.conv_in', 'decoder.up.N') with {channels} latent "
+                              "channels: FLUX.1's ae.safetensors or SD's autoencoder, not Qwen-Image's. Qwen-Image "
+                              "decodes with its own 16-channel VAE (qwen_image_vae.safetensors)", where)
+    raise CheckpointError("not a file Qwen-Image takes beside its transformer (no Qwen2.5-VL 'model.layers.0...' / "
+                          "GGUF 'blk.0...' or Qwen-Image VAE 'decoder.head.0.gamma' / 'decoder.norm_out.gamma' keys)"
+                          + (f"; the first key is {keys[0]!r}" if keys else ""), where)
+
+
+def _vae_part(keys: list[str], store: TensorStore, path) -> tuple[ComponentSource, QwenImageVAEConfig]:
+    """A Qwen-Image VAE file in either layout: its source and config (from the shapes; a missing tensor named as the
+    file names it)."""
+    import torch
+
+    from ..models.qwenimage_vae import QwenImageVAE
+
+    plan = qwenimage_vae_plan(keys)
+    source = ComponentSource.from_plan(plan, store, (str(path),))
+    vae = infer_qwenimage_vae(source.shapes)
+    with torch.device("meta"):
+        expected = list(QwenImageVAE(vae).state_dict().keys())
+    missing = [k for k in expected if k not in source.shapes]
+    if missing:
+        wan = any(k.startswith("decoder.upsamples.") for k in keys)
+        names = wan_names(missing, {**source.shapes, **dict.fromkeys(missing)}) if wan else missing
+        raise CheckpointError(f"{len(names)} Qwen-Image VAE tensors are missing from the file, first few: "
+                              + ", ".join(repr(n) for n in names[:5]), path, names[0])
+    return source, vae
+
+
+def _parts(configs: dict, notes: list) -> Parts:
+    """The parts Qwen-Image takes beside its transformer; their configs go to ``configs``."""
+    def source(component, keys, prefix, store, path):
+        try:
+            if component == "vae":
+                found, configs["vae"] = _vae_part(keys, store, path)
+                return found
+            found = ComponentSource.from_plan(qwen_plan(keys, prefix=prefix), store, (str(path),))
+            configs["text_encoder"] = qwen_config_from_gguf(store) if getattr(store, "fields", None) is not None \
+                else infer_qwen_config(found.shapes)
+        except UnsupportedModelError as e:   # named with the part's file, not the transformer's
+            raise CheckpointError(e.message, e.path or path, e.key) from None
+        vision = [k for k in keys if k.startswith(("visual.", "model.visual."))]
+        if vision:
+            notes.append(f"text encoder: the vision tower's {len(vision)} tensors are not read (text to image)")
+        return found
+
+    return Parts(names=_NAMES, patterns=_BESIDE, kind=_file_kind, source=source)
+
+
+def open_qwenimage_file(path: Path, store: TensorStore, text_encoders=()) -> dict:
+    """The :class:`~sdlite.loader.Checkpoint` fields of a Qwen-Image transformer file (``store``, already open) with
+    the parts it lacks from ``text_encoders`` (paths: the Qwen2.5-VL encoder and the VAE) or found beside it."""
+    stores = [store]
+    sources: dict[str, ComponentSource] = {}
+    notes: list[str] = []
+    with opened(stores, path):
+        if _EDIT_FILE.search(path.name):
+            raise CheckpointError("a Qwen-Image-Edit transformer (by its file name): not supported yet, sdlite runs "
+                                  "Qwen-Image's text to image (qwen_image_bf16.safetensors, "
+                                  "qwen_image_fp8_e4m3fn.safetensors, qwen-image-*.gguf)", path)
+        _, prefix = qwenimage_layout(store.keys())
+        keys = [k for k in store.keys() if k.startswith(prefix)] if prefix else \
+            [k for k in store.keys() if not k.startswith(("vae.", "text_encoders."))]
+        transformer = infer_qwenimage_config(_transformer_plan(keys, prefix).shapes(
+            {k: tuple(store.shape(k)) for k in keys if k.startswith(prefix)}))
+        sources["transformer"] = _check_complete(transformer, keys, prefix, store, path)
+        configs: dict = {}
+        parts = _parts(configs, notes)
+        vae_keys = [k for k in store.keys() if k.startswith("vae.")]
+        if vae_keys and is_qwenimage_vae(vae_keys):
+            sources["vae"] = parts.source("vae", vae_keys, "vae.", store, path)
+        add_parts(path, parts, sources, stores, notes, given=text_encoders, needed=("text_encoder", "vae"))
+        for component in ("text_encoder", "vae"):
+            if component not in sources:
+                raise CheckpointError(
+                    f"the Qwen-Image model has no {_NAMES[component]}: the file holds none and none was given "
+                    "(--text-encoder PATH, repeatable: qwen_2.5_vl_7b.safetensors or a Qwen2.5-VL-7B GGUF, "
+                    "qwen_image_vae.safetensors) or found beside it", path)
+        at = {c: Path(sources[c].files[0]) for c in ("text_encoder", "vae")}
+        text, vae = configs["text_encoder"], configs["vae"]
+        _check_parts(transformer, vae, text, at["text_encoder"], at["vae"])
+        spec = qwenimage_spec(transformer, text=text, vae=vae, scheduler=None)
+        detection = Detection(layout="original", family=spec.family,
+                              components=("text_encoder", "transformer", "vae"), unet=None)
+        for name, source in sources.items():
+            if source.unexpected:
+                notes.append(f"{len(source.unexpected)} {name} keys not understood (ignored)")
+    return dict(path=str(path), layout="original", spec=spec, detection=detection,
+                storage_dtype=storage_dtype(store, prefix=prefix), prediction_source=PREDICTION_SOURCE,
+                sources=sources, scheduler_config=dict(spec.scheduler),
+                scheduler_source="Qwen-Image's published scheduler (FlowMatchEulerDiscreteScheduler, dynamic shifting)",
+                notes=notes, _stores=stores, _tokenizer=QwenTokenizer.from_package())

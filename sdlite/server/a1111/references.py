@@ -22,8 +22,8 @@ from .api import Plan
 def with_references(plan: Plan, requests: list[Request], edits_from_images: bool) -> list[Request]:
     """The plan's requests with its init images as reference images where the model edits from them
     (``edits_from_images``: FLUX.2 [klein], FLUX.1 Kontext) and no mask marks an area to repaint.
-    ``plan.reference_mode`` "a1111": ``init_images[0]`` stays the init image (image to image at the denoising strength; 1.0: editing from noise) and is
-    the first reference, the others follow (Forge's way with editing models); "edit" and "required": the images are
+    ``plan.reference_mode`` "a1111": ``init_images[0]`` stays the init image (image to image at the denoising
+    strength; 1.0: editing from noise) and is the first reference, the others follow (Forge's way with editing models); "edit" and "required": the images are
     references only and the output starts from noise (OpenAI's and MCP's instruction editing). A model without
     reference editing keeps image to image on the first image; "required" refuses it, and so does "edit" given several
     images. Raises :class:`RequestError`."""
