@@ -36,6 +36,7 @@ from .models.flux2 import Flux2
 from .models.flux2_vae import Flux2VAE
 from .models.mmdit import MMDiT
 from .models.qwen import QwenTextEncoder
+from .models.qwen_vision import QwenVLEncoder
 from .models.qwenimage import QwenImage
 from .models.qwenimage_vae import QwenImageVAE
 from .models.t5 import T5Encoder
@@ -94,7 +95,7 @@ def build_network(component: str, spec: ModelSpec) -> nn.Module:
     if component in ("transformer", "vae") and type(config) in _BY_CONFIG:   # FLUX.1, Z-Image, FLUX.2, Qwen-Image
         return _BY_CONFIG[type(config)](config)
     if component == "text_encoder" and isinstance(spec.text, QwenConfig):   # an LLM as the text encoder (Z-Image)
-        return QwenTextEncoder(spec.text)
+        return QwenVLEncoder(spec.text) if spec.text.vision is not None else QwenTextEncoder(spec.text)
     return _BUILDERS[component](config)
 
 

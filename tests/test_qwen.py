@@ -398,7 +398,8 @@ def test_qwen2_layers_bit_exact(kind, ids):
         ref = transformers.Qwen2_5_VLTextModel(transformers.Qwen2_5_VLTextConfig(**TINY2, rope_parameters=rope))
     ref.eval()
     _randomize_norms(ref, 3)
-    config = QwenConfig(**TINY2, head_dim=16, qk_norm=False, attention_bias=True, tie_word_embeddings=False)
+    config = QwenConfig(**TINY2, head_dim=16, qk_norm=False, attention_bias=True, tie_word_embeddings=False,
+                        mrope_section=None if kind == "qwen2" else (2, 3, 3))
     assert QwenConfig.from_transformers(ref.config.to_dict()) == config
     model = load_qwen(ref.state_dict(), config=config)
     attn = model.layers[0].self_attn
@@ -684,3 +685,53 @@ def test_qwen2_5_vl_model_text_only(ids):
             got = model(ids, mask)
             keep = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
             assert torch.equal(got[keep], want[keep])
+
+
+def test_qwen2_5_vl_rows_with_images_bit_exact():
+    """Rows with images, as Qwen-Image-Edit's prompts reach the encoder: the vision tower's tokens (transformers' own,
+    for this test) spliced in place of each image's <|image_pad|> tokens and the 3-D multimodal positions
+    (mrope_positions) give the language model's last state bit for bit, two images of different grids in a row and a
+    right-padded second row with one image. The reference is handed the token types (mm_token_type_ids) so that it
+    builds its 3-D rope index, as transformers 4 did from the ids."""
+    from sdlite.models.qwen import mrope_positions
+
+    torch.manual_seed(5)
+    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}
+    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 64,
+              "fullatt_block_indexes": [0], "patch_size": 2, "spatial_merge_size": 2, "temporal_patch_size": 2}
+    image_id = 300
+    ref = transformers.Qwen2_5_VLModel(transformers.Qwen2_5_VLConfig(
+        text_config={**TINY2, "rope_parameters": rope}, vision_config=vision, image_token_id=image_id,
+        video_token_id=301, vision_start_token_id=302, vision_end_token_id=303)).eval()
+    _randomize_norms(ref, 5)
+    lm = {k[len("language_model."):]: v for k, v in ref.state_dict().items() if k.startswith("language_model.")}
+    config = QwenConfig(**TINY2, head_dim=16, qk_norm=False, attention_bias=True, tie_word_embeddings=False,
+                        mrope_section=(2, 3, 3))
+    model = load_qwen(lm, config=config)
+    grids = torch.tensor([[1, 4, 6], [1, 2, 2], [1, 6, 4]])              # patches; tokens: 6, 1 and 6
+    tokens = [int(g.prod()) // 4 for g in grids]
+    g = torch.Generator().manual_seed(1)
+    text = lambda n: torch.randint(0, 290, (n,), generator=g).tolist()   # noqa: E731
+    row0 = text(3) + [302] + [image_id] * tokens[0] + [303] + text(2) + [302] + [image_id] * tokens[1] + [303] \
+        + text(4)
+    row1 = text(5) + [302] + [image_id] * tokens[2] + [303] + text(1)
+    n = len(row0)
+    ids = torch.tensor([row0, row1 + [0] * (n - len(row1))])
+    mask = torch.tensor([[1] * n, [1] * len(row1) + [0] * (n - len(row1))])
+    pixels = torch.randn(int(grids.prod(-1).sum()), 3 * 2 * 2 * 2, generator=g)
+    with torch.no_grad():
+        features = torch.cat(ref.get_image_features(pixels, grids).pooler_output)
+        want = ref(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grids,
+                   mm_token_type_ids=(ids == image_id).int()).last_hidden_state
+        positions = mrope_positions(ids, mask, grids.tolist(), image_id, merge=2)
+        got = model(ids, mask, image_features=features, image_token_id=image_id, positions=positions)
+        plain = model(ids, mask, image_features=features, image_token_id=image_id)
+    keep = mask.bool()
+    assert torch.equal(got[keep], want[keep])
+    assert not torch.equal(plain[keep], want[keep])   # the 3-D positions matter
+    assert positions[:, 0, 4:10].tolist() == [[4] * 6, [4, 4, 4, 5, 5, 5], [4, 5, 6, 4, 5, 6]]
+    assert positions[:, 0, 10].tolist() == [7, 7, 7]   # the text after an image of 2 x 3 tokens resumes at 4 + 3
+    with pytest.raises(ValueError, match="image features of shape"):
+        model(ids, mask, image_features=features[1:], image_token_id=image_id, positions=positions)
+    with pytest.raises(ValueError, match="more runs of image tokens"):
+        mrope_positions(ids, mask, grids[:2].tolist(), image_id, merge=2)

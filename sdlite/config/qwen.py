@@ -55,6 +55,13 @@ class QwenConfig:
     attention_bias: bool = False
     max_position_embeddings: int = 40960
     tie_word_embeddings: bool = True
+    # Qwen2-VL / 2.5-VL's multimodal RoPE: how many of the head's head_dim / 2 rotary pairs turn with the temporal, the
+    # height and the width position of a token ([16, 24, 24] for Qwen2.5-VL-7B); None for the text-only models. Text
+    # has the same three positions, so it only matters where image tokens are in the row (Qwen-Image-Edit)
+    mrope_section: tuple[int, int, int] | None = None
+    # Qwen2.5-VL's vision tower (a sdlite.config.qwen_vision.QwenVisionConfig) where the encoder reads images
+    # (Qwen-Image-Edit); None where it reads text only, its vision tower left in the file
+    vision: object | None = None
 
     architecture = "qwen"
 
@@ -77,6 +84,13 @@ class QwenConfig:
         for name in ("qk_norm", "attention_bias", "tie_word_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"Qwen config field {name}={getattr(self, name)!r}: expected true or false")
+        if self.mrope_section is not None:
+            sections = self.mrope_section
+            if (not isinstance(sections, tuple) or len(sections) != 3
+                    or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in sections)
+                    or sum(sections) != self.head_dim // 2):
+                raise ConfigError(f"Qwen config field mrope_section={sections!r}: expected three counts of rotary "
+                                  f"pairs (temporal, height, width) adding up to head_dim / 2 = {self.head_dim // 2}")
 
     @property
     def width(self) -> int:
@@ -129,6 +143,7 @@ class QwenConfig:
             raise ConfigError("Qwen config field attention_bias=True on a Qwen3 (biases on q, k, v and o) is not "
                               "supported: no released Qwen3 has them")
         theta = _rope_theta(cfg)
+        sections = _mrope_section(cfg)
         heads = cfg.get("num_attention_heads", 32)
         hidden = cfg.get("hidden_size", 4096)
         head_dim = cfg.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int)
@@ -147,6 +162,7 @@ class QwenConfig:
             attention_bias=not qwen3,
             max_position_embeddings=cfg.get("max_position_embeddings", 32768),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            mrope_section=sections,
         )
 
     def to_transformers(self) -> dict:
@@ -175,6 +191,8 @@ class QwenConfig:
             "eos_token_id": 151645,
             "torch_dtype": "bfloat16",
         }
+        if self.mrope_section is not None:   # Qwen2.5-VL's language model, as its config.json states it
+            out["rope_scaling"] = {"type": "mrope", "mrope_section": list(self.mrope_section)}
         if qwen3:
             out.update(head_dim=self.head_dim, attention_bias=False)
         elif self.head_dim * self.num_attention_heads != self.hidden_size:
@@ -199,6 +217,19 @@ def _rope_theta(cfg: dict):
         if "rope_theta" in params:
             theta = params["rope_theta"]
     return 10000.0 if theta is None else theta
+
+
+def _mrope_section(cfg: dict) -> tuple | None:
+    """The multimodal RoPE's sections from ``rope_scaling`` (transformers 4) or ``rope_parameters`` (5), if any."""
+    for name in ("rope_parameters", "rope_scaling"):
+        params = cfg.get(name)
+        if isinstance(params, dict) and params.get("mrope_section") is not None:
+            sections = params["mrope_section"]
+            if not isinstance(sections, (list, tuple)):
+                raise ConfigError(f"Qwen config field {name}.mrope_section={sections!r}: expected a list of three "
+                                  "counts")
+            return tuple(sections)
+    return None
 
 
 # Qwen/Qwen3-4B (config.json: hidden_size 2560, intermediate_size 9728, num_hidden_layers 36, num_attention_heads 32,
@@ -229,7 +260,7 @@ QWEN3_8B = QwenConfig(
 QWEN2_5_VL_7B = QwenConfig(
     vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
     num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0, qk_norm=False,
-    attention_bias=True, max_position_embeddings=128000, tie_word_embeddings=False,
+    attention_bias=True, max_position_embeddings=128000, tie_word_embeddings=False, mrope_section=(16, 24, 24),
 )
 
 QWEN_PRESETS = {"qwen3-4b": QWEN3_4B, "qwen3-8b": QWEN3_8B, "qwen2.5-vl-7b": QWEN2_5_VL_7B}

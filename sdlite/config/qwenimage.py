@@ -49,7 +49,8 @@ from . import ConfigError
 
 __all__ = ["QwenImageConfig", "QWEN_IMAGE", "QWEN_IMAGE_EDIT", "QWEN_IMAGE_EDIT_2509", "QWEN_IMAGE_EDIT_2511",
            "QWEN_IMAGE_PRESETS", "QWEN_IMAGE_ROPE_THETA", "QWEN_IMAGE_EPS", "QWEN_IMAGE_TIME_CHANNELS",
-           "QWEN_IMAGE_FAMILY", "QWEN_IMAGE_SCHEDULER", "qwenimage_spec"]
+           "QWEN_IMAGE_FAMILY", "QWEN_IMAGE_SCHEDULER", "qwenimage_spec", "QWEN_IMAGE_EDIT_FAMILY",
+           "QWEN_IMAGE_EDIT_PLUS_FAMILY", "QWEN_IMAGE_EDIT_FAMILIES"]
 
 _CLASS_NAME = "QwenImageTransformer2DModel"
 _DIFFUSERS_FIELDS = ("patch_size", "in_channels", "out_channels", "num_layers", "attention_head_dim",
@@ -168,6 +169,11 @@ QWEN_IMAGE_PRESETS = {"qwen-image": QWEN_IMAGE, "qwen-image-edit": QWEN_IMAGE_ED
 
 
 QWEN_IMAGE_FAMILY = "qwen-image"
+# the editing releases by how they prepare their source images (sdlite.families.qwenimage_edit): Qwen-Image-Edit (one
+# image, QwenImageEditPipeline) and Edit-2509 / 2511 (up to three, QwenImageEditPlusPipeline)
+QWEN_IMAGE_EDIT_FAMILY = "qwen-image-edit"
+QWEN_IMAGE_EDIT_PLUS_FAMILY = "qwen-image-edit-plus"
+QWEN_IMAGE_EDIT_FAMILIES = (QWEN_IMAGE_EDIT_FAMILY, QWEN_IMAGE_EDIT_PLUS_FAMILY)
 # Qwen/Qwen-Image, scheduler/scheduler_config.json: FLUX.1's dynamic shifting (the pipeline sets mu from the image's
 # token count with calculate_shift) over a longer range of token counts, to a smaller top shift, the sigmas stretched
 # to end at 0.02
@@ -176,13 +182,14 @@ QWEN_IMAGE_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_t
                         "max_image_seq_len": 8192, "shift_terminal": 0.02, "time_shift_type": "exponential"}
 
 
-def qwenimage_spec(transformer: QwenImageConfig, *, text, vae, scheduler: dict | None = None):
+def qwenimage_spec(transformer: QwenImageConfig, *, text, vae, scheduler: dict | None = None,
+                   family: str = QWEN_IMAGE_FAMILY):
     """A Qwen-Image model (:class:`~sdlite.config.ModelSpec`): the transformer, the Qwen2.5-VL language model ``text``
     (a :class:`~sdlite.config.qwen.QwenConfig`), the VAE (a :class:`~sdlite.config.qwenimage_vae.QwenImageVAEConfig`
     with its latent statistics) and Qwen-Image's scheduler unless a folder gives its own. The native size is the model
     card's 1328 x 1328 (the pipeline's own default, 1024, is what it draws when no size is given)."""
     from . import ModelSpec
 
-    return ModelSpec(family=QWEN_IMAGE_FAMILY, text=text, text2=None, text3=None, unet=None, transformer=transformer,
+    return ModelSpec(family=family, text=text, text2=None, text3=None, unet=None, transformer=transformer,
                      vae=vae, prediction_type="flow", default_size=1328,
                      scheduler=dict(QWEN_IMAGE_SCHEDULER if scheduler is None else scheduler))

@@ -7,6 +7,7 @@ from .base import Family
 from .flux import FluxFamily
 from .flux2 import Flux2Family
 from .qwenimage import QwenImageFamily
+from .qwenimage_edit import QwenImageEditFamily
 from .sd import SDFamily
 from .sd3 import SD3Family
 from .sdxl import SDXLFamily
@@ -14,7 +15,7 @@ from .x4 import X4Family
 from .zimage import ZImageFamily
 
 # most specific first: the first family that takes a spec runs it
-FAMILIES: tuple[type[Family], ...] = (QwenImageFamily, Flux2Family, ZImageFamily, FluxFamily, SD3Family, X4Family,
+FAMILIES: tuple[type[Family], ...] = (QwenImageEditFamily, QwenImageFamily, Flux2Family, ZImageFamily, FluxFamily, SD3Family, X4Family,
                                       SDXLFamily, SDFamily)
 
 
@@ -27,4 +28,4 @@ def family_for(spec) -> Family:
                      f"{', '.join(f.name for f in FAMILIES)})")
 
 
-__all__ = ["FAMILIES", "Family", "Flux2Family", "FluxFamily", "QwenImageFamily", "SD3Family", "SDFamily", "SDXLFamily", "X4Family", "ZImageFamily", "family_for"]
+__all__ = ["FAMILIES", "Family", "Flux2Family", "FluxFamily", "QwenImageEditFamily", "QwenImageFamily", "SD3Family", "SDFamily", "SDXLFamily", "X4Family", "ZImageFamily", "family_for"]

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config.qwenimage import QwenImageConfig
+from ..config.qwenimage import QWEN_IMAGE_FAMILY, QwenImageConfig
 from ..errors import RequestError
 from ..models.flux import pack_latents, unpack_latents
 from ..sampling.denoisers import FlowDenoiser
@@ -98,15 +98,18 @@ class NormalizedLatents(LatentFormat):
 
 class Velocity:
     """Qwen-Image's transformer as the flow network the denoiser calls: ``(x, t, context, context_lengths=None,
-    cache=None) -> v``, each row's caption masked after its own length."""
+    cache=None, references=()) -> v``, each row's caption masked after its own length, the edit's source latents
+    (``references``) in the sequence after the image's tokens."""
 
     def __init__(self, network):
         self.network = network
 
     def __call__(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
-                 context_lengths: torch.Tensor | None = None, cache=None, **extra) -> torch.Tensor:
+                 context_lengths: torch.Tensor | None = None, cache=None, references=(), **extra) -> torch.Tensor:
         if extra:
             raise RequestError(f"Qwen-Image's transformer takes no {', '.join(sorted(extra))}")
+        if references:   # Qwen-Image-Edit's source latents
+            extra["references"] = references
         mask = None
         if context_lengths is not None:
             positions = torch.arange(context.shape[1], device=context.device)
@@ -150,7 +153,7 @@ class QwenImageFamily(FlowFamily):
 
     @classmethod
     def takes(cls, spec) -> bool:
-        return isinstance(spec.transformer, QwenImageConfig)
+        return isinstance(spec.transformer, QwenImageConfig) and spec.family == QWEN_IMAGE_FAMILY
 
     def guidance(self, x, sigma, uncond, cond, scale):
         """The family's classifier-free guidance (:func:`true_cfg`)."""

@@ -26,6 +26,13 @@ positions are the same number, its index, so each section rotates by the same an
 result is the 1-D RoPE this module computes. (Transformers gives the pads of a right-padded row another position;
 no real token attends to a pad, so the real tokens' hidden states are the same.)
 
+Images in the row (Qwen-Image-Edit): the vision tower's output (:mod:`sdlite.models.qwen_vision`), one vector per
+2 x 2 merged patch, replaces the embeddings of the row's ``<|image_pad|>`` tokens in order, and those tokens take 3-D
+positions (:func:`mrope_positions`, Qwen2-VL's rope index): an image's tokens all share the temporal position ``p``
+(the text's next index), row ``r`` and column ``c`` of its merged grid are at ``p + r`` and ``p + c``; the text after
+it resumes at ``p + max(rows, columns)``. The angles are then taken section by section from the position of that
+section's axis (:func:`mrope_tables`).
+
 Which hidden states: :meth:`QwenTextEncoder.forward`'s ``hidden_states`` numbers them as transformers'
 ``output_hidden_states`` does: 0 is the embeddings, ``i`` the output of layer ``i`` (1-based), and the last,
 ``num_hidden_layers``, the output of the final layer after the final ``norm`` (the model's ``last_hidden_state``).
@@ -50,7 +57,7 @@ from .clip import Embedding
 from .layers import RMSNorm
 
 __all__ = ["QwenTextEncoder", "QwenRMSNorm", "QwenAttention", "QwenMLP", "QwenDecoderLayer", "rotary_tables",
-           "rotate_half", "apply_rotary", "causal_padding_mask"]
+           "mrope_tables", "mrope_positions", "rotate_half", "apply_rotary", "causal_padding_mask"]
 
 
 class QwenRMSNorm(RMSNorm):
@@ -81,6 +88,59 @@ def rotary_tables(n: int, head_dim: int, theta: float, dtype: torch.dtype,
     angles = positions[:, None].float() * inv_freq                        # (N, D/2)
     angles = torch.cat((angles, angles), dim=-1)                          # (N, D)
     return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def mrope_tables(positions: torch.Tensor, head_dim: int, theta: float, sections: Sequence[int], dtype: torch.dtype,
+                 device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of the multimodal RoPE, each (B, 1, N, head_dim) in ``dtype``, for ``positions`` (3, B, N): the
+    angles of each axis's positions, then the head's rotary pairs taken in ``sections`` (temporal, height, width)
+    from the axis of their section, the half-size table repeated twice; float32 until the cast."""
+    inv_freq = _inverse_frequencies(head_dim, float(theta)).to(device)
+    angles = positions.to(device)[..., None].float() * inv_freq          # (3, B, N, D/2)
+    parts = angles.split(list(sections), dim=-1)
+    angles = torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)   # (B, N, D/2)
+    angles = torch.cat((angles, angles), dim=-1)[:, None]                 # (B, 1, N, D)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def mrope_positions(ids: torch.Tensor, attention_mask: torch.Tensor | None, grids: Sequence[tuple[int, int, int]],
+                    image_token_id: int, merge: int) -> torch.Tensor:
+    """The (3, B, N) positions of token rows with images (Qwen2-VL's rope index): text at consecutive indices on all
+    three axes; each run of ``image_token_id`` tokens is the next image of ``grids`` (its vision tower grid
+    (frames, rows, columns) of patches, ``merge`` x ``merge`` patches a token), at (p + frame, p + row, p + column)
+    from the run's start ``p``, the text after it from ``p + max(rows, columns) / merge`` on. Pads (mask 0) are at 0.
+    The images are taken in order over the rows."""
+    b, n = ids.shape
+    positions = torch.zeros(3, b, n, dtype=torch.long)
+    keep = torch.ones(b, n, dtype=torch.bool) if attention_mask is None else attention_mask.to("cpu", torch.bool)
+    images = iter(grids)
+    for row in range(b):
+        where = keep[row].nonzero().flatten()
+        is_image = (ids[row].to("cpu")[where] == image_token_id).tolist()
+        out, start, i = [], 0, 0
+        while i < len(is_image):
+            j = i
+            while j < len(is_image) and is_image[j] == is_image[i]:
+                j += 1
+            if not is_image[i]:
+                out.append(torch.arange(start, start + j - i).expand(3, -1))
+                start += j - i
+            else:
+                grid = next(images, None)
+                if grid is None:
+                    raise ValueError(f"Qwen text encoder: row {row} has more runs of image tokens than the "
+                                     f"{len(grids)} images given")
+                frames, rows, cols = int(grid[0]), int(grid[1]) // merge, int(grid[2]) // merge
+                if frames * rows * cols != j - i:
+                    raise ValueError(f"Qwen text encoder: row {row} has {j - i} image tokens in a run where the "
+                                     f"image's grid {tuple(int(v) for v in grid)} makes {frames * rows * cols}")
+                t, h, w = torch.meshgrid(torch.arange(frames), torch.arange(rows), torch.arange(cols), indexing="ij")
+                out.append(torch.stack([t, h, w]).reshape(3, -1) + start)
+                start += max(rows, cols)
+            i = j
+        if out:
+            positions[:, row, where] = torch.cat(out, dim=1)
+    return positions
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -172,7 +232,9 @@ class QwenDecoderLayer(nn.Module):
 
 class QwenTextEncoder(nn.Module):
     """Token ids (B, N) and an optional attention mask (B, N) -> the hidden states asked for, each (B, N, hidden)
-    (see the module docstring for the numbering). It runs in the dtype of its weights."""
+    (see the module docstring for the numbering). It runs in the dtype of its weights. With its vision tower
+    (Qwen2.5-VL reading images) it is :class:`sdlite.models.qwen_vision.QwenVLEncoder`, whose tower's output the
+    caller hands back as ``image_features``."""
 
     def __init__(self, cfg: QwenConfig):
         super().__init__()
@@ -200,9 +262,15 @@ class QwenTextEncoder(nn.Module):
         return index % total
 
     def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                hidden_states: int | Sequence[int] = -1) -> torch.Tensor | list[torch.Tensor]:
+                hidden_states: int | Sequence[int] = -1, *, image_features: torch.Tensor | None = None,
+                image_token_id: int | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor | list[torch.Tensor]:
         """The hidden state ``hidden_states`` (an index: one tensor) or states (a sequence of indices: a list in that
-        order) of ``ids``; ``attention_mask`` marks the tokens (1) and the pads (0), which no token attends to."""
+        order) of ``ids``; ``attention_mask`` marks the tokens (1) and the pads (0), which no token attends to.
+
+        With images: ``image_features`` (T, hidden), the vision tower's tokens of every image in the rows in order,
+        replace the embeddings of the T tokens ``image_token_id`` of ``ids`` (row by row), and ``positions``
+        (3, B, N, from :func:`mrope_positions`) turn the multimodal RoPE."""
         single = isinstance(hidden_states, int) and not isinstance(hidden_states, bool)
         wanted = [self.hidden_state_index(i) for i in ([hidden_states] if single else list(hidden_states))]
         if not wanted:
@@ -228,7 +296,24 @@ class QwenTextEncoder(nn.Module):
             if not bool(attention_mask.to(torch.bool).all()):   # without pads it is plain causal attention
                 mask = causal_padding_mask(attention_mask, ids.device)      # (B, 1, N, N)
         x = self.embed_tokens(ids)                                         # (B, N, hidden)
-        cos, sin = rotary_tables(n, self.config.head_dim, self.config.rope_theta, x.dtype, x.device)
+        if image_features is not None:
+            slots = ids == image_token_id                                  # (B, N)
+            count = int(slots.sum())
+            if tuple(image_features.shape) != (count, x.shape[-1]):
+                raise ValueError(f"Qwen text encoder: {count} image tokens in the rows, but image features of shape "
+                                 f"{tuple(image_features.shape)} (expected ({count}, {x.shape[-1]}))")
+            x = x.masked_scatter(slots[..., None], image_features.to(x.dtype))
+        if positions is not None:
+            if self.config.mrope_section is None:
+                raise ValueError("Qwen text encoder: 3-D positions given to a model without a multimodal RoPE "
+                                 "(its config has no mrope_section)")
+            if tuple(positions.shape) != (3, b, n):
+                raise ValueError(f"Qwen text encoder: positions of shape {tuple(positions.shape)}, expected "
+                                 f"{(3, b, n)}")
+            cos, sin = mrope_tables(positions, self.config.head_dim, self.config.rope_theta,
+                                    self.config.mrope_section, x.dtype, x.device)
+        else:
+            cos, sin = rotary_tables(n, self.config.head_dim, self.config.rope_theta, x.dtype, x.device)
         states = {0: x}
         deepest = max(wanted)
         last = self.config.num_hidden_layers

@@ -176,7 +176,8 @@ def qwen_config_from_gguf(store) -> QwenConfig:
     ``{arch}.block_count``, ``.embedding_length``, ``.feed_forward_length``, ``.attention.head_count``,
     ``.attention.head_count_kv``, ``.attention.key_length`` (else hidden / heads),
     ``.attention.layer_norm_rms_epsilon``, ``.rope.freq_base`` and ``.context_length``; the vocabulary from
-    ``token_embd``'s rows; a tied LM head when there is no ``output.weight``. The architecture
+    ``token_embd``'s rows; a tied LM head when there is no ``output.weight``; the multimodal RoPE's sections from
+    ``.rope.dimension_sections`` (Qwen2.5-VL). The architecture
     (``general.architecture``) says which layers: ``qwen3`` (q/k norms) or ``qwen2`` / ``qwen2vl`` (q/k/v biases)."""
     fields = getattr(store, "fields", None)
     path = getattr(store, "path", None)
@@ -199,6 +200,9 @@ def qwen_config_from_gguf(store) -> QwenConfig:
                                   f"{arch}.attention.head_count {heads}, and no key_length says the head size", path)
         head_dim = hidden // heads
     qwen3 = arch == "qwen3"
+    sections = fields.get(f"{arch}.rope.dimension_sections")   # qwen2vl: [16, 24, 24, 0], the multimodal RoPE's
+    if sections is not None:
+        sections = tuple(int(v) for v in list(sections)[:3])
     return QwenConfig(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -213,6 +217,7 @@ def qwen_config_from_gguf(store) -> QwenConfig:
         attention_bias=not qwen3,
         max_position_embeddings=_gguf_value(fields, f"{arch}.context_length", path, required=False) or 32768,
         tie_word_embeddings="output.weight" not in store,
+        mrope_section=sections,
     )
 
 

@@ -37,29 +37,37 @@ are refused by name, as their folders are. The tokenizer is the package's (:mod:
 from __future__ import annotations
 
 import re
+from collections import ChainMap
+from dataclasses import replace
 from pathlib import Path
 
 from ..config import ConfigError
-from ..config.qwen import QwenConfig
-from ..config.qwenimage import QwenImageConfig, qwenimage_spec
+from ..config.qwen import QWEN2_5_VL_7B, QwenConfig
+from ..config.qwen_vision import QwenVisionConfig
+from ..config.qwenimage import (QWEN_IMAGE_EDIT_FAMILY, QWEN_IMAGE_EDIT_PLUS_FAMILY, QWEN_IMAGE_FAMILY, QwenImageConfig,
+                                qwenimage_spec)
 from ..config.qwenimage_vae import QwenImageVAEConfig
 from ..errors import CheckpointError
 from ..tokenizers.qwen import QwenTokenizer
+from ..tokenizers.qwen_images import processor_settings
 from .beside import Parts, add_parts, opened, vae_prefix
 from .detect import Detection
 from .encoders import scaled_plan
 from .folders import component_store, read_json, storage_dtype
-from .plan import UnsupportedModelError, same_names
+from .plan import ConversionError, UnsupportedModelError, same_names
 from .qwen_keys import find_qwen_prefix, infer_qwen_config, qwen_config_from_gguf, qwen_plan
 from .qwenimage_keys import infer_qwenimage_config, is_qwenimage, qwenimage_layout, qwenimage_plan
+from .qwen_vision_keys import VisionView
 from .qwenimage_vae_keys import infer_qwenimage_vae, is_qwenimage_vae, qwenimage_vae_plan, wan_names
 from .store import ComponentSource, TensorStore
 
 __all__ = ["QWENIMAGE_PIPELINES", "open_qwenimage_folder", "is_qwenimage_file", "open_qwenimage_file"]
 
 QWENIMAGE_PIPELINES = ("QwenImagePipeline",)
-#: the editing pipelines' folders: recognised, refused by name
-QWENIMAGE_EDIT_PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline", "QwenImageEditInpaintPipeline")
+#: the editing releases' folders and their families: Qwen-Image-Edit, Edit-2509 / 2511
+EDIT_FAMILIES = {"QwenImageEditPipeline": QWEN_IMAGE_EDIT_FAMILY, "QwenImageEditInpaintPipeline": QWEN_IMAGE_EDIT_FAMILY,
+                 "QwenImageEditPlusPipeline": QWEN_IMAGE_EDIT_PLUS_FAMILY}
+QWENIMAGE_EDIT_PIPELINES = tuple(EDIT_FAMILIES)
 PREDICTION_SOURCE = "flow matching (Qwen-Image)"
 
 
@@ -91,12 +99,41 @@ def _plan(component: str, keys: list[str], folder: Path):
     return same_names("vae", keys)
 
 
+def with_vision(text: ComponentSource, view: VisionView) -> ComponentSource:
+    """The text encoder's source with its vision tower's tensors beside the language model's (``visual.*``)."""
+    return ComponentSource(view=ChainMap(text.view, view),
+                           shapes={**text.shapes, **view.shapes}, files=tuple(dict.fromkeys(text.files)),
+                           unexpected=list(text.unexpected), ignored=list(text.ignored),
+                           origin={**text.origin, **view.origin})
+
+
+def vision_config(text: QwenConfig, vision: QwenVisionConfig, processor: dict | None, where) -> QwenConfig:
+    """The language model's config with the vision tower's (and the image processor's pixel limits, from a
+    ``preprocessor_config.json`` where there is one): Qwen2.5-VL's multimodal RoPE sections where the config had
+    none."""
+    if processor is not None:
+        try:
+            settings = processor_settings(processor)
+        except ValueError as e:
+            raise CheckpointError(f"unusable image processor config: {e}", where) from None
+        if (settings["patch_size"], settings["merge_size"], settings["temporal_patch_size"]) != \
+                (vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size):
+            raise CheckpointError(f"the image processor's patches ({settings['patch_size']} pixels, merged "
+                                  f"{settings['merge_size']} x {settings['merge_size']}) are not the vision tower's "
+                                  f"({vision.patch_size}, {vision.spatial_merge_size})", where)
+        vision = replace(vision, min_pixels=settings["min_pixels"], max_pixels=settings["max_pixels"])
+    if vision.out_hidden_size != text.hidden_size:
+        raise CheckpointError(f"the vision tower's output width {vision.out_hidden_size} is not the language model's "
+                              f"{text.hidden_size}", where)
+    return replace(text, vision=vision, mrope_section=text.mrope_section or QWEN2_5_VL_7B.mrope_section)
+
+
 def open_qwenimage_folder(folder: Path, index: dict, index_file: Path) -> dict:
-    """The :class:`~sdlite.loader.Checkpoint` fields of a ``QwenImagePipeline`` folder."""
+    """The :class:`~sdlite.loader.Checkpoint` fields of a ``QwenImagePipeline`` folder, or of a Qwen-Image-Edit
+    release's (``QwenImageEditPipeline``, ``QwenImageEditPlusPipeline``: the text encoder's vision tower read too,
+    and the processor's pixel limits)."""
     cls = index.get("_class_name")
-    if cls in QWENIMAGE_EDIT_PIPELINES:
-        raise CheckpointError(f"{cls} folders (Qwen-Image-Edit) are not supported yet: sdlite runs Qwen-Image's text "
-                              "to image (QwenImagePipeline)", index_file)
+    family = EDIT_FAMILIES.get(cls, QWEN_IMAGE_FAMILY)
     for needed in ("text_encoder", "transformer", "vae"):
         if not (folder / needed).is_dir() or index.get(needed, ["", ""]) == [None, None]:
             raise CheckpointError(f"the {cls} folder has no {needed}", folder)
@@ -122,6 +159,16 @@ def open_qwenimage_folder(folder: Path, index: dict, index_file: Path) -> dict:
                     from None
         text, transformer, vae = parsed["text_encoder"], parsed["transformer"], parsed["vae"]
         _check_parts(transformer, vae, text, folder / "text_encoder", folder / "vae")
+        if family != QWEN_IMAGE_FAMILY:   # the editing releases read their source images with the vision tower
+            try:
+                tower = QwenVisionConfig.from_hf(configs["text_encoder"])
+                view = VisionView(stores[0], str(folder / "text_encoder"), add="visual.")
+            except (ConfigError, ConversionError) as e:
+                raise CheckpointError(f"the text encoder's vision tower: {e}", folder / "text_encoder") from None
+            processor_file = folder / "processor" / "preprocessor_config.json"
+            text = vision_config(text, tower, read_json(processor_file) if processor_file.is_file() else None,
+                                 processor_file)
+            sources["text_encoder"] = with_vision(sources["text_encoder"], view)
         tokenizer_dir = folder / "tokenizer"
         own = (tokenizer_dir / "tokenizer.json").is_file()
         try:
@@ -130,7 +177,7 @@ def open_qwenimage_folder(folder: Path, index: dict, index_file: Path) -> dict:
             raise CheckpointError(f"unusable tokenizer: {e}", tokenizer_dir) from None
         sched_file = folder / "scheduler" / "scheduler_config.json"
         scheduler = read_json(sched_file) if sched_file.is_file() else None
-        spec = qwenimage_spec(transformer, text=text, vae=vae, scheduler=scheduler)
+        spec = qwenimage_spec(transformer, text=text, vae=vae, scheduler=scheduler, family=family)
         detection = Detection(layout="diffusers", family=spec.family,
                               components=("text_encoder", "transformer", "vae"), unet=None)
         notes = []
@@ -138,7 +185,7 @@ def open_qwenimage_folder(folder: Path, index: dict, index_file: Path) -> dict:
             notes.append("tokenizer: the package's Qwen tokenizer (the folder has no tokenizer.json; the same "
                          "vocabulary)")
         vision = [k for k in keys["text_encoder"] if k.startswith(("visual.", "model.visual."))]
-        if vision:
+        if vision and family == QWEN_IMAGE_FAMILY:
             notes.append(f"text encoder: the vision tower's {len(vision)} tensors are not read (text to image)")
     return dict(path=str(folder), layout="diffusers", spec=spec, detection=detection,
                 storage_dtype=storage_dtype(stores[1]), prediction_source=PREDICTION_SOURCE,
