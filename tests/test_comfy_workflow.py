@@ -123,7 +123,8 @@ def test_object_info_describes_the_nodes_with_this_servers_lists(env):
               "PreviewImage FluxGuidance ModelSamplingSD3 ModelSamplingFlux UnetLoaderGGUF CLIPLoaderGGUF "
               "DualCLIPLoaderGGUF TripleCLIPLoaderGGUF ModelSamplingAuraFlow ConditioningZeroOut "
               "EmptyFlux2LatentImage Flux2Scheduler ReferenceLatent SamplerCustomAdvanced SamplerCustom RandomNoise "
-              "DisableNoise CFGGuider BasicGuider KSamplerSelect BasicScheduler").split()
+              "DisableNoise CFGGuider BasicGuider KSamplerSelect BasicScheduler FluxKontextImageScale ImageStitch "
+              "LoadImageOutput FluxKontextMultiReferenceLatentMethod").split()
     assert sorted(info) == sorted(wanted)
     ck = info["CheckpointLoaderSimple"]
     assert ck["input"]["required"]["ckpt_name"][0] == [ckpt_name(env)]

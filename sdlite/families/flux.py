@@ -21,7 +21,9 @@ latent patches), schnell not at all.
 Editing (dev's network: FLUX.1 dev and FLUX.1 Kontext, family ``flux-kontext``): reference images
 (``Request.reference_images``) join the transformer's sequence as FLUX.1 Kontext's source image does
 (:mod:`sdlite.families.flux_kontext`); both guidance halves see them. Without an explicit size the first reference's
-(prepared) size is the output's. A Kontext release's guidance scale is 2.5 by default.
+(prepared) size is the output's. A Kontext release's guidance scale is 2.5 by default. A Kontext release inpaints
+as FluxKontextInpaintPipeline does: the source as prepared is the reference, encoded (as every source image of a
+Kontext release: image to image too) to its mean latent; reference images given take its place in the sequence.
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ from ..sampling.denoisers import FlowDenoiser
 from ..sampling.flow import FlowSchedule
 from ..sources import source_size
 from .base import ReferenceConditioning, ScheduledConditioning
-from .flux_kontext import KONTEXT_FAMILY, KONTEXT_GUIDANCE, encode_references, reference_size
+from .flux_kontext import (KONTEXT_FAMILY, KONTEXT_GUIDANCE, encode_references, inpaint_size, reference_size,
+                           source_reference)
 from .sd3 import _BREAK, SD3Family, _note
 
 # latent -> RGB of FLUX's VAE for the cheap preview, one row per channel (the factors ComfyUI's Flux latent format
@@ -115,6 +118,17 @@ class FluxFamily(SD3Family):
         return self.kontext
 
     @property
+    def source_latent(self) -> str:
+        """A Kontext release encodes a source image to its latent distribution's mean, as every Kontext pipeline
+        encodes its images (FluxKontextInpaintPipeline's ``sample_mode="argmax"``); dev and schnell draw a sample
+        (FluxImg2ImgPipeline, FluxInpaintPipeline)."""
+        return "mean" if self.kontext else "sample"
+
+    def kontext_inpaint(self, r) -> bool:
+        """Whether ``r`` is Kontext inpainting (FluxKontextInpaintPipeline): a Kontext release given a mask."""
+        return self.kontext and r.is_inpaint
+
+    @property
     def default_guidance(self) -> float:
         return KONTEXT_GUIDANCE if self.kontext else DEFAULT_GUIDANCE
 
@@ -133,7 +147,10 @@ class FluxFamily(SD3Family):
     def resolve(self, r):
         """dev: the guidance scale 3.5 (Kontext: 2.5) where the request leaves it unset; schnell: none. Image to
         image without a size: the source's, fitted to 2x2 latent patches (:func:`fit_to_patches`); text to image
-        with reference images and no size: the first reference's, as it is prepared."""
+        with reference images and no size: the first reference's, as it is prepared. Kontext inpainting without a
+        size: the source's Kontext size (:func:`~.flux_kontext.inpaint_size`)."""
+        if self.kontext_inpaint(r):
+            r = inpaint_size(r, self.resizes_references(r))
         r = fit_to_patches(r)
         if not self.guidance_embedded:
             return super().resolve(r)
@@ -164,6 +181,8 @@ class FluxFamily(SD3Family):
         if self.kontext:
             lines.append("editing:     a reference image (sdlite edit, --ref-image), resized to Kontext's preferred "
                          "resolutions (--no-ref-resize: not)")
+            lines.append("inpainting:  the source also the reference, as FluxKontextInpaintPipeline (--init-image with "
+                         "--mask)")
         elif self.guidance_embedded:
             lines.append("editing:     reference images as FLUX.1 Kontext's (--ref-image)")
         return lines
@@ -214,11 +233,15 @@ class FluxFamily(SD3Family):
 
     def conditioning(self, model, r, use_cfg: bool, embeddings=None) -> ScheduledConditioning:
         """The texts' conditioning and (dev's network) the reference images' latents
-        (:func:`~.flux_kontext.encode_references`)."""
+        (:func:`~.flux_kontext.encode_references`); Kontext inpainting without reference images: the source as
+        prepared for the run (:func:`~.flux_kontext.source_reference`)."""
         cond = super().conditioning(model, r, use_cfg, embeddings)
-        if not r.reference_images:
+        if r.reference_images:
+            references = encode_references(self, model, r, self.resizes_references(r))
+        elif self.kontext_inpaint(r):
+            references = (source_reference(self, model, r),)
+        else:
             return cond
-        references = encode_references(self, model, r, self.resizes_references(r))
         return ReferenceConditioning(**{f.name: getattr(cond, f.name) for f in dataclasses.fields(cond)},
                                      references=references)
 

@@ -18,6 +18,19 @@ FLUX.1 model it conditions); only a Kontext release resizes it by default. More 
 pipeline takes one image; sdlite takes several as ComfyUI's chained ReferenceLatents place them (each with first
 axis 1, beside the ones before it).
 
+Inpainting with a Kontext release, as diffusers' ``FluxKontextInpaintPipeline`` runs it: the source image
+(``Request.init_image`` with ``mask``, outpainting or a mask from its transparency) drawn, where no size is given, at
+its Kontext size (:func:`inpaint_size`: its sides rounded down to 16, then the preferred resolution nearest its aspect
+unless ``reference_resize`` is off; the pipeline's ``image`` always takes that size), encoded to its mean latent,
+which is the start (noised to ``strength``) and the latent the unmasked region is re-imposed from after each step
+(the mask binarised at 0.5 and nearest to the latent grid); the source as prepared for the run is also the one
+reference in the sequence (:func:`source_reference`). ``Request.reference_images`` given with the inpainting source
+are the pipeline's ``image_reference``: they take the source's place in the sequence (the pipeline places its
+``image_reference`` instead of the source, not beside it), each prepared as a reference. The pipeline's
+``padding_mask_crop`` is sdlite's ``inpaint_area="masked"`` with ``inpaint_padding`` (A1111's crop around the mask;
+the reference is the crop too), and the mask blur and overlay are A1111's options (``mask_blur=0, overlay=False`` for
+the pipeline's exact behaviour).
+
 Where sdlite's defaults differ from the pipeline's, on purpose: the output size left unset is the (resized) first
 reference's, as in ComfyUI's Kontext template (which samples at the scaled image's size), where the pipeline draws
 1024 x 1024; a size given is drawn as given, where the pipeline rescales any size to about ``max_area`` (1024^2)
@@ -30,10 +43,10 @@ import torch
 from PIL import Image
 
 from ..errors import RequestError
-from ..sources import image_to_tensor, load_image, to_rgb
+from ..sources import image_to_tensor, load_image, prepare, source_size, to_rgb
 
 __all__ = ["PREFERRED_RESOLUTIONS", "KONTEXT_GUIDANCE", "KONTEXT_FAMILY", "preferred_size", "kontext_size",
-           "kontext_image", "reference_size", "encode_references"]
+           "kontext_image", "reference_size", "encode_references", "inpaint_size", "source_reference"]
 
 KONTEXT_FAMILY = "flux-kontext"
 KONTEXT_GUIDANCE = 2.5        # the Kontext dev model card's guidance scale, and ComfyUI's template's FluxGuidance
@@ -100,3 +113,25 @@ def encode_references(family, model, r, resize: bool) -> tuple[torch.Tensor, ...
             mean, _ = vae.encode_moments(pixels.to(model.device, vae.dtype))
         out.append(family.latent.scale(mean.float()))
     return tuple(out)
+
+
+def inpaint_size(r, resize: bool):
+    """Kontext inpainting's request ``r`` with its unset sides filled as FluxKontextInpaintPipeline sizes its output:
+    the source's size (the outpaint border included) rounded down to multiples of 16, then (``resize``) the
+    preferred resolution nearest its aspect ratio. Sides ``r`` gives are kept (the source is resized to them)."""
+    if r.width is not None and r.height is not None:
+        return r
+    width, height = source_size(r, SIDE)
+    if resize:
+        width, height = preferred_size(width, height)
+    return r.replace(width=r.width or width, height=r.height or height)
+
+
+def source_reference(family, model, r) -> torch.Tensor:
+    """The inpainting source of ``r`` as prepared for the run (its size, crop, outpaint canvas and fill) encoded to
+    the VAE's mean latent in the sampler's scaling, (1, 16, H/8, W/8): Kontext inpainting's reference in the sequence
+    (the pipeline's ``image_latents``)."""
+    pixels = image_to_tensor(prepare(r).image)                                       # (1, 3, H, W) in [-1, 1]
+    with torch.no_grad(), model.models.use("vae") as vae:
+        mean, _ = vae.encode_moments(pixels.to(model.device, vae.dtype))
+    return family.latent.scale(mean.float())
