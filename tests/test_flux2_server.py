@@ -118,6 +118,20 @@ def test_a1111_img2img_makes_the_init_images_references(env):
     assert not any("init_images" in w for w in json.loads(r.json()["info"])["warnings"])
 
 
+def test_a1111_sdlite_edit_takes_the_init_images_as_references_only(env):
+    """The web page's Edit tab: ``sdlite_edit`` makes every init image a reference and draws from noise (``sdlite
+    edit``'s request); a model that does not edit from images refuses it, and ``/options`` says which edits."""
+    c, _, engine = env
+    body = {"prompt": PROMPT, "seed": 7, "init_images": [_b64(FIRST), _b64(SECOND)], "sdlite_edit": True}
+    assert c.get("/sdapi/v1/options").json()["sdlite_edits_from_images"] is False   # the demo model, current
+    r = c.post("/sdapi/v1/img2img", json=body)
+    assert r.status_code == 422 and "FLUX.2 [klein]" in r.json()["detail"], r.text
+    r = c.post("/sdapi/v1/img2img", json={**body, "override_settings": {"sd_model_checkpoint": "klein"}})
+    assert r.status_code == 200, r.text
+    got = _pixels(r.json()["images"][0])
+    assert np.array_equal(got, _own(engine, seed=7, reference_images=(FIRST, SECOND)))
+
+
 def _mcp(server, tool, arguments):
     import anyio
     from mcp import Client

@@ -63,6 +63,7 @@ class ServerBase:
         self.limits = limits if limits is not None else Limits()
         self._preview_cache: tuple[Any, str] | None = None
         self._upscale_lock = asyncio.Lock()   # the extras: one upscale at a time (upscale)
+        self._edits: dict[Path, bool | None] = {}   # checkpoint path -> an editing model (edits_from_images)
 
     # --- options -------------------------------------------------------------------------------------------
 
@@ -166,6 +167,22 @@ class ServerBase:
         """The current model's text-encoder width when it is known without loading it, else None."""
         return None
 
+    def edits_from_images(self) -> bool | None:
+        """Whether the current model is an editing model (its family's ``edits_from_images``: FLUX.2 [klein], FLUX.1
+        Kontext), read once from its headers (no tensor data); None where they cannot tell (a part missing). The web
+        page's Edit tab asks (``sdlite_edits_from_images`` in A1111's ``/options``)."""
+        from ..families import family_for
+        from ..loader import open_model
+
+        path = self.checkpoints.current.path
+        if path not in self._edits:
+            try:
+                with open_model(path) as ckpt:
+                    self._edits[path] = bool(family_for(ckpt.spec).edits_from_images)
+            except Exception:  # noqa: BLE001 - unknown: the server says so when an edit runs
+                self._edits[path] = None
+        return self._edits[path]
+
     def stopping(self) -> bool:
         """Whether a shutdown has begun (the queue takes no new jobs)."""
         return False
@@ -257,6 +274,10 @@ class Server(ServerBase):
     def text_width(self) -> int | None:
         engine = self.engines.loaded(self.checkpoints.current)
         return engine.spec.context_text.width if engine is not None else None   # an SDXL refiner: its only one
+
+    def edits_from_images(self) -> bool | None:
+        engine = self.engines.loaded(self.checkpoints.current)   # loaded: its family says; else its headers
+        return bool(engine.family.edits_from_images) if engine is not None else super().edits_from_images()
 
     def stopping(self) -> bool:
         return self.jobs.closed

@@ -130,6 +130,7 @@ class Img2ImgRequest(Txt2ImgRequest):
     initial_noise_multiplier: float | None = None
     latent_mask: str | None = None
     include_init_images: bool | None = None
+    sdlite_edit: bool | None = None   # sdlite's: an instruction edit, init images as references only (.references)
 
 
 class ExtrasSingleImageRequest(_Lenient):
@@ -748,7 +749,8 @@ def build_plan(req: Txt2ImgRequest, options: dict, *, max_image_bytes: int, lora
                 refiner_switch_at=switch, hr_checkpoint_name=hr_checkpoint, upscaler_dir=upscaler_dir, limits=limits,
                 keep_overrides={} if p["override_settings_restore_afterwards"] else overrides,
                 warnings=warnings, send_images=bool(p["send_images"]), preview=opts["show_progress_type"],
-                control_maps=tuple(saves), vae=vae, unset=left_out(req), references=references)
+                control_maps=tuple(saves), vae=vae, unset=left_out(req), references=references,
+                reference_mode="required" if img2img and p.get("sdlite_edit") else "a1111")
 
 
 def named_checkpoint(name) -> str | None:

@@ -8,7 +8,8 @@ front-end that built the plan (:attr:`~.api.Plan.reference_mode`):
 * ``"edit"`` (OpenAI's ``/v1/images/edits`` without a mask): every image a reference, the output drawn from noise (at
   the first image's size where none is asked). A model without reference editing edits one image (image to image);
   several are refused.
-* ``"required"`` (MCP's ``edit_image``): as ``"edit"``; a model without reference editing refuses the call.
+* ``"required"`` (MCP's ``edit_image``; ``/sdapi/v1/img2img`` with sdlite's ``sdlite_edit``, the web page's Edit
+  tab): as ``"edit"``; a model without reference editing refuses the call.
 
 A request with a mask stays inpainting (klein's inpainting already conditions on the source). The family is known
 only when the job runs on its engine, so the backend applies this there (:func:`~sdlite.server.backend.run_plan`).

@@ -88,14 +88,16 @@ def _add_control_routes(api: APIRouter, server: ServerBase) -> None:
         return {}
 
     @api.get("/options")
-    async def get_options():
-        return server.options_snapshot()
+    async def get_options():   # with sdlite's read-only sdlite_edits_from_images (the web page's Edit tab)
+        edits = await run_in_threadpool(server.edits_from_images)
+        return {**server.options_snapshot(), "sdlite_edits_from_images": edits}
 
     @api.post("/options")
     async def set_options(request: Request, changes: dict[str, Any] = Body(...)):
         changes = dict(changes)
         name = changes.pop("sd_model_checkpoint", None)
-        changes.pop("sd_checkpoint_hash", None)   # read-only: it follows the model
+        changes.pop("sd_checkpoint_hash", None)   # read-only: they follow the model
+        changes.pop("sdlite_edits_from_images", None)
         checked = a1111.check_options(changes)
         if {"sd_vae", "forge_additional_modules"} & set(checked):   # names of VAE files this server has
             await run_in_threadpool(a1111.chosen_vae, {**server.options_snapshot(), **checked}, server.vae_dir)

@@ -1,4 +1,5 @@
-// sdlite's web page: a small client of the AUTOMATIC1111-style API under /sdapi/v1. No build step.
+// sdlite's web page: a small client of the AUTOMATIC1111-style API under /sdapi/v1. No build step. The Generate tab,
+// the output, progress and history are here; the Edit tab is edit.js (loaded after this file).
 "use strict";
 
 const API = "/sdapi/v1";
@@ -12,9 +13,18 @@ const state = {
   init: null,        // source image as a data URI
   mask: null,        // mask as a data URI
   control: null,     // ControlNet control image as a data URI
-  history: [],       // {src, infotext, seed, params, endpoint}
+  history: [],       // {src, infotext, seed, params, endpoint, edit?: {source, refs}}
   selected: null,
+  tab: "generate",   // the tab shown: "generate" or "edit"
+  model: "",         // the current model's title
+  edits: null,       // whether it edits from images (the Edit tab's models); null: the server cannot tell
 };
+
+// the buttons that start a run, each with its Interrupt button: edit.js adds the Edit tab's. ``usable``: whether the
+// button may be pressed when no run is going
+const RUN_BUTTONS = [
+  { run: "generate", stop: "interrupt", idle: "Generate", working: "Generating…", usable: () => true },
+];
 
 function make(tag, props = {}, children = []) {
   const node = Object.assign(document.createElement(tag), props);
@@ -111,9 +121,9 @@ function labelOf(input) {
   return label ? label.childNodes[0].textContent.trim() : input.id;
 }
 
-function checkForm() {
+function checkForm(form = $("form")) {
   // The browser's own checks (ranges, multiples of 8), reported as one readable message.
-  const bad = [...$("form").querySelectorAll("input, select, textarea")].filter((i) => !i.checkValidity());
+  const bad = [...form.querySelectorAll("input, select, textarea")].filter((i) => !i.checkValidity());
   if (!bad.length) return true;
   showError({ title: "Please correct the form", lines: bad.map((i) => `${labelOf(i)}: ${i.validationMessage}`) });
   bad[0].focus();
@@ -338,7 +348,7 @@ function showResults(entries, maps = []) {
   for (const e of entries) {
     state.history.unshift(e);
     const n = state.history.length;
-    const label = `Image ${n}, seed ${e.seed ?? "?"}: ${e.params.prompt || "(no prompt)"}`;
+    const label = `Image ${n}, seed ${e.seed ?? "?"}: ${e.edit ? "edit: " : ""}${e.params.prompt || "(no prompt)"}`;
     $("history").prepend(make("li", {}, [imageButton(e, label)]));
   }
   if (entries.length) select(entries[0]);
@@ -370,16 +380,24 @@ async function upscaleSelected() {
 // --- generate / interrupt ----------------------------------------------------------------------------------
 
 function setBusy(busy) {
-  // keyboard focus follows: Generate -> Interrupt while running, and back (a disabled button loses focus)
-  const [from, to] = busy ? [$("generate"), $("interrupt")] : [$("interrupt"), $("generate")];
-  const refocus = document.activeElement === from;
+  // keyboard focus follows: Generate (Edit) -> Interrupt while running, and back (a disabled button loses focus)
+  const focused = document.activeElement;
   state.busy = busy;
-  to.disabled = false;
-  from.disabled = true;
-  if (refocus) to.focus();
-  $("generate").textContent = busy ? "Generating…" : "Generate";
+  updateRunButtons();
+  for (const b of RUN_BUTTONS) {
+    $(b.run).textContent = busy ? b.working : b.idle;
+    const [from, to] = busy ? [b.run, b.stop] : [b.stop, b.run];
+    if (focused === $(from) && !$(to).disabled) $(to).focus();
+  }
   $("upscale-selected").disabled = busy || !state.selected;
   document.body.classList.toggle("busy", busy);
+}
+
+function updateRunButtons() {
+  for (const b of RUN_BUTTONS) {
+    $(b.run).disabled = state.busy || !b.usable();
+    $(b.stop).disabled = !state.busy;
+  }
 }
 
 async function generate(event) {
@@ -389,19 +407,25 @@ async function generate(event) {
   showWarnings([]);
   if (!checkForm()) return;
   const { endpoint, body } = buildRequest();
-  const run = ++state.run;
+  await run(endpoint, body, endpoint === "img2img" ? "Image to image…" : "Generating…");
+}
+
+async function run(endpoint, body, label, extra = {}) {
+  // one request to /sdapi/v1/<endpoint> with progress, its images into the results and history (each with
+  // ``extra``'s fields: the Edit tab's images); false when it failed
+  const id = ++state.run;
   state.interrupted = false;
   state.started = performance.now();
   setBusy(true);
   setProgress(0);
   $("eta").textContent = "";
   $("preview").hidden = true;
-  status(endpoint === "img2img" ? "Image to image…" : "Generating…");
+  status(label);
   $("progress").scrollIntoView({ block: "nearest" });   // on a narrow window the output is below the form
-  poll(run);
+  poll(id);
   try {
     const data = await api("/" + endpoint, { method: "POST", body: JSON.stringify(body) });
-    const entries = entriesFrom(data || {}, endpoint, body);
+    const entries = entriesFrom(data || {}, endpoint, body).map((e) => Object.assign(e, extra));
     const took = formatSeconds((performance.now() - state.started) / 1000);
     if (state.interrupted) {
       status(entries.length ? `Interrupted after ${took}: the image so far is shown.` : `Interrupted after ${took}.`);
@@ -412,11 +436,13 @@ async function generate(event) {
     $("eta").textContent = "";
     showResults(entries, mapsFrom(data || {}));
     showWarnings(parseInfo(data?.info).warnings);
+    return true;
   } catch (err) {
     setProgress(0);
     $("eta").textContent = "";
     status(state.interrupted ? "Interrupted." : "Failed.");
     showError(err);
+    return false;
   } finally {
     setBusy(false);
     $("preview").hidden = true;
@@ -517,17 +543,52 @@ async function loadServerInfo() {
     const usable = modules.module_list.filter((m) => modules.module_detail?.[m]?.model_free !== false);
     $("cn-module").replaceChildren(...usable.map((m) => make("option", { value: m, textContent: m })));
   } catch { /* without the lists the panel offers no model */ }
-  try {
-    const options = await api("/options");
-    const name = options && options.sd_model_checkpoint;
-    if (name) $("model").textContent = "Model: " + name;
-  } catch { /* the model name is only shown when known */ }
+  await refreshModel();
   document.body.dataset.serverInfo = "loaded";   // every list asked for has come back (or failed)
 }
 
+async function refreshModel() {
+  // the current model's name and whether it edits from images (sdlite_edits_from_images: true, false, or null when
+  // the server cannot tell), read again when the Edit tab is shown: another client may have switched the model
+  try {
+    const options = (await api("/options")) || {};
+    state.model = options.sd_model_checkpoint || "";
+    state.edits = options.sdlite_edits_from_images ?? null;
+    if (state.model) $("model").textContent = "Model: " + state.model;
+  } catch { /* the model name is only shown when known */ }
+  document.dispatchEvent(new CustomEvent("modelchange"));
+}
+
+// --- tabs (WAI-ARIA's tabs pattern: arrow keys, Home and End move between them) -------------------------------
+
+const TABS = { generate: ["tab-generate", "form"], edit: ["tab-edit", "edit-form"] };
+
+function selectTab(name, focus = false) {
+  state.tab = name;
+  for (const [key, [tab, panel]] of Object.entries(TABS)) {
+    $(tab).setAttribute("aria-selected", String(key === name));
+    $(tab).tabIndex = key === name ? 0 : -1;
+    $(panel).hidden = key !== name;
+  }
+  if (focus) $(TABS[name][0]).focus();
+  document.dispatchEvent(new CustomEvent("tabchange", { detail: name }));
+}
+
+function onTabKey(event) {
+  const names = Object.keys(TABS);
+  const i = names.indexOf(state.tab);
+  const to = { ArrowRight: i + 1, ArrowLeft: i - 1, Home: 0, End: names.length - 1 }[event.key];
+  if (to === undefined) return;
+  event.preventDefault();
+  selectTab(names[(to + names.length) % names.length], true);
+}
+
 function init() {
+  for (const [name, [tab]] of Object.entries(TABS)) $(tab).addEventListener("click", () => selectTab(name));
+  $("tabs").addEventListener("keydown", onTabKey);
   $("form").addEventListener("submit", generate);
   $("interrupt").addEventListener("click", interrupt);
+  $("edit-interrupt").addEventListener("click", interrupt);
   $("upscale-selected").addEventListener("click", upscaleSelected);
   $("random-seed").addEventListener("click", () => { $("seed").value = -1; });
   $("form").addEventListener("keydown", (e) => {
@@ -552,16 +613,27 @@ function init() {
     $("mask").value = "";
     showSources();
   });
-  $("reuse-seed").addEventListener("click", () => {
-    if (state.selected?.seed !== undefined) $("seed").value = state.selected.seed;
-    $("seed").focus();
+  $("reuse-seed").addEventListener("click", () => {   // into the tab shown
+    const seed = state.tab === "edit" ? $("edit-seed") : $("seed");
+    if (state.selected?.seed !== undefined) seed.value = state.selected.seed;
+    seed.focus();
   });
-  $("reuse-all").addEventListener("click", () => {
+  $("reuse-all").addEventListener("click", () => {   // an edit's into the Edit tab, with its images
+    if (state.selected?.edit) {
+      selectTab("edit");
+      editTab.fill(state.selected);
+      return;
+    }
+    selectTab("generate");
     if (state.selected) fillForm(state.selected.params);
     $("prompt").focus();
   });
-  $("use-as-source").addEventListener("click", () => {
+  $("use-as-source").addEventListener("click", () => {   // the source of the tab shown
     if (!state.selected) return;
+    if (state.tab === "edit") {
+      editTab.useAsSource(state.selected.src);
+      return;
+    }
     state.init = state.selected.src;
     $("init-image").value = "";
     $("img2img").open = true;
