@@ -251,3 +251,138 @@ def write_sd15_inpaint_folder(sd15_folder, folder):
               folder / "unet" / "diffusion_pytorch_model.safetensors", metadata={"format": "pt"})
     del state
     return folder
+
+
+# --- LoRA files and diffusers' fused LoRAs (the transformer families' LoRA tests) -----------------------------
+
+LORA_RANK, LORA_ALPHA = 4, 2.0
+LORA_SEEDS = (21, 22)   # diffusers' generators for a batch of 2, as sdlite's seed 21 seeds its two images
+
+
+def lora_factors(modules, seed: int, shares: dict[str, str] | None = None, strength: float = 0.6,
+                 rank: int = LORA_RANK) -> dict:
+    """Module path -> (down (rank, in), up (out, rank)) for every Linear of ``modules`` ((name, module) pairs, drawn
+    in their order from ``seed``). A layer whose last name is a key of ``shares`` takes the down factor of its sibling
+    named by the value (q, k and v of an attention sharing one, so that a stacked qkv holds them); those come last."""
+    shares = shares or {}
+    shapes = {name: tuple(m.weight.shape) for name, m in modules if isinstance(m, torch.nn.Linear)}
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, (rows, cols) in sorted(shapes.items(), key=lambda item: item[0].rpartition(".")[2] in shares):
+        head, _, leaf = name.rpartition(".")
+        if leaf in shares:
+            down = out[f"{head}.{shares[leaf]}"][0]
+        else:
+            down = torch.randn(rank, cols, generator=g) / cols ** 0.5
+        out[name] = (down, torch.randn(rows, rank, generator=g) * strength / rank ** 0.5)
+    return out
+
+
+def under(prefix: str, layers: dict) -> dict:
+    """``layers`` with ``prefix`` before each name."""
+    return {prefix + name: f for name, f in layers.items()}
+
+
+def underscored(layers: dict) -> dict:
+    """``layers`` on kohya's names: ``lora_unet_`` and the module path with its dots as underscores."""
+    return {"lora_unet_" + name.replace(".", "_"): f for name, f in layers.items()}
+
+
+def factors_on(to_names, factors: dict) -> dict:
+    """The same ``factors`` on the names of another layout: ``to_names`` (diffusers' keys -> the plan that makes that
+    layout's tensors of them: ``flux2_to_original``, ``zimage_to_comfy``). A stacked layer (q, k and v as one ``qkv``)
+    takes its parts' ups stacked under their one shared down; a modulation whose halves the layout exchanges, its
+    up's halves exchanged."""
+    out = {}
+    for target, entry in to_names([f"{name}.weight" for name in factors]).entries.items():
+        names = [source.removesuffix(".weight") for source in entry.sources]
+        down = factors[names[0]][0]
+        if entry.transform.op == "cat":
+            assert all(factors[n][0] is down for n in names), names
+        up = torch.cat([factors[n][1] for n in names])
+        if entry.transform.op == "swap_halves":
+            half = up.shape[0] // 2
+            up = torch.cat([up[half:], up[:half]])
+        out[target.removesuffix(".weight")] = (down, up)
+    return out
+
+
+def write_lora(path, layers: dict, parts: str = "lora_A", alpha: float | None = LORA_ALPHA,
+               metadata: dict | None = None) -> str:
+    """``layers``: the file's name of a layer -> (down, up), written to ``path`` with ``lora_A``/``lora_B`` or
+    (``parts`` "lora_down") ``lora_down``/``lora_up`` and an ``.alpha`` key each (none when ``alpha`` is None)."""
+    from safetensors.torch import save_file
+
+    down_part, up_part = ("lora_A", "lora_B") if parts == "lora_A" else ("lora_down", "lora_up")
+    state = {}
+    for name, (down, up) in layers.items():
+        state[f"{name}.{down_part}.weight"] = down.clone()
+        state[f"{name}.{up_part}.weight"] = up.clone()
+        if alpha is not None:
+            state[f"{name}.alpha"] = torch.tensor(alpha)
+    save_file(state, str(path), metadata=metadata)
+    return str(path)
+
+
+def peft_metadata(names, rank: int = LORA_RANK, alpha: float = LORA_ALPHA) -> dict:
+    """The safetensors metadata diffusers writes for a PEFT LoRA of the transformer's ``names``: its adapter config."""
+    import json
+
+    from sdlite.adapters import lora as L
+
+    config = {"transformer.r": rank, "transformer.lora_alpha": alpha, "transformer.alpha_pattern": {},
+              "transformer.rank_pattern": {}, "transformer.use_dora": False, "transformer.use_rslora": False,
+              "transformer.peft_type": "LORA", "transformer.target_modules": sorted(names)}
+    return {"format": "pt", L.METADATA_KEY: json.dumps(config)}
+
+
+def lora_files(folder, factors: dict) -> dict[str, str]:
+    """The LoRA of ``factors`` (diffusers' module paths) in ``folder`` in the layouts every transformer family reads
+    alike: diffusers / PEFT ``transformer.*`` with the alpha in the metadata ("peft"), ComfyUI's and ai-toolkit's
+    ``diffusion_model.*`` with ``.alpha`` keys ("diffusion_model"), kohya's ``lora_unet_`` ("kohya")."""
+    return {"peft": write_lora(folder / "peft.safetensors", under("transformer.", factors), alpha=None,
+                               metadata=peft_metadata(factors)),
+            "diffusion_model": write_lora(folder / "ai_toolkit.safetensors", under("diffusion_model.", factors)),
+            "kohya": write_lora(folder / "kohya.safetensors", underscored(factors), parts="lora_down")}
+
+
+def fused_lora_images(pipe, prompt: str, size: int, path=None, weight: float = 0.8, **call):
+    """A diffusers pipeline's batch of 2 (3 steps, ``size`` x ``size``, the :data:`LORA_SEEDS`; ``call``: more of the
+    call's arguments) with the LoRA at ``path`` loaded and fused into the transformer at ``weight`` (none: without a
+    LoRA), as 8-bit values (int16). The pipeline is left without the LoRA."""
+    import numpy as np
+
+    kw = dict(prompt=prompt, num_inference_steps=3, num_images_per_prompt=2, height=size, width=size,
+              output_type="np", **call)
+    generators = [torch.Generator().manual_seed(s) for s in LORA_SEEDS]
+    if path is None:
+        out = pipe(generator=generators, **kw).images
+    else:
+        pipe.load_lora_weights(path, adapter_name="style")
+        try:
+            pipe.fuse_lora(lora_scale=weight, adapter_names=["style"], components=["transformer"])
+            out = pipe(generator=generators, **kw).images
+        finally:
+            pipe.unfuse_lora(components=["transformer"])
+            pipe.unload_lora_weights()
+    return np.round(np.clip(out, 0, 1) * 255).astype(np.int16)
+
+
+def lora_and_base(pipe, prompt: str, size: int, path, weight: float, least: float, **call) -> tuple:
+    """(:func:`fused_lora_images` with the LoRA at ``path``, and without it), the LoRA asserted to change the images
+    by more than ``least`` (out of 255) on average."""
+    import numpy as np
+
+    base = fused_lora_images(pipe, prompt, size, None, weight, **call)
+    with_lora = fused_lora_images(pipe, prompt, size, path, weight, **call)
+    assert np.abs(with_lora - base).mean() > least, "the LoRA should change the image clearly"
+    return with_lora, base
+
+
+def lora_request(prompt: str, size: int, /, **kw):
+    """sdlite's request for :func:`fused_lora_images`' images: 3 Euler steps without guidance, batch 2, seed 21
+    (``kw``: other fields, or these replaced, the prompt too)."""
+    from sdlite.pipeline import Request
+
+    return Request(**{"prompt": prompt, "steps": 3, "cfg_scale": 1.0, "sampler": "euler", "seed": LORA_SEEDS[0],
+                      "batch_size": 2, "width": size, "height": size, **kw})

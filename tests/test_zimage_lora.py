@@ -15,130 +15,64 @@ stacked qkv split) against diffusers' own reading of the same file. Memory mode 
 LoRA layers of the Qwen3 text encoder are refused (diffusers' Z-Image loader takes the transformer's alone)."""
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from sdlite.adapters import lora as L
-from sdlite.pipeline import Engine, Request
+from sdlite.pipeline import Engine
 from sdlite.weights.zimage_keys import zimage_to_comfy
+from tests.reference import (LORA_RANK, factors_on, fused_lora_images, lora_and_base, lora_factors, lora_files,
+                             lora_request, under, underscored, write_lora)
 from tests.test_zimage_pipeline import MAX_PIXEL_DIFF, PROMPT, _pipeline, _pixels
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-RANK, ALPHA, WEIGHT = 4, 2.0, 0.8
+RANK, WEIGHT = LORA_RANK, 0.8
 SIZE = 64
-
-
-def _factors(transformer, seed: int, strength: float = 0.6) -> dict:
-    """Diffusers' module path -> (down, up) for every Linear of ``transformer``; q, k and v of an attention share
-    ``down``."""
-    shapes = {name: tuple(m.weight.shape) for name, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)}
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, (rows, cols) in sorted(shapes.items(), key=lambda item: item[0].endswith((".to_k", ".to_v"))):
-        head, _, leaf = name.rpartition(".")
-        shared = leaf in ("to_k", "to_v")
-        down = out[f"{head}.to_q"][0] if shared else torch.randn(RANK, cols, generator=g) / cols ** 0.5
-        out[name] = (down, torch.randn(rows, RANK, generator=g) * strength / RANK ** 0.5)
-    return out
+SHARES = {"to_k": "to_q", "to_v": "to_q"}   # q, k and v of an attention share their down factor
 
 
 def _comfy(factors: dict) -> dict:
     """The same factors on ComfyUI's names: each attention's q, k and v as one ``attention.qkv`` (their ups
     stacked)."""
-    out = {}
-    for original, entry in zimage_to_comfy([f"{name}.weight" for name in factors]).entries.items():
-        names = [source.removesuffix(".weight") for source in entry.sources]
-        down = factors[names[0]][0]
-        if entry.transform.op == "cat":
-            assert all(factors[n][0] is down for n in names), names
-        out[original.removesuffix(".weight")] = (down, torch.cat([factors[n][1] for n in names]))
+    out = factors_on(zimage_to_comfy, factors)
     assert "layers.0.attention.qkv" in out and "x_embedder" in out and "final_layer.linear" in out
     return out
-
-
-def _write(path, layers: dict, parts: str = "lora_A", alpha: bool = True, metadata: dict | None = None) -> str:
-    """``layers``: the file's name of a layer -> (down, up), written with ``lora_A``/``lora_B`` or
-    ``lora_down``/``lora_up`` and (``alpha``) an ``.alpha`` key each."""
-    down_part, up_part = ("lora_A", "lora_B") if parts == "lora_A" else ("lora_down", "lora_up")
-    state = {}
-    for name, (down, up) in layers.items():
-        state[f"{name}.{down_part}.weight"] = down.clone()
-        state[f"{name}.{up_part}.weight"] = up.clone()
-        if alpha:
-            state[f"{name}.alpha"] = torch.tensor(ALPHA)
-    save_file(state, str(path), metadata=metadata)
-    return str(path)
-
-
-def _peft_metadata(names) -> dict:
-    config = {"transformer.r": RANK, "transformer.lora_alpha": ALPHA, "transformer.alpha_pattern": {},
-              "transformer.rank_pattern": {}, "transformer.use_dora": False, "transformer.use_rslora": False,
-              "transformer.peft_type": "LORA", "transformer.target_modules": sorted(names)}
-    return {"format": "pt", L.METADATA_KEY: json.dumps(config)}
 
 
 @pytest.fixture(scope="module")
 def zimage(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zimage_lora")
     pipe = _pipeline(tmp / "z-image")
-    factors = _factors(pipe.transformer, 11)
+    factors = lora_factors(pipe.transformer.named_modules(), 11, SHARES)
     comfy = _comfy(factors)
-    under = lambda prefix, layers: {prefix + name: f for name, f in layers.items()}   # noqa: E731
-    underscored = lambda layers: {"lora_unet_" + n.replace(".", "_"): f for n, f in layers.items()}   # noqa: E731
     files = {
-        "peft": _write(tmp / "peft.safetensors", under("transformer.", factors), alpha=False,
-                       metadata=_peft_metadata(factors)),
-        "diffusion_model": _write(tmp / "ai_toolkit.safetensors", under("diffusion_model.", factors)),
-        "comfy": _write(tmp / "comfy.safetensors", under("diffusion_model.", comfy), parts="lora_down"),
-        "comfy-lora_A": _write(tmp / "comfy_a.safetensors", under("diffusion_model.", comfy)),
-        "kohya": _write(tmp / "kohya.safetensors", underscored(factors), parts="lora_down"),
+        **lora_files(tmp, factors),
+        "comfy": write_lora(tmp / "comfy.safetensors", under("diffusion_model.", comfy), parts="lora_down"),
+        "comfy-lora_A": write_lora(tmp / "comfy_a.safetensors", under("diffusion_model.", comfy)),
     }
     # kohya's lora_unet_ over ComfyUI's names (stacked qkv), as diffusers' converter reads them: the blocks, the
     # refiners and the embedders it knows by those names (it has no name for x_embedder or final_layer)
-    blocks = {n: f for n, f in _comfy(_factors(pipe.transformer, 12)).items()
+    blocks = {n: f for n, f in _comfy(lora_factors(pipe.transformer.named_modules(), 12, SHARES)).items()
               if not n.startswith(("x_embedder", "final_layer"))}
-    files["kohya-comfy"] = _write(tmp / "kohya_comfy.safetensors", underscored(blocks), parts="lora_down")
+    files["kohya-comfy"] = write_lora(tmp / "kohya_comfy.safetensors", underscored(blocks), parts="lora_down")
     return pipe, Engine.load(tmp / "z-image", precision="exact"), files, tmp
-
-
-def _seeds():
-    return [torch.Generator().manual_seed(s) for s in (21, 22)]
 
 
 def _diffusers(pipe, path=None) -> np.ndarray:
     """ZImagePipeline's batch of 2 (3 steps, no guidance), with the LoRA at ``path`` loaded and fused at WEIGHT."""
-    kw = dict(prompt=PROMPT, num_inference_steps=3, guidance_scale=0.0, num_images_per_prompt=2, height=SIZE,
-              width=SIZE, output_type="np")
-    if path is None:
-        out = pipe(generator=_seeds(), **kw).images
-    else:
-        pipe.load_lora_weights(path, adapter_name="style")
-        try:
-            pipe.fuse_lora(lora_scale=WEIGHT, adapter_names=["style"], components=["transformer"])
-            out = pipe(generator=_seeds(), **kw).images
-        finally:
-            pipe.unfuse_lora(components=["transformer"])
-            pipe.unload_lora_weights()
-    return np.round(np.clip(out, 0, 1) * 255).astype(np.int16)
+    return fused_lora_images(pipe, PROMPT, SIZE, path, WEIGHT, guidance_scale=0.0)
 
 
 @pytest.fixture(scope="module")
 def expected(zimage):
     pipe, _, files, _ = zimage
-    base = _diffusers(pipe)
-    with_lora = _diffusers(pipe, files["peft"])
-    assert np.abs(with_lora - base).mean() > 8, "the LoRA should change the image clearly"
-    return with_lora, base
+    return lora_and_base(pipe, PROMPT, SIZE, files["peft"], WEIGHT, least=8, guidance_scale=0.0)
 
 
-def _request(**kw) -> Request:
-    return Request(**{"prompt": PROMPT, "steps": 3, "cfg_scale": 1.0, "sampler": "euler", "seed": 21,
-                      "batch_size": 2, "width": SIZE, "height": SIZE, **kw})
+def _request(**kw):
+    return lora_request(PROMPT, SIZE, **kw)
 
 
 @pytest.mark.parametrize("layout", ["peft", "diffusion_model", "comfy", "comfy-lora_A", "kohya"])
@@ -199,7 +133,7 @@ def test_refusals_name_the_key(zimage, tmp_path):
     }
     before = _pixels(engine.generate(_request(steps=1, batch_size=1)).images)
     for name, (layers, parts, message) in cases.items():
-        path = _write(tmp_path / name, layers, parts=parts)
+        path = write_lora(tmp_path / name, layers, parts=parts)
         with pytest.raises(L.LoraError, match=message):
             engine.generate(_request(steps=1, batch_size=1, loras=((path, 1.0),)))
     assert np.array_equal(_pixels(engine.generate(_request(steps=1, batch_size=1)).images), before)

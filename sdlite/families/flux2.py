@@ -112,21 +112,43 @@ class NormalizedPatches(LatentFormat):
         return unpatchify_latents(denormalize_latents(latents, mean, var, self.eps))
 
 
-def reference_pixels(source, index: int) -> torch.Tensor:
-    """Reference image ``index`` (a path or a PIL image) as the pipeline prepares it: (1, 3, H, W) in [-1, 1], float32,
-    with H and W multiples of 16 (scaled down to at most 1024^2 pixels, then centre-cropped)."""
+def _scaled_size(width: int, height: int) -> tuple[int, int]:
+    """The size a ``width`` x ``height`` reference is resized to: above :data:`REFERENCE_AREA` pixels scaled down to
+    it, its aspect kept (the sides truncated, as the pipeline's ``int``); within it, its own."""
+    if width * height <= REFERENCE_AREA:
+        return width, height
+    scale = math.sqrt(REFERENCE_AREA / (width * height))
+    return int(width * scale), int(height * scale)
+
+
+def _prepared_size(width: int, height: int) -> tuple[int, int]:
+    """(width, height) of a ``width`` x ``height`` reference as :func:`reference_pixels` prepares it: its
+    :func:`_scaled_size`, both sides then cropped down to multiples of 16."""
+    width, height = _scaled_size(width, height)
+    return width // REFERENCE_MULTIPLE * REFERENCE_MULTIPLE, height // REFERENCE_MULTIPLE * REFERENCE_MULTIPLE
+
+
+def _reference_image(source, index: int) -> Image.Image:
+    """Reference image ``index`` (a path or a PIL image) loaded, its sides and aspect ratio checked."""
     what = f"reference image {index + 1}"
-    image = load_image(source, what).convert("RGB")
+    image = load_image(source, what)
     width, height = image.size
     if width < REFERENCE_MIN_SIDE or height < REFERENCE_MIN_SIDE:
         raise RequestError(f"{what} is {width}x{height}: both sides must be at least {REFERENCE_MIN_SIDE} pixels")
     if max(width / height, height / width) > REFERENCE_MAX_ASPECT:
         raise RequestError(f"{what} is {width}x{height}: its aspect ratio is above {REFERENCE_MAX_ASPECT}:1")
-    if width * height > REFERENCE_AREA:
-        scale = math.sqrt(REFERENCE_AREA / (width * height))
-        image = image.resize((int(width * scale), int(height * scale)), Image.Resampling.LANCZOS)
-        width, height = image.size
-    cw, ch = width // REFERENCE_MULTIPLE * REFERENCE_MULTIPLE, height // REFERENCE_MULTIPLE * REFERENCE_MULTIPLE
+    return image
+
+
+def reference_pixels(source, index: int) -> torch.Tensor:
+    """Reference image ``index`` (a path or a PIL image) as the pipeline prepares it: (1, 3, H, W) in [-1, 1], float32,
+    with H and W multiples of 16 (scaled down to at most 1024^2 pixels, then centre-cropped: :func:`_prepared_size`)."""
+    image = _reference_image(source, index).convert("RGB")
+    size = image.size
+    width, height = _scaled_size(*size)
+    if (width, height) != size:
+        image = image.resize((width, height), Image.Resampling.LANCZOS)
+    cw, ch = _prepared_size(*size)
     left, top = (width - cw) // 2, (height - ch) // 2
     image = image.crop((left, top, left + cw, top + ch))
     pixels = np.array(image).astype(np.float32) / 255.0                                 # (H, W, 3)
@@ -135,11 +157,11 @@ def reference_pixels(source, index: int) -> torch.Tensor:
 
 
 def reference_size(source, index: int) -> tuple[int, int]:
-    """(width, height) of reference image ``index`` as :func:`reference_pixels` prepares it."""
+    """(width, height) of reference image ``index`` as :func:`reference_pixels` prepares it, from its own size
+    (:func:`_prepared_size`)."""
     if isinstance(source, torch.Tensor):   # encoded latents (1, 128, h, w): one per 16 x 16 pixels
         return source.shape[3] * REFERENCE_MULTIPLE, source.shape[2] * REFERENCE_MULTIPLE
-    pixels = reference_pixels(source, index)
-    return pixels.shape[3], pixels.shape[2]
+    return _prepared_size(*_reference_image(source, index).size)
 
 
 class Velocity:

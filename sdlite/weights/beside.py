@@ -5,7 +5,9 @@ them in ``models/diffusion_models``, ``models/text_encoders`` (or the older ``mo
 family's opener says which parts it needs, the file names each part goes by, and how to tell what a file holds from
 its keys; :func:`add_parts` opens the files given (the CLI's ``--text-encoder``, repeatable, which also takes a VAE)
 and, for what is still missing, the ones found beside the model (:func:`find_beside`), and names every mistake: a
-file that does not exist, one that holds nothing the family takes, a part given twice.
+file that does not exist, one that holds nothing the family takes, a part given twice. :func:`open_transformer_file`
+is the whole opener of such a file, given the family's pieces (:class:`TransformerFile`: its key plan, its parts,
+its messages); FLUX.2 [klein] and Z-Image open theirs with it.
 """
 from __future__ import annotations
 
@@ -13,15 +15,18 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..config import VAEConfig
 from ..errors import CheckpointError
+from .folders import storage_dtype
 from .io import open_checkpoint
 from .plan import UnsupportedModelError
 from .store import ComponentSource, TensorStore
 from .vae_keys import infer_vae, vae_from_original
 
-__all__ = ["Parts", "beside_places", "find_beside", "add_parts", "vae_part", "vae_prefix", "opened"]
+__all__ = ["Parts", "beside_places", "find_beside", "add_parts", "vae_part", "vae_prefix", "opened", "TransformerFile",
+           "unexpected_notes", "open_transformer_file"]
 
 
 @dataclass(frozen=True)
@@ -128,3 +133,85 @@ def opened(stores: list[TensorStore], where):
         for store in stores:
             store.close()
         raise
+
+
+@dataclass(frozen=True)
+class TransformerFile:
+    """A family's pieces for :func:`open_transformer_file`, the opener of a file that holds its transformer (and
+    perhaps its VAE) and lacks the rest:
+
+    * ``model``: how messages name the model (``the {model} model has no ...``);
+    * ``layout``: the file's keys -> (layout, key prefix of the transformer);
+    * ``transformer``: (the transformer's keys, layout, prefix, store, path) -> (its source, its config), every
+      tensor its config describes there (the family's refusals and completeness check);
+    * ``parts``: (the transformer's config, configs, notes) -> the :class:`Parts` it takes beside it, whose
+      ``source`` records each part's config in ``configs`` (and may add to ``notes``); ``Parts.names`` lists the
+      parts needed, in the order a missing one is named;
+    * ``vae_prefixes`` (where a VAE inside the file may sit; keys under them are not the transformer's) and
+      ``vae_keys``: (the file's keys, one prefix) -> the keys the VAE's ``source`` reads, or None when none is there;
+    * ``given``: what to give for the parts, in the missing-part message (``--text-encoder PATH, repeatable: ...``);
+    * ``last_look``: (path, parts, sources, stores, notes) -> {component: words added to its missing-part message},
+      a last place to look for parts still missing (FLUX.2's ``ae.safetensors``), or None;
+    * ``spec``: (path, transformer config, configs, files, notes) -> (spec, detection), where ``files`` maps a part
+      from a separate file to that file (a part inside the model's file is not in it);
+    * ``prediction_source``, ``scheduler_source`` and ``tokenizer`` (a callable: the tokenizer to run with) for the
+      :class:`~sdlite.loader.Checkpoint`.
+    """
+
+    model: str
+    layout: Callable[[list[str]], tuple[str, str]]
+    transformer: Callable[[list[str], str, str, TensorStore, Path], tuple[ComponentSource, Any]]
+    parts: Callable[[Any, dict, list[str]], Parts]
+    vae_prefixes: tuple[str, ...]
+    vae_keys: Callable[[list[str], str], list[str] | None]
+    given: Callable[[Any], str]
+    spec: Callable[[Path, Any, dict, dict[str, Path], list[str]], tuple[Any, Any]]
+    prediction_source: str
+    scheduler_source: str
+    tokenizer: Callable[[], Any]
+    last_look: Callable[[Path, Parts, dict, list, list], dict[str, str]] | None = None
+
+
+def unexpected_notes(sources: dict[str, ComponentSource], notes: list[str]) -> None:
+    """A note for each component whose file has keys its plan did not understand (they are not read)."""
+    for name, source in sources.items():
+        if source.unexpected:
+            notes.append(f"{len(source.unexpected)} {name} keys not understood (ignored)")
+
+
+def open_transformer_file(path: Path, store: TensorStore, family: TransformerFile, text_encoders=()) -> dict:
+    """The :class:`~sdlite.loader.Checkpoint` fields of ``family``'s transformer file (``store``, already open) with
+    the parts it lacks from ``text_encoders`` (paths) or found beside it (:func:`add_parts`): the transformer under
+    the layout's prefix (or, without one, every key outside ``text_encoders.`` and the VAE prefixes), a VAE inside the
+    file, the parts given or found, a part still missing named, then the spec and a note of the keys not understood."""
+    stores = [store]
+    sources: dict[str, ComponentSource] = {}
+    notes: list[str] = []
+    with opened(stores, path):
+        keys = list(store.keys())
+        layout, prefix = family.layout(keys)
+        inside = [k for k in keys if k.startswith(prefix)] if prefix else \
+            [k for k in keys if not k.startswith(("text_encoders.", *family.vae_prefixes))]
+        sources["transformer"], transformer = family.transformer(inside, layout, prefix, store, path)
+        configs: dict = {}
+        parts = family.parts(transformer, configs, notes)
+        for vprefix in family.vae_prefixes:
+            vae_keys = family.vae_keys(keys, vprefix)
+            if vae_keys is not None:
+                sources["vae"] = parts.source("vae", vae_keys, vprefix, store, path)
+        needed = tuple(parts.names)
+        add_parts(path, parts, sources, stores, notes, given=text_encoders, needed=needed)
+        more = family.last_look(path, parts, sources, stores, notes) if family.last_look else {}
+        for component in needed:
+            if component not in sources:
+                raise CheckpointError(
+                    f"the {family.model} model has no {parts.names[component]}: the file holds none and none was given "
+                    f"(--text-encoder PATH, repeatable: {family.given(transformer)}) or found beside it"
+                    f"{more.get(component, '')}", path)
+        files = {c: Path(sources[c].files[0]) for c in needed if sources[c].files[0] != str(path)}
+        spec, detection = family.spec(path, transformer, configs, files, notes)
+        unexpected_notes(sources, notes)
+    return dict(path=str(path), layout="original", spec=spec, detection=detection,
+                storage_dtype=storage_dtype(store, prefix=prefix), prediction_source=family.prediction_source,
+                sources=sources, scheduler_config=dict(spec.scheduler), scheduler_source=family.scheduler_source,
+                notes=notes, _stores=stores, _tokenizer=family.tokenizer())

@@ -46,7 +46,8 @@ from ..config.flux2_vae import Flux2VAEConfig
 from ..config.qwen import QwenConfig
 from ..errors import CheckpointError
 from ..tokenizers.qwen import QwenTokenizer
-from .beside import Parts, add_parts, beside_places, opened, vae_prefix
+from .beside import (Parts, TransformerFile, beside_places, open_transformer_file, opened, unexpected_notes,
+                     vae_prefix)
 from .detect import Detection
 from .encoders import INPUT_SCALES, SCALED_FP8_MARKER, WEIGHT_SCALES, dequantize
 from .flux2_keys import flux2_layout, flux2_plan, infer_flux2_config, is_flux2, original_names
@@ -298,12 +299,6 @@ def _spec_and_detection(transformer, vae, text, scheduler, distilled, layout, wh
                            unet=None)
 
 
-def _unexpected_notes(sources: dict, notes: list) -> None:
-    for name, source in sources.items():
-        if source.unexpected:
-            notes.append(f"{len(source.unexpected)} {name} keys not understood (ignored)")
-
-
 # --- folders ---------------------------------------------------------------------------------------------------
 
 
@@ -377,7 +372,7 @@ def open_flux2_folder(folder: Path, index: dict, index_file: Path) -> dict:
         spec, detection = _spec_and_detection(transformer, vae, text, scheduler, distilled, "diffusers", folder,
                                               {"text_encoder": folder / "text_encoder", "vae": folder / "vae"})
         notes: list[str] = []
-        _unexpected_notes(sources, notes)
+        unexpected_notes(sources, notes)
     return dict(path=str(folder), layout="diffusers", spec=spec, detection=detection,
                 storage_dtype=storage_dtype(stores[1]), prediction_source=PREDICTION_SOURCE, sources=sources,
                 scheduler_config=dict(spec.scheduler),
@@ -390,45 +385,48 @@ def open_flux2_folder(folder: Path, index: dict, index_file: Path) -> dict:
 # --- single files and the files beside them --------------------------------------------------------------------
 
 
+def _transformer(keys: list[str], layout: str, prefix: str, store: TensorStore, path: Path):
+    """The transformer's source and config: FLUX.2 [dev]'s refused, every tensor of klein's there."""
+    source = ComponentSource.from_plan(flux2_transformer_plan(keys), store, (str(path),))
+    transformer = infer_flux2_config(source.shapes)
+    _refuse_dev(transformer, path)
+    _check_complete(transformer, source, layout, prefix, path)
+    return source, transformer
+
+
+def _vae_inside(keys: list[str], prefix: str) -> list[str] | None:
+    """The keys of a FLUX.2 VAE under ``prefix`` in the transformer's file (its latent statistics there), or None."""
+    return [k for k in keys if k.startswith(prefix)] if prefix + FLUX2_VAE_STATS[0] in keys else None
+
+
+def _last_look(path: Path, parts: Parts, sources: dict, stores: list, notes: list) -> dict[str, str]:
+    """BFL's ``ae.safetensors`` beside the model when no VAE was found yet; one that is not FLUX.2's is named in the
+    missing VAE's message."""
+    passed_over = _ae_beside(path, parts, sources, stores, notes) if "vae" not in sources else None
+    return {"vae": f"; {passed_over} beside it is not FLUX.2's"} if passed_over else {}
+
+
+def _file_spec(path: Path, transformer: Flux2Config, configs: dict, files: dict, notes: list):
+    """The spec of a transformer file: the distilled model unless its name says ``base`` (noted)."""
+    distilled = "base" not in path.name.lower()
+    found = _spec_and_detection(transformer, configs["vae"], configs["text_encoder"], None, distilled, "original",
+                                path, files)
+    notes.append(f"the {'base' if not distilled else 'step-distilled'} model: its file name "
+                 f"{'says' if not distilled else 'does not say'} 'base'")
+    return found
+
+
+_FILE = TransformerFile(
+    model="FLUX.2 [klein]", layout=flux2_layout, transformer=_transformer,
+    parts=lambda transformer, configs, notes: _parts(transformer, configs), vae_prefixes=_VAE_PREFIXES,
+    vae_keys=_vae_inside,
+    given=lambda transformer: f"{_release(transformer)[2] or 'a Qwen3'} or a Qwen3 GGUF, flux2-vae.safetensors",
+    spec=_file_spec, prediction_source=PREDICTION_SOURCE,
+    scheduler_source="FLUX.2 [klein]'s published scheduler (FlowMatchEulerDiscreteScheduler, dynamic shifting)",
+    tokenizer=QwenTokenizer.from_package, last_look=_last_look)
+
+
 def open_flux2_file(path: Path, store: TensorStore, text_encoders=()) -> dict:
     """The :class:`~sdlite.loader.Checkpoint` fields of a FLUX.2 [klein] transformer file (``store``, already open) with
     the parts it lacks from ``text_encoders`` (paths: the Qwen3 encoder and the VAE) or found beside it."""
-    stores = [store]
-    sources: dict[str, ComponentSource] = {}
-    notes: list[str] = []
-    with opened(stores, path):
-        keys = list(store.keys())
-        layout, prefix = flux2_layout(keys)
-        inside = [k for k in keys if k.startswith(prefix)] if prefix else \
-            [k for k in keys if not k.startswith(("text_encoders.", *_VAE_PREFIXES))]
-        sources["transformer"] = ComponentSource.from_plan(flux2_transformer_plan(inside), store, (str(path),))
-        transformer = infer_flux2_config(sources["transformer"].shapes)
-        _refuse_dev(transformer, path)
-        _check_complete(transformer, sources["transformer"], layout, prefix, path)
-        configs: dict = {}
-        parts = _parts(transformer, configs)
-        for vprefix in _VAE_PREFIXES:
-            if vprefix + FLUX2_VAE_STATS[0] in keys:
-                sources["vae"] = parts.source("vae", [k for k in keys if k.startswith(vprefix)], vprefix, store, path)
-        add_parts(path, parts, sources, stores, notes, given=text_encoders, needed=("text_encoder", "vae"))
-        passed_over = _ae_beside(path, parts, sources, stores, notes) if "vae" not in sources else None
-        for component in ("text_encoder", "vae"):
-            if component not in sources:
-                other = f"; {passed_over} beside it is not FLUX.2's" if component == "vae" and passed_over else ""
-                raise CheckpointError(
-                    f"the FLUX.2 [klein] model has no {parts.names[component]}: the file holds none and none was "
-                    f"given (--text-encoder PATH, repeatable: {_release(transformer)[2] or 'a Qwen3'} or a Qwen3 GGUF, "
-                    f"flux2-vae.safetensors) or found beside it{other}", path)
-        files = {c: Path(sources[c].files[0]) for c in ("text_encoder", "vae") if sources[c].files[0] != str(path)}
-        distilled = "base" not in path.name.lower()
-        spec, detection = _spec_and_detection(transformer, configs["vae"], configs["text_encoder"], None, distilled,
-                                              "original", path, files)
-        notes.append(f"the {'base' if not distilled else 'step-distilled'} model: its file name "
-                     f"{'says' if not distilled else 'does not say'} 'base'")
-        _unexpected_notes(sources, notes)
-    return dict(path=str(path), layout="original", spec=spec, detection=detection,
-                storage_dtype=storage_dtype(store, prefix=prefix), prediction_source=PREDICTION_SOURCE,
-                sources=sources, scheduler_config=dict(spec.scheduler),
-                scheduler_source="FLUX.2 [klein]'s published scheduler (FlowMatchEulerDiscreteScheduler, dynamic "
-                                 "shifting)",
-                notes=notes, _stores=stores, _tokenizer=QwenTokenizer.from_package())
+    return open_transformer_file(path, store, _FILE, text_encoders)

@@ -23,7 +23,7 @@ from ..config.qwen import QwenConfig
 from ..config.zimage import ZIMAGE_VAE, ZImageConfig, zimage_spec
 from ..errors import CheckpointError
 from ..tokenizers.qwen import QwenTokenizer
-from .beside import Parts, add_parts, opened, vae_part, vae_prefix
+from .beside import Parts, TransformerFile, open_transformer_file, opened, vae_part, vae_prefix
 from .convert import normalize_diffusers_keys
 from .detect import Detection
 from .folders import component_store, read_json, storage_dtype
@@ -172,40 +172,29 @@ def _check_complete(transformer: ZImageConfig, source: ComponentSource, prefix: 
                               + ", ".join(repr(n) for n in names[:5]), path, names[0])
 
 
+def _transformer(keys: list[str], layout: str, prefix: str, store: TensorStore, path: Path):
+    """The transformer's source and config, every tensor of it there."""
+    source = ComponentSource.from_plan(zimage_plan(keys), store, (str(path),))
+    transformer = infer_zimage_config(source.shapes)
+    _check_complete(transformer, source, prefix, layout, path)
+    return source, transformer
+
+
+def _file_spec(path: Path, transformer: ZImageConfig, configs: dict, files: dict, notes: list):
+    return _spec_and_detection(transformer, configs["vae"], configs["text_encoder"], None, "original", path, files)
+
+
+_FILE = TransformerFile(
+    model="Z-Image", layout=zimage_layout, transformer=_transformer,
+    parts=lambda transformer, configs, notes: _parts(configs), vae_prefixes=_VAE_PREFIXES,
+    vae_keys=lambda keys, prefix: keys if any(k.startswith(prefix + "decoder.") for k in keys) else None,
+    given=lambda transformer: "qwen_3_4b.safetensors or a Qwen3-4B GGUF, ae.safetensors",
+    spec=_file_spec, prediction_source=PREDICTION_SOURCE,
+    scheduler_source="Z-Image-Turbo's published scheduler (FlowMatchEulerDiscreteScheduler, shift 3)",
+    tokenizer=QwenTokenizer.from_package)
+
+
 def open_zimage_file(path: Path, store: TensorStore, text_encoders=()) -> dict:
     """The :class:`~sdlite.loader.Checkpoint` fields of a Z-Image transformer file (``store``, already open) with the
     parts it lacks from ``text_encoders`` (paths: the Qwen3 encoder and the VAE) or found beside it."""
-    stores = [store]
-    sources: dict[str, ComponentSource] = {}
-    notes: list[str] = []
-    with opened(stores, path):
-        keys = list(store.keys())
-        layout, prefix = zimage_layout(keys)
-        inside = [k for k in keys if k.startswith(prefix)] if prefix else \
-            [k for k in keys if not k.startswith(("text_encoders.", *_VAE_PREFIXES))]
-        sources["transformer"] = ComponentSource.from_plan(zimage_plan(inside), store, (str(path),))
-        transformer = infer_zimage_config(sources["transformer"].shapes)
-        _check_complete(transformer, sources["transformer"], prefix, layout, path)
-        configs: dict = {}
-        parts = _parts(configs)
-        for vprefix in _VAE_PREFIXES:
-            if any(k.startswith(vprefix + "decoder.") for k in keys):
-                sources["vae"] = parts.source("vae", keys, vprefix, store, path)
-        add_parts(path, parts, sources, stores, notes, given=text_encoders, needed=("text_encoder", "vae"))
-        for component in ("text_encoder", "vae"):
-            if component not in sources:
-                raise CheckpointError(
-                    f"the Z-Image model has no {_NAMES[component]}: the file holds none and none was given "
-                    "(--text-encoder PATH, repeatable: qwen_3_4b.safetensors or a Qwen3-4B GGUF, ae.safetensors) "
-                    "or found beside it", path)
-        files = {c: Path(sources[c].files[0]) for c in ("text_encoder", "vae") if sources[c].files[0] != str(path)}
-        spec, detection = _spec_and_detection(transformer, configs["vae"], configs["text_encoder"], None,
-                                              "original", path, files)
-        for name, source in sources.items():
-            if source.unexpected:
-                notes.append(f"{len(source.unexpected)} {name} keys not understood (ignored)")
-    return dict(path=str(path), layout="original", spec=spec, detection=detection,
-                storage_dtype=storage_dtype(store, prefix=prefix if prefix else ""),
-                prediction_source=PREDICTION_SOURCE, sources=sources, scheduler_config=dict(spec.scheduler),
-                scheduler_source="Z-Image-Turbo's published scheduler (FlowMatchEulerDiscreteScheduler, shift 3)",
-                notes=notes, _stores=stores, _tokenizer=QwenTokenizer.from_package())
+    return open_transformer_file(path, store, _FILE, text_encoders)
