@@ -23,11 +23,13 @@ import torch
 from safetensors.torch import save_file
 
 from sdlite.config.qwen import QwenConfig
+from sdlite.config.qwen_vision import QwenVisionConfig
 from sdlite.config.qwenimage import QwenImageConfig
 from sdlite.config.qwenimage_vae import QwenImageVAEConfig
 from sdlite.errors import CheckpointError
 from sdlite.loader import open_model
 from sdlite.models.qwen import QwenTextEncoder
+from sdlite.models.qwen_vision import QwenVisionTower
 from sdlite.models.qwenimage import QwenImage
 from sdlite.models.qwenimage_vae import QwenImageVAE
 from sdlite.weights.qwen_keys import llama_cpp_name
@@ -232,11 +234,104 @@ def _message(excinfo) -> str:
     return str(excinfo.value)
 
 
-def test_an_edit_release_is_refused_by_name(states, tmp_path):
-    model = _comfyui(tmp_path, states.transformer, name="qwen_image_edit_2509_fp8_e4m3fn.safetensors")
-    with pytest.raises(CheckpointError, match="Qwen-Image-Edit") as e:
+# --- Qwen-Image-Edit's files: the text encoder's vision tower read too -----------------------------------------
+
+TOWER = QwenVisionConfig(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, window_size=56,
+                         fullatt_block_indexes=(0,), out_hidden_size=128)
+
+
+def _tower_state() -> dict:
+    return _state(QwenVisionTower(TOWER), 4)
+
+
+def _reads_an_image(ckpt) -> None:
+    """The text encoder built from the files (its tower included) reads an image into a row of tokens: the tower's
+    tokens spliced in with 3-D positions (the tiny vocabulary stands a token id in for ``<|image_pad|>``)."""
+    from PIL import Image
+
+    from sdlite.models.qwen import mrope_positions
+    from sdlite.models.qwen_vision import QwenVLEncoder
+    from sdlite.tokenizers.qwen_images import image_tokens, vision_patches
+
+    encoder = ckpt.load("text_encoder")
+    assert isinstance(encoder, QwenVLEncoder)
+    pixels, grids = vision_patches([Image.new("RGB", (60, 40), (9, 99, 199))])
+    pad = 200
+    ids = torch.tensor([[1, 2, *[pad] * image_tokens(grids)[0], 3]])
+    with torch.no_grad():
+        features = encoder.visual(pixels, grids)
+        states = encoder(ids, image_features=features, image_token_id=pad,
+                         positions=mrope_positions(ids, None, grids.tolist(), pad, TOWER.spatial_merge_size))
+    assert states.shape == (1, ids.shape[1], 128) and bool(torch.isfinite(states).all())
+
+
+def test_comfyui_split_files_of_an_edit_release(states, tmp_path, monkeypatch):
+    """ComfyUI's files of Qwen-Image-Edit-2509 found beside the transformer (named by its file): the encoder's vision
+    tower under ``visual.`` read with the language model, as the released tower, whose config the shapes identify
+    (the test's tiny tower stands in for it); every tensor the file's."""
+    import sdlite.weights.qwen_vision_keys as vision_keys
+
+    monkeypatch.setattr(vision_keys, "QWEN25_VL_7B_VISION", TOWER)
+    tower = _tower_state()
+    text = {**{k: v for k, v in _comfy_text(states.text).items() if not k.startswith("visual.")},
+            **{f"visual.{k}": v for k, v in tower.items()}}
+    model = _comfyui(tmp_path, states.transformer, name="qwen_image_edit_2509_bf16.safetensors", text=text,
+                     vae=_wan(states.vae))
+    with open_model(model) as ckpt:
+        assert ckpt.spec.family == "qwen-image-edit-plus" and not ckpt.spec.transformer.zero_cond_t
+        assert ckpt.spec.text.vision == TOWER and ckpt.spec.text.mrope_section == (16, 24, 24)
+        _same(ckpt, "text_encoder", {**states.text, **{f"visual.{k}": v for k, v in tower.items()}})
+        _same(ckpt, "transformer", states.transformer)
+        _reads_an_image(ckpt)
+    plain = _comfyui(tmp_path / "edit", states.transformer, name="qwen_image_edit_fp8_e4m3fn.safetensors", text=text,
+                     vae=_wan(states.vae))
+    with open_model(plain) as ckpt:
+        assert ckpt.spec.family == "qwen-image-edit"
+
+
+def _tower_fields(writer) -> None:
+    """The metadata llama.cpp's converter writes into Qwen2.5-VL's mmproj GGUF."""
+    writer.add_type(gguf.GGUFType.MMPROJ)
+    writer.add_clip_has_vision_encoder(True)
+    writer.add_clip_projector_type(gguf.VisionProjectorType.QWEN25VL)
+    writer.add_vision_projection_dim(TOWER.out_hidden_size)
+    writer.add_vision_patch_size(TOWER.patch_size)
+    writer.add_vision_embedding_length(TOWER.hidden_size)
+    writer.add_vision_feed_forward_length(TOWER.intermediate_size)
+    writer.add_vision_block_count(TOWER.depth)
+    writer.add_vision_head_count(TOWER.num_heads)
+    writer.add_vision_use_silu(True)
+    writer.add_vision_n_wa_pattern(TOWER.fullatt_block_indexes[0] + 1)
+    writer.add_vision_attention_layernorm_eps(1e-6)
+    writer.add_uint32("clip.vision.window_size", TOWER.window_size)
+
+
+def test_gguf_encoder_takes_the_mmproj_beside_it(states, tmp_path):
+    """A llama.cpp GGUF encoder has no vision tower: an editing release (2511 by its name: its transformer modulates
+    the sources as at timestep 0) takes it from the mmproj GGUF found beside it, its config from the file's
+    metadata; without that file the error says what to give."""
+    from sdlite.weights.qwen_vision_keys import llama_cpp_vision_tensors
+
+    models = tmp_path / "models"
+    model = _write(models / "diffusion_models" / "qwen_image_edit_2511_bf16.safetensors", states.transformer)
+    _write(models / "vae" / VAE_FILE, _wan(states.vae))
+    llama = {llama_cpp_name(k): v for k, v in states.text.items()}
+    text = _write_gguf(models / "text_encoders" / "Qwen2.5-VL-7B-Instruct-Q8_0.gguf", llama, "qwen2vl",
+                       _q8_0_matrices, _qwen2vl_fields)
+    with pytest.raises(CheckpointError, match="has none: llama.cpp keeps it in a separate mmproj GGUF") as e:
         open_model(model)
-    assert e.value.path == str(model)
+    assert e.value.path.endswith("Qwen2.5-VL-7B-Instruct-Q8_0.gguf")
+    tower = _tower_state()
+    stored = _write_gguf(models / "text_encoders" / "mmproj-Qwen2.5-VL-7B-Instruct-f16.gguf",
+                         llama_cpp_vision_tensors(tower), "clip", lambda n, t: "F32", _tower_fields)
+    with open_model(model) as ckpt:
+        assert ckpt.spec.family == "qwen-image-edit-plus" and ckpt.spec.transformer.zero_cond_t
+        assert ckpt.spec.text.vision == TOWER
+        assert "mmproj-Qwen2.5-VL-7B-Instruct-f16.gguf, found beside the model" in " ".join(ckpt.notes)
+        _same(ckpt, "text_encoder", {**{k: text[llama_cpp_name(k)] for k in states.text},
+                                     **{f"visual.{k}": v for k, v in tower.items()}})
+        assert all(torch.equal(stored[n], t) for n, t in llama_cpp_vision_tensors(tower).items())
+        _reads_an_image(ckpt)
 
 
 def test_a_missing_part_names_itself_and_the_flag(states, tmp_path):

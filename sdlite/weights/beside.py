@@ -35,13 +35,15 @@ class Parts:
     ((component, file-name globs) in order of preference, tried beside the model), ``kind`` (a file's keys and
     shapes -> (component, key prefix), or a :class:`~sdlite.errors.CheckpointError` saying it is none of them),
     ``source`` ((component, keys, prefix, store, path) -> the component's source; it may record the part's config)
-    and ``vae_folder`` (whether ComfyUI's ``vae`` folders are searched too)."""
+    ``vae_folder`` (whether ComfyUI's ``vae`` folders are searched too) and ``optional`` (named parts that are not
+    required)."""
 
     names: dict[str, str]
     patterns: tuple[tuple[str, tuple[str, ...]], ...]
     kind: Callable[[list[str], dict, Path], tuple[str, str]]
     source: Callable[[str, list[str], str, TensorStore, Path], ComponentSource]
     vae_folder: bool = True
+    optional: tuple[str, ...] = ()   # parts of ``names`` taken when found, not required (a family's last look decides)
 
 
 def beside_places(model: Path, vae_folder: bool = True) -> list[Path]:
@@ -199,7 +201,7 @@ def open_transformer_file(path: Path, store: TensorStore, family: TransformerFil
             vae_keys = family.vae_keys(keys, vprefix)
             if vae_keys is not None:
                 sources["vae"] = parts.source("vae", vae_keys, vprefix, store, path)
-        needed = tuple(parts.names)
+        needed = tuple(c for c in parts.names if c not in parts.optional)
         add_parts(path, parts, sources, stores, notes, given=text_encoders, needed=needed)
         more = family.last_look(path, parts, sources, stores, notes) if family.last_look else {}
         for component in needed:

@@ -42,7 +42,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..config import ConfigError
-from ..config.qwen import QWEN2_5_VL_7B, QwenConfig
+from ..config.qwen import QwenConfig
 from ..config.qwen_vision import QwenVisionConfig
 from ..config.qwenimage import (QWEN_IMAGE_EDIT_FAMILY, QWEN_IMAGE_EDIT_PLUS_FAMILY, QWEN_IMAGE_FAMILY, QwenImageConfig,
                                 qwenimage_spec)
@@ -50,14 +50,14 @@ from ..config.qwenimage_vae import QwenImageVAEConfig
 from ..errors import CheckpointError
 from ..tokenizers.qwen import QwenTokenizer
 from ..tokenizers.qwen_images import processor_settings
-from .beside import Parts, add_parts, opened, vae_prefix
+from .beside import Parts, TransformerFile, add_parts, open_transformer_file, opened, vae_prefix
 from .detect import Detection
 from .encoders import scaled_plan
 from .folders import component_store, read_json, storage_dtype
 from .plan import ConversionError, UnsupportedModelError, same_names
 from .qwen_keys import find_qwen_prefix, infer_qwen_config, qwen_config_from_gguf, qwen_plan
 from .qwenimage_keys import infer_qwenimage_config, is_qwenimage, qwenimage_layout, qwenimage_plan
-from .qwen_vision_keys import VisionView
+from .qwen_vision_keys import GGUF_PREFIX, VisionView, infer_vision_config, vision_config_from_gguf, vision_prefix
 from .qwenimage_vae_keys import infer_qwenimage_vae, is_qwenimage_vae, qwenimage_vae_plan, wan_names
 from .store import ComponentSource, TensorStore
 
@@ -125,7 +125,16 @@ def vision_config(text: QwenConfig, vision: QwenVisionConfig, processor: dict | 
     if vision.out_hidden_size != text.hidden_size:
         raise CheckpointError(f"the vision tower's output width {vision.out_hidden_size} is not the language model's "
                               f"{text.hidden_size}", where)
-    return replace(text, vision=vision, mrope_section=text.mrope_section or QWEN2_5_VL_7B.mrope_section)
+    return replace(text, vision=vision, mrope_section=text.mrope_section or mrope_sections(text.head_dim))
+
+
+def mrope_sections(head_dim: int) -> tuple[int, int, int]:
+    """Qwen2.5-VL's multimodal RoPE sections for a head of ``head_dim`` where a file does not state them: a quarter of
+    the rotary pairs for the temporal position and three eighths each for the row and the column ((16, 24, 24) for
+    its heads of 128, as every Qwen2.5-VL config states)."""
+    pairs = head_dim // 2
+    t = pairs // 4
+    return t, (pairs - t) // 2, pairs - t - (pairs - t) // 2
 
 
 def open_qwenimage_folder(folder: Path, index: dict, index_file: Path) -> dict:
@@ -200,12 +209,16 @@ def open_qwenimage_folder(folder: Path, index: dict, index_file: Path) -> dict:
 
 _VAE_PREFIXES = ("vae.", "first_stage_model.")
 _NAMES = {"text_encoder": "Qwen2.5-VL text encoder (qwen_2.5_vl_7b.safetensors)",
-          "vae": "VAE (qwen_image_vae.safetensors)"}
+          "vae": "VAE (qwen_image_vae.safetensors)",
+          "vision": "Qwen2.5-VL vision tower (mmproj-Qwen2.5-VL-7B-Instruct-f16.gguf)"}
 # the names the separate files go by, tried beside a model that lacks them
 _BESIDE = (("text_encoder", ("qwen_2.5_vl_7b*.safetensors", "qwen_2.5_vl*.safetensors", "qwen2.5*vl*.safetensors",
                              "Qwen2.5-VL-7B*.gguf", "qwen2.5-vl-7b*.gguf", "Qwen2.5-VL*.gguf", "qwen2.5-vl*.gguf")),
-           ("vae", ("qwen_image_vae*.safetensors", "qwen_image*vae*.safetensors", "qwen-image*vae*.safetensors")))
+           ("vae", ("qwen_image_vae*.safetensors", "qwen_image*vae*.safetensors", "qwen-image*vae*.safetensors")),
+           ("vision", ("mmproj*Qwen2.5-VL*.gguf", "*Qwen2.5-VL*mmproj*.gguf", "mmproj*qwen2.5*vl*.gguf",
+                       "*qwen2.5*vl*mmproj*.gguf", "mmproj*.gguf")))
 _EDIT_FILE = re.compile(r"qwen[-_ ]?image[-_ ]?edit", re.IGNORECASE)
+_PLUS_FILE = re.compile(r"2509|2511|plus", re.IGNORECASE)
 _IGNORED = (".comfy_quant",)   # besides the scaled fp8 marker and input scales (scaled_plan's)
 
 
@@ -243,6 +256,8 @@ def _file_kind(keys: list[str], shapes: dict, where) -> tuple[str, str]:
     prefix = find_qwen_prefix(keys)
     if prefix is not None:
         return "text_encoder", prefix
+    if vision_prefix(keys) == GGUF_PREFIX:   # llama.cpp's mmproj GGUF: Qwen2.5-VL's vision tower alone
+        return "vision", GGUF_PREFIX
     if is_qwenimage_vae(keys):
         return "vae", ""
     prefix = vae_prefix(shapes, ("", *_VAE_PREFIXES))
@@ -277,66 +292,107 @@ def _vae_part(keys: list[str], store: TensorStore, path) -> tuple[ComponentSourc
     return source, vae
 
 
-def _parts(configs: dict, notes: list) -> Parts:
-    """The parts Qwen-Image takes beside its transformer; their configs go to ``configs``."""
+def _tower_part(keys: list[str], store: TensorStore, path, prefix: str, configs: dict) -> VisionView:
+    """The vision tower in a text encoder's file (``visual.``: ComfyUI's qwen_2.5_vl_7b) or in llama.cpp's mmproj
+    GGUF (``v.``), as the text encoder's ``visual.*``; its config goes to ``configs["vision"]``."""
+    try:
+        view = VisionView(store, str(path), prefix=prefix, add="visual.")
+        shapes = {k[len("visual."):]: v for k, v in view.shapes.items()}
+        configs["vision"] = vision_config_from_gguf(store) if prefix == GGUF_PREFIX else infer_vision_config(shapes)
+    except (ConversionError, UnsupportedModelError, ConfigError) as e:
+        message = getattr(e, "message", str(e))
+        raise CheckpointError(f"the Qwen2.5-VL vision tower: {message}", getattr(e, "path", None) or path,
+                              getattr(e, "key", None)) from None
+    return view
+
+
+def _parts(configs: dict, notes: list, edit: bool) -> Parts:
+    """The parts Qwen-Image takes beside its transformer; their configs go to ``configs``. An editing release reads
+    the text encoder's vision tower too (in its file, or llama.cpp's mmproj GGUF beside a GGUF encoder)."""
     def source(component, keys, prefix, store, path):
         try:
             if component == "vae":
                 found, configs["vae"] = _vae_part(keys, store, path)
                 return found
+            if component == "vision":
+                view = _tower_part(keys, store, path, prefix, configs)
+                return ComponentSource(view=view, shapes=view.shapes, files=(str(path),), origin=view.origin)
             found = ComponentSource.from_plan(qwen_plan(keys, prefix=prefix), store, (str(path),))
             configs["text_encoder"] = qwen_config_from_gguf(store) if getattr(store, "fields", None) is not None \
                 else infer_qwen_config(found.shapes)
         except UnsupportedModelError as e:   # named with the part's file, not the transformer's
             raise CheckpointError(e.message, e.path or path, e.key) from None
         vision = [k for k in keys if k.startswith(("visual.", "model.visual."))]
+        if vision and edit:
+            prefix = "model.visual." if vision[0].startswith("model.") else "visual."
+            return with_vision(found, _tower_part(keys, store, path, prefix, configs))
         if vision:
             notes.append(f"text encoder: the vision tower's {len(vision)} tensors are not read (text to image)")
         return found
 
-    return Parts(names=_NAMES, patterns=_BESIDE, kind=_file_kind, source=source)
+    return Parts(names=_NAMES, patterns=_BESIDE, kind=_file_kind, source=source, optional=("vision",))
+
+
+def _edit_release(name: str) -> tuple[str, bool]:
+    """(family, zero_cond_t) of a transformer file by its name: Qwen-Image, Qwen-Image-Edit, or Edit-2509 / 2511 (the
+    Plus pipeline's; 2511's transformer modulates the source images as at timestep 0, which its file cannot show)."""
+    if not _EDIT_FILE.search(name):
+        return QWEN_IMAGE_FAMILY, False
+    if _PLUS_FILE.search(name):
+        return QWEN_IMAGE_EDIT_PLUS_FAMILY, "2511" in name
+    return QWEN_IMAGE_EDIT_FAMILY, False
+
+
+def _transformer(keys: list[str], layout: str, prefix: str, store, path):
+    transformer = infer_qwenimage_config(_transformer_plan(keys, prefix).shapes(
+        {k: tuple(store.shape(k)) for k in keys if k.startswith(prefix)}))
+    transformer = replace(transformer, zero_cond_t=_edit_release(Path(path).name)[1])
+    return _check_complete(transformer, keys, prefix, store, path), transformer
+
+
+def _last_look(path: Path, parts: Parts, sources: dict, stores: list, notes: list) -> dict:
+    """An editing release's vision tower: from the text encoder's file, else from a llama.cpp mmproj GGUF given or
+    found beside, joined to the text encoder; none is an error naming what to give."""
+    family = _edit_release(path.name)[0]
+    tower = sources.pop("vision", None)
+    text = sources.get("text_encoder")
+    if family == QWEN_IMAGE_FAMILY or text is None or any(k.startswith("visual.") for k in text.shapes):
+        return {}
+    if tower is None:
+        add_parts(path, parts, sources, stores, notes, needed=("vision",))
+        tower = sources.pop("vision", None)
+    if tower is None:
+        raise CheckpointError("Qwen-Image-Edit reads its source images with Qwen2.5-VL's vision tower, and the text "
+                              f"encoder ({Path(text.files[0]).name}) has none: llama.cpp keeps it in a separate mmproj "
+                              "GGUF (mmproj-Qwen2.5-VL-7B-Instruct-f16.gguf): give it with --text-encoder or put it "
+                              "beside the encoder", text.files[0])
+    sources["text_encoder"] = with_vision(text, tower.view)
+    return {}
+
+
+def _file_spec(path: Path, transformer: QwenImageConfig, configs: dict, files: dict, notes: list):
+    at = {c: files.get(c, path) for c in ("text_encoder", "vae")}
+    text, vae = configs["text_encoder"], configs["vae"]
+    _check_parts(transformer, vae, text, at["text_encoder"], at["vae"])
+    family = _edit_release(path.name)[0]
+    if family != QWEN_IMAGE_FAMILY:
+        text = vision_config(text, configs["vision"], None, at["text_encoder"])
+    spec = qwenimage_spec(transformer, text=text, vae=vae, scheduler=None, family=family)
+    return spec, Detection(layout="original", family=spec.family, components=("text_encoder", "transformer", "vae"),
+                           unet=None)
 
 
 def open_qwenimage_file(path: Path, store: TensorStore, text_encoders=()) -> dict:
-    """The :class:`~sdlite.loader.Checkpoint` fields of a Qwen-Image transformer file (``store``, already open) with
-    the parts it lacks from ``text_encoders`` (paths: the Qwen2.5-VL encoder and the VAE) or found beside it."""
-    stores = [store]
-    sources: dict[str, ComponentSource] = {}
-    notes: list[str] = []
-    with opened(stores, path):
-        if _EDIT_FILE.search(path.name):
-            raise CheckpointError("a Qwen-Image-Edit transformer (by its file name): not supported yet, sdlite runs "
-                                  "Qwen-Image's text to image (qwen_image_bf16.safetensors, "
-                                  "qwen_image_fp8_e4m3fn.safetensors, qwen-image-*.gguf)", path)
-        _, prefix = qwenimage_layout(store.keys())
-        keys = [k for k in store.keys() if k.startswith(prefix)] if prefix else \
-            [k for k in store.keys() if not k.startswith(("vae.", "text_encoders."))]
-        transformer = infer_qwenimage_config(_transformer_plan(keys, prefix).shapes(
-            {k: tuple(store.shape(k)) for k in keys if k.startswith(prefix)}))
-        sources["transformer"] = _check_complete(transformer, keys, prefix, store, path)
-        configs: dict = {}
-        parts = _parts(configs, notes)
-        vae_keys = [k for k in store.keys() if k.startswith("vae.")]
-        if vae_keys and is_qwenimage_vae(vae_keys):
-            sources["vae"] = parts.source("vae", vae_keys, "vae.", store, path)
-        add_parts(path, parts, sources, stores, notes, given=text_encoders, needed=("text_encoder", "vae"))
-        for component in ("text_encoder", "vae"):
-            if component not in sources:
-                raise CheckpointError(
-                    f"the Qwen-Image model has no {_NAMES[component]}: the file holds none and none was given "
-                    "(--text-encoder PATH, repeatable: qwen_2.5_vl_7b.safetensors or a Qwen2.5-VL-7B GGUF, "
-                    "qwen_image_vae.safetensors) or found beside it", path)
-        at = {c: Path(sources[c].files[0]) for c in ("text_encoder", "vae")}
-        text, vae = configs["text_encoder"], configs["vae"]
-        _check_parts(transformer, vae, text, at["text_encoder"], at["vae"])
-        spec = qwenimage_spec(transformer, text=text, vae=vae, scheduler=None)
-        detection = Detection(layout="original", family=spec.family,
-                              components=("text_encoder", "transformer", "vae"), unet=None)
-        for name, source in sources.items():
-            if source.unexpected:
-                notes.append(f"{len(source.unexpected)} {name} keys not understood (ignored)")
-    return dict(path=str(path), layout="original", spec=spec, detection=detection,
-                storage_dtype=storage_dtype(store, prefix=prefix), prediction_source=PREDICTION_SOURCE,
-                sources=sources, scheduler_config=dict(spec.scheduler),
-                scheduler_source="Qwen-Image's published scheduler (FlowMatchEulerDiscreteScheduler, dynamic shifting)",
-                notes=notes, _stores=stores, _tokenizer=QwenTokenizer.from_package())
+    """The :class:`~sdlite.loader.Checkpoint` fields of a Qwen-Image or Qwen-Image-Edit transformer file (``store``,
+    already open; an editing release by its file name) with the parts it lacks from ``text_encoders`` (paths: the
+    Qwen2.5-VL encoder, its mmproj vision tower, the VAE) or found beside it."""
+    edit = _edit_release(path.name)[0] != QWEN_IMAGE_FAMILY
+    release = TransformerFile(
+        model="Qwen-Image-Edit" if edit else "Qwen-Image", layout=qwenimage_layout, transformer=_transformer,
+        parts=lambda transformer, configs, notes: _parts(configs, notes, edit), vae_prefixes=("vae.",),
+        vae_keys=lambda keys, p: vk if (vk := [k for k in keys if k.startswith(p)]) and is_qwenimage_vae(vk) else None,
+        given=lambda transformer: "qwen_2.5_vl_7b.safetensors or a Qwen2.5-VL-7B GGUF, qwen_image_vae.safetensors",
+        spec=_file_spec, last_look=_last_look, prediction_source=PREDICTION_SOURCE,
+        scheduler_source="Qwen-Image's published scheduler (FlowMatchEulerDiscreteScheduler, dynamic shifting)",
+        tokenizer=QwenTokenizer.from_package)
+    return open_transformer_file(path, store, release, text_encoders)

@@ -45,6 +45,9 @@ _MARKS = ("txt_norm.weight", "transformer_blocks.0.img_mod.1.weight")
 _BLOCK = re.compile(r"(transformer_blocks)\.(\d+)\.(.+)")
 
 
+# the rotary axes' split (frame, row, column) of the released transformers' heads, by head width
+RELEASED_AXES = {128: (16, 56, 56)}
+
 def qwenimage_layout(keys: Iterable[str]) -> tuple[str, str]:
     """``("diffusers", prefix)`` from key names, the prefix ``""`` (diffusers folders, ComfyUI's split and GGUF files)
     or ``"model.diffusion_model."`` (ComfyUI's all-in-one checkpoints). Keys of no Qwen-Image transformer are an
@@ -134,7 +137,7 @@ def infer_qwenimage_config(shapes, axes_dims_rope: tuple[int, ...] | None = None
     if out[0] % 4:
         raise UnsupportedModelError(f"{WHAT}: an output of {out[0]} values is no 2 x 2 patch of latent channels",
                                     key="proj_out.weight")
-    axes = axes_dims_rope or {128: (16, 56, 56)}.get(head_dim)
+    axes = axes_dims_rope or RELEASED_AXES.get(head_dim)
     if axes is None:
         raise UnsupportedModelError(f"{WHAT}: heads {head_dim} wide, which no release has; the rotary axes' split "
                                     "cannot be read from the weights (a diffusers folder's config.json gives it)")
