@@ -26,6 +26,27 @@ The vision tower's processor then fits each image to multiples of 28 pixels with
 rest is Qwen-Image's (:mod:`.qwenimage`): true CFG with its norm-preserving rescale, the schedule's dynamic shift from
 the generated image's token count, 50 steps at cfg 4 by default.
 
+Inpainting (``Request.init_image`` with ``mask``, ``mask_from_alpha`` or ``outpaint``), as diffusers'
+``QwenImageEditInpaintPipeline`` runs it: the inpainting source is the image edited (the pipeline's ``image``):
+
+* the size left unset is the source's :func:`edit_size` at about 1024^2 pixels (its outpaint border included); the
+  pipeline always draws that size, sdlite draws a size given as given (the source resized to it, Lanczos);
+* the source prepared as any inpainting source (:func:`~sdlite.sources.prepare`) goes to the VAE, and its posterior
+  *sample* drawn by the first image's generator (shared by the batch, as for Qwen-Image's inpainting) is both the start
+  (noised to ``strength``; at 1, pure noise) and the latent in the sequence (the pipeline's ``image_latents``, where
+  the plain Edit pipeline takes the mean); after each step the unmasked region is set back to it noised to the next
+  step's level, and to it itself after the last (the mask binarised at one half, nearest onto the latent grid);
+* the vision tower sees the whole source as drawn, before any fill (:meth:`source_vision_image`), as the pipeline
+  gives its processor the resized image; Edit Plus shows it at about 384^2 pixels;
+* the pipeline's ``padding_mask_crop`` is ``inpaint_area="masked"`` with ``inpaint_padding`` (A1111's crop: the VAE
+  and the sequence see the crop, the vision tower the whole source at its edit size, as the pipeline shows it);
+  the mask blur and the overlay are A1111's (``mask_blur=0, overlay=False`` for the pipeline's hard mask and raw
+  decode).
+
+``Request.reference_images`` with an inpainting source: Qwen-Image-Edit takes one image, the source, and refuses
+them; Edit Plus (no diffusers pipeline inpaints with it) reads them after the source, as Pictures 2 and 3 (up to 3
+images in all), at their own edit sizes, their mean latents after the source's in the sequence.
+
 Where sdlite differs from the pipelines: they guide only when a negative prompt is given; sdlite whenever cfg is
 above 1, the negative prompt left empty encoding "" with the same images, as for Qwen-Image. The text encoder's
 3-D positions for the image tokens are Qwen2.5-VL's own (transformers 4 computed them from the ids); diffusers with
@@ -44,7 +65,7 @@ from ..config.qwenimage import QWEN_IMAGE_EDIT_PLUS_FAMILY, QWEN_IMAGE_EDIT_FAMI
 from ..errors import RequestError
 from ..models.qwen import mrope_positions
 from ..prompts import prompt_schedule
-from ..sources import image_to_tensor, load_image, to_rgb
+from ..sources import Source, image_to_tensor, load_image, prepare, source_size, to_rgb
 from ..tokenizers.qwen_images import image_tokens, vision_patches
 from .base import ReferenceConditioning, ScheduledConditioning
 from .qwenimage import QwenImageFamily
@@ -109,7 +130,11 @@ class QwenImageEditFamily(QwenImageFamily):
 
     def resolve(self, r):
         """No size given: the first image's :func:`edit_size` (Edit Plus: the last image's), sides rounded down to
-        multiples of 16, as the pipelines draw; image to image keeps the source's size."""
+        multiples of 16, as the pipelines draw; image to image keeps the source's size; inpainting takes the
+        source's :func:`edit_size` (its outpaint border included), as QwenImageEditInpaintPipeline draws."""
+        if r.is_inpaint and (r.width is None or r.height is None):
+            width, height = edit_size(*source_size(r.replace(width=None, height=None), 1), VAE_AREA)
+            r = r.replace(width=r.width or width // 16 * 16, height=r.height or height // 16 * 16)
         r = super().resolve(r)
         if r.reference_images and (r.width is None or r.height is None) and not r.is_img2img:
             source = r.reference_images[-1 if self.plus else 0]
@@ -129,9 +154,19 @@ class QwenImageEditFamily(QwenImageFamily):
 
     def check_request(self, r) -> None:
         super().check_request(r)
+        if r.is_inpaint:   # the inpainting source is the image edited: the first of the images
+            if r.reference_images and not self.plus:
+                raise RequestError("Qwen-Image-Edit takes one image, and when it inpaints that is the source "
+                                   "(init_image, --init-image / sdlite edit IMAGE --mask): remove the reference "
+                                   "images (Qwen-Image-Edit-2509 / 2511 take up to 2 beside the source)")
+            if 1 + len(r.reference_images) > self.max_images:
+                raise RequestError(f"the inpainting source and {len(r.reference_images)} reference images: "
+                                   f"Qwen-Image-Edit-2509 / 2511 take {self.max_images} images in all")
+            return
         if not r.reference_images:
             raise RequestError("Qwen-Image-Edit edits an image: give the source image (sdlite edit IMAGE "
-                               "\"instruction\", --ref-image PATH, Request.reference_images)")
+                               "\"instruction\", --ref-image PATH, Request.reference_images), or an init image "
+                               "with a mask to inpaint (--init-image PATH --mask PATH)")
         if len(r.reference_images) > self.max_images:
             which = "Qwen-Image-Edit-2509 / 2511 take" if self.plus else \
                 "Qwen-Image-Edit takes one; Qwen-Image-Edit-2509 / 2511 take up to 3"
@@ -146,7 +181,9 @@ class QwenImageEditFamily(QwenImageFamily):
     def info_lines(self) -> list[str]:
         images = "up to 3 source images" if self.plus else "one source image"
         return [*super().info_lines(), f"editing:     {images} (sdlite edit IMAGE \"instruction\", --ref-image), read "
-                                       "by the text encoder's vision tower and placed in the sequence"]
+                                       "by the text encoder's vision tower and placed in the sequence",
+                "inpainting:  the source is the image edited, as QwenImageEditInpaintPipeline (sdlite edit IMAGE "
+                "--mask, --init-image with --mask)"]
 
     def text_encoder_note(self, name: str) -> str:
         return (f", edit template with the source images through the vision tower, last hidden state (the first "
@@ -164,6 +201,24 @@ class QwenImageEditFamily(QwenImageFamily):
             vae.append(big)
             vision.append(_resized(image, edit_size(*image.size, CONDITION_AREA)) if self.plus else big)
         return vision, vae
+
+    def source_vision_image(self, source: Source) -> Image.Image:
+        """What the vision tower sees of a prepared inpainting source: the whole source as it is drawn, before any
+        fill (the pipeline's processor gets the resized image). Generating only a crop around the mask (A1111's
+        "masked" area, the pipeline's ``padding_mask_crop``), the whole source at its :func:`edit_size`. Edit Plus:
+        at about 384^2 pixels, as it shows every image."""
+        image = source.overlay_source
+        if self.plus:
+            return _resized(image, edit_size(*image.size, CONDITION_AREA))
+        return image if source.paste_box is None else _resized(image, edit_size(*image.size, VAE_AREA))
+
+    def source_latent_of(self, model, source: Source, seed: int) -> torch.Tensor:
+        """The inpainting source's latent (1, 16, h, w) in the sampler's scaling, as the loop's start takes it: the
+        posterior's sample drawn by the first image's generator (seed ``seed``; the family's ``source_latent``
+        "mean": the mean). It is the pipeline's ``image_latents``: the start, the region kept and the sequence's
+        reference at once."""
+        draw = [torch.Generator().manual_seed(seed)] if self.source_latent == "sample" else None
+        return model.encode_image(image_to_tensor(source.image), draw)
 
     def encode_sources(self, model, images: list[Image.Image]) -> tuple[torch.Tensor, ...]:
         """Each image's normalised mean latent (1, 16, h/8, w/8)."""
@@ -246,7 +301,12 @@ class QwenImageEditFamily(QwenImageFamily):
             schedules.append(prompt_schedule(r.negative_prompt, r.steps))
         texts = list(dict.fromkeys(p.text for schedule in schedules for p in schedule))
         vision, vae = self.prepared_images(r)
+        references = self.encode_sources(model, vae)
+        if r.is_inpaint:   # the source first, in the caption and in the sequence
+            source = prepare(r)
+            vision = [self.source_vision_image(source), *vision]
+            references = (self.source_latent_of(model, source, r.seed), *references)
         warnings: list[str] = []
         contexts = self.encode_with_images(model, texts, vision, warnings)
         return EditConditioning(schedules[0], schedules[1] if use_cfg else None, dict(zip(texts, contexts)),
-                                warnings, references=self.encode_sources(model, vae))
+                                warnings, references=references)
