@@ -79,7 +79,8 @@ def test_a_model_without_references_refuses_it(klein, tmp_path, capsys):
     assert main(["edit", str(photo), PROMPT, "--model", "demo", "--steps", "1", "--output", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("sdlite: error: reference images (editing from images) are for "
-                                               "FLUX.2 [klein] and FLUX.1 dev / Kontext models; this model (sd")
+                                               "FLUX.2 [klein], FLUX.1 dev / Kontext and Qwen-Image-Edit models; this "
+                                               "model (sd")
     assert not out.exists() or not any(out.iterdir())
     missing = tmp_path / "missing.png"
     assert main(["edit", str(missing), PROMPT, "--model", "demo", "--output", str(out)]) == 2

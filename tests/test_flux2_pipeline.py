@@ -247,6 +247,24 @@ def test_inpainting_matches_klein_inpaint_pipeline(distilled, inpaint, strength)
     assert np.abs(got[0] - got[1])[repaint].mean() > 2, "each image repaints the mask with its own noise"
 
 
+def test_inpainting_encodes_the_source_once(distilled, monkeypatch):
+    """The source's mean latent is both the first reference (the family's conditioning) and the start (the engine's):
+    one VAE encode serves both (and the next request with the same source needs none)."""
+    _, engine, _ = distilled
+    engine._mean_memo = None   # what an earlier test encoded
+    calls = []
+    with engine.models.use("vae") as vae:
+        encode = type(vae).encode_moments
+    monkeypatch.setattr(type(vae), "encode_moments", lambda self, x: calls.append(x.shape) or encode(self, x))
+    source, mask = _image(96, 64, 4), _mask(96, 64, (16, 8, 64, 48))
+    request = Request(prompt=PROMPT, init_image=source, mask=mask, strength=0.6, steps=2, cfg_scale=1.0, seed=4,
+                      mask_blur=0, overlay=False, sampler="euler")
+    first = engine.generate(request).images[0]
+    assert calls == [(1, 3, 64, 96)]
+    again = engine.generate(request.replace(seed=5)).images[0]
+    assert calls == [(1, 3, 64, 96)] and np.asarray(first).shape == np.asarray(again).shape
+
+
 def test_first_block_cache_with_references(distilled):
     """The first-block cache (--cache T) on klein, the references in every call: threshold 0 skips nothing (the
     uncached image exactly); a call whose first block's residual did not change skips the other blocks and adds their

@@ -11,7 +11,10 @@ How sdlite's requests map onto diffusers' parameters:
   (a second draw from the first generator); the unmasked region put back after each step. No mask blur and no
   overlay for the comparisons (A1111's steps around the pipeline).
 
-And the VAE's ``encode_moments``: the posterior's mean and log-variance as AutoencoderKLQwenImage gives them."""
+And the VAE's ``encode_moments``: the posterior's mean and log-variance as AutoencoderKLQwenImage gives them.
+
+The hires fix has no diffusers reference: its second pass is checked to be this module's image to image (itself
+checked against diffusers) on the first pass's upscaled images, and the latent upscaler to run and refine."""
 from __future__ import annotations
 
 import numpy as np
@@ -19,7 +22,8 @@ import pytest
 import torch
 from PIL import Image
 
-from sdlite.pipeline import Engine, Request
+from sdlite.hires import Hires
+from sdlite.pipeline import Engine, Request, RequestError
 from tests.test_qwenimage_pipeline import MAX_PIXEL_DIFF, NEGATIVE, PROMPT, _pipeline, _pixels
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -144,3 +148,48 @@ def test_img2img_size_from_the_source(model):
     result = engine.generate(Request(prompt=PROMPT, sampler="euler", cfg_scale=1.0, steps=2, strength=0.5, seed=1,
                                      init_image=_source(5, width=100, height=70)))
     assert result.images[0].size == (96, 64)
+
+
+# --- the hires fix -----------------------------------------------------------------------------------------------
+
+
+def test_hires_fix_is_image_to_image_on_the_upscaled_first_pass(model):
+    """Lanczos with true CFG: the first pass decoded, upscaled to 128 x 96 and image to image at the hires denoise
+    and steps, each image from its own seed (its own posterior sample): two image-to-image requests on the upscaled
+    images give the same pixels, to the rounding of a batch of two against one. No plain upscale of the first pass."""
+    _, _, engine = model
+    common = dict(negative_prompt=NEGATIVE, cfg_scale=4.0, steps=3, seed=11, width=64, height=48)
+    first = engine.generate(_request(batch_size=2, **common))
+    upscaled = [im.resize((128, 96), Image.Resampling.LANCZOS) for im in first.images]
+    got = engine.generate(_request(batch_size=2, hires=Hires(scale=2, upscaler="Lanczos", denoise=0.7, steps=4),
+                                   **common))
+    assert [im.size for im in got.images] == [(128, 96)] * 2
+    for i, image in enumerate(upscaled):
+        alone = engine.generate(_request(**{**common, "width": None, "height": None, "steps": 4, "seed": 11 + i},
+                                         init_image=image, strength=0.7))
+        assert np.abs(_pixels(got.images)[i] - _pixels(alone.images)[0]).max() <= 1   # a batch of 2 against 1
+    assert np.abs(_pixels(got.images) - _pixels(upscaled)).mean() > 3, "the second pass should repaint"
+    assert got.infotext["Hires upscaler"] == "Lanczos" and got.infotext["Hires steps"] == 4
+    assert got.infotext["Denoising strength"] == 0.7 and got.infotext["Hires upscale"] == 2
+
+
+def test_hires_fix_latent_upscale_runs(model):
+    """A1111's "Latent" upscaler: the target size, the second pass's steps counted as the flow schedule's
+    image-to-image rule runs them, and an image that differs from the first pass's plain upscale."""
+    _, _, engine = model
+    steps = []
+    got = engine.generate(_request(steps=3, seed=5, width=64, height=64,
+                                   hires=Hires(scale=1.5, upscaler="Latent", denoise=0.6)),
+                          callback=lambda step, total: steps.append((step, total)))
+    assert got.images[0].size == (96, 96)
+    assert steps[-1] == (5, 5)   # 3, then 3 - int(3 - 3 x 0.6) = 2 of a 3-step schedule (the pipelines' rounding)
+    plain = engine.generate(_request(steps=3, seed=5, width=64, height=64)).images[0]
+    upscaled = _pixels([plain.resize((96, 96), Image.Resampling.LANCZOS)])
+    assert np.abs(_pixels(got.images) - upscaled).mean() > 3
+    assert got.infotext.get("Hires upscaler") == "Latent"
+
+
+def test_hires_target_not_a_multiple_of_16_is_refused_before_the_first_pass(model):
+    _, _, engine = model
+    with pytest.raises(RequestError, match=r"hires fix's target size 88x64 \(resize 88x0 of 64x48\).*Qwen-Image"):
+        engine.generate(_request(steps=2, width=64, height=48, hires=Hires(resize_x=88)))

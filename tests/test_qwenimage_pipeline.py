@@ -199,9 +199,9 @@ def test_refusals(model, tmp_path):
     with pytest.raises(RequestError, match="skip-layer guidance"):
         engine.generate(Request(prompt=PROMPT, steps=1, width=64, height=64, cfg_scale=2.0, slg_layers=(0,),
                                 sampler="euler"))
-    with pytest.raises(RequestError, match="hires fix is not supported for Qwen-Image"):
+    with pytest.raises(RequestError, match=r"hires fix's target size 88x88 \(scale 1.375 of 64x64\).*Qwen-Image"):
         engine.generate(Request(prompt=PROMPT, steps=4, width=64, height=64, sampler="euler",
-                                hires=Hires(scale=2.0, upscaler="Latent")))
+                                hires=Hires(scale=1.375, upscaler="Latent")))
     edit = tmp_path / "edit"
     edit.mkdir()
     (edit / "model_index.json").write_text(json.dumps({"_class_name": "QwenImageEditPipeline"}))

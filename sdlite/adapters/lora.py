@@ -69,6 +69,7 @@ from .lora_files import (  # noqa: F401  (the public names of lora_files, lora_k
     lora_hash,
     lora_hashes_infotext,
     lora_name,
+    lora_names,
     read_lora,
 )
 from .lora_keys import COMPONENTS, METADATA_KEY, TEXT_COMPONENTS, Lora, LoraError, LoraLayer  # noqa: F401

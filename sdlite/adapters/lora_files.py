@@ -113,6 +113,21 @@ def lora_name(path: str | os.PathLike) -> str:
     return Path(path).stem
 
 
+def lora_names(prompt: str, loras: Iterable = ()) -> list[str]:
+    """The names of the LoRAs a run applies, before any file is looked up: the stems of ``loras`` ((path, weight)
+    pairs, as ``Request.loras`` holds them), then the names of ``prompt``'s ``<lora:NAME:...>`` tags (a malformed
+    tag is left to the run, which refuses it). What a family decides a LoRA's own sampling from
+    (:meth:`sdlite.families.base.Family.lora_sampling`)."""
+    from ..prompts import PromptError, extract_networks
+
+    names = [lora_name(path) for path, _ in loras]
+    try:
+        names += [t.name for t in extract_networks(prompt or "")[1] if t.kind == "lora"]
+    except PromptError:
+        pass
+    return names
+
+
 # --- hashes -----------------------------------------------------------------------------------------------------
 
 

@@ -238,13 +238,16 @@ def _resolve_turbo_defaults(args):
     unset = [key for key in TURBO_DEFAULTS if getattr(args, key) is None]
     turbo, ckpt, own = args.turbo, None, None
     if not turbo and unset:
+        from ..adapters.lora_files import lora_names
         from ..families import family_for
         from ..loader import open_model
 
         try:
             ckpt = open_model(args.model, prediction_type=args.prediction_type, text_encoders=args.text_encoder or ())
             turbo = ckpt.spec.turbo
-            own = family_for(ckpt.spec).sampling_defaults   # a family's own (SD3: 28 steps of Euler, its cfg)
+            # a family's own (SD3: 28 steps of Euler, its cfg), or a distilled LoRA's (Qwen-Image-Lightning's)
+            own = family_for(ckpt.spec).sampling_defaults_for(
+                lora_names(args.prompt, [parse_lora(v) for v in args.lora]))
         except SDLiteError:
             turbo = False
     for key in unset:

@@ -43,14 +43,15 @@ Not supported (a :class:`ConfigError` names them): ``use_layer3d_rope`` and ``us
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from . import ConfigError
 
 __all__ = ["QwenImageConfig", "QWEN_IMAGE", "QWEN_IMAGE_EDIT", "QWEN_IMAGE_EDIT_2509", "QWEN_IMAGE_EDIT_2511",
            "QWEN_IMAGE_PRESETS", "QWEN_IMAGE_ROPE_THETA", "QWEN_IMAGE_EPS", "QWEN_IMAGE_TIME_CHANNELS",
-           "QWEN_IMAGE_FAMILY", "QWEN_IMAGE_SCHEDULER", "qwenimage_spec", "QWEN_IMAGE_EDIT_FAMILY",
-           "QWEN_IMAGE_EDIT_PLUS_FAMILY", "QWEN_IMAGE_EDIT_FAMILIES"]
+           "QWEN_IMAGE_FAMILY", "QWEN_IMAGE_SCHEDULER", "QWEN_IMAGE_LIGHTNING_SCHEDULER", "qwenimage_spec",
+           "QWEN_IMAGE_EDIT_FAMILY", "QWEN_IMAGE_EDIT_PLUS_FAMILY", "QWEN_IMAGE_EDIT_FAMILIES"]
 
 _CLASS_NAME = "QwenImageTransformer2DModel"
 _DIFFUSERS_FIELDS = ("patch_size", "in_channels", "out_channels", "num_layers", "attention_head_dim",
@@ -180,6 +181,17 @@ QWEN_IMAGE_EDIT_FAMILIES = (QWEN_IMAGE_EDIT_FAMILY, QWEN_IMAGE_EDIT_PLUS_FAMILY)
 QWEN_IMAGE_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 1.0,
                         "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 0.9, "base_image_seq_len": 256,
                         "max_image_seq_len": 8192, "shift_terminal": 0.02, "time_shift_type": "exponential"}
+
+# lightx2v's Qwen-Image-Lightning LoRAs (ModelTC/Qwen-Image-Lightning, its model card and generate_with_diffusers.py):
+# distilled at shift 3, they run on this config in place of the model's (sdlite.families.qwenimage's lora_sampling):
+# base_shift = max_shift = log 3 (mu = log 3 at every size: the exponential time shift e^mu s / (1 + (e^mu - 1) s) is
+# SD3's shift 3), no stretch to a shift_terminal
+QWEN_IMAGE_LIGHTNING_SCHEDULER = {
+    "_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 1.0,
+    "use_dynamic_shifting": True, "base_shift": math.log(3), "max_shift": math.log(3), "base_image_seq_len": 256,
+    "max_image_seq_len": 8192, "shift_terminal": None, "time_shift_type": "exponential", "invert_sigmas": False,
+    "stochastic_sampling": False, "use_beta_sigmas": False, "use_exponential_sigmas": False,
+    "use_karras_sigmas": False}
 
 
 def qwenimage_spec(transformer: QwenImageConfig, *, text, vae, scheduler: dict | None = None,

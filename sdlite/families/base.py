@@ -162,6 +162,28 @@ class ReferenceConditioning(ScheduledConditioning):
         return extra
 
 
+@dataclass(frozen=True)
+class LoraSampling:
+    """How a distilled LoRA is sampled (Qwen-Image-Lightning's): the scheduler config it was distilled on, which
+    replaces the model's while it is applied, and the steps and cfg it is made for (the defaults of a run that leaves
+    them unset)."""
+
+    lora: str          # the LoRA's name (its file's stem, or the prompt tag's name)
+    kind: str          # what it is, for the notes: "Qwen-Image-Lightning"
+    scheduler: dict    # a scheduler_config.json's fields
+    steps: int
+    cfg: float
+
+    def note(self, steps: int, cfg: float) -> str:
+        """The run's note: the schedule switched, and whether the run's ``steps`` and ``cfg`` are the LoRA's."""
+        text = (f"{self.kind} LoRA ({self.lora}): sampled on the schedule it was distilled with, in place of the "
+                f"model's")
+        if (steps, float(cfg)) == (self.steps, float(self.cfg)):
+            return f"{text}, at its {self.steps} steps and cfg {self.cfg:g}"
+        return (f"{text}; its settings are {self.steps} steps at cfg {self.cfg:g}, this run's {steps} steps at cfg "
+                f"{float(cfg):g} (left unset, steps and cfg take its)")
+
+
 class Family:
     """A model family: what the loop asks of the networks a :class:`~sdlite.config.ModelSpec` describes. Subclasses
     say which specs they take (:meth:`takes`) and override what differs."""
@@ -177,7 +199,7 @@ class Family:
     source_latent = "sample"
     # reference images (Request.reference_images): the family conditions on them (FLUX.2's editing); others refuse
     takes_references = False
-    # an editing model (FLUX.2 klein, FLUX.1 Kontext): trained to edit from reference images, so the servers' image
+    # an editing model (FLUX.2 klein, FLUX.1 Kontext, Qwen-Image-Edit): trained to edit from reference images, so the servers' image
     # routes (A1111 img2img, OpenAI edits without a mask, MCP edit_image) hand it their images as references. A model
     # that takes references without being trained on them (plain FLUX.1 dev) gets them only when asked explicitly
     edits_from_images = False
@@ -268,6 +290,20 @@ class Family:
         """The steps, cfg, sampler and timestep spacing a front-end gives a request that leaves them unset, where
         this family has settings of its own (None: the front-end's, A1111's)."""
         return None
+
+    def lora_sampling(self, names: list[str]) -> LoraSampling | None:
+        """The sampling of a distilled LoRA among the LoRAs ``names`` (file stems, prompt tags' names) a run applies,
+        where this family knows one by its name (Qwen-Image-Lightning); None: the model's own schedule."""
+        return None
+
+    def sampling_defaults_for(self, names: list[str]) -> dict | None:
+        """:attr:`sampling_defaults` for a run applying the LoRAs ``names``: a distilled LoRA's steps and cfg
+        (:meth:`lora_sampling`) in place of the model's. What front-ends fill a request's unset fields with."""
+        own = self.lora_sampling(names)
+        defaults = self.sampling_defaults
+        if own is None or defaults is None:
+            return defaults
+        return {**defaults, "steps": own.steps, "cfg": own.cfg}
 
     def check_loras(self, paths: list) -> None:
         """Refuse (:class:`~sdlite.errors.RequestError`) LoRAs where this family's networks take none (the files are

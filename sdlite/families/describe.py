@@ -21,6 +21,9 @@ FAMILY_NAMES = {
     "flux-schnell": "FLUX.1 schnell (timestep-distilled: 1-4 steps)",
     "flux-kontext": "FLUX.1 Kontext dev (instruction editing from a reference image)",
     "z-image-turbo": "Z-Image-Turbo (distilled: 8 steps, no guidance)",
+    "qwen-image": "Qwen-Image",
+    "qwen-image-edit": "Qwen-Image-Edit (instruction editing from one source image)",
+    "qwen-image-edit-plus": "Qwen-Image-Edit-2509 / 2511 (instruction editing from up to 3 source images)",
 }
 
 

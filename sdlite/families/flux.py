@@ -34,6 +34,7 @@ import torch
 from ..config.flux import FLUX_FAMILIES
 from ..conditioning import CHUNK_LENGTH, chunk_prompt, encode_chunks
 from ..errors import RequestError
+from ..hires import target_size as hires_target
 from ..sampling.denoisers import FlowDenoiser
 from ..sampling.flow import FlowSchedule
 from ..sources import source_size
@@ -70,6 +71,20 @@ def check_sides(r, model: str) -> None:
     nearest = down if down == up else f"{down} or {up}"
     raise RequestError(f"{model} draws images whose sides are multiples of {PATCH_SIDE} pixels (2x2 latent patches); "
                        f"{size(lambda v: v)} is not: the nearest that {'is' if down == up else 'are'}: {nearest}")
+
+
+def check_hires_sides(r, model: str, downscale: int) -> None:
+    """Refuse a hires fix whose target size (:func:`sdlite.hires.target_size`) is not a multiple of 16 pixels: its
+    second pass is image to image at that size, so it is refused before the first pass runs."""
+    if r.hires is None:
+        return
+    target = hires_target(r.width, r.height, r.hires, downscale)
+    if target.width % PATCH_SIDE or target.height % PATCH_SIDE:
+        h = r.hires
+        asked = f"resize {h.resize_x}x{h.resize_y}" if h.resize_x or h.resize_y else f"scale {h.scale:g}"
+        raise RequestError(f"the hires fix's target size {target.width}x{target.height} ({asked} of "
+                           f"{r.width}x{r.height}) is not a multiple of {PATCH_SIDE} pixels, which {model} draws "
+                           "(2x2 latent patches): choose a scale or resize that gives one")
 
 
 def fit_to_patches(r):

@@ -294,10 +294,8 @@ class Flux2Family(FlowFamily):
         cond = super().conditioning(model, r, use_cfg, embeddings)
         references = tuple(self.encode_reference(model, image, i) for i, image in enumerate(r.reference_images))
         if r.is_inpaint:
-            source = prepare_source(r)
-            with torch.no_grad(), model.models.use("vae") as vae:
-                mean, _ = vae.encode_moments(image_to_tensor(source.image).to(model.device, vae.dtype))
-            references = (self.latent.scale(mean.float()), *references)
+            source = prepare_source(r)   # its mean latent, remembered for the engine's start (encode_image)
+            references = (model.encode_image(image_to_tensor(source.image), None), *references)
         return ReferenceConditioning(cond.prompt, cond.negative, cond.encoded, cond.warnings, references=references)
 
     def encode_reference(self, model, source, index: int) -> torch.Tensor:

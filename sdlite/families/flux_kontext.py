@@ -131,7 +131,5 @@ def source_reference(family, model, r) -> torch.Tensor:
     """The inpainting source of ``r`` as prepared for the run (its size, crop, outpaint canvas and fill) encoded to
     the VAE's mean latent in the sampler's scaling, (1, 16, H/8, W/8): Kontext inpainting's reference in the sequence
     (the pipeline's ``image_latents``)."""
-    pixels = image_to_tensor(prepare(r).image)                                       # (1, 3, H, W) in [-1, 1]
-    with torch.no_grad(), model.models.use("vae") as vae:
-        mean, _ = vae.encode_moments(pixels.to(model.device, vae.dtype))
-    return family.latent.scale(mean.float())
+    # the mean latent, remembered for the engine's start latent (LoadedModel.encode_image)
+    return model.encode_image(image_to_tensor(prepare(r).image), None)

@@ -8,8 +8,11 @@ is the family object's answer.
 """
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
+from ..adapters.lora_files import lora_names
 from ..engine.memory import ModelManager, trim_heap
 from ..engine.precision import Precision
 from ..engine.precision import resolve as resolve_precision
@@ -53,6 +56,7 @@ class LoadedModel:
         self.preview_decoder = None
         # the text encoders' outputs of the last requests (encoded_texts)
         self._text_cache: dict = {}
+        self._mean_memo: tuple | None = None   # (digest of the image, its mean latent): see encode_image
         # a batch whose estimated UNet (decoder) activations exceed these bytes runs in pieces (None: the device's
         # default, sdlite.engine.budget); the rule never looks at the memory free, so images never depend on it
         self.unet_piece_bytes: int | None = None
@@ -67,12 +71,31 @@ class LoadedModel:
 
     def schedule_for(self, r):
         """The noise schedule of request ``r`` (FLUX's shift depends on the image's size; other families': the
-        model's schedule as it is), carrying the request's explicit timesteps or sigmas where it has them."""
-        schedule = self.family.schedule_for(self.schedule, r.width, r.height, r.steps)
+        model's schedule as it is; a distilled LoRA's own where ``r`` applies one, :meth:`lora_sampling`), carrying
+        the request's explicit timesteps or sigmas where it has them."""
+        own = self.lora_sampling(r)
+        base = self.schedule if own is None else self.family.noise_schedule(own.scheduler)
+        schedule = self.family.schedule_for(base, r.width, r.height, r.steps)
         timesteps, sigmas = getattr(r, "timesteps", None), getattr(r, "sigmas", None)
         if timesteps is None and sigmas is None:
             return schedule
         return schedule.with_custom(timesteps=timesteps, sigmas=sigmas)
+
+    def lora_sampling(self, r):
+        """The :class:`~sdlite.families.base.LoraSampling` of a distilled LoRA that request ``r`` applies (a
+        Qwen-Image-Lightning file among ``r.loras`` or the prompt's ``<lora:NAME:...>`` tags, by name:
+        :meth:`Family.lora_sampling <sdlite.families.base.Family.lora_sampling>`); None where it applies none, and for
+        ComfyUI's sampling (``noise="comfy"``), whose graph sets the schedule itself as ComfyUI's does."""
+        if getattr(r, "noise", None) == "comfy":
+            return None
+        names = lora_names(getattr(r, "prompt", ""), getattr(r, "loras", ()))
+        return self.family.lora_sampling(names) if names else None
+
+    def sampling_defaults_for(self, r) -> dict | None:
+        """The family's sampling defaults for request ``r``: a distilled LoRA's steps and cfg where ``r`` applies one
+        (:meth:`lora_sampling`); what the servers and Ray fill a request's unset fields with, as the CLI does."""
+        names = lora_names(getattr(r, "prompt", ""), getattr(r, "loras", ())) if r is not None else []
+        return self.family.sampling_defaults_for(names)
 
     # -- decoders ----------------------------------------------------------------------------------------------------
 
@@ -229,18 +252,27 @@ class LoadedModel:
         """Images (1, 3, H, W) in [-1, 1] -> scaled latents (B, C, H/8, W/8): one encoder pass, then one sample
         of the latent distribution per generator, each drawn as the reference draws it (``randn`` of the
         latent's shape from generator i; diffusers encodes the image once per batch item to the same moments).
-        Without generators, the distribution's mean (B = 1). A model with only a tiny VAE encodes by its TAESD
+        Without generators, the distribution's mean (B = 1), remembered for the same pixels' next call (klein's and
+        Kontext's inpainting encode their source as a reference and as the start). A model with only a tiny VAE encodes by its TAESD
         encoder, which gives the latents themselves (as diffusers takes an AutoencoderTiny's), nothing drawn."""
         if not self.has_vae:
             taesd = self.tiny_vae
             with torch.no_grad():
                 latents = taesd.encode(image.to(taesd.device, taesd.dtype)).float().to(self.device)
             return latents.expand(len(generators) if generators else 1, -1, -1, -1).clone()
+        key = None
+        if not generators:   # the mean of the image last encoded for it is remembered: an editing family's source
+            key = (tuple(image.shape), hashlib.blake2b(image.detach().cpu().float().numpy().tobytes(),
+                                                      digest_size=16).digest())
+            if self._mean_memo is not None and self._mean_memo[0] == key:
+                return self._mean_memo[1].clone()   # is both its first reference and (the engine's) its start
         with torch.no_grad(), self.models.use("vae") as vae:
             mean, logvar = vae.encode_moments(image.to(self.device, vae.dtype))
         mean, std = mean.float(), torch.exp(0.5 * logvar.float())
         latent = self.family.latent
         if not generators:
-            return latent.scale(mean)
+            scaled = latent.scale(mean)
+            self._mean_memo = (key, scaled.clone())
+            return scaled
         draws = torch.cat([torch.randn(mean.shape, generator=g) for g in generators]).to(mean.device)
         return latent.scale(mean + std * draws)

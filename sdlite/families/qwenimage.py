@@ -36,16 +36,17 @@ step's sigma, the clean source after the last).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
 
-from ..config.qwenimage import QWEN_IMAGE_FAMILY, QwenImageConfig
+from ..config.qwenimage import QWEN_IMAGE_FAMILY, QWEN_IMAGE_LIGHTNING_SCHEDULER, QwenImageConfig
 from ..errors import RequestError
 from ..models.flux import pack_latents, unpack_latents
 from ..sampling.denoisers import FlowDenoiser
-from .base import FlowFamily, LatentFormat, ScheduledConditioning
-from .flux import check_sides, fit_to_patches
+from .base import FlowFamily, LatentFormat, LoraSampling, ScheduledConditioning
+from .flux import check_hires_sides, check_sides, fit_to_patches
 from .zimage import LengthsConditioning, _exact, _note, plain_prompt
 
 __all__ = ["QwenImageFamily", "NormalizedLatents", "Velocity", "true_cfg", "SYSTEM_PROMPT", "DROPPED_TOKENS",
@@ -58,6 +59,8 @@ TOKENIZER_MAX = 1024      # the pipeline's tokenizer_max_length: the templated t
 MAX_TOKENS = 512          # QwenImagePipeline's max_sequence_length default: the caption's tokens kept
 DEFAULT_CFG = 4.0         # the pipeline's true_cfg_scale default and the model card's
 DEFAULT_STEPS = 50
+# a Qwen-Image-Lightning LoRA's file name: "Lightning", then the steps it was distilled for ("8steps", "4-steps")
+LIGHTNING = re.compile(r"lightning.*?(\d+)[-_ ]?steps?", re.IGNORECASE)
 
 # ComfyUI's preview factors of the Wan 2.1 latent (Qwen-Image's VAE is Wan 2.1's): RGB of each normalised channel
 CHEAP_RGB_QWEN_IMAGE = (
@@ -176,10 +179,23 @@ class QwenImageFamily(FlowFamily):
         if r.controls:
             raise RequestError("ControlNets for Qwen-Image are model kinds of their own that sdlite does not run yet; "
                                "the SD 1.x/SDXL ControlNets cannot steer a Qwen-Image transformer")
-        if r.hires is not None:
-            raise RequestError("the hires fix is not supported for Qwen-Image yet; run image to image on the "
-                               "upscaled image instead")
+        if r.hires is not None and self.takes_references:
+            raise RequestError("the hires fix is Qwen-Image's text to image; for Qwen-Image-Edit edit the image at the "
+                               "size wanted, or upscale the result (sdlite upscale)")
         check_sides(r, "Qwen-Image")
+        check_hires_sides(r, "Qwen-Image", self.latent.downscale)
+
+    def lora_sampling(self, names: list[str]) -> LoraSampling | None:
+        """lightx2v's Qwen-Image-Lightning LoRAs, by their files' names (``Qwen-Image-Lightning-8steps-V1.1``,
+        ``Qwen-Image-Edit-2509-Lightning-4steps-V1.0-bf16``): "lightning" and the step count they were distilled for;
+        their model card's scheduler (:data:`~sdlite.config.qwenimage.QWEN_IMAGE_LIGHTNING_SCHEDULER`), that many
+        steps, true CFG off (``true_cfg_scale`` 1)."""
+        for name in names:
+            found = LIGHTNING.search(name)
+            if found and int(found.group(1)) >= 1:
+                return LoraSampling(name, "Qwen-Image-Lightning", dict(QWEN_IMAGE_LIGHTNING_SCHEDULER),
+                                    int(found.group(1)), 1.0)
+        return None
 
     @property
     def sampling_defaults(self) -> dict:

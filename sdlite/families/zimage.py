@@ -30,11 +30,10 @@ import torch
 
 from ..config.zimage import ZImageConfig
 from ..errors import RequestError
-from ..hires import target_size as hires_target
 from ..prompts import parse_attention, text_at_step
 from ..sampling.denoisers import FlowDenoiser
 from .base import FlowFamily, ScheduledConditioning
-from .flux import CHEAP_RGB_FLUX, check_sides, fit_to_patches
+from .flux import CHEAP_RGB_FLUX, check_hires_sides, check_sides, fit_to_patches
 
 MAX_TOKENS = 512          # ZImagePipeline's max_sequence_length: the chat-templated prompt's tokens
 HIDDEN_STATE = -2         # the encoder's second-to-last hidden state (hidden_states[-2])
@@ -104,14 +103,7 @@ class ZImageFamily(FlowFamily):
             raise RequestError("ControlNet for Z-Image is a model kind of its own (ZImageControlNetModel) that sdlite "
                                "does not run yet; the SD 1.x/SDXL ControlNets cannot steer a Z-Image transformer")
         check_sides(r, "Z-Image")
-        if r.hires is not None:   # the second pass is image to image at the target size: refused before the first
-            target = hires_target(r.width, r.height, r.hires, self.latent.downscale)
-            if target.width % 16 or target.height % 16:
-                asked = (f"resize {r.hires.resize_x}x{r.hires.resize_y}" if r.hires.resize_x or r.hires.resize_y
-                         else f"scale {r.hires.scale:g}")
-                raise RequestError(f"the hires fix's target size {target.width}x{target.height} ({asked} of "
-                                   f"{r.width}x{r.height}) is not a multiple of 16 pixels, which Z-Image draws "
-                                   "(2x2 latent patches): choose a scale or resize that gives one")
+        check_hires_sides(r, "Z-Image", self.latent.downscale)
 
     def resolve(self, r):
         """Image to image without a size: the source's, fitted to 2x2 latent patches as ZImageImg2ImgPipeline

@@ -190,8 +190,8 @@ class Engine(LoadedModel):
         self.family.check_generate(request)
         r = validate(request, self.family.default_size)
         if r.reference_images and not self.family.takes_references:
-            raise RequestError(f"reference images (editing from images) are for FLUX.2 [klein] and FLUX.1 dev / "
-                               f"Kontext models; this model "
+            raise RequestError(f"reference images (editing from images) are for FLUX.2 [klein], FLUX.1 dev / "
+                               f"Kontext and Qwen-Image-Edit models; this model "
                                f"({self.spec.family}) takes none: use init_image (--init-image) for image to image")
         self.family.check_request(r)
         return self.family.resolve(r)
@@ -213,6 +213,9 @@ class Engine(LoadedModel):
         if self.vae_decoder is not None:
             result.infotext["VAE decoder"] = self.vae_decoder.name
         result.warnings += ignored
+        own = self.lora_sampling(r)   # a distilled LoRA's schedule in place of the model's (Qwen-Image-Lightning)
+        if own is not None:
+            result.warnings.append(own.note(r.steps, r.cfg_scale))
         if self.spec.denoiser == "unet":
             result.infotext.update(cache_infotext(r.cache_interval, r.cache_branch))
         else:

@@ -56,7 +56,7 @@ class Request:
     outpaint: tuple | None = None     # (left, top, right, bottom) px, multiples of 8: extend the canvas
     resize_mode: str = "just-resize"  # just-resize | crop | fill: how a source of another size is fitted
     mask_from_alpha: bool = False     # the init image's transparency is the mask
-    # editing from reference images (FLUX.2 klein, FLUX.1 Kontext): paths or PIL images the model sees beside the
+    # editing from reference images (FLUX.2 klein, FLUX.1 Kontext, Qwen-Image-Edit): paths or PIL images the model sees beside the
     # prompt, in order
     # (the first sets the output size where width and height are left unset); () = none. Families without reference
     # conditioning refuse them

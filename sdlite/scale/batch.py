@@ -418,7 +418,7 @@ def run_job(engine, model_hash: str, model_name: str, job: Job, worker: str = "l
 
     t0 = time.perf_counter()
     images, timings, warnings = [], collections.Counter(), []
-    for request in family_requests(job, engine.family.sampling_defaults):
+    for request in family_requests(job, engine.sampling_defaults_for(job.requests[0] if job.requests else None)):
         result = engine.generate(request, callback)
         if result.interrupted:
             raise JobInterrupted(job.id)
@@ -440,7 +440,7 @@ def run_group(engine, model_hash: str, model_name: str, group: list[Job], worker
     from ..images import infotext, png_bytes
 
     t0 = time.perf_counter()
-    first = family_requests(group[0], engine.family.sampling_defaults)[0]
+    first = family_requests(group[0], engine.sampling_defaults_for(group[0].requests[0]))[0]
     result = engine.generate(first.replace(batch_size=len(group)), callback)
     if result.interrupted:
         raise JobInterrupted(", ".join(job.id for job in group))

@@ -325,7 +325,8 @@ def run_plan(engines: Engines, checkpoint: Checkpoint, plan: a1111.Plan, control
     engine = engines.get(checkpoint, vae)
     timestamp = datetime.datetime.now().strftime("%Y%m%d%H%M%S")
     downscale = engine.spec.vae.downscale
-    requests, defaulted = a1111.model_defaults(plan, engine.family.sampling_defaults)
+    first = plan.requests[0] if plan.requests else None   # a Lightning LoRA's steps and cfg where it applies one
+    requests, defaulted = a1111.model_defaults(plan, engine.sampling_defaults_for(first))
     requests = with_references(plan, requests, engine.family.edits_from_images)   # klein's and Kontext's editing
     if plan.limits is not None:   # a size left out is the model's native one, steps the family's: known only now
         native = engine.spec.default_size

@@ -22,7 +22,7 @@ from .api import Plan
 
 def with_references(plan: Plan, requests: list[Request], edits_from_images: bool) -> list[Request]:
     """The plan's requests with its init images as reference images where the model edits from them
-    (``edits_from_images``: FLUX.2 [klein], FLUX.1 Kontext) and no mask marks an area to repaint.
+    (``edits_from_images``: FLUX.2 [klein], FLUX.1 Kontext, Qwen-Image-Edit) and no mask marks an area to repaint.
     ``plan.reference_mode`` "a1111": ``init_images[0]`` stays the init image (image to image at the denoising
     strength; 1.0: editing from noise) and is the first reference, the others follow (Forge's way with editing models); "edit" and "required": the images are
     references only and the output starts from noise (OpenAI's and MCP's instruction editing). A model without
@@ -34,11 +34,12 @@ def with_references(plan: Plan, requests: list[Request], edits_from_images: bool
     if not edits_from_images:
         if plan.reference_mode == "required":
             raise RequestError("editing from reference images (an instruction edit) needs a model that edits from "
-                               "them (FLUX.2 [klein], FLUX.1 Kontext); this model does not: switch to one, or redraw "
+                               "them (FLUX.2 [klein], FLUX.1 Kontext, Qwen-Image-Edit); this model does not: switch to one, or redraw "
                                "the image with image to image")
         if plan.reference_mode == "edit" and len(refs) > 1:
             raise RequestError(f"init_images: {len(refs)} images were sent; this model edits one image at a time "
-                               "(several are reference images for a model that edits from them: FLUX.2 [klein], FLUX.1 Kontext)")
+                               "(several are reference images for a model that edits from them: FLUX.2 [klein], FLUX.1 Kontext, "
+                               "Qwen-Image-Edit)")
         return requests
     plan.warnings[:] = [w for w in plan.warnings if not w.startswith("init_images:")]
     if plan.reference_mode == "a1111":
