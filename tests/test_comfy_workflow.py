@@ -124,7 +124,8 @@ def test_object_info_describes_the_nodes_with_this_servers_lists(env):
               "DualCLIPLoaderGGUF TripleCLIPLoaderGGUF ModelSamplingAuraFlow ConditioningZeroOut "
               "EmptyFlux2LatentImage Flux2Scheduler ReferenceLatent SamplerCustomAdvanced SamplerCustom RandomNoise "
               "DisableNoise CFGGuider BasicGuider KSamplerSelect BasicScheduler FluxKontextImageScale ImageStitch "
-              "LoadImageOutput FluxKontextMultiReferenceLatentMethod").split()
+              "LoadImageOutput FluxKontextMultiReferenceLatentMethod TextEncodeQwenImageEdit TextEncodeQwenImageEditPlus "
+              "CFGNorm ImageScaleToTotalPixels").split()
     assert sorted(info) == sorted(wanted)
     ck = info["CheckpointLoaderSimple"]
     assert ck["input"]["required"]["ckpt_name"][0] == [ckpt_name(env)]

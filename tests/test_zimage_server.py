@@ -500,7 +500,7 @@ def test_the_workflow_with_a_custom_sampler_is_ksamplers(env):
 @pytest.mark.parametrize("node,change,input_name,words", [
     ("18", {"clip_name": "not_a_text_encoder.safetensors"}, "clip_name", "holds a VAE"),
     ("18", {"clip_name": "gemma_2_2b.safetensors"}, "clip_name", "holds an LLM that is no Qwen"),
-    ("18", {"type": "sd3"}, "clip_name", "is a Qwen LLM, Z-Image's text encoder: load it with type 'lumina2'"),
+    ("18", {"type": "sd3"}, "clip_name", "is a Qwen LLM: load it with type 'lumina2' (Z-Image)"),
     ("18", {"type": "wan"}, "type", "'wan': sdlite takes separate text-encoder files for Z-Image (lumina2)"),
     ("16", {"weight_dtype": "fp8_e4m3fn"}, None, None),
 ])

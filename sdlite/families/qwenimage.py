@@ -44,6 +44,7 @@ import torch
 from ..config.qwenimage import QWEN_IMAGE_FAMILY, QWEN_IMAGE_LIGHTNING_SCHEDULER, QwenImageConfig
 from ..errors import RequestError
 from ..models.flux import pack_latents, unpack_latents
+from ..sampling.comfy import DiscreteFlowShift
 from ..sampling.denoisers import FlowDenoiser
 from .base import FlowFamily, LatentFormat, LoraSampling, ScheduledConditioning
 from .flux import check_hires_sides, check_sides, fit_to_patches
@@ -147,6 +148,9 @@ class QwenImageFamily(FlowFamily):
     shared_source_sample = True   # QwenImageImg2ImgPipeline / QwenImageInpaintPipeline encode the one source once,
     source_latent = "sample"      # ... drawing the posterior's sample with the first image's generator
     tiles_vae = False             # the causal 3D VAE has no tiled decode in sdlite yet: decoded whole
+    # ComfyUI samples Qwen-Image with ModelSamplingDiscreteFlow at shift 1.15 (supported_models.QwenImage), not the
+    # pipelines' shift by image size
+    comfy_shift = DiscreteFlowShift(1.15)
 
     def __init__(self, spec):
         self.spec = spec

@@ -96,15 +96,22 @@ class ComfyTable(_SigmaTable):
 COMFY_FLUX_SHIFT = 1.15   # ComfyUI's ModelSamplingFlux shift (its mu) unless a ModelSamplingFlux node sets one
 
 
+class DiscreteFlowShift(float):
+    """A shift for ``ModelSamplingDiscreteFlow``'s table whatever the model's own schedule: ComfyUI samples some models
+    whose pipelines shift by image size with a fixed shift (Qwen-Image: 1.15, or ModelSamplingAuraFlow's), and a
+    shift of this type says so to :class:`FlowTable`."""
+
+
 class FlowTable(_SigmaTable):
     """ComfyUI's sampling of a flow-matching model: ``ModelSamplingDiscreteFlow`` (SD3: 1000 timesteps,
     ``sigma(t) = shift s / (1 + (shift - 1) s)`` with ``s = t / 1000``, ``timestep(sigma) = 1000 sigma``) or, for a
     model with dynamic shifting (FLUX.1 dev), ``ModelSamplingFlux`` (10000 timesteps, ``sigma(t) = e^mu / (e^mu +
-    1/t - 1)``, ``timestep(sigma) = sigma``, mu = ``shift``, 1.15 unless given). The table holds ``sigma`` of the
-    timesteps 1..N (float32, ascending)."""
+    1/t - 1)``, ``timestep(sigma) = sigma``, mu = ``shift``, 1.15 unless given), unless the shift is a
+    :class:`DiscreteFlowShift`: that model's ComfyUI table is ``ModelSamplingDiscreteFlow``'s (Qwen-Image's). The
+    table holds ``sigma`` of the timesteps 1..N (float32, ascending)."""
 
     def __init__(self, schedule, shift: float | None = None):
-        self.flux = bool(schedule.use_dynamic_shifting)
+        self.flux = bool(schedule.use_dynamic_shifting) and not isinstance(shift, DiscreteFlowShift)
         if self.flux:
             self.shift, self.multiplier, n = COMFY_FLUX_SHIFT if shift is None else shift, 1.0, 10000
         else:
@@ -125,7 +132,8 @@ class FlowTable(_SigmaTable):
 
 def comfy_table(schedule, shift: float | None = None):
     """ComfyUI's sigma table of ``schedule``: :class:`ComfyTable` (DDPM) or :class:`FlowTable` (flow matching, with
-    ``shift``: ModelSamplingSD3's shift or ModelSamplingFlux's mu; None: the model's, ComfyUI's 1.15 for FLUX)."""
+    ``shift``: ModelSamplingSD3's shift or ModelSamplingFlux's mu; None: the model's, ComfyUI's 1.15 for FLUX; a
+    :class:`DiscreteFlowShift`: ModelSamplingDiscreteFlow's at that shift, whatever the schedule)."""
     return ComfyTable(schedule) if isinstance(schedule, NoiseSchedule) else FlowTable(schedule, shift)
 
 

@@ -264,15 +264,16 @@ def _key(checkpoint: Checkpoint, vae: str | None = None, text_encoders: tuple = 
 
 
 def _takes_vae_with_parts(path: Path) -> bool:
-    """Whether the single file ``path`` holds a FLUX or Z-Image transformer (read from its keys), whose opener takes
-    the VAE file with the text encoders (:func:`sdlite.weights.flux.open_flux_file`,
-    :func:`sdlite.weights.zimage.open_zimage_file`)."""
+    """Whether the single file ``path`` holds a FLUX, Z-Image or Qwen-Image transformer (read from its keys), whose
+    opener takes the VAE file with the text encoders (:func:`sdlite.weights.flux.open_flux_file`,
+    :func:`sdlite.weights.zimage.open_zimage_file`, :mod:`sdlite.weights.qwenimage`)."""
     from ..weights.flux import is_flux_file
     from ..weights.io import open_checkpoint
+    from ..weights.qwenimage import is_qwenimage_file
     from ..weights.zimage import is_zimage_file
 
     if not Path(path).is_file():
         return False
     with open_checkpoint(path) as store:
         keys = list(store.keys())
-        return is_flux_file(keys) or is_zimage_file(keys)
+        return is_flux_file(keys) or is_zimage_file(keys) or is_qwenimage_file(keys)

@@ -23,9 +23,10 @@ with native bf16). ``fp8_e4m3fn_fast`` (fp8 matrix products on GPUs that have th
 as ``fp8_e4m3fn`` here, on every device. The storage is part of the engine's key: a default engine and an fp8 one of
 the same file are two engines.
 
-Refused at validation: text-encoder types other than SD3's, FLUX's and Z-Image's (``lumina2``: sdlite takes separate
-text-encoder files for those three families only), a file that is not what its input takes (a VAE given as a text
-encoder, a FLUX pair without T5 or CLIP, a CLIP-G for FLUX, anything but a Qwen LLM for ``lumina2``, a Qwen LLM for
+Refused at validation: text-encoder types other than SD3's, FLUX's, Z-Image's (``lumina2``), FLUX.2 [klein]'s
+(``flux2``) and Qwen-Image's (``qwen_image``: Qwen-Image and Qwen-Image-Edit; sdlite takes separate text-encoder files
+for those families only), a file that is not what its input takes (a VAE given as a text encoder, a FLUX pair without
+T5 or CLIP, a CLIP-G for FLUX, anything but a Qwen LLM for ``lumina2``, ``flux2`` and ``qwen_image``, a Qwen LLM for
 the others), a file that is not a VAE for VAELoader, an fp8 ``weight_dtype`` for a file that is no FLUX, SD3 or
 Z-Image transformer (a UNet's weights stay in the engine's precision) or on a server in memory mode 0 or under
 ``--precision int8`` / ``int4``. At run time a combination that does not make a model (a FLUX VAE for an SD 1.5
@@ -42,13 +43,14 @@ from .nodes import COMBO, ClipRef, Input, Lists, ModelRef, Refused, VaeRef, node
 MODEL_SUFFIXES = (".safetensors", ".sft", ".ckpt", ".pt", ".pth", ".bin")
 FOLDERS = {"diffusion_models": ("diffusion_models", "unet"), "text_encoders": ("text_encoders", "clip"),
            "vae": ("vae",)}
-# ComfyUI's type lists; sdlite takes separate text-encoder files for SD3, FLUX and Z-Image (lumina2) only
+# ComfyUI's type lists; sdlite takes separate text-encoder files for the TAKEN_TYPES only
 CLIP_TYPES = ("stable_diffusion", "stable_cascade", "sd3", "stable_audio", "mochi", "ltxv", "pixart", "cosmos",
               "lumina2", "wan", "hidream", "chroma", "ace", "omnigen2", "qwen_image", "flux2")
 DUAL_CLIP_TYPES = ("sdxl", "sd3", "flux", "hunyuan_video", "hidream")
 WEIGHT_DTYPES = ("default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2")
-TAKEN_TYPES = ("sd3", "flux", "lumina2", "flux2")   # lumina2: Z-Image's Qwen3-4B (ComfyUI's Lumina 2 Gemma is no sdlite
-QWEN_TYPES = ("lumina2", "flux2")                   # model); flux2: FLUX.2 [klein]'s Qwen3-4B / Qwen3-8B
+TAKEN_TYPES = ("sd3", "flux", "lumina2", "flux2", "qwen_image")   # lumina2: Z-Image's Qwen3-4B (ComfyUI's Lumina 2
+QWEN_TYPES = ("lumina2", "flux2", "qwen_image")   # Gemma is no sdlite model); flux2: FLUX.2 [klein]'s Qwen3-4B / 8B;
+# qwen_image: Qwen-Image's and Qwen-Image-Edit's Qwen2.5-VL-7B (its vision tower under visual. read by the edit models)
 
 
 # --- the folders ---------------------------------------------------------------------------------------------
@@ -94,6 +96,7 @@ def file_kind(path: Path) -> str:
     or q/k/v biases: Lumina 2's Gemma, a Llama), "VAE", or "unknown"."""
     from ...weights.io import open_checkpoint
     from ...weights.qwen_keys import find_qwen_prefix
+    from ...weights.qwenimage_vae_keys import is_qwenimage_vae
     from ...weights.t5_keys import find_t5_prefix
 
     with open_checkpoint(path) as store:
@@ -108,8 +111,8 @@ def file_kind(path: Path) -> str:
             marks = ("layers.0.self_attn.q_norm.weight", "layers.0.self_attn.q_proj.bias", "blk.0.attn_q_norm.weight",
                      "blk.0.attn_q.bias")
             return "Qwen" if any(prefix + mark in keys for mark in marks) else "LLM"
-        if any(k.endswith("decoder.conv_in.weight") for k in keys):
-            return "VAE"
+        if any(k.endswith("decoder.conv_in.weight") for k in keys) or is_qwenimage_vae(keys):
+            return "VAE"   # an LDM / diffusers VAE, or Qwen-Image's (Wan 2.1's causal VAE, in either layout)
     return "unknown"
 
 
@@ -129,8 +132,9 @@ def _refuse_clips(names: list[str], files, fixed_type: str | None = None):
         kind_of = fixed_type or values.get("type")
         if kind_of not in TAKEN_TYPES:
             raise Refused("type", f"{kind_of!r}: sdlite takes separate text-encoder files for Z-Image (lumina2), "
-                          "FLUX.2 [klein] (flux2), SD3 (sd3) and FLUX.1 (flux) only; other models load their text "
-                          "encoders from their checkpoint (CheckpointLoaderSimple)")
+                          "FLUX.2 [klein] (flux2), Qwen-Image and Qwen-Image-Edit (qwen_image), SD3 (sd3) and FLUX.1 "
+                          "(flux) only; other models load their text encoders from their checkpoint "
+                          "(CheckpointLoaderSimple)")
         kinds = _kinds(values, names, files(lists))
         for name, kind in kinds.items():
             if kind in ("VAE", "unknown"):
@@ -140,16 +144,21 @@ def _refuse_clips(names: list[str], files, fixed_type: str | None = None):
             if kind == "LLM":
                 raise Refused(name, f"{values[name]!r} holds an LLM that is no Qwen (its first layer has neither "
                               "Qwen3's q/k norms nor Qwen2's q/k/v biases: Lumina 2's Gemma, a Llama); of LLMs sdlite "
-                              "reads Z-Image's Qwen3-4B (type 'lumina2')")
+                              "reads Qwen3 (types 'lumina2' for Z-Image, 'flux2' for FLUX.2 [klein]) and "
+                              "Qwen2.5-VL-7B (type 'qwen_image')")
             if kind_of == "lumina2" and kind != "Qwen":
                 raise Refused(name, f"{values[name]!r} is a {kind}: type 'lumina2' is Z-Image's, whose text encoder "
                               "is the Qwen3-4B LLM (qwen_3_4b.safetensors, or a GGUF of it)")
             if kind_of == "flux2" and kind != "Qwen":
                 raise Refused(name, f"{values[name]!r} is a {kind}: type 'flux2' is FLUX.2 [klein]'s, whose text "
                               "encoder is a Qwen3 LLM (qwen_3_4b.safetensors for klein 4B, qwen_3_8b for 9B)")
+            if kind_of == "qwen_image" and kind != "Qwen":
+                raise Refused(name, f"{values[name]!r} is a {kind}: type 'qwen_image' is Qwen-Image's, whose text "
+                              "encoder is the Qwen2.5-VL-7B LLM (qwen_2.5_vl_7b.safetensors, or its fp8 forms)")
             if kind_of not in QWEN_TYPES and kind == "Qwen":
-                raise Refused(name, f"{values[name]!r} is a Qwen LLM, Z-Image's text encoder: load it with type "
-                              f"'lumina2' (type {kind_of!r} takes CLIP and T5 files)")
+                raise Refused(name, f"{values[name]!r} is a Qwen LLM: load it with type 'lumina2' (Z-Image), "
+                              f"'flux2' (FLUX.2 [klein]) or 'qwen_image' (Qwen-Image); type {kind_of!r} takes CLIP "
+                              "and T5 files")
             if kind_of == "flux" and kind == "CLIP-G":
                 raise Refused(name, f"{values[name]!r} is a CLIP-G (1280 wide): FLUX.1 takes CLIP-L and T5")
         if kind_of == "flux" and len(names) > 1:
@@ -252,7 +261,8 @@ for _suffix, _category, _files in (("", "advanced/loaders", text_encoders), ("GG
 def _refuse_vae(values: dict, lists: Lists) -> None:
     kind = _kinds(values, ["vae_name"], vaes(lists))["vae_name"]
     if kind != "VAE":
-        raise Refused("vae_name", f"{values['vae_name']!r} is not a VAE (no 'decoder.conv_in.weight' key)")
+        raise Refused("vae_name", f"{values['vae_name']!r} is not a VAE (no 'decoder.conv_in.weight' key, nor "
+                      "Wan 2.1's 'decoder.conv1.weight' of Qwen-Image's VAE)")
 
 
 @node("VAELoader", "Load VAE", "loaders", {"vae_name": _names(vaes)}, ("VAE",), refuse=_refuse_vae)

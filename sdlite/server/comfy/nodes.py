@@ -21,9 +21,9 @@ the predictions as ComfyUI does.
 
 Refused at validation (a ``custom_validation_failed`` error naming the node's input and value): the ``bislerp`` latent
 upscale. At run time: a ModelSampling node on a model it does not fit (checked by the sampler, on its engine:
-:func:`check_sampling`), a sampler whose conditionings come from another checkpoint's CLIP, or whose positive and
-negative were encoded by CLIPs with other LoRAs; an area outside the latent, an area on a flow model, areas with
-ControlNets (:func:`sdlite.sampling.regions.refuse`). ConditioningZeroOut's zeros are what ComfyUI makes (.zimage).
+:func:`.modelsampling.check_sampling`), a sampler whose conditionings come from another checkpoint's CLIP, or
+whose positive and negative were encoded by CLIPs with other LoRAs; an area outside the latent, an area on a flow
+model, areas with ControlNets (:func:`sdlite.sampling.regions.refuse`). ConditioningZeroOut's zeros are what ComfyUI makes (.zimage).
 """
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ from ...sampling.comfy import (COMFY_SAMPLERS, COMFY_SAMPLERS_MISSING, COMFY_SCH
                               flux_shift)
 from ...sampling.regions import WHOLE, Region
 from . import images
+from .modelsampling import check_sampling, sampler_shift
 from ..limits import admit, check_size
 
 MAX_RESOLUTION = 16384   # ComfyUI's MAX_RESOLUTION (the server's --max-pixels limits what a sampler runs)
@@ -212,6 +213,7 @@ class ModelRef:
     sampling: str = ""          # the ModelSampling node that set the shift, checked against the model by the sampler
     origin: str = ""            # the separate-file loader node that gave it, for errors
     weight_storage: str = "default"   # UNETLoader's fp8 weight_dtype: the engine's (Engine.load's weight_storage)
+    cfg_norm: float | None = None     # CFGNorm's strength (.qwenimage), checked against the model by the sampler
 
 
 @dataclass(frozen=True)
@@ -537,28 +539,6 @@ def flux_guidance(ctx, conditioning, guidance):
     return ([dataclasses.replace(c, guidance=float(guidance)) for c in conditioning],)
 
 
-def check_sampling(engine, model: ModelRef) -> None:
-    """That the ModelSampling node which set ``model``'s shift fits the model the sampler runs: a flow-matching model
-    (SD3, FLUX, Z-Image), with a fixed shift for ModelSamplingSD3 and ModelSamplingAuraFlow (.zimage) and one by image
-    size for ModelSamplingFlux. Checked by the sampler, on the engine it samples with: the nodes themselves load
-    nothing (after a UNETLoader the bare file's engine would be one more engine than the sampler's)."""
-    from ...sampling.flow import FlowSchedule
-
-    if not model.sampling:
-        return
-    name = model.origin or model.checkpoint.name
-    schedule = engine.schedule_for(Request(prompt="", width=1024, height=1024))   # its kind, whatever the size
-    if not isinstance(schedule, FlowSchedule):
-        raise RequestError(f"{model.sampling}: {name} ({engine.spec.family}) is no flow-matching model (SD3, FLUX, "
-                           "Z-Image): leave the node out")
-    if model.sampling != "ModelSamplingFlux" and schedule.use_dynamic_shifting:
-        raise RequestError(f"{model.sampling}: {name} shifts its schedule by image size (FLUX.1 dev): use "
-                           "ModelSamplingFlux")
-    if model.sampling == "ModelSamplingFlux" and not schedule.use_dynamic_shifting:
-        raise RequestError(f"ModelSamplingFlux: {name} has a fixed shift ({schedule.shift:g}), no shift by image "
-                           "size: use ModelSamplingSD3 (ModelSamplingAuraFlow for Z-Image)")
-
-
 @node("ModelSamplingSD3", "ModelSamplingSD3", "advanced/model",
       {"model": LINK("MODEL"), "shift": FLOAT(3.0, 0.0, 100.0, 0.01)}, ("MODEL",))
 def model_sampling_sd3(ctx, model, shift):
@@ -753,7 +733,7 @@ def _sample(ctx: Context, model: ModelRef, clip: ClipRef, request: Request, late
             control.set_preview(image, step)
             emit("preview", {"image": image})
 
-    run = LatentRun(samples, mask=latent.get("noise_mask"), shift=model.shift, **run)
+    run = LatentRun(samples, mask=latent.get("noise_mask"), shift=sampler_shift(engine, model), **run)
     result = engine.sample_latents(request, run, callback=on_step, on_latents=on_latents)
     if result.interrupted or control.interrupted:
         raise StopSampling()

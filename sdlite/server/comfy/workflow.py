@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ...errors import StopSampling
-from . import custom, flux2, kontext, loaders, zimage  # noqa: F401  (importing them registers their nodes)
+from . import custom, flux2, kontext, loaders, qwenimage, zimage  # noqa: F401  (importing them registers their nodes)
 from . import nodes as comfy_nodes
 from .nodes import NODES, Context, NodeDef, Refused
 

@@ -13,7 +13,7 @@ is given, which sdlite's family does its own way (Z-Image's transformer is calle
 ``shift * t / (1 + (shift - 1) * t)`` over the 1000 timesteps, and so every scheduler's sigmas, are ModelSamplingSD3's
 at the same shift. The node therefore sets the model's shift as ModelSamplingSD3 does. Z-Image's own shift is 3 (the
 stock workflow sets 3; the node's default is AuraFlow's 1.73). On a model whose shift follows the image size (FLUX.1
-dev), or one without flow matching, the sampler refuses it naming the node (:func:`.nodes.check_sampling`).
+dev), or one without flow matching, the sampler refuses it naming the node (:func:`.modelsampling.check_sampling`).
 
 **ConditioningZeroOut** makes a conditioning of zeros: the stock workflow's negative, made from its positive prompt.
 At cfg 1 (the Turbo's, and the workflow's) the negative is never evaluated, neither in ComfyUI (its cfg-1
