@@ -331,6 +331,12 @@ def main():
         if prof.returncode:
             raise SystemExit(f"bench/profile_unet.py failed:\n{prof.stderr[-3000:]}")
         large["profile"] = prof.stdout
+        # the transformer families (issue 55): sdlite against diffusers bf16 at reduced depth, bench/dit.md
+        dit = subprocess.run([sys.executable, str(HERE / "dit.py"), "--md", str(HERE / "dit_table.md")],
+                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        if dit.returncode:
+            raise SystemExit(f"bench/dit.py failed:\n{dit.stderr[-3000:]}")
+        large["dit"] = (HERE / "dit_table.md").read_text(encoding="utf-8")
     isa = measure_isas(isas, base, results, False, args.startup_repeat) if isas else {}
     facts = cpu_facts()
     raw_file.write_text(json.dumps({"results": results, "sweep": {f"{e} {s}": v for (e, s), v in sweep.items()},
@@ -414,6 +420,9 @@ def write_report(path: Path, results: dict, sweep: dict, large: dict, quick: boo
             lines += ["", f"Full-size random checkpoint, {mode}, 256^2, 8 steps, cfg 7.5: cosine similarity of the "
                           f"final latent against fp32: {r['latent_cosine']:.5f}."]
         lines += ["", large["profile"].strip()]
+        if large.get("dit"):
+            lines += ["", "## Transformer families against diffusers bf16 (`python bench/dit.py`)", "",
+                      large["dit"].strip().replace("### ", "### DiT: ")]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print(f"wrote {path}")
 
