@@ -107,6 +107,9 @@ bench: setup setup-openvino setup-sdcpp
 	# FLUX.2 [klein] 4B against diffusers bf16 (and stable-diffusion.cpp), 512^2, 4 steps; its section of BENCHMARKS.md,
 	# bench/klein.json. At the released depth: 7.8 GB of transformer beside Qwen3-4B's 8 GB fits in 24 GB
 	$(BIN)/python bench/klein.py
+	# Qwen-Image-Edit-2509 against diffusers bf16 at the released widths, 2 of 60 blocks (and 2/4 of the encoder's 28
+	# layers, the whole vision tower), 1024^2, from a folder, fp8 and GGUF files, memory modes 1 and 0; bench/edit.json
+	$(BIN)/python bench/edit.py
 
 clean:
 	rm -rf $(VENV) $(OV_VENV) $(SDCPP_VENV) build *.egg-info

@@ -212,3 +212,17 @@ def test_refusals(models):
         edit.generate(Request(prompt=INSTRUCTION, steps=1, width=32, height=32, sampler="euler",
                               reference_images=(torch.zeros(1, 16, 4, 4),)))
     assert EDIT_DROPPED_TOKENS == 64
+
+
+def test_memory_mode_0_streams_the_vision_tower_too(models, monkeypatch):
+    """Memory mode 0 (every network streamed from its file, the vision tower's layers placeholders until they run)
+    gives the image memory mode 1 gives, bit for bit (the sources' latents at a small area: the same computation on
+    fewer tokens)."""
+    import sdlite.families.qwenimage_edit as family
+
+    monkeypatch.setattr(family, "VAE_AREA", 256 * 256)
+    streamed = Engine.load(models["folder"] / "plus", precision="exact", memory_mode=0)
+    request = Request(prompt=INSTRUCTION, reference_images=(_source(80, 48, 7),), steps=2, cfg_scale=1.0, seed=2,
+                      width=32, height=32, sampler="euler")
+    got = _pixels(streamed.generate(request).images)
+    assert np.array_equal(got, _pixels(models["plus_engine"].generate(request).images))

@@ -246,7 +246,7 @@ class QwenVisionTower(nn.Module):
             shape = tuple(pixel_values.shape) if isinstance(pixel_values, torch.Tensor) else \
                 type(pixel_values).__name__
             raise ValueError(f"Qwen vision tower: pixel_values must be (patches, {cfg.patch_dim}), got {shape}")
-        device = self.patch_embed.proj.weight.device
+        device = pixel_values.device   # (the weights may be placeholders until their layer runs: memory mode 0)
         layout = vision_layout(grid_thw, cfg.spatial_merge_size, cfg.window_units, device)
         n = pixel_values.shape[0]
         if n != len(layout.positions):
