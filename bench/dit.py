@@ -60,7 +60,9 @@ THREADS = 2
 PEAK_SHAPE = (4096, 3072, 3072)
 CONFIGS = {"diffusers bf16": dict(engine="diffusers", precision="bf16"),
            "sdlite auto": dict(engine="sdlite", precision="auto"),
-           "sdlite int8": dict(engine="sdlite", precision="int8")}
+           "sdlite int8": dict(engine="sdlite", precision="int8"),
+           # W8A8: the transformer's block Linears on oneDNN's u8 x s8 GEMM (sdlite.engine.quant.Int8Linear)
+           "sdlite bf16-int8": dict(engine="sdlite", precision="bf16-int8")}
 REF = "diffusers bf16"
 MODELS = ("flux-schnell", "sd35-medium")
 FLUX_TEXT_TOKENS, SD3_TEXT_TOKENS, SD3_CONTEXT = 256, 256, 77 + 256
@@ -229,6 +231,9 @@ class Networks:
             net = build_transformer(self.model, self.m["transformer"], self.engine, dtype)
             if self.plan is not None and self.plan.lowbit != "none":
                 net = sdlite_int8(net, self.plan.lowbit)
+            if self.plan is not None and self.plan.quantize == "bf16-int8":   # as engine.quant.load_bf16_int8
+                from sdlite.engine.quant import quantize_model
+                net = quantize_model(net, "bf16-int8")
         elif which == "t5":
             net = build_t5(self.m["t5"], self.engine, dtype)
             if self.plan is not None and self.plan.lowbit != "none":

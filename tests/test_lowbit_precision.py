@@ -143,8 +143,8 @@ def test_precision_plans_and_refusals():
     assert resolve("int8", "cpu", spec=SD15).lowbit == "none"      # a UNet's int8 is oneDNN's W8A8, as before
     with pytest.raises(PrecisionError, match="weight-only low-bit storage for a transformer.*has a UNet"):
         resolve("int4", "cpu", spec=SD15)
-    with pytest.raises(PrecisionError, match="bf16-int8.*weight-only int8 and int4"):
-        resolve("bf16-int8", "cpu", spec=spec)
+    with pytest.raises(PrecisionError, match="int8-bf16.*--precision bf16-int8.*weight-only int8 and int4"):
+        resolve("int8-bf16", "cpu", spec=spec)   # bf16-int8 is int8 compute on the blocks (tests/test_dit_int8.py)
     with pytest.raises(PrecisionError, match="on cuda use fp16 or exact"):
         resolve("int4", "cuda", spec=spec)
     # the command line takes the name before any model is open, and lists the choices for one it does not know

@@ -200,3 +200,36 @@ def test_mode_1_holds_the_text_encoder_in_its_compute_dtype(model_dir, tmp_path,
         assert torch.equal(got, expected)
     assert not streamed and dtypes == {torch.float32}
     assert manager.resident() == ["text_encoder"]
+
+
+def test_a_streamed_embedding_table_reads_only_its_rows():
+    """Streamed (memory mode 0), an embedding table alone (an LLM's, 152064 rows) is made of the rows its ids read,
+    each once (a GGUF block format's rows dequantised alone): the same vectors as the whole table's."""
+    from torch import nn
+
+    from sdlite.engine.memory import WeightStreamer
+    from sdlite.weights.quants import quantize_int8_rows
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.lin = nn.Embedding(100, 32), nn.Linear(32, 8)
+
+        def forward(self, ids):
+            return self.lin(self.emb(ids))
+
+    torch.manual_seed(0)
+    ref = Net().eval()
+    ids = torch.tensor([[5, 7, 5, 99], [0, 7, 3, 3]])
+    for quantized in (False, True):
+        table = ref.emb.weight.detach()
+        stored = quantize_int8_rows(table) if quantized else table
+        net = Net()
+        WeightStreamer(net, {"emb.weight": stored, "lin.weight": ref.lin.weight.detach(),
+                             "lin.bias": ref.lin.bias.detach()}.__getitem__, torch.float32, "cpu")
+        seen = []
+        net.emb.register_forward_hook(lambda m, a, out: seen.append(m.weight.shape[0]), prepend=True)
+        dense = stored.dequantize(torch.float32) if quantized else table
+        with torch.no_grad():
+            assert torch.equal(net(ids), ref.lin(nn.functional.embedding(ids, dense)))
+        assert seen == [5]   # ids 0, 3, 5, 7, 99

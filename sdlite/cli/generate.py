@@ -246,8 +246,8 @@ def _resolve_turbo_defaults(args):
             ckpt = open_model(args.model, prediction_type=args.prediction_type, text_encoders=args.text_encoder or ())
             turbo = ckpt.spec.turbo
             # a family's own (SD3: 28 steps of Euler, its cfg), or a distilled LoRA's (Qwen-Image-Lightning's)
-            own = family_for(ckpt.spec).sampling_defaults_for(
-                lora_names(args.prompt, [parse_lora(v) for v in args.lora]))
+            loras = [parse_lora(v) for v in getattr(args, "lora", None) or ()]
+            own = family_for(ckpt.spec).sampling_defaults_for(lora_names(getattr(args, "prompt", None) or "", loras))
         except SDLiteError:
             turbo = False
     for key in unset:

@@ -202,6 +202,10 @@ class WeightStreamer:
         return (unit.get_submodule(path) if path else unit), leaf
 
     def _loader(self, unit, names):
+        # an embedding table alone (an LLM's, 152064 x 3584 for Qwen2.5-VL): only the rows its ids read are made
+        if isinstance(unit, nn.Embedding) and [local for _, local in names] == ["weight"]:
+            return self._row_loader(unit, names[0][0])
+
         def hook(module, args):
             for key, local in names:
                 owner, leaf = self._owner(unit, local)
@@ -210,6 +214,25 @@ class WeightStreamer:
                     tensor = tensor.dequantize(self.dtype)
                 tensor = tensor.to(device=self.device, dtype=self.dtype)
                 owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+        return hook
+
+    def _row_loader(self, unit: nn.Embedding, key: str):
+        """An embedding's pre-hook that gathers the rows of the ids it is called with (each once; a GGUF block
+        format's rows dequantised alone) as its weight, and hands its forward the ids' places among them: the same
+        vectors, without materialising the table."""
+        def hook(module, args):
+            ids = args[0]
+            rows, places = torch.unique(ids.detach().cpu(), return_inverse=True)
+            stored = self.provider(key)
+            if isinstance(stored, QuantizedTensor):
+                picked = [stored.rows(i, i + 1).data for i in rows.tolist()]
+                gathered = QuantizedTensor(torch.cat(picked), stored.type, (len(picked), *stored.shape[1:]))
+                weight = gathered.dequantize(self.dtype)
+            else:
+                weight = stored.index_select(0, rows.to(stored.device))
+            unit._parameters["weight"] = nn.Parameter(weight.to(device=self.device, dtype=self.dtype),
+                                                      requires_grad=False)
+            return (places.view(ids.shape).to(ids.device), *args[1:])
         return hook
 
     def _dropper(self, unit, names):
@@ -314,8 +337,10 @@ class ModelManager:
         check_quantize_supported(quantize)  # a valid mode, and bf16 ones only on CPUs with bf16 kernels
         self.quantize = quantize
         if quantize != "none" and (mode == 0 or weight_dtype is not None):
-            raise MemoryModeError(f"quantize mode {quantize!r} needs the UNet loaded whole: use memory mode 1 or 2 "
-                                  "and no weight dtype")
+            raise MemoryModeError(f"quantize mode {quantize!r} needs the UNet loaded whole (or the transformer: "
+                                  "its int8 layers are packed once, at load), which memory mode 0 streams from the "
+                                  "file block by block: use memory mode 1 or 2 and no weight dtype (or, for mode 0, "
+                                  "--precision bf16)")
         # the transformer's block Linears kept in int8 / int4 (engine.lowbit; T5's in int8), or all its Linears in
         # fp8: quantised as they load
         if lowbit != "none":
@@ -419,12 +444,15 @@ class ModelManager:
             module = load_quantized(self.ckpt, name, self.dtype_of(name), self.device, lowbit)
             trim_heap()   # the quantising's float32 temporaries, which the tuned heap would otherwise keep
             return self._kernels(name, module)
+        # the UNet's int8 layers, or under bf16-int8 a transformer's block Linears (a GGUF file's dequantised, then
+        # quantised: int8 compute, no per-call dequantising)
+        quantized = self.quantize != "none" and (name == "unet" or (
+            self.quantize == "bf16-int8" and name == "transformer" and name == self.denoiser))
         # GGUF weights in a block format stay in it where the dense network would be large (a transformer, T5, an LLM
         # encoder): dequantised layer by layer as they run. Other networks' are dequantised as they load (and prepacked)
-        low_bit = quantized_linears(self.ckpt, name) if self.keeps_blocks(name) else {}
+        low_bit = quantized_linears(self.ckpt, name) if self.keeps_blocks(name) and not quantized else {}
         if low_bit:
             return self._kernels(name, load_low_bit(self.ckpt, name, self.dtype_of(name), self.device, low_bit))
-        quantized = name == "unet" and self.quantize != "none"
         winograd = self.winograd and name in PREPACKED and not quantized and self.dtype_of(name) == torch.float32
         if self._prepacks(name) and not quantized:
             # the same as loading and then prepacking, in one pass

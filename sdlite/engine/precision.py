@@ -30,7 +30,13 @@ OpenVINO's PERFORMANCE / ACCURACY execution modes:
   activations 8-bit per tensor, scaled per call by sdlite's range and code kernels (:mod:`sdlite.kernels.bf16`), bf16 in and out, so the
   activations stay bf16 and channels-last between layers. oneDNN's u8 x s8 convolutions run at ~2000 GOP/s on the
   UNet's 320-640 channel shapes here, against ~1050 GFLOP/s for bf16, which already runs at this CPU's peak. Needs
-  native bf16 and VNNI or AMX (exact 8-bit products).
+  native bf16 and VNNI or AMX (exact 8-bit products). On a transformer (FLUX.1, SD3, Z-Image, FLUX.2 [klein],
+  Qwen-Image) the same layers are the Linear layers of its blocks (:func:`sdlite.engine.quant.transformer_int8_targets`:
+  attention projections and MLPs; not the per-block modulation Linears, not the text encoders), quantised as the file
+  loads (a GGUF file's blocks dequantised first): W8A8 on oneDNN's u8 x s8 GEMM. Offered by name only, never ``auto``'s
+  choice there: trained DiTs have outlier activation channels, which one scale per tensor handles badly, and random
+  weights cannot show that (docs/precision.md gives the speed and the error measured on random weights). Memory mode
+  0 is refused with it, as for a UNet.
 * ``int8`` / ``int8-bf16`` -- the UNet's Linear and Conv2d layers in int8 (:mod:`sdlite.engine.quant`), the rest
   as in ``exact``.
 * ``int8`` / ``int4`` for a transformer (FLUX.1, SD3/SD3.5) -- weight-only: the Linear weights of its blocks
@@ -89,8 +95,10 @@ PRECISIONS = {
     "int4": "a transformer's (FLUX, SD3) Linear weights in 4 bits (groups of 64, fp16 scale and minimum), T5's in "
             "int8, dequantised per layer; compute as int8's (not for UNets)",
     "int8-bf16": "UNet Linear in int8, its convolutions in bf16, the rest fp32",
-    "bf16-int8": "bf16 (as bf16) with the UNet's 3x3 convolutions and transformer Linear layers in int8 "
-                 "(needs native bf16 and VNNI/AMX on a CPU)",
+    "bf16-int8": "bf16 (as bf16) with the UNet's 3x3 convolutions and transformer Linear layers in int8; a DiT's "
+                 "(FLUX, SD3, Z-Image, klein, Qwen-Image) block Linears in int8 (W8A8, 8-bit activations per tensor: "
+                 "FLUX.1 step 0.62x bf16's on a Zen 4, not auto's choice there; see docs/precision.md) (needs native "
+                 "bf16 and VNNI/AMX on a CPU)",
     "fp16": "fp16 compute on a GPU (the SDXL VAE in fp32)",
 }
 PRECISION_CHOICES = tuple(PRECISIONS)
@@ -121,7 +129,7 @@ class Precision:
     dtype: torch.dtype            # the UNet's compute dtype
     vae_dtype: torch.dtype        # the VAE's
     text_dtype: torch.dtype       # the text encoders'
-    quantize: str = "none"        # sdlite.engine.quant's mode for the UNet
+    quantize: str = "none"        # sdlite.engine.quant's mode for the UNet (bf16-int8: or the transformer)
     channels_last: bool = False   # UNet and VAE weights (and so their activations) channels-last
     reason: str = ""              # why (for auto: why this one on this device)
     fp32_kernels: bool = False    # attention and GEGLU on sdlite's fp32 kernels (fp32-fast)
@@ -241,10 +249,10 @@ def resolve(name: str = "auto", device: str | torch.device = "cpu", cpu: CPUInfo
     if chosen == "int4" or (chosen == "int8" and transformer):
         return _weight_only(chosen, requested, device, cpu, spec, reason)
     # int8 modes: the CPU's oneDNN kernels
-    if transformer:
+    if transformer and chosen != "bf16-int8":
         raise PrecisionError(f"precision {chosen!r} quantizes a UNet's layers; this model's transformer "
-                             f"({spec.family}) has weight-only int8 and int4 (--precision int8 / int4), or bf16 "
-                             "and exact")
+                             f"({spec.family}) has int8 compute on its blocks (--precision bf16-int8), weight-only "
+                             "int8 and int4 (--precision int8 / int4), or bf16 and exact")
     if device.type != "cpu":
         raise PrecisionError(f"precision {chosen!r} runs on oneDNN's CPU kernels; on {device.type} use fp16 or exact")
     if chosen == "bf16-int8":
@@ -291,7 +299,7 @@ def stored_as(plan: Precision, storage: str, spec=None) -> Precision:
     if spec is not None and spec.unet is not None:
         raise PrecisionError(f"weight storage {storage!r} keeps a transformer's (FLUX, SD3) Linear weights in fp8; "
                              f"this model ({spec.family}) has a UNet, whose weights sdlite keeps in its precision")
-    if plan.lowbit != "none":
+    if plan.lowbit != "none" or plan.quantize != "none":
         raise PrecisionError(f"weight storage {storage!r} and precision {plan.name!r} both say how the transformer's "
                              "weights are stored: ask for one (precision bf16 or exact with fp8 storage)")
     return dataclasses.replace(plan, lowbit=storage)

@@ -124,6 +124,8 @@ _PLAN = {"int8": ("int8", "int8"), "int8-bf16": ("int8", "bf16"), "bf16": ("bf16
 KEEP_FP32 = ("conv_in", "conv_out", "time_embedding", "add_embedding")
 # A layer with fewer input or output channels than this stays fp32 (int8 would save nothing and cost accuracy).
 MIN_CHANNELS = 16
+# the containers of a transformer block's modulation Linears that are not an AdaNorm (transformer_int8_targets)
+MODULATION_NAMES = ("img_mod", "txt_mod", "adaLN_modulation")
 # int8 activation ranges: 0..255, or 0..127 where u8 x s8 pairs are summed in a saturating int16 (no VNNI)
 ACTIVATION_BITS = (8, 7)
 # input shapes an int8 1x1 convolution keeps a weight packed for (Int8Conv2d._packed_for)
@@ -233,7 +235,9 @@ def quantize_activation(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, f
     """
     top = float((1 << check_activation_bits(bits)) - 1)
     last = getattr(_LAST, "entry", None)
-    if last is not None and last[0] is x and last[1] == x._version and last[2] == bits and not torch.is_grad_enabled():
+    # an inference-mode tensor has no version counter: never cached (an in-place change could not be seen)
+    cached = not torch.is_grad_enabled() and not x.is_inference()
+    if cached and last is not None and last[0] is x and last[1] == x._version and last[2] == bits:
         return last[3]
     source = x
     found = kernels.activation_range(x)                                     # bf16: sdlite's kernel, else None
@@ -252,7 +256,7 @@ def quantize_activation(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, f
     q = kernels.activation_codes(x, 1.0 / scale, zero_point + 0.5, top)
     if q is None:
         q = (x * (1.0 / scale)).add_(zero_point + 0.5).clamp_(0.0, top).to(torch.uint8)
-    if not torch.is_grad_enabled():
+    if cached:
         _LAST.entry = (source, source._version, bits, (q, scale, zero_point))
     return q, scale, zero_point
 
@@ -518,10 +522,13 @@ def bf16_int8_targets(module: nn.Module) -> list[tuple[str, nn.Module, bool]]:
     upsamplers, and the Linear layers of the transformer blocks but the cross-attention's ``to_k``/``to_v`` (77
     tokens: too small to gain); the GEGLU's projection split in two (its value and gate halves, for the fused
     epilogue). Left bf16: the 1x1 convolutions (shortcuts, ``proj_in``/``proj_out``: int8 measured no faster there),
-    stem and head, embeddings."""
+    stem and head, embeddings. A transformer network (FLUX.1, SD3, Z-Image, FLUX.2 [klein], Qwen-Image) gets
+    :func:`transformer_int8_targets` instead."""
     from ..models.layers import Downsample, ResnetBlock, Upsample
     from ..models.unet import GEGLU, TransformerBlock
 
+    if is_transformer(module):
+        return transformer_int8_targets(module)
     found = []
     for owner_name, owner in module.named_modules():
         prefix = owner_name + "." if owner_name else ""
@@ -539,6 +546,48 @@ def bf16_int8_targets(module: nn.Module) -> list[tuple[str, nn.Module, bool]]:
                     continue
                 parent = owner.get_submodule(name.rpartition(".")[0]) if "." in name else owner
                 found.append((prefix + name, layer, isinstance(parent, GEGLU) and layer.out_features % 2 == 0))
+    return found
+
+
+def is_transformer(module: nn.Module) -> bool:
+    """Whether ``module`` is one of sdlite's diffusion transformers (SD3's MMDiT, FLUX.1, Z-Image, FLUX.2 [klein],
+    Qwen-Image): networks whose repeated blocks sit in top-level ``nn.ModuleList`` s."""
+    from ..models.flux import Flux
+    from ..models.flux2 import Flux2
+    from ..models.mmdit import MMDiT
+    from ..models.qwenimage import QwenImage
+    from ..models.zimage import ZImage
+
+    return isinstance(module, (MMDiT, Flux, ZImage, Flux2, QwenImage))
+
+
+def _modulates(name: str, parent: nn.Module) -> bool:
+    """Whether the Linear ``name`` (inside a block; ``parent`` holds it) maps the per-sample conditioning vector to
+    a block's shifts, scales and gates: an ``AdaNorm``'s (SD3, FLUX.1), Qwen-Image's ``img_mod`` / ``txt_mod``,
+    Z-Image's ``adaLN_modulation``. (FLUX.2's modulations are outside its blocks.)"""
+    from ..models.mmdit import AdaNorm
+
+    return isinstance(parent, AdaNorm) or any(part in MODULATION_NAMES for part in name.split("."))
+
+
+def transformer_int8_targets(module: nn.Module) -> list[tuple[str, nn.Module, bool]]:
+    """The layers ``bf16-int8`` makes int8 in a diffusion transformer, as (name, layer, False): every ``nn.Linear``
+    inside the network's block lists (its top-level ``nn.ModuleList`` s: FLUX's double and single blocks, SD3's joint
+    blocks, Z-Image's refiners and layers, FLUX.2's, Qwen-Image's blocks), at least :data:`MIN_CHANNELS` wide: the
+    attention's q/k/v and output projections of both streams and the MLPs, over 97 % of a step's products. Left bf16:
+    the per-block modulation Linears (:func:`_modulates`: one row per sample, where int8 saves at most 16 ms of a
+    FLUX double block's ~1.5 s and rounds the shifts, scales and gates that every token of the block is multiplied
+    by), and everything outside the blocks (embedders, the final norm's modulation, the output projection)."""
+    found = []
+    for list_name, blocks in module.named_children():
+        if not isinstance(blocks, nn.ModuleList):
+            continue
+        for name, layer in blocks.named_modules():
+            if type(layer) is not nn.Linear or min(layer.in_features, layer.out_features) < MIN_CHANNELS:
+                continue
+            parent = blocks.get_submodule(name.rpartition(".")[0]) if "." in name else blocks
+            if not _modulates(name, parent):
+                found.append((f"{list_name}.{name}", layer, False))
     return found
 
 
