@@ -299,7 +299,8 @@ def stored_as(plan: Precision, storage: str, spec=None) -> Precision:
     if spec is not None and spec.unet is not None:
         raise PrecisionError(f"weight storage {storage!r} keeps a transformer's (FLUX, SD3) Linear weights in fp8; "
                              f"this model ({spec.family}) has a UNet, whose weights sdlite keeps in its precision")
-    if plan.lowbit != "none" or plan.quantize != "none":
+    # auto's bf16-int8 with no model known yet is the UNet's choice: a transformer's auto is bf16 (no int8 layers)
+    if plan.lowbit != "none" or (plan.quantize != "none" and not (spec is None and plan.requested == "auto")):
         raise PrecisionError(f"weight storage {storage!r} and precision {plan.name!r} both say how the transformer's "
                              "weights are stored: ask for one (precision bf16 or exact with fp8 storage)")
     return dataclasses.replace(plan, lowbit=storage)
