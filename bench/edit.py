@@ -211,23 +211,10 @@ def _gguf_fields_text(text):
 
 
 def _gguf_fields_tower(tower):
-    import gguf
+    """The mmproj GGUF's metadata for ``tower``, as llama.cpp's converter writes it (the tests' writer)."""
+    from tests.test_qwen_vision import mmproj_fields
 
-    def fields(writer):
-        writer.add_type(gguf.GGUFType.MMPROJ)
-        writer.add_clip_has_vision_encoder(True)
-        writer.add_clip_projector_type(gguf.VisionProjectorType.QWEN25VL)
-        writer.add_vision_projection_dim(tower.out_hidden_size)
-        writer.add_vision_patch_size(tower.patch_size)
-        writer.add_vision_embedding_length(tower.hidden_size)
-        writer.add_vision_feed_forward_length(tower.intermediate_size)
-        writer.add_vision_block_count(tower.depth)
-        writer.add_vision_head_count(tower.num_heads)
-        writer.add_vision_use_silu(True)
-        writer.add_vision_n_wa_pattern(tower.fullatt_block_indexes[0] + 1)
-        writer.add_vision_attention_layernorm_eps(1e-6)
-        writer.add_uint32("clip.vision.window_size", tower.window_size)
-    return fields
+    return lambda writer: mmproj_fields(writer, tower)
 
 
 # --- the files ---------------------------------------------------------------------------------------------------

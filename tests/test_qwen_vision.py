@@ -320,22 +320,27 @@ def _converted(state: dict) -> dict:
     return out
 
 
-def _write_mmproj(path, tensors: dict, drop: str | None = None) -> None:
-    """A mmproj GGUF with the metadata llama.cpp's converter writes for Qwen2.5-VL; matrices F16, the rest F32."""
-    writer = gguf.GGUFWriter(str(path), arch="clip")
+def mmproj_fields(writer, config: QwenVisionConfig) -> None:
+    """The metadata llama.cpp's converter writes into Qwen2.5-VL's mmproj GGUF, for a tower of ``config``."""
     writer.add_type(gguf.GGUFType.MMPROJ)
     writer.add_clip_has_vision_encoder(True)
     writer.add_clip_projector_type(gguf.VisionProjectorType.QWEN25VL)
-    writer.add_vision_projection_dim(TINY.out_hidden_size)
-    writer.add_vision_patch_size(TINY.patch_size)
-    writer.add_vision_embedding_length(TINY.hidden_size)
-    writer.add_vision_feed_forward_length(TINY.intermediate_size)
-    writer.add_vision_block_count(TINY.depth)
-    writer.add_vision_head_count(TINY.num_heads)
+    writer.add_vision_projection_dim(config.out_hidden_size)
+    writer.add_vision_patch_size(config.patch_size)
+    writer.add_vision_embedding_length(config.hidden_size)
+    writer.add_vision_feed_forward_length(config.intermediate_size)
+    writer.add_vision_block_count(config.depth)
+    writer.add_vision_head_count(config.num_heads)
     writer.add_vision_use_silu(True)
-    writer.add_vision_n_wa_pattern(TINY.fullatt_block_indexes[0] + 1)
+    writer.add_vision_n_wa_pattern(config.fullatt_block_indexes[0] + 1)
     writer.add_vision_attention_layernorm_eps(1e-6)
-    writer.add_uint32("clip.vision.window_size", TINY.window_size)
+    writer.add_uint32("clip.vision.window_size", config.window_size)
+
+
+def _write_mmproj(path, tensors: dict, drop: str | None = None) -> None:
+    """A mmproj GGUF with the metadata llama.cpp's converter writes for Qwen2.5-VL; matrices F16, the rest F32."""
+    writer = gguf.GGUFWriter(str(path), arch="clip")
+    mmproj_fields(writer, TINY)
     for name, t in tensors.items():
         if name != drop:
             a = np.ascontiguousarray(t.detach().numpy().astype(np.float16 if t.ndim >= 2 else np.float32))

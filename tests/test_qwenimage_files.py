@@ -289,28 +289,12 @@ def test_comfyui_split_files_of_an_edit_release(states, tmp_path, monkeypatch):
         assert ckpt.spec.family == "qwen-image-edit"
 
 
-def _tower_fields(writer) -> None:
-    """The metadata llama.cpp's converter writes into Qwen2.5-VL's mmproj GGUF."""
-    writer.add_type(gguf.GGUFType.MMPROJ)
-    writer.add_clip_has_vision_encoder(True)
-    writer.add_clip_projector_type(gguf.VisionProjectorType.QWEN25VL)
-    writer.add_vision_projection_dim(TOWER.out_hidden_size)
-    writer.add_vision_patch_size(TOWER.patch_size)
-    writer.add_vision_embedding_length(TOWER.hidden_size)
-    writer.add_vision_feed_forward_length(TOWER.intermediate_size)
-    writer.add_vision_block_count(TOWER.depth)
-    writer.add_vision_head_count(TOWER.num_heads)
-    writer.add_vision_use_silu(True)
-    writer.add_vision_n_wa_pattern(TOWER.fullatt_block_indexes[0] + 1)
-    writer.add_vision_attention_layernorm_eps(1e-6)
-    writer.add_uint32("clip.vision.window_size", TOWER.window_size)
-
-
 def test_gguf_encoder_takes_the_mmproj_beside_it(states, tmp_path):
     """A llama.cpp GGUF encoder has no vision tower: an editing release (2511 by its name: its transformer modulates
     the sources as at timestep 0) takes it from the mmproj GGUF found beside it, its config from the file's
     metadata; without that file the error says what to give."""
     from sdlite.weights.qwen_vision_keys import llama_cpp_vision_tensors
+    from tests.test_qwen_vision import mmproj_fields
 
     models = tmp_path / "models"
     model = _write(models / "diffusion_models" / "qwen_image_edit_2511_bf16.safetensors", states.transformer)
@@ -323,7 +307,8 @@ def test_gguf_encoder_takes_the_mmproj_beside_it(states, tmp_path):
     assert e.value.path.endswith("Qwen2.5-VL-7B-Instruct-Q8_0.gguf")
     tower = _tower_state()
     stored = _write_gguf(models / "text_encoders" / "mmproj-Qwen2.5-VL-7B-Instruct-f16.gguf",
-                         llama_cpp_vision_tensors(tower), "clip", lambda n, t: "F32", _tower_fields)
+                         llama_cpp_vision_tensors(tower), "clip", lambda n, t: "F32",
+                         lambda writer: mmproj_fields(writer, TOWER))
     with open_model(model) as ckpt:
         assert ckpt.spec.family == "qwen-image-edit-plus" and ckpt.spec.transformer.zero_cond_t
         assert ckpt.spec.text.vision == TOWER

@@ -226,3 +226,22 @@ def test_memory_mode_0_streams_the_vision_tower_too(models, monkeypatch):
                       width=32, height=32, sampler="euler")
     got = _pixels(streamed.generate(request).images)
     assert np.array_equal(got, _pixels(models["plus_engine"].generate(request).images))
+
+
+def test_the_source_image_reaches_the_caption_and_the_sequence(models):
+    """Random weights condition weakly, so the final image alone cannot show it: another source image changes the
+    caption (through the vision tower) and, given the same caption, the transformer's velocity (through the source's
+    latents in the sequence) by far more than rounding."""
+    engine = models["edit_engine"]
+    family = engine.family
+    a, b = _source(64, 48, 1), _source(64, 48, 2)
+    ca = family.encode_with_images(engine, [INSTRUCTION], [a])[0]
+    cb = family.encode_with_images(engine, [INSTRUCTION], [b])[0]
+    assert ca.shape == cb.shape and (ca - cb).abs().max() > 1e-2 * ca.abs().max()
+    ra, rb = family.encode_sources(engine, [a, b])
+    x, t = torch.randn(1, 16, 6, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([0.6])
+    with torch.no_grad(), engine.models.use("transformer") as network:
+        va, vb = (network(x, t, ca, references=(r,)) for r in (ra, rb))
+    # fp32 rounding is about 1e-7 of the magnitude; the tiny random transformer leans on its references weakly
+    # (about 7e-4 of the magnitude here), so the bar is 1e-4: a thousand times rounding
+    assert (va - vb).abs().max() > 1e-4 * va.abs().max()
