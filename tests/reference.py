@@ -386,3 +386,18 @@ def lora_request(prompt: str, size: int, /, **kw):
 
     return Request(**{"prompt": prompt, "steps": 3, "cfg_scale": 1.0, "sampler": "euler", "seed": LORA_SEEDS[0],
                       "batch_size": 2, "width": size, "height": size, **kw})
+
+
+def comfy_wrapped(x: torch.Tensor) -> torch.Tensor:
+    """A latent (..., h, w) with an odd side padded as ComfyUI's ``pad_to_patch_size`` pads it before 2 x 2 patches
+    (circular, one row at the bottom, one column at the right), by PyTorch's own padding, and checked to be that: the
+    added row is row 0, the added column column 0. The reference input for sdlite's odd-latent tests."""
+    import torch.nn.functional as F
+
+    h, w = x.shape[-2:]
+    wrapped = F.pad(x, (0, w % 2, 0, h % 2), mode="circular")
+    if h % 2:
+        assert torch.equal(wrapped[..., h, :w], x[..., 0, :])
+    if w % 2:
+        assert torch.equal(wrapped[..., :h, w], x[..., :, 0])
+    return wrapped

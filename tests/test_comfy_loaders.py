@@ -68,14 +68,15 @@ def run(env, prompt):
         return np.asarray(im.convert("RGB"))
 
 
-def flux_workflow(unet="UNETLoader", clip="DualCLIPLoader", unet_name="flux1-dev.safetensors", seed=5):
+def flux_workflow(unet="UNETLoader", clip="DualCLIPLoader", unet_name="flux1-dev.safetensors", seed=5, width=SIZE,
+                  height=SIZE):
     model = {"unet_name": unet_name} | ({"weight_dtype": "default"} if unet == "UNETLoader" else {})
     return {
         "1": {"class_type": unet, "inputs": model},
         "2": {"class_type": clip, "inputs": {"clip_name1": "clip_l.safetensors", "clip_name2": "t5xxl_fp16.safetensors",
                                              "type": "flux"}},
         "10": {"class_type": "VAELoader", "inputs": {"vae_name": "ae.safetensors"}},
-        "5": {"class_type": "EmptySD3LatentImage", "inputs": {"width": SIZE, "height": SIZE, "batch_size": 1}},
+        "5": {"class_type": "EmptySD3LatentImage", "inputs": {"width": width, "height": height, "batch_size": 1}},
         "6": {"class_type": "CLIPTextEncode", "inputs": {"text": PROMPT, "clip": ["2", 0]}},
         "11": {"class_type": "FluxGuidance", "inputs": {"conditioning": ["6", 0], "guidance": 3.5}},
         "7": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["2", 0]}},
@@ -87,15 +88,21 @@ def flux_workflow(unet="UNETLoader", clip="DualCLIPLoader", unet_name="flux1-dev
     }
 
 
-def own_image(env, transformer: str, seed=5, t5="t5xxl_fp16.safetensors") -> np.ndarray:
+def own_engine(env, transformer: str, t5="t5xxl_fp16.safetensors") -> Engine:
     server, _, models, _ = env
     source = open_model(models / "diffusion_models" / transformer, text_encoders=[
         models / "text_encoders" / "clip_l.safetensors", models / "text_encoders" / t5,
         models / "vae" / "ae.safetensors"])
-    engine = Engine.load(source, **server.engines.load_options)
-    r = Request(prompt=PROMPT, negative_prompt="", width=SIZE, height=SIZE, steps=STEPS, cfg_scale=1.0,
-                sampler="euler", schedule="simple", seed=seed, guidance=3.5, noise="comfy")
-    return np.asarray(engine.generate(r).images[0])
+    return Engine.load(source, **server.engines.load_options)
+
+
+def own_request(seed=5, width=SIZE, height=SIZE) -> Request:
+    return Request(prompt=PROMPT, negative_prompt="", width=width, height=height, steps=STEPS, cfg_scale=1.0,
+                   sampler="euler", schedule="simple", seed=seed, guidance=3.5, noise="comfy")
+
+
+def own_image(env, transformer: str, seed=5, t5="t5xxl_fp16.safetensors") -> np.ndarray:
+    return np.asarray(own_engine(env, transformer, t5).generate(own_request(seed)).images[0])
 
 
 def refusal(env, prompt) -> dict:
@@ -130,6 +137,25 @@ def test_unet_dual_clip_and_vae_loaders_give_sdlites_own_image(env):
     assert len(loaded) == 1 and next(iter(loaded))[1].endswith("ae.safetensors")
     again = run(env, flux_workflow(seed=6))
     assert dict(engines._loaded) == loaded and not np.array_equal(again, got)
+
+
+def test_sides_of_multiples_of_8_are_padded_as_comfyui_pads_them(env):
+    """EmptySD3LatentImage at 72 x 56 (a 9 x 7 latent): ComfyUI's FLUX pads such a latent to whole 2 x 2 patches and
+    crops the output (the network's pad_to_patches, against diffusers in tests.test_flux_model), so the graph runs;
+    its image is the engine's ComfyUI sampling at that size, and not the 64 x 48 corner of a larger image. The A1111
+    sampling still refuses the size, naming the nearest."""
+    from sdlite.errors import RequestError
+
+    got = run(env, flux_workflow(width=72, height=56))
+    engine = own_engine(env, "flux1-dev.safetensors")
+    want = np.asarray(engine.generate(own_request(width=72, height=56)).images[0])
+    assert got.shape == want.shape == (56, 72, 3) and got.std() > 5
+    assert np.array_equal(got, want)
+    smaller = np.asarray(engine.generate(own_request(width=64, height=48)).images[0])
+    assert np.abs(got[:48, :64].astype(int) - smaller.astype(int)).max() > 2
+    with pytest.raises(RequestError, match=r"multiples of 16 pixels .* 72x56 is not: the nearest that are: 64x48 or "
+                                           "80x64"):
+        engine.generate(own_request(width=72, height=56).replace(noise="a1111", schedule=None))
 
 
 def test_gguf_loaders_give_sdlites_own_image(env):
@@ -261,7 +287,8 @@ def test_unet_loader_fp8_weight_dtype_keeps_fp8_weights(env, fp8_files, weight_d
     got = run(env, prompt)
     (key,) = [k for k in engines._loaded if k[-1] == weight_dtype]
     fp8 = _transformer(engines._loaded[key])
-    want = run(env, flux_workflow(unet_name=fp8_files[weight_dtype]))
+    assert engines._loaded[key].precision.name == "bf16"   # auto's int8 layers give way to fp8 storage
+    want = _in_bf16(env, flux_workflow(unet_name=fp8_files[weight_dtype]))
     assert np.array_equal(got, want)
     (reference,) = [_transformer(e) for k, e in engines._loaded.items() if k[0].name == fp8_files[weight_dtype]]
     dense = {name: m for name, m in reference.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -277,6 +304,19 @@ def test_unet_loader_fp8_weight_dtype_keeps_fp8_weights(env, fp8_files, weight_d
         assert torch.equal(held.float(), dense[name].weight.float()), name
 
 
+def _in_bf16(env, prompt):
+    """The workflow's image from engines loaded in bf16 (what an fp8-stored transformer computes in: auto's int8
+    layers give way to the storage), the server's options otherwise."""
+    options = env[0].engines.load_options
+    before = dict(options)
+    options["precision"] = "bf16"
+    try:
+        return run(env, prompt)
+    finally:
+        options.clear()
+        options.update(before)
+
+
 def test_the_fast_variant_is_the_same_storage(env, fp8_files):
     """fp8_e4m3fn_fast (fp8 matrix products on GPUs, in ComfyUI) is the fp8_e4m3fn engine here: the same image as
     the reference, and its engine's key says fp8_e4m3fn."""
@@ -284,11 +324,11 @@ def test_the_fast_variant_is_the_same_storage(env, fp8_files):
     prompt["1"]["inputs"]["weight_dtype"] = "fp8_e4m3fn_fast"
     got = run(env, prompt)
     assert [k[-1] for k in env[0].engines._loaded] == ["fp8_e4m3fn"]
-    assert np.array_equal(got, run(env, flux_workflow(unet_name=fp8_files["fp8_e4m3fn"])))
+    assert np.array_equal(got, _in_bf16(env, flux_workflow(unet_name=fp8_files["fp8_e4m3fn"])))
 
 
 @pytest.mark.parametrize("unet_name,options,words", [
-    ("sd15_unet.safetensors", {}, "for FLUX.1 and SD3 transformers; 'sd15_unet.safetensors' is neither"),
+    ("sd15_unet.safetensors", {}, "Z-Image and Qwen-Image transformers; 'sd15_unet.safetensors' is none of them"),
     ("flux1-dev.safetensors", {"memory_mode": 0}, "memory mode 0"),
     ("flux1-dev.safetensors", {"precision": "int4"}, "precision 'int4' keeps the transformer's weights"),
 ])
@@ -342,12 +382,13 @@ def test_sd35_transformer_in_fp8(env, sd3, tmp_path):
     r = Request(prompt="a red circle", negative_prompt="blurry", width=64, height=64, steps=2, cfg_scale=6.0,
                 sampler="euler", schedule="simple", seed=3, noise="comfy")
 
-    def image(path, **storage):
-        engine = Engine.load(open_model(path, text_encoders=sd3), **env[0].engines.load_options, **storage)
+    def image(path, **options):
+        engine = Engine.load(open_model(path, text_encoders=sd3), **{**env[0].engines.load_options, **options})
         return engine, np.asarray(engine.generate(r).images[0])
 
     fp8, got = image(checkpoint, weight_storage="fp8_e4m3fn")
-    assert np.array_equal(got, image(rounded)[1])
+    assert fp8.precision.name == "bf16"   # the fp8 weights computed in bf16 (auto's int8 layers give way)
+    assert np.array_equal(got, image(rounded, precision="bf16")[1])
     linears = [m for m in _transformer(fp8).modules() if isinstance(m, (LowBitLinear, torch.nn.Linear))]
     assert linears and all(isinstance(m, LowBitLinear) and m.qtype == "F8_E4M3" and m.nbytes == m.weight.numel()
                            == m.in_features * m.out_features for m in linears)

@@ -37,8 +37,8 @@ EDIT, PLUS = "qwen_image_edit_fp8_e4m3fn.safetensors", "qwen_image_edit_2509_fp8
 CLIP, AE = "qwen_2.5_vl_7b_fp8_scaled.safetensors", "qwen_image_vae.safetensors"
 VOCAB = 152064                       # Qwen2.5's: the tokenizer's ids (<|image_pad|> 151655) index the embedding
 SOURCE = _source(72, 56, 11)         # the picture edited
-# ImageScaleToTotalPixels: 72 x 56 -> 112 x 96 (about 0.01 x 1024^2 pixels, sides multiples of 16: sdlite's Qwen-Image
-# draws those only, where ComfyUI pads the latent to whole 2 x 2 patches)
+# ImageScaleToTotalPixels: 72 x 56 -> 112 x 96 (about 0.01 x 1024^2 pixels, sides multiples of 16; multiples of 8,
+# which ComfyUI pads to whole 2 x 2 patches, in test_sides_of_multiples_of_8_are_padded_as_comfyui_pads_them)
 MEGAPIXELS, STEPS16 = 0.01, 16
 KONTEXT_SIZES = ((48, 64), (64, 64), (64, 48))   # FluxKontextImageScale's table, cut small: 72 x 56 -> 64 x 48
 WAIT_S = 60
@@ -170,6 +170,58 @@ def test_the_stock_template_is_the_engines_edit(env, plus):
     assert got.shape == want.shape == (height, width, 3) and got.std() > 5
     assert np.abs(got.astype(int) - want.astype(int)).max() <= 2
     assert np.abs(got.astype(int) - other.astype(int)).max() > 2
+
+
+def test_sides_of_multiples_of_8_are_padded_as_comfyui_pads_them(env):
+    """ImageScaleToTotalPixels at resolution_steps 8 (72 x 56 -> 120 x 88, a 15 x 11 latent): ComfyUI pads such a
+    latent to whole 2 x 2 patches and crops the output (the network's pad_to_patches, against diffusers in
+    tests.test_qwenimage_model), so the graph runs; its image is the engine's ComfyUI sampling at that size, guided
+    (true CFG's norms over the last, half patches). The A1111 sampling still refuses the size, naming the nearest."""
+    from sdlite.errors import RequestError
+
+    client, models = env
+    prompt = template()
+    prompt["93"]["inputs"]["resolution_steps"] = 8
+    got = _image(client, _post(client, prompt))
+    scaled = SOURCE.resize((120, 88), Image.Resampling.LANCZOS)
+    engine = _engine(models, EDIT)
+    r = Request(prompt=PROMPT, negative_prompt="", reference_images=(scaled,), steps=2, cfg_scale=2.5,
+                sampler="euler", schedule="simple", seed=5, noise="comfy", width=120, height=88)
+    want = np.asarray(engine.generate(r).images[0])
+    assert got.shape == want.shape == (88, 120, 3) and got.std() > 5
+    assert np.abs(got.astype(int) - want.astype(int)).max() <= 2
+    with pytest.raises(RequestError, match="multiples of 16 pixels .* 120x88 is not: the nearest that are: 112x80 or "
+                                           "128x96"):
+        engine.generate(r.replace(noise="a1111", schedule=None))
+
+
+def test_unet_loader_fp8_weight_dtype(env):
+    """UNETLoader's weight_dtype fp8_e4m3fn on the Qwen-Image-Edit file: the image of the file whose Linear weights
+    (every 2-D weight) were cast to fp8 and back by torch, from a transformer that keeps them one byte each; not the
+    default weights' image."""
+    from safetensors.torch import load_file, save_file
+
+    from sdlite.engine.lowbit import LowBitLinear
+
+    client, models = env
+    folder = models / "diffusion_models"
+    rounded = "qwen_image_edit_fp8-rounded.safetensors"   # an Edit release by its name, as EDIT
+    save_file({k: v.to(torch.float8_e4m3fn).to(v.dtype) if v.ndim == 2 and k.endswith(".weight") else v
+               for k, v in load_file(folder / EDIT).items()}, folder / rounded)
+    try:
+        prompt = template()
+        prompt["37"]["inputs"]["weight_dtype"] = "fp8_e4m3fn"
+        got = _image(client, _post(client, prompt))
+        (engine,) = [e for k, e in client.app.state.server.engines._loaded.items() if k[-1] == "fp8_e4m3fn"]
+        with engine.models.use("transformer") as transformer:
+            linears = [m for m in transformer.modules() if isinstance(m, (LowBitLinear, torch.nn.Linear))]
+        assert linears and all(isinstance(m, LowBitLinear) and m.qtype == "F8_E4M3" for m in linears)
+        prompt = template()
+        prompt["37"]["inputs"]["unet_name"] = rounded
+        assert np.array_equal(got, _image(client, _post(client, prompt)))
+        assert not np.array_equal(got, _image(client, _post(client, template())))
+    finally:
+        (folder / rounded).unlink()
 
 
 def test_image_scale_to_total_pixels_size():

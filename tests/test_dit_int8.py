@@ -3,12 +3,15 @@
 * which layers: every Linear inside the block lists of each DiT family sdlite has (FLUX.1, SD3, Z-Image, FLUX.2
   [klein], Qwen-Image), but the per-block modulation Linears; nothing outside the blocks;
 * the policy, per CPU (fake CPUs, so every machine asserts every case): accepted for a transformer where the CPU has
-  native bf16 and VNNI/AMX, refused with the reason elsewhere and for ``int8-bf16``; never ``auto``'s choice for a
-  transformer; fp8 weight storage beside it refused;
+  native bf16 and VNNI/AMX, and ``auto``'s choice there; refused with the reason elsewhere and for ``int8-bf16``; fp8
+  weight storage beside it refused by name, and taken by ``auto`` as bf16 (so are memory mode 0 and GGUF files);
 * the Engine on this CPU: a tiny FLUX.1-schnell and a tiny Z-Image folder load with their block Linears as
   Int8Linear and draw images within a stated distance of exact's (and of bf16's own distance from exact), or, where
   this CPU lacks the features (the Makefile's AVX2-capped pass), the load is refused with the reason; memory mode 0 is
-  refused by name; a GGUF transformer's block weights are dequantised, then quantised (no LowBitLinear).
+  refused by name; a GGUF transformer's block weights are dequantised, then quantised (no LowBitLinear);
+* per-token activations: a transformer's int8 Linears scale each token apart (``quantize_rows``), sdlite's kernels
+  giving PyTorch's own codes and products bit for bit, and a token far larger than the rest no longer costing the
+  others their precision (one scale per call does).
 """
 from __future__ import annotations
 
@@ -21,7 +24,9 @@ from sdlite.config.mmdit import MMDiTConfig
 from sdlite.engine.cpu import bf16_int8_problem
 from sdlite.engine.memory import MemoryModeError
 from sdlite.engine.precision import PrecisionError, auto_choice, resolve, stored_as
-from sdlite.engine.quant import Int8Linear, bf16_int8_targets, psnr, quantize_weight
+from sdlite.engine.quant import (Int8Linear, bf16_int8_targets, psnr, quantize_model, quantize_rows, quantize_weight,
+                                 requantize, scale_rows)
+from sdlite.kernels import bf16 as kernels
 from sdlite.machine import CPUInfo
 from sdlite.models.flux import Flux
 from sdlite.models.mmdit import MMDiT
@@ -72,6 +77,82 @@ def test_targets_are_the_blocks_linears_but_their_modulation(build):
     assert any(n.endswith("attn.to_q") for n in targets) and any(".ff" in n or "proj_mlp" in n for n in targets)
 
 
+# --- per-token activations ------------------------------------------------------------------------------------------
+
+def _tokens(seed=0):
+    """(2, 37, 100) bf16: tokens of magnitudes spread over 3 decades, one all zero; 100 columns (a kernel tail)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 37, 100, generator=g) * torch.logspace(-2, 1, 37)[None, :, None]
+    x[1, 5] = 0
+    return x.bfloat16()
+
+
+@pytest.mark.parametrize("bits", [8, 7])
+def test_row_codes_and_scales_equal_pytorch(bits, monkeypatch):
+    """sdlite's per-row kernel gives the codes and scales of quantize_rows' PyTorch operations, bit for bit (where
+    this CPU runs the kernel; elsewhere both calls are PyTorch's); the codes hold the shared zero point's range and
+    decode to within half a step of each value."""
+    x = _tokens()
+    q, scales, zero_point = quantize_rows(x.clone(), bits)
+    monkeypatch.setattr(kernels, "enabled", False)
+    q_ref, scales_ref, zp_ref = quantize_rows(x.clone(), bits)
+    assert torch.equal(q, q_ref) and torch.equal(scales, scales_ref) and zero_point == zp_ref == 1 << (bits - 1)
+    assert scales.shape == (2, 37) and scales[1, 5] == 1 and q[1, 5].eq(zero_point).all()
+    assert q.min() >= 1 and q.max() == 2 * zero_point - 1
+    decoded = (q.float() - zero_point) * scales.unsqueeze(-1)
+    assert ((decoded - x.float()).abs() <= scales.unsqueeze(-1) * 0.5001).all()
+
+
+def test_row_scaling_equals_pytorch(monkeypatch):
+    y = _tokens(1)
+    scales, bias = torch.rand(2, 37) + 0.5, torch.randn(100)
+    got = [scale_rows(y.clone(), scales, b) for b in (bias, None)]
+    monkeypatch.setattr(kernels, "enabled", False)
+    want = [scale_rows(y.clone(), scales, b) for b in (bias, None)]
+    assert all(torch.equal(a, b) and a.dtype == torch.bfloat16 for a, b in zip(got, want))
+    assert torch.equal(want[0], (y.float() * scales.unsqueeze(-1) + bias).bfloat16())
+
+
+def test_non_finite_tokens_are_refused():
+    x = _tokens()
+    x[0, 3, 7] = float("nan")
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        quantize_rows(x)
+
+
+def test_a_loud_token_costs_only_its_own_precision():
+    """One token 1000x the others (a text token beside image tokens in a joint sequence): with one scale per call the
+    other tokens lose most of their bits; with one per token their error stays that of 8 bits."""
+    g = torch.Generator().manual_seed(2)
+    linear = nn.Linear(64, 48).bfloat16()
+    x = torch.randn(1, 20, 64, generator=g).bfloat16()
+    x[0, 0] *= 1000
+    exact = nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
+    quiet = slice(1, None)
+    errors = {}
+    for per_token in (False, True):
+        out = Int8Linear(linear, 8, stored_as=torch.bfloat16, per_token=per_token)(x.clone())
+        errors[per_token] = _relative(out[0, quiet], exact[0, quiet])
+    assert errors[True] < 0.02 < 0.2 < errors[False]
+
+
+def test_transformers_take_per_token_activations_and_unets_per_call():
+    from sdlite.models.unet import UNet
+    from tests.reference import TINY_UNET_SD1
+
+    if bf16_int8_problem() is not None:
+        return
+    flux, unet = Flux(FLUX).bfloat16(), UNet(TINY_UNET_SD1).bfloat16()
+    quantize_model(flux, "bf16-int8")
+    quantize_model(unet, "bf16-int8")
+    flux_int8 = [m for m in flux.modules() if isinstance(m, Int8Linear)]
+    unet_int8 = [m for m in unet.modules() if isinstance(m, Int8Linear)]
+    assert flux_int8 and all(m.per_token for m in flux_int8)
+    assert unet_int8 and not any(m.per_token for m in unet_int8)
+    again = requantize(flux_int8[0], torch.randn(flux_int8[0].out_features, flux_int8[0].in_features))
+    assert again.per_token and "per token" in repr(again)
+
+
 # --- the policy, per CPU ---------------------------------------------------------------------------------------------
 
 def test_policy_per_cpu():
@@ -79,7 +160,11 @@ def test_policy_per_cpu():
 
     plan = resolve("bf16-int8", "cpu", cpu(ZEN4), spec=FLUX_SCHNELL)
     assert (plan.name, plan.quantize, plan.dtype, plan.lowbit) == ("bf16-int8", "bf16-int8", torch.bfloat16, "none")
-    assert auto_choice("cpu", cpu(ZEN4), FLUX_SCHNELL)[0] == "bf16"         # offered, not the default
+    chosen, why = auto_choice("cpu", cpu(ZEN4), FLUX_SCHNELL)
+    assert chosen == "bf16-int8" and "transformer's blocks in int8" in why   # auto's, with native bf16 and VNNI
+    assert auto_choice("cpu", cpu(ZEN4 - {"avx512_vnni"}), FLUX_SCHNELL)[0] == "bf16"
+    auto = resolve("auto", "cpu", cpu(ZEN4), spec=FLUX_SCHNELL)
+    assert stored_as(auto, "fp8_e4m3fn", FLUX_SCHNELL).lowbit == "fp8_e4m3fn"   # the engine takes bf16 then
     with pytest.raises(PrecisionError, match=r"'bf16-int8' needs native bf16.*ONEDNN_MAX_CPU_ISA=AVX2"):
         resolve("bf16-int8", "cpu", cpu(ZEN4, "AVX2"), spec=FLUX_SCHNELL)
     with pytest.raises(PrecisionError, match=r"'bf16-int8' needs exact 8-bit int8 products"):
@@ -148,6 +233,26 @@ def test_block_linears_are_int8_and_the_image_stays_near_exact(family, request):
     print(f"{family} bf16-int8 against exact: latents {rel:.2e} relative (bf16: {rel_bf16:.2e}), image {db:.1f} dB")
     assert rel <= MAX_LATENT_REL and rel <= MAX_OVER_BF16 * rel_bf16
     assert MIN_PSNR_DB <= db < float("inf") and _pixels(ref.images).std() > 10
+
+
+def test_auto_takes_bf16_where_int8_layers_cannot_be(flux, monkeypatch):
+    """auto's bf16-int8 for a transformer gives way to bf16, saying why, where the transformer is streamed (memory
+    mode 0), kept in fp8 (weight storage) or read from a GGUF file (its blocks kept as the file holds them)."""
+    from sdlite.engine.lowbit import in_gguf
+    from sdlite.pipeline import engine as engine_module
+
+    auto = Engine.load(flux)
+    if bf16_int8_problem() is not None:
+        assert auto.precision.name != "bf16-int8"
+        return
+    assert auto.precision.label == "bf16-int8 (auto)" and not in_gguf(auto.models.ckpt, "transformer")
+    assert isinstance(auto.models.get("transformer").get_submodule("transformer_blocks.0.attn.to_q"), Int8Linear)
+    for kw, why in ((dict(memory_mode=0), "streamed block by block"), (dict(weight_storage="fp8_e4m3fn"), "fp8"),
+                    ({}, "GGUF")):
+        if why == "GGUF":
+            monkeypatch.setattr(engine_module, "in_gguf", lambda ckpt, component: component == "transformer")
+        plan = Engine.load(flux, **kw).precision
+        assert plan.label == "bf16 (auto)" and why in plan.reason, (kw, plan.reason)
 
 
 def test_memory_mode_0_is_refused_by_name(flux):

@@ -251,7 +251,7 @@ def test_inpainting_encodes_the_source_once(distilled, monkeypatch):
     """The source's mean latent is both the first reference (the family's conditioning) and the start (the engine's):
     one VAE encode serves both (and the next request with the same source needs none)."""
     _, engine, _ = distilled
-    engine._mean_memo = None   # what an earlier test encoded
+    engine._moments_memo = None   # what an earlier test encoded
     calls = []
     with engine.models.use("vae") as vae:
         encode = type(vae).encode_moments

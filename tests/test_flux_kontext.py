@@ -158,6 +158,19 @@ def test_refusals_name_the_problem(models, tmp_path):
                                            cfg_scale=1.0))
 
 
+def test_comfyui_latents_of_odd_sides_are_references_on_comfyuis_sampling(models):
+    """A ReferenceLatent's latent of odd sides (a VAEEncode of an image whose sides are multiples of 8 pixels but not
+    of 16) runs on ComfyUI's sampling, the network padding it as ComfyUI does (against diffusers in
+    tests.test_flux_model); the A1111 sampling still asks for even sides."""
+    latent = torch.randn(1, 16, 5, 7, generator=torch.Generator().manual_seed(2))
+    r = Request(prompt=PROMPT, reference_images=(latent,), width=SIZE, height=SIZE, steps=2, sampler="euler",
+                schedule="simple", cfg_scale=1.0, seed=1, noise="comfy")
+    got = models["kontext"].generate(r)
+    assert got.images[0].size == (SIZE, SIZE)
+    with pytest.raises(RequestError, match=r"reference image 1: a latent of shape \(1, 16, 5, 7\).*even sides"):
+        models["kontext"].generate(r.replace(noise="a1111", schedule=None))
+
+
 def test_preferred_sizes():
     from sdlite.families.flux_kontext import kontext_size, preferred_size
 

@@ -13,6 +13,7 @@ from sdlite.weights.flux_keys import (
     flux_from_original, flux_layout, flux_plan, flux_to_original, infer_flux_config, load_flux,
 )
 from sdlite.weights.plan import ConversionError, UnsupportedModelError
+from tests.reference import comfy_wrapped
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -38,14 +39,20 @@ def _reference(ref, x, t, ctx, pooled, guidance):
     return FluxPipeline._unpack_latents(out, h * 8, w * 8, 8)
 
 
-@pytest.mark.parametrize("guidance", [True, False], ids=["dev", "schnell"])
-def test_tiny_transformer_is_bit_exact(guidance):
-    """Batch 2, two timesteps, a 8x12 latent (rectangular: rows and columns have their own ids), 7 text tokens."""
+def _pair(guidance: bool):
+    """diffusers' tiny FLUX transformer (dev: with the guidance embedding) from seed 0 and sdlite's with its weights."""
     torch.manual_seed(0)
     cfg = FluxConfig(**TINY, guidance_embeds=guidance)
     ref = _diffusers(cfg)
     ours = Flux(cfg).eval()
     ours.load_state_dict(ref.state_dict(), strict=True)
+    return ref, ours
+
+
+@pytest.mark.parametrize("guidance", [True, False], ids=["dev", "schnell"])
+def test_tiny_transformer_is_bit_exact(guidance):
+    """Batch 2, two timesteps, a 8x12 latent (rectangular: rows and columns have their own ids), 7 text tokens."""
+    ref, ours = _pair(guidance)
     g = torch.Generator().manual_seed(1)
     x, ctx, pooled = torch.randn(2, 16, 8, 12, generator=g), torch.randn(2, 7, 32, generator=g), \
         torch.randn(2, 24, generator=g)
@@ -57,6 +64,54 @@ def test_tiny_transformer_is_bit_exact(guidance):
         other_t = ours(x, t * 0.5, ctx, pooled, gd)
     assert torch.equal(got, expected)
     assert not torch.equal(got, other_t)
+
+
+def test_odd_latents_are_padded_as_comfyui_pads_them():
+    """A latent of odd sides (ComfyUI's, from a size that is a multiple of 8 pixels but not of 16): ComfyUI's
+    ``pad_to_patch_size`` (circular, at the bottom and the right) before the 2 x 2 patches, the ids those of the
+    padded grid, the output cropped back: diffusers' bits on the padded latent. Kontext's references too, placed as
+    ComfyUI's "offset" method places them: the region they cover counted in latent rows and columns as they are, the
+    grid and the offset in patches rounded up (a 5x7 reference at (1, 0, 0); a 4x3 one below it, from row
+    ceil(5 / 2) = 3; floor would give 2). Zero padding would give other values."""
+    import torch.nn.functional as F
+    from diffusers import FluxPipeline
+
+    ref, ours = _pair(True)
+    g = torch.Generator().manual_seed(3)
+    x, ctx, pooled = torch.randn(2, 16, 5, 7, generator=g), torch.randn(2, 4, 32, generator=g), \
+        torch.randn(2, 24, generator=g)
+    sources = (torch.randn(1, 16, 5, 7, generator=g), torch.randn(1, 16, 4, 3, generator=g))
+    t, gd = torch.tensor([0.8, 0.3]), torch.tensor([3.5, 3.5])
+    wrapped = comfy_wrapped(x)                                            # (2, 16, 6, 8): row 0 again, column 0
+
+    def packed(latent):
+        b, c, h, w = latent.shape
+        return FluxPipeline._pack_latents(latent, b, c, h, w)
+
+    def ids(h, w, first=0.0, down=0):
+        grid = FluxPipeline._prepare_latent_image_ids(1, h, w, "cpu", torch.float32)
+        grid[:, 0] = first
+        grid[:, 1] += down
+        return grid
+
+    def diffusers_edit(latent, refs, img_ids):
+        tokens = torch.cat([packed(latent), *(packed(r).expand(2, -1, -1) for r in refs)], dim=1)
+        out = ref(tokens, encoder_hidden_states=ctx, pooled_projections=pooled, timestep=t, img_ids=img_ids,
+                  txt_ids=torch.zeros(ctx.shape[1], 3), guidance=gd).sample[:, :12]
+        return FluxPipeline._unpack_latents(out, 48, 64, 8)[:, :, :5, :7]
+
+    with torch.no_grad():
+        got = ours(x, t, ctx, pooled, gd)
+        assert got.shape == x.shape
+        assert torch.equal(got, _reference(ref, wrapped, t, ctx, pooled, gd)[:, :, :5, :7])
+        zeros = _reference(ref, F.pad(x, (0, 1, 0, 1)), t, ctx, pooled, gd)[:, :, :5, :7]
+        assert (got - zeros).abs().max() > 1e-3
+        edit = ours(x, t, ctx, pooled, gd, references=sources)
+        padded = tuple(comfy_wrapped(source) for source in sources)           # 6 x 8 and 4 x 4
+        want = diffusers_edit(wrapped, padded, torch.cat([ids(3, 4), ids(3, 4, 1.0), ids(2, 2, 1.0, down=3)]))
+        assert torch.equal(edit, want)
+        floor = diffusers_edit(wrapped, padded, torch.cat([ids(3, 4), ids(3, 4, 1.0), ids(2, 2, 1.0, down=2)]))
+        assert (edit - floor).abs().max() > 1e-4
 
 
 def test_bf16_stays_close():

@@ -492,3 +492,39 @@ def test_the_layer_takes_the_attention_measured_faster_here(monkeypatch, tmp_pat
     assert _snr(kernel, sdpa.float()) > 35
     kernel_ms, pytorch_ms = measure(repeats=1)   # the real measurement runs and times both
     assert kernel_ms > 0 and pytorch_ms > 0
+
+
+def test_transformers_attention_is_chosen_apart(monkeypatch, tmp_path):
+    """A transformer's joint attention (sdlite.models.mmdit.attention: FLUX.1, SD3, FLUX.2, Qwen-Image) takes the
+    kernel or PyTorch's SDPA by its own measurement, at a transformer's shape and kept under its own key, not the
+    UNet's; fp32 and the exact path never take the bf16 kernel."""
+    from sdlite.models import mmdit
+
+    monkeypatch.setattr(build, "kernel_dir", lambda: tmp_path)
+    monkeypatch.setattr(kattn, "_CHOICES", {})
+    monkeypatch.delenv(kattn.CHOICE_ENV, raising=False)
+    shapes = []
+
+    def measure(repeats=5, shape=kattn.CHOICE_SHAPE):
+        shapes.append(shape)
+        return (10.0, 20.0) if shape == kattn.CHOICE_SHAPES["dit"] else (30.0, 20.0)   # faster for DiTs only
+
+    monkeypatch.setattr(kattn, "measure_attention", measure)
+    assert kattn.attention_pays("dit") == RUNS_HERE and not kattn.attention_pays("unet")
+    if not RUNS_HERE:
+        assert shapes == []
+        return
+    assert shapes == [kattn.CHOICE_SHAPES["dit"], kattn.CHOICE_SHAPE]
+    assert "transformers' attention: sdlite's (measured now: 10.0 ms" in kattn.status()
+    kept = (tmp_path / kattn.CHOICE_FILE).read_text()
+    assert "dit (1, 24, 1024, 128)" in kept
+    with pytest.raises(ValueError, match="attention kind 'vit'"):
+        kattn.attention_choice("vit")
+    used = []
+    monkeypatch.setattr(kattn, "attend", lambda q, k, v: used.append(q.dtype) or kattn.attention_bf16(q, k, v))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 40, 3, 64, generator=g).transpose(1, 2) for _ in range(3))   # strided, as FLUX's
+    want = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(2, 40, 192)
+    assert torch.equal(mmdit.attention(q, k, v, False), want) and used == []          # fp32: PyTorch's
+    got = mmdit.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), False)
+    assert used == [torch.bfloat16] and got.shape == (2, 40, 192) and _snr(got, want) > 35

@@ -129,6 +129,31 @@ def test_the_sequence_holds_the_sample_not_the_mean(model, small_area, monkeypat
     assert np.abs(got - expected).max() > MAX_PIXEL_DIFF
 
 
+def test_the_source_is_encoded_once(model, monkeypatch):
+    """The source's posterior sample is the sequence's latent (the family's) and the start (the engine's), two draws
+    of one seed from the same moments, as the pipeline's one ``image_latents``: one VAE encode serves both, and a
+    re-rolled seed encodes nothing again. The images are those of a model that remembers nothing (two encodes a
+    request)."""
+    _, engine, _ = model
+    engine._moments_memo = None   # what an earlier test encoded
+    calls = []
+    with engine.models.use("vae") as vae:
+        encode = type(vae).encode_moments
+    monkeypatch.setattr(type(vae), "encode_moments", lambda self, x: calls.append(tuple(x.shape)) or encode(self, x))
+    request = _request(cfg_scale=1.0, strength=0.6, steps=2, seed=3, width=64, height=48)
+    first = _pixels(engine.generate(request).images)
+    assert len(calls) == 1, calls
+    again = _pixels(engine.generate(request.replace(seed=4)).images)
+    assert len(calls) == 1, calls
+    # a model that remembers nothing: the family's encode and the engine's, each request
+    monkeypatch.setattr(type(engine), "_moments_memo", property(lambda self: None, lambda self, value: None),
+                        raising=False)
+    fresh = [_pixels(engine.generate(request.replace(seed=s)).images) for s in (3, 4)]
+    assert len(calls) == 1 + 4, calls
+    assert np.array_equal(first, fresh[0]) and np.array_equal(again, fresh[1])
+    assert not np.array_equal(first, again)
+
+
 def test_the_size_and_the_vision_image(model):
     """No size: the source's edit size at the real area (1024^2); a size given is drawn as given. The vision tower
     sees the source as drawn (Edit), or at about 384^2 pixels (Plus)."""
@@ -157,7 +182,7 @@ def test_reference_images_with_a_mask(model):
     with pytest.raises(RequestError, match="the inpainting source and 3 reference images: .* take 3 images in all"):
         plus.check_request(_request(reference_images=(other,) * 3, width=32, height=32))
     with pytest.raises(RequestError, match="or an init image with a mask to inpaint"):
-        engine.generate(Request(prompt=INSTRUCTION, steps=1, width=32, height=32, sampler="euler"))
+        engine.generate(Request(prompt=INSTRUCTION, steps=2, width=32, height=32, sampler="euler"))
 
 
 def test_sdlite_edit_with_a_mask_inpaints(model, small_area, tmp_path, capsys):

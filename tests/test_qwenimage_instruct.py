@@ -201,15 +201,15 @@ def test_refusals(models):
     edit, plus = models["edit_engine"], models["plus_engine"]
     source = _source(48, 48, 1)
     with pytest.raises(RequestError, match="edits an image: give the source image"):
-        edit.generate(Request(prompt=INSTRUCTION, steps=1, width=32, height=32, sampler="euler"))
+        edit.generate(Request(prompt=INSTRUCTION, steps=2, width=32, height=32, sampler="euler"))
     with pytest.raises(RequestError, match="2 source images were given: Qwen-Image-Edit takes one"):
-        edit.generate(Request(prompt=INSTRUCTION, steps=1, width=32, height=32, sampler="euler",
+        edit.generate(Request(prompt=INSTRUCTION, steps=2, width=32, height=32, sampler="euler",
                               reference_images=(source, source)))
     with pytest.raises(RequestError, match="4 source images were given: .* take 3"):
-        plus.generate(Request(prompt=INSTRUCTION, steps=1, width=32, height=32, sampler="euler",
+        plus.generate(Request(prompt=INSTRUCTION, steps=2, width=32, height=32, sampler="euler",
                               reference_images=(source,) * 4))
     with pytest.raises(RequestError, match="reference image 1: .*needs the images, not latents"):
-        edit.generate(Request(prompt=INSTRUCTION, steps=1, width=32, height=32, sampler="euler",
+        edit.generate(Request(prompt=INSTRUCTION, steps=2, width=32, height=32, sampler="euler",
                               reference_images=(torch.zeros(1, 16, 4, 4),)))
     assert EDIT_DROPPED_TOKENS == 64
 
@@ -245,3 +245,55 @@ def test_the_source_image_reaches_the_caption_and_the_sequence(models):
     # fp32 rounding is about 1e-7 of the magnitude; the tiny random transformer leans on its references weakly
     # (about 7e-4 of the magnitude here), so the bar is 1e-4: a thousand times rounding
     assert (va - vb).abs().max() > 1e-4 * va.abs().max()
+
+
+def test_captions_with_images_are_remembered(models, monkeypatch):
+    """A re-rolled seed with the same source image (another object of the same pixels) and the same texts runs the
+    vision tower (and the encoder) once; another image or another instruction runs it again; the images are those of
+    an engine that remembers nothing. While a LoRA changes the text encoder nothing is reused or remembered; one that
+    changes the transformer alone leaves the captions to be reused."""
+    import sdlite.families.qwenimage_edit as family
+
+    monkeypatch.setattr(family, "VAE_AREA", 256 * 256)   # the sources at a small area: fewer tokens
+    engine = models["edit_engine"]
+    engine._image_text_cache.clear()   # what earlier tests encoded
+    calls = []
+    with engine.models.use("text_encoder") as encoder:
+        tower = type(encoder.visual)
+    forward = tower.forward
+    monkeypatch.setattr(tower, "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+    source = _source(64, 48, 1)
+    request = Request(prompt=INSTRUCTION, negative_prompt=NEGATIVE, reference_images=(source,), steps=2,
+                      cfg_scale=4.0, seed=1, width=32, height=32, sampler="euler")
+    first = _pixels(engine.generate(request).images)
+    assert len(calls) == 1
+    again = _pixels(engine.generate(request.replace(seed=2, reference_images=(source.copy(),))).images)
+    assert len(calls) == 1 and not np.array_equal(first, again)
+    engine.generate(request.replace(reference_images=(_source(64, 48, 2),)))
+    assert len(calls) == 2
+    engine.generate(request.replace(prompt="make the circle blue"))
+    assert len(calls) == 3
+
+    def lora_of(*networks):
+        def adapter(name, module, resident):
+            pass
+        adapter.components = frozenset(networks)   # as sdlite.adapters.lora.engine_with_loras marks its adapter
+        return adapter
+
+    for networks, runs in ((("text_encoder", "transformer"), 2), (("transformer",), 0)):
+        adapter = lora_of(*networks)
+        engine.models.adapters.append(adapter)
+        try:
+            before = len(calls)
+            engine.generate(request)
+            engine.generate(request)
+            assert len(calls) - before == runs, networks
+        finally:
+            engine.models.adapters.remove(adapter)
+    engine.generate(request)
+    assert len(calls) == 5   # remembered from before the text encoder's LoRA
+
+    monkeypatch.setattr(type(engine), "remembered", lambda self, key, compute, network="text_encoder": compute())
+    assert np.array_equal(first, _pixels(engine.generate(request).images))
+    assert np.array_equal(again, _pixels(engine.generate(request.replace(seed=2)).images))
+    assert len(calls) == 7

@@ -17,6 +17,7 @@ from sdlite.weights.plan import ConversionError, UnsupportedModelError
 from sdlite.weights.qwenimage_keys import (
     QWENIMAGE_PREFIX, infer_qwenimage_config, is_qwenimage, load_qwenimage, qwenimage_layout,
 )
+from tests.reference import comfy_wrapped
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -86,6 +87,29 @@ def test_tiny_transformer_is_bit_exact(zero_cond_t):
         assert not torch.equal(edit, ours(x, t, ctx, mask))
         assert torch.equal(ours(x, t, ctx, torch.ones(2, 7)), ours(x, t, ctx))
         assert not torch.equal(ours(x, t * 0.5, ctx), ours(x, t, ctx))
+
+
+def test_odd_latents_are_padded_as_comfyui_pads_them():
+    """A latent of odd sides (ComfyUI's, from a size that is a multiple of 8 pixels but not of 16), a source latent's
+    too: ComfyUI's ``pad_to_patch_size`` (circular, at the bottom and the right) before the 2 x 2 patches, the output
+    cropped back; diffusers' bits on the padded latents. Zero padding would give other values."""
+    import torch.nn.functional as F
+
+    ref, ours = _pair(QwenImageConfig(**TINY), seed=4)
+    g = torch.Generator().manual_seed(5)
+    x, ctx = torch.randn(2, 4, 5, 7, generator=g), torch.randn(2, 3, 24, generator=g)
+    source = torch.randn(4, 3, 4, generator=g)
+    t = torch.tensor([0.8, 0.3])
+    wrapped = comfy_wrapped(x)                                            # (2, 4, 6, 8): row 0 again, column 0
+    wrapped_source = comfy_wrapped(source)                                # (4, 4, 4)
+    with torch.no_grad():
+        got = ours(x, t, ctx)
+        assert got.shape == x.shape
+        assert torch.equal(got, _reference(ref, wrapped, t, ctx)[:, :, :5, :7])
+        zeros = _reference(ref, F.pad(x, (0, 1, 0, 1)), t, ctx)[:, :, :5, :7]
+        assert (got - zeros).abs().max() > 1e-3
+        edit = ours(x, t, ctx, references=[source])
+        assert torch.equal(edit, _reference(ref, wrapped, t, ctx, references=[wrapped_source])[:, :, :5, :7])
 
 
 def test_zero_cond_t_modulates_the_sources_at_timestep_0():
@@ -168,7 +192,7 @@ def test_bad_inputs_are_named():
     x, ctx = torch.zeros(1, 4, 4, 4), torch.zeros(1, 3, 24)
     with torch.no_grad():
         with pytest.raises(RequestError, match="latent"):
-            model(torch.zeros(1, 4, 5, 4), 0.5, ctx)
+            model(torch.zeros(1, 3, 4, 4), 0.5, ctx)
         with pytest.raises(RequestError, match="context has shape"):
             model(x, 0.5, torch.zeros(1, 3, 32))
         with pytest.raises(RequestError, match="context mask"):
@@ -176,7 +200,7 @@ def test_bad_inputs_are_named():
         with pytest.raises(RequestError, match="timesteps"):
             model(x, torch.tensor([0.5, 0.5]), ctx)
         with pytest.raises(RequestError, match="reference 0"):
-            model(x, 0.5, ctx, references=[torch.zeros(4, 3, 4)])
+            model(x, 0.5, ctx, references=[torch.zeros(3, 4, 4)])
         tokens = torch.zeros(2, 4, 16)
         with pytest.raises(RequestError, match="make 6 tokens"):
             model.tokens(tokens, ctx.expand(2, -1, -1), 0.5, [[(1, 2, 3)]] * 2)

@@ -190,12 +190,33 @@ def test_true_cfg_is_the_pipelines_formula():
     torch.testing.assert_close(pack((x - got) / s), v, rtol=1e-5, atol=1e-5)
 
 
+def test_one_step_is_refused_at_validation_naming_the_minimum(model, monkeypatch):
+    """One step of the pipelines' schedule is a lone sigma 1, which the stretch to shift_terminal cannot move: a
+    RequestError naming the steps and the minimum before any network runs (not the schedule's error from inside the
+    loop), the hires fix's second pass too. ComfyUI's sampling (its own flow table, no stretch) runs one step."""
+    _, engine, _ = model
+
+    def no_encoding(*args, **kwargs):
+        raise AssertionError("the text encoder ran before the steps were checked")
+
+    monkeypatch.setattr(engine.family, "encode_texts", no_encoding)
+    r = Request(prompt=PROMPT, steps=1, width=64, height=64, sampler="euler")
+    with pytest.raises(RequestError, match=r"^steps=1: Qwen-Image's schedule stretches its sigmas to end at "
+                                           r"shift_terminal=0\.02, which takes at least 2 steps; use 2 or more$"):
+        engine.generate(r)
+    with pytest.raises(RequestError, match=r"^the hires fix's steps=1: .* at least 2 steps"):
+        engine.generate(r.replace(steps=2, hires=Hires(scale=2.0, upscaler="Latent", steps=1, denoise=1.0)))
+    monkeypatch.undo()
+    comfy = engine.generate(r.replace(noise="comfy", schedule="simple"))
+    assert comfy.images[0].size == (64, 64)
+
+
 def test_refusals(model, tmp_path):
     _, engine, folder = model
     with pytest.raises(RequestError, match="multiples of 16"):
         engine.generate(Request(prompt=PROMPT, steps=1, width=72, height=64, sampler="euler"))
     with pytest.raises(RequestError, match="clip skip"):
-        engine.generate(Request(prompt=PROMPT, steps=1, width=64, height=64, clip_skip=2, sampler="euler"))
+        engine.generate(Request(prompt=PROMPT, steps=2, width=64, height=64, clip_skip=2, sampler="euler"))
     with pytest.raises(RequestError, match="skip-layer guidance"):
         engine.generate(Request(prompt=PROMPT, steps=1, width=64, height=64, cfg_scale=2.0, slg_layers=(0,),
                                 sampler="euler"))

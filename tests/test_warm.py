@@ -1,8 +1,8 @@
 """What a warm engine keeps between requests, and what stands in for the VAE: a request's text encodings are
 remembered (the same prompt again encodes nothing, the image is the same bit for bit) unless anything they depend
-on changed (clip skip, the embeddings' files, LoRAs applied), and a TAESD decoder computes as the VAE does under the
-engine's precision (its dtype, prepacked / Winograd layers, channels-last) without changing the module it was
-given."""
+on changed (clip skip, the embeddings' files, a LoRA that changes a text encoder; one of the UNet alone keeps them),
+and a TAESD decoder computes as the VAE does under the engine's precision (its dtype, prepacked / Winograd layers,
+channels-last) without changing the module it was given."""
 from __future__ import annotations
 
 from importlib import resources
@@ -86,6 +86,52 @@ def test_nothing_is_reused_while_loras_are_applied(engine, counted):
     plain = engine.generate(request())     # without the LoRA: encoded once more, then remembered
     assert engine.generate(request()).images[0].tobytes() == plain.images[0].tobytes()
     assert len(counted) == 3
+
+
+@pytest.fixture(scope="module")
+def split_loras(tmp_path_factory):
+    """The demo LoRA cut in two files: its UNet's layers alone, and its text encoder's alone."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path_factory.mktemp("split-loras")
+    state = load_file(LORA)
+    made = {}
+    for part, prefix in (("unet", "lora_unet_"), ("te", "lora_te_")):
+        kept = {k: v for k, v in state.items() if k.startswith(prefix)}
+        assert kept and len(kept) < len(state)
+        save_file(kept, folder / f"demo_teal_{part}.safetensors")
+        made[part] = str(folder / f"demo_teal_{part}.safetensors")
+    return made
+
+
+def test_a_lora_of_the_denoiser_alone_keeps_the_text_cache(engine, counted, split_loras):
+    """A LoRA that changes only the UNet leaves the text encoders as they are: the prompt encoded without it is
+    reused (one encoder call in all), the LoRA still applied (another image), and the image is the one of a run that
+    encodes the prompt afresh."""
+    plain = engine.generate(request())
+    r = request(loras=((split_loras["unet"], 1.0),))
+    cached = engine.generate(r)
+    assert engine.generate(r).images[0].tobytes() == cached.images[0].tobytes()
+    assert len(counted) == 1
+    assert cached.images[0].tobytes() != plain.images[0].tobytes()
+    engine._text_cache.clear()
+    assert engine.generate(r).images[0].tobytes() == cached.images[0].tobytes()
+    assert len(counted) == 2
+
+
+def test_a_lora_of_the_text_encoder_is_never_served_from_the_cache(engine, counted, split_loras):
+    """A LoRA that changes the text encoder: its prompt is encoded each time (not the plain encoding remembered
+    before, not its own), and the image differs from the plain one (the LoRA changed only the encoding) and equals the
+    one of a run with an empty cache."""
+    plain = engine.generate(request())
+    r = request(loras=((split_loras["te"], 1.0),))
+    first = engine.generate(r)
+    again = engine.generate(r)
+    assert len(counted) == 3
+    assert first.images[0].tobytes() == again.images[0].tobytes() != plain.images[0].tobytes()
+    engine._text_cache.clear()
+    assert engine.generate(r).images[0].tobytes() == first.images[0].tobytes()
+    assert engine.generate(request()).images[0].tobytes() == plain.images[0].tobytes()
 
 
 def test_the_cache_is_bounded(engine, counted):

@@ -143,6 +143,20 @@ def test_refusals(model):
                                 sampler="euler"))
 
 
+def test_comfyui_sampling_takes_sides_of_multiples_of_8(model):
+    """ComfyUI's sampling at 72 x 56 (a 9 x 7 latent, which ComfyUI's NextDiT pads to whole 2 x 2 patches; the
+    network's padding against diffusers in tests.test_zimage_model) draws an image of that size, not the corner of a
+    larger one; the A1111 sampling refuses the size, naming the nearest."""
+    _, engine, _ = model
+    r = Request(prompt=PROMPT, steps=2, width=72, height=56, sampler="euler", schedule="simple", noise="comfy", seed=3)
+    odd = _pixels(engine.generate(r).images)
+    assert odd.shape == (1, 56, 72, 3) and odd.std() > 5
+    even = _pixels(engine.generate(r.replace(width=64, height=48)).images)
+    assert np.abs(odd[:, :48, :64] - even).max() > 2
+    with pytest.raises(RequestError, match=r"72x56 is not: the nearest that are: 64x48 or 80x64"):
+        engine.generate(r.replace(noise="a1111", schedule=None))
+
+
 def test_off_exact_the_encoder_reads_the_prompts_tokens_alone(model):
     """Away from exact, the Qwen encoder runs on the batch's longest chat-templated prompt rather than 512 positions
     (causal attention: no real token sees the pads after it). The captions are the same values; exact keeps the

@@ -458,6 +458,8 @@ def engine_with_loras(engine, loras: Sequence[tuple[LoraSource, Weight]]):
             if keep:
                 handles.append(handle)
 
+    adapt.components = frozenset(touched)   # the networks it changes (ModelManager.adapted)
+
     # networks the manager builds while the block runs (the text encoders of modes 0 and 2, per use) get the
     # LoRAs through its adapter hook
     complete = False

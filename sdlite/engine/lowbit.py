@@ -57,7 +57,7 @@ from torch import nn
 from ..weights.quants import (INT4_GROUP, QuantizedTensor, QuantizedTensorError, cast_fp8, quantize_int4_groups,
                               quantize_int8_rows)
 
-__all__ = ["LowBitLinear", "replace_linears", "lowbit_bytes", "quantized_linears", "load_low_bit",
+__all__ = ["LowBitLinear", "replace_linears", "lowbit_bytes", "in_gguf", "quantized_linears", "load_low_bit",
            "LOW_BIT_MODES", "FP8_MODES", "quantize_weight", "lowbit_targets", "load_quantized"]
 
 
@@ -146,11 +146,16 @@ def lowbit_bytes(module: nn.Module) -> int:
     return sum(m.nbytes for m in module.modules() if isinstance(m, LowBitLinear))
 
 
+def in_gguf(ckpt, component: str) -> bool:
+    """Whether ``component``'s weights come from a GGUF file (which may keep them in ggml's block formats)."""
+    source = ckpt.sources.get(component)
+    return source is not None and hasattr(getattr(source.view, "source", None), "is_quantized")
+
+
 def quantized_linears(ckpt, component: str) -> dict[str, QuantizedTensor]:
     """``{weight key: QuantizedTensor}`` of the ``nn.Linear`` layers of ``component`` whose weights the checkpoint
     stores in a ggml block format (a GGUF file; empty for every other file), read from the names and headers only."""
-    source = ckpt.sources.get(component)
-    if source is None or not hasattr(getattr(source.view, "source", None), "is_quantized"):   # not a GGUF store
+    if not in_gguf(ckpt, component):
         return {}
     module = ckpt.build_empty(component)
     linears = {name for name, layer in module.named_modules() if isinstance(layer, nn.Linear)}

@@ -361,6 +361,11 @@ class ModelManager:
         # (memory mode 1; sdlite.adapters.lora.engine_with_loras)
         self.kept_loras = None
 
+    def adapted(self, name: str) -> bool:
+        """Whether an adapter applied now (a request's LoRAs) changes network ``name``'s weights: one that names the
+        networks it touches (its ``components``) where it names ``name``, one that names none always."""
+        return any(name in getattr(adapter, "components", (name,)) for adapter in self.adapters)
+
     def _adapt(self, name: str, module: nn.Module, resident: bool) -> None:
         for adapter in list(self.adapters):
             adapter(name, module, resident)

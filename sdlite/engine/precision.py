@@ -33,10 +33,10 @@ OpenVINO's PERFORMANCE / ACCURACY execution modes:
   native bf16 and VNNI or AMX (exact 8-bit products). On a transformer (FLUX.1, SD3, Z-Image, FLUX.2 [klein],
   Qwen-Image) the same layers are the Linear layers of its blocks (:func:`sdlite.engine.quant.transformer_int8_targets`:
   attention projections and MLPs; not the per-block modulation Linears, not the text encoders), quantised as the file
-  loads (a GGUF file's blocks dequantised first): W8A8 on oneDNN's u8 x s8 GEMM. Offered by name only, never ``auto``'s
-  choice there: trained DiTs have outlier activation channels, which one scale per tensor handles badly, and random
-  weights cannot show that (docs/precision.md gives the speed and the error measured on random weights). Memory mode
-  0 is refused with it, as for a UNet.
+  loads (a GGUF file's blocks dequantised first): W8A8 on oneDNN's u8 x s8 GEMM, the activations scaled per token
+  (:func:`sdlite.engine.quant.quantize_rows`). Memory mode 0 is refused with it, as for a UNet. ``auto``'s choice for a
+  transformer too (below): docs/precision.md gives its speed and its error against exact beside diffusers' own bf16's,
+  measured on random weights, which lack the outlier channels trained transformers have.
 * ``int8`` / ``int8-bf16`` -- the UNet's Linear and Conv2d layers in int8 (:mod:`sdlite.engine.quant`), the rest
   as in ``exact``.
 * ``int8`` / ``int4`` for a transformer (FLUX.1, SD3/SD3.5) -- weight-only: the Linear weights of its blocks
@@ -49,9 +49,10 @@ OpenVINO's PERFORMANCE / ACCURACY execution modes:
 * ``fp16`` -- half precision compute on a GPU (CUDA, MPS), as diffusers runs there; the SDXL VAE in fp32.
 * ``auto`` (the default) -- the fastest of these that meets the quality bound (PSNR >= 40 dB against ``exact`` on
   the full-size SD 1.5, >= 35 dB on the demo model; BENCHMARKS.md) on this device: ``fp16`` on a GPU;
-  ``bf16-int8`` on a CPU with native bf16, VNNI (or AMX) and sdlite's AVX512-BF16 kernels (``bf16`` for the SD x4
-  upscaler, whose int8 quality is not measured, and where memory mode 0 streams the UNet, which int8 layers cannot
-  be); ``bf16`` on other CPUs with native bf16; ``fp32-fast`` on CPUs without native bf16 that run sdlite's AVX2
+  ``bf16-int8`` on a CPU with native bf16, VNNI (or AMX) and sdlite's AVX512-BF16 kernels, for UNets and
+  transformers alike (``bf16`` for the SD x4 upscaler, whose int8 quality is not measured; where memory mode 0 streams
+  the denoiser, or fp8 storage keeps a transformer's weights, which int8 layers cannot be; and for a GGUF transformer,
+  whose blocks stay as the file holds them); ``bf16`` on other CPUs with native bf16; ``fp32-fast`` on CPUs without native bf16 that run sdlite's AVX2
   kernels; ``exact`` on any other CPU, and for small UNets (under 128 channels at the first level, the demo's 32),
   where bf16 is slower than fp32 (a 20-step demo image: 0.21 s against 0.16 s) and the fp32 kernels gain nothing
   (the demo's attention is under their size threshold).
@@ -106,6 +107,12 @@ PRECISION_CHOICES = tuple(PRECISIONS)
 BF16_INT8_WHY = ("native bf16 dot products and VNNI (8-bit int8 products), and sdlite's AVX512-BF16 kernels: bf16 "
                  "with the UNet's heaviest layers in int8 (a 512x512 SD 1.5 image: 35.4 s against exact's 116.5 s, "
                  "OpenVINO's default 45.3 s) at >= 40 dB against exact (48.0 dB)")
+# ... and for a transformer's blocks (bench/dit.py, bench/dit_quality.py; BENCHMARKS.md "DiT families")
+BF16_INT8_DIT_WHY = ("native bf16 dot products and VNNI (8-bit int8 products), and sdlite's AVX512-BF16 kernels: bf16 "
+                     "with the Linear layers of the transformer's blocks in int8, activations scaled per token (the "
+                     "step at 512x512 0.51x diffusers' bf16 for FLUX.1-schnell and SD3.5 Medium), as close to exact as "
+                     "diffusers' own bf16 is (random weights, 4 steps: FLUX.1 50.3 dB against diffusers bf16's 50.1, "
+                     "SD3.5 50.3 dB against 50.2)")
 # why auto takes fp32-fast where there is no native bf16 (bench/precision.py, bench/openvino.py under the AVX2 cap)
 FP32_FAST_WHY = ("no native bf16, and sdlite's fp32 kernels for AVX2 run here: fp32 with attention and GEGLU "
                  "fused and 3x3 convolutions by Winograd F(4x4,3x3) (faster than exact, within about fp32 rounding "
@@ -167,10 +174,10 @@ def auto_choice(device: str | torch.device = "cpu", cpu: CPUInfo | None = None, 
         return "exact", (f"a small UNet ({spec.unet.block_channels[0]} channels at its first level, under "
                          f"{MIN_BF16_CHANNELS}): bf16's conversions cost more than its kernels save (the demo: "
                          "0.21 s a 20-step image in bf16, 0.16 s in fp32)")
-    transformer = spec is not None and spec.unet is None   # SD3: int8 layers are the UNet's only, so far
+    transformer = spec is not None and spec.unet is None
     if bf16_int8_problem(None if here else cpu) is None and not (spec is not None and spec.is_x4_upscaler) \
-            and not transformer and _kernels_run(cpu, here):
-        return "bf16-int8", (BF16_INT8_WHY)
+            and _kernels_run(cpu, here):
+        return "bf16-int8", (BF16_INT8_DIT_WHY if transformer else BF16_INT8_WHY)
     if cpu.native_bf16:
         flags = ", ".join(f for f in BF16_FLAGS if cpu.has(f))
         return "bf16", (f"native bf16 dot products ({flags}): the UNet and VAE in bf16 run about 2.4x faster than "
@@ -185,15 +192,18 @@ def auto_choice(device: str | torch.device = "cpu", cpu: CPUInfo | None = None, 
                      "int8 (7-bit activations without VNNI) falls below the quality bound; fp32")
 
 
-def whole_unet(plan: Precision, streams: bool) -> Precision:
-    """``plan`` for an engine whose UNet is streamed block by block (memory mode 0, or weights kept in another
-    dtype) when ``streams``: int8 layers need the UNet loaded whole, so an ``auto`` that chose ``bf16-int8`` takes
-    ``bf16`` there (an int8 precision asked for by name is refused by the engine, saying why)."""
+STREAMED_WHY = "the denoiser is streamed block by block (memory mode 0), which int8 layers cannot be"
+
+
+def whole_unet(plan: Precision, streams: bool, why: str = STREAMED_WHY) -> Precision:
+    """``plan`` for an engine whose denoiser (UNet or transformer) cannot hold int8 layers when ``streams`` (``why``
+    says why: streamed block by block in memory mode 0, weights kept in another dtype or as a GGUF file's blocks):
+    int8 layers need it loaded whole, so an ``auto`` that chose ``bf16-int8`` takes ``bf16`` there (an int8
+    precision asked for by name is refused by the engine, saying why)."""
     if not streams or plan.requested != "auto" or plan.name != "bf16-int8":
         return plan
     return Precision("bf16", "auto", plan.dtype, plan.vae_dtype, plan.text_dtype, channels_last=plan.channels_last,
-                     t5_dtype=torch.bfloat16, reason="the UNet is streamed block by block (memory mode 0), which int8 layers cannot be: bf16; "
-                            + plan.reason)
+                     t5_dtype=torch.bfloat16, reason=f"{why}: bf16; " + plan.reason)
 
 
 def _kernels_run(cpu: CPUInfo, here: bool) -> bool:
@@ -299,8 +309,8 @@ def stored_as(plan: Precision, storage: str, spec=None) -> Precision:
     if spec is not None and spec.unet is not None:
         raise PrecisionError(f"weight storage {storage!r} keeps a transformer's (FLUX, SD3) Linear weights in fp8; "
                              f"this model ({spec.family}) has a UNet, whose weights sdlite keeps in its precision")
-    # auto's bf16-int8 with no model known yet is the UNet's choice: a transformer's auto is bf16 (no int8 layers)
-    if plan.lowbit != "none" or (plan.quantize != "none" and not (spec is None and plan.requested == "auto")):
+    # auto's bf16-int8 gives way to fp8 storage (Engine.load: whole_unet), as to streaming
+    if plan.lowbit != "none" or (plan.quantize != "none" and plan.requested != "auto"):
         raise PrecisionError(f"weight storage {storage!r} and precision {plan.name!r} both say how the transformer's "
                              "weights are stored: ask for one (precision bf16 or exact with fp8 storage)")
     return dataclasses.replace(plan, lowbit=storage)

@@ -16,7 +16,11 @@ Conditioning, as diffusers' ``FluxPipeline`` builds it:
 
 The latents: the VAE's 16 channels less 0.1159, times 0.3611. The schedule: FlowMatchEulerDiscreteScheduler's, with
 FLUX's pipeline sigmas ``linspace(1, 1/steps, steps)``; dev shifts them by ``mu`` from the image's token count (2x2
-latent patches), schnell not at all.
+latent patches), schnell not at all. Sides are multiples of 16 pixels (the pipelines resize others; sdlite names the
+nearest); ComfyUI's sampling (``Request.noise="comfy"``, its KSampler) takes the multiples of 8 that ComfyUI's latents
+have, the network padding an odd latent side (a Kontext reference's too) as ComfyUI's does
+(:func:`~sdlite.models.layers.pad_to_patches`: wrapped around, cropped after). Z-Image takes them the same way; FLUX.2
+does not: ComfyUI's FLUX.2 latent is already one position per 16 pixels (EmptyFlux2LatentImage rounds down to it).
 
 Editing (dev's network: FLUX.1 dev and FLUX.1 Kontext, family ``flux-kontext``): reference images
 (``Request.reference_images``) join the transformer's sequence as FLUX.1 Kontext's source image does
@@ -185,7 +189,8 @@ class FluxFamily(SD3Family):
         if r.controls:
             raise RequestError("ControlNet for FLUX is a model kind of its own (FluxControlNetModel) that sdlite does "
                                "not run yet; the SD 1.x/SDXL ControlNets cannot steer a FLUX transformer")
-        check_sides(r, "FLUX")
+        if r.noise != "comfy":   # ComfyUI's latents: any multiple of 8 pixels, padded to whole patches (module notes)
+            check_sides(r, "FLUX")
 
     def info_lines(self) -> list[str]:
         d = self.sampling_defaults

@@ -97,12 +97,14 @@ def reference_size(source, index: int, resize: bool) -> tuple[int, int]:
 
 def encode_references(family, model, r, resize: bool) -> tuple[torch.Tensor, ...]:
     """The request's reference images as latents (1, 16, H/8, W/8) in the sampler's scaling: each image at its
-    :func:`kontext_size`, encoded to the VAE's mean latent; a latent given as it is (its channels checked)."""
+    :func:`kontext_size`, encoded to the VAE's mean latent; a latent given as it is (its channels checked; sides
+    even, but on ComfyUI's sampling any, the network padding an odd one as ComfyUI does)."""
     channels = family.latent.channels
+    even = r.noise != "comfy"   # a ComfyUI latent may have an odd side
     out = []
     for i, source in enumerate(r.reference_images):
         if isinstance(source, torch.Tensor):
-            if source.shape[1] != channels or source.shape[2] % 2 or source.shape[3] % 2:
+            if source.shape[1] != channels or (even and (source.shape[2] % 2 or source.shape[3] % 2)):
                 raise RequestError(f"reference image {i + 1}: a latent of shape {tuple(source.shape)}; this model's "
                                    f"references are {channels}-channel latents with even sides (encode the image "
                                    "with its own VAE at a multiple of 16 pixels)")

@@ -24,8 +24,21 @@ from .base import ScheduledConditioning, approximate_images, latents_to_images
 
 AUTO_TILE, AUTO_TILE_ABOVE = 64, 96   # latent pixels: tile 512 px when an image side exceeds 768 px
 TEXT_CACHE_SIZE = 8                   # requests whose text encodings a warm engine keeps (LoadedModel.encoded_texts)
+IMAGE_TEXT_CACHE_SIZE = 4             # ... and whose captions of source images (LoadedModel.remembered): larger each
 LOW_MEMORY_TILE = 32                  # memory mode 0: tiles of 256 px above 256 px (a 512^2 decode in 4 tiles)
 OWN_TAESD_NAME = "vae (AutoencoderTiny)"   # the PNG parameters' VAE decoder when it is the model folder's own TAESD
+
+
+def _kept(cache: dict, key, compute, size: int):
+    """``cache[key]``, computed by ``compute()`` when missing; the entry made the most recent (a dict keeps insertion
+    order) and the least recent ones dropped past ``size``."""
+    hit = cache.pop(key, None)
+    if hit is None:
+        hit = compute()
+    cache[key] = hit
+    while len(cache) > size:
+        cache.pop(next(iter(cache)))
+    return hit
 
 
 class LoadedModel:
@@ -56,7 +69,8 @@ class LoadedModel:
         self.preview_decoder = None
         # the text encoders' outputs of the last requests (encoded_texts)
         self._text_cache: dict = {}
-        self._mean_memo: tuple | None = None   # (digest of the image, its mean latent): see encode_image
+        self._image_text_cache: dict = {}   # a family's conditioning from images (remembered)
+        self._moments_memo: tuple | None = None   # (digest of the image, its latent's mean and std): encode_image
         # a batch whose estimated UNet (decoder) activations exceed these bytes runs in pieces (None: the device's
         # default, sdlite.engine.budget); the rule never looks at the memory free, so images never depend on it
         self.unet_piece_bytes: int | None = None
@@ -162,21 +176,33 @@ class LoadedModel:
         """The family's :meth:`~sdlite.families.base.Family.encode_texts` of ``texts``, remembered for the next
         requests (a warm engine re-encodes nothing it encoded for one of the last ``TEXT_CACHE_SIZE`` requests:
         a server's re-queued prompt with a new seed, a batch of seeds). Keyed by everything the encoders' output
-        depends on besides their weights: the texts, the clip skip and the embeddings' files; while LoRAs are
-        applied (they may change the text encoders' weights) nothing is remembered or reused."""
-        if self.models.adapters:
+        depends on besides their weights: the texts, the clip skip and the embeddings' files; while a LoRA changes a
+        text encoder's weights (:meth:`~sdlite.engine.memory.ModelManager.adapted`: one that touches only the
+        denoiser keeps the cache) nothing is remembered or reused; the weights are restored after it, so what was
+        remembered before holds again."""
+        if any(self.models.adapted(name) for name in self.spec.text_encoders):
             return self.family.encode_texts(self, texts, clip_skip, embeddings, warnings)
         found = getattr(embeddings, "embeddings", None) or {}
         key = (tuple(texts), clip_skip, tuple(sorted((e.name, e.path, e.hash) for e in found.values())))
-        hit = self._text_cache.pop(key, None)
-        if hit is None:
+
+        def encode():
             notes: list[str] = []
-            hit = (self.family.encode_texts(self, texts, clip_skip, embeddings, notes), notes)
-        self._text_cache[key] = hit   # most recent last
-        while len(self._text_cache) > TEXT_CACHE_SIZE:
-            self._text_cache.pop(next(iter(self._text_cache)))
+            return self.family.encode_texts(self, texts, clip_skip, embeddings, notes), notes
+
+        hit = _kept(self._text_cache, key, encode, TEXT_CACHE_SIZE)
         warnings += [n for n in hit[1] if n not in warnings]
         return hit[0]
+
+    def remembered(self, key, compute, network: str = "text_encoder"):
+        """``compute()``, remembered under ``key`` for the next requests: a family's conditioning that reads images
+        (Qwen-Image-Edit's captions with their source images, the vision tower's and the encoder's work) which a
+        re-rolled seed asks for again. ``key`` holds everything the value depends on besides ``network``'s weights
+        (texts, the images' digests, the template, the precision); the last ``IMAGE_TEXT_CACHE_SIZE`` keys are kept.
+        While a LoRA changes ``network`` (:meth:`~sdlite.engine.memory.ModelManager.adapted`) nothing is remembered
+        or reused; the model's weights are restored after it, so what was remembered before holds again."""
+        if self.models.adapted(network):
+            return compute()
+        return _kept(self._image_text_cache, key, compute, IMAGE_TEXT_CACHE_SIZE)
 
     def conditioning(self, r, use_cfg: bool, embeddings=None) -> ScheduledConditioning:
         """The request's prompt and negative prompt (network tags already removed) as per-step conditioning
@@ -252,27 +278,29 @@ class LoadedModel:
         """Images (1, 3, H, W) in [-1, 1] -> scaled latents (B, C, H/8, W/8): one encoder pass, then one sample
         of the latent distribution per generator, each drawn as the reference draws it (``randn`` of the
         latent's shape from generator i; diffusers encodes the image once per batch item to the same moments).
-        Without generators, the distribution's mean (B = 1), remembered for the same pixels' next call (klein's and
-        Kontext's inpainting encode their source as a reference and as the start). A model with only a tiny VAE encodes by its TAESD
-        encoder, which gives the latents themselves (as diffusers takes an AutoencoderTiny's), nothing drawn."""
+        Without generators, the distribution's mean (B = 1). The moments of the pixels last encoded are remembered
+        for their next call, which then only draws: an editing family's inpainting source is encoded once as its
+        reference in the sequence and once more by the engine as its start (klein's and Kontext's the mean twice;
+        Qwen-Image-Edit's the same posterior sample twice, by two generators of the same seed, as the pipeline's one
+        ``image_latents`` serves both), and a re-rolled seed encodes the same source again. A model with only a tiny
+        VAE encodes by its TAESD encoder, which gives the latents themselves (as diffusers takes an AutoencoderTiny's),
+        nothing drawn."""
         if not self.has_vae:
             taesd = self.tiny_vae
             with torch.no_grad():
                 latents = taesd.encode(image.to(taesd.device, taesd.dtype)).float().to(self.device)
             return latents.expand(len(generators) if generators else 1, -1, -1, -1).clone()
-        key = None
-        if not generators:   # the mean of the image last encoded for it is remembered: an editing family's source
-            key = (tuple(image.shape), hashlib.blake2b(image.detach().cpu().float().numpy().tobytes(),
-                                                      digest_size=16).digest())
-            if self._mean_memo is not None and self._mean_memo[0] == key:
-                return self._mean_memo[1].clone()   # is both its first reference and (the engine's) its start
-        with torch.no_grad(), self.models.use("vae") as vae:
-            mean, logvar = vae.encode_moments(image.to(self.device, vae.dtype))
-        mean, std = mean.float(), torch.exp(0.5 * logvar.float())
+        key = (tuple(image.shape), hashlib.blake2b(image.detach().cpu().float().numpy().tobytes(),
+                                                  digest_size=16).digest())
+        if self._moments_memo is not None and self._moments_memo[0] == key:
+            mean, std = self._moments_memo[1:]
+        else:
+            with torch.no_grad(), self.models.use("vae") as vae:
+                mean, logvar = vae.encode_moments(image.to(self.device, vae.dtype))
+            mean, std = mean.float(), torch.exp(0.5 * logvar.float())
+            self._moments_memo = (key, mean, std)
         latent = self.family.latent
         if not generators:
-            scaled = latent.scale(mean)
-            self._mean_memo = (key, scaled.clone())
-            return scaled
+            return latent.scale(mean)
         draws = torch.cat([torch.randn(mean.shape, generator=g) for g in generators]).to(mean.device)
         return latent.scale(mean + std * draws)

@@ -24,7 +24,10 @@ The latents: the VAE's (B, 16, H/8, W/8), normalised per channel by the VAE conf
 ``latents_std`` (:class:`NormalizedLatents`); the transformer packs them into 2 x 2 patches itself. The schedule:
 FlowMatchEulerDiscreteScheduler's over the sigmas ``linspace(1, 1/steps, steps)`` with the dynamic shift ``mu`` from
 the image's token count (``calculate_shift``, one token per 16 x 16 pixels), stretched to ``shift_terminal``. The
-network takes ``sigma`` (the training timestep / 1000) and returns the velocity.
+network takes ``sigma`` (the training timestep / 1000) and returns the velocity. Sides are multiples of 16 pixels (the
+pipelines resize others; sdlite names the nearest); ComfyUI's sampling (``Request.noise="comfy"``, its KSampler)
+takes the multiples of 8 that ComfyUI's latents have, the network padding an odd latent side as ComfyUI's does
+(:func:`~sdlite.models.layers.pad_to_patches`: wrapped around, cropped after).
 
 Image to image and inpainting, as ``QwenImageImg2ImgPipeline`` and ``QwenImageInpaintPipeline`` run them: the one
 source image encoded once, a sample of its posterior drawn by the first image's generator and shared by the batch
@@ -40,7 +43,9 @@ import re
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
+from ..adapters.lora_files import lora_names
 from ..config.qwenimage import QWEN_IMAGE_FAMILY, QWEN_IMAGE_LIGHTNING_SCHEDULER, QwenImageConfig
 from ..errors import RequestError
 from ..models.flux import pack_latents, unpack_latents
@@ -60,6 +65,7 @@ TOKENIZER_MAX = 1024      # the pipeline's tokenizer_max_length: the templated t
 MAX_TOKENS = 512          # QwenImagePipeline's max_sequence_length default: the caption's tokens kept
 DEFAULT_CFG = 4.0         # the pipeline's true_cfg_scale default and the model card's
 DEFAULT_STEPS = 50
+MIN_STEPS = 2             # the fewest a schedule stretched to shift_terminal runs (QwenImageFamily.check_steps)
 # a Qwen-Image-Lightning LoRA's file name: "Lightning", then the steps it was distilled for ("8steps", "4-steps")
 LIGHTNING = re.compile(r"lightning.*?(\d+)[-_ ]?steps?", re.IGNORECASE)
 
@@ -127,16 +133,23 @@ def true_cfg(x: torch.Tensor, sigma: torch.Tensor, uncond: torch.Tensor, cond: t
              scale: float) -> torch.Tensor:
     """QwenImagePipeline's true CFG on the denoised estimates of a flow model (``denoised = x - sigma v``): on the
     velocities, ``comb = v_uncond + scale (v_cond - v_uncond)``, then each token's 64 values (a 2 x 2 patch of the 16
-    channels, as the pipeline packs them) times ``|v_cond| / |comb|``; the estimate of the result."""
+    channels, as the pipeline packs them) times ``|v_cond| / |comb|``; the estimate of the result. A latent of an odd
+    side (ComfyUI's, :func:`~sdlite.models.layers.pad_to_patches`) takes the norms of its last, half patches over
+    the values it has (padded with zeros, cropped after)."""
     s = sigma.to(x.dtype).reshape(-1, *([1] * (x.ndim - 1)))                  # (B, 1, 1, 1)
     if bool((s == 0).any()):   # no velocity to read back: plain guidance (the samplers never call sigma 0)
         return uncond + scale * (cond - uncond)
     v_uncond, v_cond = (x - uncond) / s, (x - cond) / s
-    comb = pack_latents(v_uncond + scale * (v_cond - v_uncond))               # (B, N, 64)
+    h, w = x.shape[2:]
+    pad = (0, w % 2, 0, h % 2)
+    comb = v_uncond + scale * (v_cond - v_uncond)
+    if any(pad):
+        comb, v_cond = F.pad(comb, pad), F.pad(v_cond, pad)
+    comb = pack_latents(comb)                                                 # (B, N, 64)
     cond_norm = torch.norm(pack_latents(v_cond), dim=-1, keepdim=True)        # (B, N, 1)
     comb_norm = torch.norm(comb, dim=-1, keepdim=True)
-    v = unpack_latents(comb * (cond_norm / comb_norm), x.shape[2], x.shape[3])
-    return x - s * v
+    v = unpack_latents(comb * (cond_norm / comb_norm), h + h % 2, w + w % 2)
+    return x - s * v[:, :, :h, :w]
 
 
 class QwenImageFamily(FlowFamily):
@@ -186,8 +199,28 @@ class QwenImageFamily(FlowFamily):
         if r.hires is not None and self.takes_references:
             raise RequestError("the hires fix is Qwen-Image's text to image; for Qwen-Image-Edit edit the image at the "
                                "size wanted, or upscale the result (sdlite upscale)")
-        check_sides(r, "Qwen-Image")
+        if r.noise != "comfy":   # ComfyUI's latents: any multiple of 8 pixels, padded to whole patches (module notes)
+            check_sides(r, "Qwen-Image")
         check_hires_sides(r, "Qwen-Image", self.latent.downscale)
+        self.check_steps(r)
+
+    def check_steps(self, r) -> None:
+        """Refuse a step count the schedule cannot run: the pipelines' sigmas ``linspace(1, 1/steps, steps)`` are
+        stretched to end at the scheduler's ``shift_terminal`` (0.02 in the published config), which one step, a
+        lone sigma 1, cannot be; the hires fix's second pass likewise. ComfyUI's sampling (its own flow table),
+        explicit timesteps or sigmas, and a distilled LoRA's scheduler without the stretch (Qwen-Image-Lightning's)
+        take one step."""
+        if r.noise == "comfy" or r.timesteps is not None or r.sigmas is not None:
+            return
+        own = self.lora_sampling(lora_names(r.prompt, r.loras))
+        terminal = (self.spec.scheduler if own is None else own.scheduler).get("shift_terminal")
+        if not terminal:
+            return
+        for what, steps in (("steps", r.steps), ("the hires fix's steps", r.hires.steps if r.hires else 0)):
+            if steps == 1:
+                raise RequestError(f"{what}={steps}: Qwen-Image's schedule stretches its sigmas to end at "
+                                   f"shift_terminal={terminal:g}, which takes at least {MIN_STEPS} steps; use "
+                                   f"{MIN_STEPS} or more")
 
     def lora_sampling(self, names: list[str]) -> LoraSampling | None:
         """lightx2v's Qwen-Image-Lightning LoRAs, by their files' names (``Qwen-Image-Lightning-8steps-V1.1``,

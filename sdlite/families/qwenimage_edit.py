@@ -47,6 +47,11 @@ Inpainting (``Request.init_image`` with ``mask``, ``mask_from_alpha`` or ``outpa
 them; Edit Plus (no diffusers pipeline inpaints with it) reads them after the source, as Pictures 2 and 3 (up to 3
 images in all), at their own edit sizes, their mean latents after the source's in the sequence.
 
+A warm engine remembers the captions of its last requests' texts with their images (by content,
+:meth:`QwenImageEditFamily.encoded_with_images`): a re-rolled seed runs neither the vision tower nor the 7B encoder
+again; the inpainting source is encoded by the VAE once for the sequence and the start
+(:meth:`~.loaded.LoadedModel.encode_image` remembers its moments).
+
 Where sdlite differs from the pipelines: they guide only when a negative prompt is given; sdlite whenever cfg is
 above 1, the negative prompt left empty encoding "" with the same images, as for Qwen-Image. The text encoder's
 3-D positions for the image tokens are Qwen2.5-VL's own (transformers 4 computed them from the ids); diffusers with
@@ -55,6 +60,7 @@ positions instead.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -94,6 +100,11 @@ def edit_size(width: int, height: int, area: int) -> tuple[int, int]:
     w = math.sqrt(area * ratio)
     h = w / ratio
     return round(w / SIDE) * SIDE, round(h / SIDE) * SIDE
+
+
+def _digest(image: Image.Image) -> tuple:
+    """An image by content: its mode, size and a hash of its pixels."""
+    return image.mode, image.size, hashlib.blake2b(image.tobytes(), digest_size=16).digest()
 
 
 def _resized(image: Image.Image, size: tuple[int, int]) -> Image.Image:
@@ -216,7 +227,8 @@ class QwenImageEditFamily(QwenImageFamily):
         """The inpainting source's latent (1, 16, h, w) in the sampler's scaling, as the loop's start takes it: the
         posterior's sample drawn by the first image's generator (seed ``seed``; the family's ``source_latent``
         "mean": the mean). It is the pipeline's ``image_latents``: the start, the region kept and the sequence's
-        reference at once."""
+        reference at once. The engine draws the start again by a generator of the same seed from the moments
+        :meth:`~.loaded.LoadedModel.encode_image` remembers, so the source is encoded once."""
         draw = [torch.Generator().manual_seed(seed)] if self.source_latent == "sample" else None
         return model.encode_image(image_to_tensor(source.image), draw)
 
@@ -275,6 +287,26 @@ class QwenImageEditFamily(QwenImageFamily):
             warnings += [n for n in notes if n not in warnings]
         return [h[:, EDIT_DROPPED_TOKENS:] for h in hidden]
 
+    def encoded_with_images(self, model, texts: list[str], images: list[Image.Image],
+                            warnings: list[str] | None = None) -> list[torch.Tensor]:
+        """:meth:`encode_with_images`, remembered by the model (:meth:`~.loaded.LoadedModel.remembered`) for the next
+        requests with the same texts and the same images by content: a re-rolled seed runs neither the vision tower
+        nor the encoder again. Keyed by what the captions depend on besides the encoder's weights: the texts, each
+        image's pixels, the template (the release's image slots, its system prompt, the tokens dropped) and the
+        precision (which also says whether the texts run one by one)."""
+        key = ("qwen-image-edit captions", tuple(texts), tuple(_digest(im) for im in images),
+               self.prompt_prefix(len(images)), EDIT_SYSTEM_PROMPT, EDIT_DROPPED_TOKENS,
+               repr(getattr(model, "precision", None)))
+
+        def encode():
+            notes: list[str] = []
+            return self.encode_with_images(model, texts, images, notes), notes
+
+        contexts, notes = model.remembered(key, encode)
+        if warnings is not None:
+            warnings += [n for n in notes if n not in warnings]
+        return contexts
+
     @staticmethod
     def _run(encoder, model, rows, features, grids, pad: int, merge: int) -> torch.Tensor:
         """The last hidden states (P, N, width) of token rows holding the images, right-padded to the longest."""
@@ -307,6 +339,6 @@ class QwenImageEditFamily(QwenImageFamily):
             vision = [self.source_vision_image(source), *vision]
             references = (self.source_latent_of(model, source, r.seed), *references)
         warnings: list[str] = []
-        contexts = self.encode_with_images(model, texts, vision, warnings)
+        contexts = self.encoded_with_images(model, texts, vision, warnings)
         return EditConditioning(schedules[0], schedules[1] if use_cfg else None, dict(zip(texts, contexts)),
                                 warnings, references=references)

@@ -102,7 +102,8 @@ class ZImageFamily(FlowFamily):
         if r.controls:
             raise RequestError("ControlNet for Z-Image is a model kind of its own (ZImageControlNetModel) that sdlite "
                                "does not run yet; the SD 1.x/SDXL ControlNets cannot steer a Z-Image transformer")
-        check_sides(r, "Z-Image")
+        if r.noise != "comfy":   # ComfyUI's latents: any multiple of 8 pixels, padded to whole patches (the network's)
+            check_sides(r, "Z-Image")
         check_hires_sides(r, "Z-Image", self.latent.downscale)
 
     def resolve(self, r):

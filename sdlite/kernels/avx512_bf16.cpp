@@ -357,6 +357,15 @@ inline __m512 load_bf16(const uint16_t* p) { return widen(_mm256_loadu_si256((co
 
 inline __m512 load_bf16_masked(const uint16_t* p, __mmask16 m) { return widen(_mm256_maskz_loadu_epi16(m, p)); }
 
+// a * b + c with two roundings, as PyTorch's separate multiply and add make: the empty asm holds the product in a
+// register, so that the compiler cannot contract the two into one fused multiply-add (one rounding), which it does
+// to intrinsics at -O3 even under -std=c++17 (measured: a code one lower where x * inv + add falls on a tie)
+inline __m512 mul_add(__m512 a, __m512 b, __m512 c) {
+    __m512 p = _mm512_mul_ps(a, b);
+    asm("" : "+v"(p));
+    return _mm512_add_ps(p, c);
+}
+
 // erf by Abramowitz & Stegun 7.1.26 (absolute error below 1.5e-7)
 inline __m512 erf_ps(__m512 x) {
     const __m512 ax = _mm512_abs_ps(x);
@@ -479,13 +488,13 @@ void quantize_range(const uint16_t* x, uint8_t* q, int64_t i0, int64_t i1, float
     int64_t i = i0;
     for (; i + 16 <= i1; i += 16) {
         // (x * inv) + add, two roundings as PyTorch's separate multiply and add make, then clamp and truncate
-        __m512 v = _mm512_add_ps(_mm512_mul_ps(widen(_mm256_loadu_si256((const __m256i*)(x + i))), vi), va);
+        __m512 v = mul_add(widen(_mm256_loadu_si256((const __m256i*)(x + i))), vi, va);
         v = _mm512_min_ps(_mm512_max_ps(v, z), vt);
         _mm_storeu_si128((__m128i*)(q + i), _mm512_cvtusepi32_epi8(_mm512_cvttps_epu32(v)));
     }
     if (i < i1) {
         const __mmask16 m = lanes((int)(i1 - i));
-        __m512 v = _mm512_add_ps(_mm512_mul_ps(widen(_mm256_maskz_loadu_epi16(m, x + i)), vi), va);
+        __m512 v = mul_add(widen(_mm256_maskz_loadu_epi16(m, x + i)), vi, va);
         v = _mm512_min_ps(_mm512_max_ps(v, z), vt);
         _mm_mask_storeu_epi8(q + i, m, _mm512_cvtusepi32_epi8(_mm512_cvttps_epu32(v)));
     }
@@ -527,4 +536,90 @@ extern "C" int sdl_quantize_u8_bf16(const uint16_t* x, uint8_t* q, int64_t n, fl
     if (n < 1 || !(top >= 1.f && top <= 255.f)) return 1;
     split(n, threads, [&](int, int64_t b, int64_t e) { quantize_range(x, q, b, e, inv, add, top); });
     return 0;
+}
+
+// --- int8 activations, one scale per row ------------------------------------------------------------------------------
+//
+// A transformer's int8 layers (bf16-int8 on a DiT) scale each token apart: symmetric codes round(x / s) + zp with
+// s = max|x| / half per row, kept in 1..2 zp - 1 so that oneDNN's one zero point serves every row, and the product's
+// row then multiplied by s (sdl_scale_rows_bf16). The arithmetic is sdlite.engine.quant.quantize_rows' in fp32: the
+// scale and its inverse by IEEE division, then a multiply and an add (two roundings), clamp, truncate.
+
+namespace {
+
+int quantize_rows(const uint16_t* x, uint8_t* q, float* scales, int64_t r0, int64_t r1, int64_t cols, float half,
+                  float zp) {
+    const int64_t full = cols & ~15;
+    const __mmask16 tail = lanes((int)(cols - full));
+    const __m512 z = _mm512_setzero_ps(), vt = _mm512_set1_ps(2.f * zp - 1.f);
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint16_t* xr = x + r * cols;
+        uint8_t* qr = q + r * cols;
+        Range seen;
+        for (int64_t c = 0; c < full; c += 16) seen.add(_mm256_loadu_si256((const __m256i*)(xr + c)), 0xFFFF);
+        if (full < cols) seen.add(_mm256_maskz_loadu_epi16(tail, xr + full), tail);
+        float range[3];
+        seen.store(range);
+        if (range[2] != 0.f) return 3;
+        const float amax = std::max(-range[0], range[1]);
+        const float scale = amax > 0.f ? amax / half : 1.f;
+        scales[r] = scale;
+        const __m512 vi = _mm512_set1_ps(1.f / scale), va = _mm512_set1_ps(zp + 0.5f);
+        for (int64_t c = 0; c < full; c += 16) {
+            __m512 v = mul_add(load_bf16(xr + c), vi, va);
+            v = _mm512_min_ps(_mm512_max_ps(v, z), vt);
+            _mm_storeu_si128((__m128i*)(qr + c), _mm512_cvtusepi32_epi8(_mm512_cvttps_epu32(v)));
+        }
+        if (full < cols) {
+            __m512 v = mul_add(load_bf16_masked(xr + full, tail), vi, va);
+            v = _mm512_min_ps(_mm512_max_ps(v, z), vt);
+            _mm_mask_storeu_epi8(qr + full, tail, _mm512_cvtusepi32_epi8(_mm512_cvttps_epu32(v)));
+        }
+    }
+    return 0;
+}
+
+void scale_rows(uint16_t* y, const float* scales, const float* bias, int64_t r0, int64_t r1, int64_t cols) {
+    const int64_t full = cols & ~15;
+    const __mmask16 tail = lanes((int)(cols - full));
+    for (int64_t r = r0; r < r1; ++r) {
+        uint16_t* yr = y + r * cols;
+        const __m512 s = _mm512_set1_ps(scales[r]);
+        for (int64_t c = 0; c < full; c += 16) {
+            const __m512 v = bias ? mul_add(load_bf16(yr + c), s, _mm512_loadu_ps(bias + c))
+                                  : _mm512_mul_ps(load_bf16(yr + c), s);
+            _mm256_storeu_si256((__m256i*)(yr + c), (__m256i)_mm512_cvtneps_pbh(v));
+        }
+        if (full < cols) {
+            const __m512 y16 = load_bf16_masked(yr + full, tail);
+            const __m512 v = bias ? mul_add(y16, s, _mm512_maskz_loadu_ps(tail, bias + full)) : _mm512_mul_ps(y16, s);
+            _mm256_mask_storeu_epi16(yr + full, tail, (__m256i)_mm512_cvtneps_pbh(v));
+        }
+    }
+}
+
+}  // namespace
+
+// For each of `rows` rows of `cols` contiguous bf16 values: scales[r] = max|x| / half (1 for an all-zero row) and
+// q = uint8(clamp(x / scales[r] + zp + 0.5, 0, 2 zp - 1)) (truncated). Returns 0; 1 for bad sizes or a zero point
+// outside 1..128; 3 when a value is infinite or NaN.
+extern "C" int sdl_quantize_rows_u8_bf16(const uint16_t* x, uint8_t* q, float* scales, int64_t rows, int64_t cols,
+                                         float half, float zp, int threads) {
+    if (rows < 1 || cols < 1 || !(zp >= 1.f && zp <= 128.f) || !(half >= 1.f && half < zp)) return 1;
+    const int used = split_threads(rows * cols, threads);
+    return sdl::parallel_parts(rows, used, [&](int64_t b, int64_t e) {
+        return quantize_rows(x, q, scales, b, e, cols, half, zp);
+    });
+}
+
+// y[r, c] = bf16(y[r, c] * scales[r] + bias[c]) in place (bias may be null: no add), rounded to nearest even, for
+// `rows` rows of `cols` contiguous bf16 values. Returns 0, or 1 for bad sizes.
+extern "C" int sdl_scale_rows_bf16(uint16_t* y, const float* scales, const float* bias, int64_t rows, int64_t cols,
+                                   int threads) {
+    if (rows < 1 || cols < 1) return 1;
+    const int used = split_threads(rows * cols, threads);
+    return sdl::parallel_parts(rows, used, [&](int64_t b, int64_t e) {
+        scale_rows(y, scales, bias, b, e, cols);
+        return 0;
+    });
 }

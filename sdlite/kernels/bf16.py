@@ -16,7 +16,9 @@ two plain products (no bias), then one pass for ``(value + b) * gelu(gate + b)``
 
 :func:`activation_range` and :func:`activation_codes` quantize a bf16 activation for an int8 layer
 (:func:`sdlite.engine.quant.quantize_activation`): one pass for min/max, one for the uint8 codes, with the same
-arithmetic (and so the same codes) as PyTorch's fp32 operations; None where they do not apply.
+arithmetic (and so the same codes) as PyTorch's fp32 operations; None where they do not apply. :func:`row_codes` and
+:func:`scale_rows` do the same with one scale per row (a transformer's tokens): the codes in one pass, and the int8
+product's rows scaled back (and biased) in place in one more.
 """
 from __future__ import annotations
 
@@ -60,6 +62,10 @@ use_amx = True
 # measured once per CPU, thread count, torch version and kernel build at this shape (B, heads, tokens, head dim) and
 # kept in the kernel cache folder; SDLITE_BF16_ATTENTION=kernel|pytorch settles it without measuring.
 CHOICE_SHAPE = (1, 8, 2048, 40)
+# the same choice for the diffusion transformers' attention (FLUX.1, SD3, FLUX.2, Qwen-Image, Z-Image: 64-128 wide
+# heads over one joint sequence), measured apart: at these shapes the kernel and PyTorch's flash attention rank
+# otherwise than at a UNet's 40-wide heads (a 2-core Zen 4: 59 ms against PyTorch's 140 ms at (1, 24, 1280, 128))
+CHOICE_SHAPES = {"unet": CHOICE_SHAPE, "dit": (1, 24, 1024, 128)}
 CHOICE_FILE = "attention-choice.json"
 CHOICE_ENV = "SDLITE_BF16_ATTENTION"
 CHOICE_MIN_GAIN = 0.05   # the kernel must be this much faster than PyTorch's to be chosen
@@ -90,7 +96,13 @@ def _function():
     codes.restype = ctypes.c_int
     codes.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_float, ctypes.c_float,
                       ctypes.c_int]
-    _QUANT[:] = [minmax, codes]
+    rows = lib.sdl_quantize_rows_u8_bf16
+    rows.restype = ctypes.c_int
+    rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float] * 2 + [ctypes.c_int]
+    scale_rows = lib.sdl_scale_rows_bf16
+    scale_rows.restype = ctypes.c_int
+    scale_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    _QUANT[:] = [minmax, codes, rows, scale_rows]
     return fn
 
 
@@ -138,12 +150,15 @@ def status() -> str:
         return f"PyTorch's ({got})"
     choice = attention_choice()
     attention = f"sdlite's ({_attention_kernel()[2]})" if choice["kernel"] else "PyTorch's SDPA"
-    return f"attention: {attention} ({choice['why']}); GEGLU: sdlite's kernel (AVX512-BF16)"
+    dit = _CHOICES.get(_choice_key("dit"))   # made by a transformer's first bf16 attention in this process
+    dit_text = "" if dit is None else (f"; transformers' attention: {'sdlite' if dit['kernel'] else 'PyTorch'}'s "
+                                       f"({dit['why']})")
+    return f"attention: {attention} ({choice['why']}){dit_text}; GEGLU: sdlite's kernel (AVX512-BF16)"
 
 
 _READY = False
 _GEGLU: list = [None]
-_QUANT: list = [None, None]
+_QUANT: list = [None, None, None, None]
 # the range of the last tensor a kernel wrote in this thread, found while writing it, as .entry = (tensor, its
 # version, min, max, non-finite)
 _KNOWN = threading.local()
@@ -215,35 +230,37 @@ def prepare() -> bool:
     return True
 
 
-def attention_pays() -> bool:
-    """Whether :class:`sdlite.models.layers.Attention` should run this kernel rather than PyTorch's SDPA on this
-    machine (see :data:`CHOICE_SHAPE`); False where the kernel is not available. Under torch.compile only a choice
-    already made counts (tracing measures nothing)."""
-    global _LAST
+def attention_pays(kind: str = "unet") -> bool:
+    """Whether an attention layer of ``kind`` (:data:`CHOICE_SHAPES`: "unet" for
+    :class:`sdlite.models.layers.Attention`, "dit" for the transformers' joint attention) should run this kernel
+    rather than PyTorch's SDPA on this machine; False where the kernel is not available. Under torch.compile only a
+    choice already made counts (tracing measures nothing)."""
     if torch.compiler.is_compiling():
-        return _LAST
-    key = _choice_key()
+        return _LAST.get(kind, False)
+    key = _choice_key(kind)
     if key not in _CHOICES and not _usable():
         return False
-    _LAST = attention_choice()["kernel"] if key not in _CHOICES else _CHOICES[key]["kernel"]
-    return _LAST
+    _LAST[kind] = attention_choice(kind)["kernel"] if key not in _CHOICES else _CHOICES[key]["kernel"]
+    return _LAST[kind]
 
 
 _CHOICES: dict = {}
-_LAST = False   # the choice last made in this process: what a torch.compile trace takes
+_LAST: dict = {}   # the choice last made in this process, per kind: what a torch.compile trace takes
 
 
-def _choice_key() -> tuple[int, str, bool]:
+def _choice_key(kind: str = "unet") -> tuple[int, str, bool, str]:
     """What the choice depends on within one process (called on every bf16 attention layer, so kept cheap): the
-    thread count, the override and which kernel (:data:`use_amx`); the CPU and torch are this process's (the cached
-    measurement's key names them)."""
-    return torch.get_num_threads(), os.environ.get(CHOICE_ENV, ""), use_amx
+    thread count, the override, which kernel (:data:`use_amx`) and the kind of layer; the CPU and torch are this
+    process's (the cached measurement's key names them)."""
+    return torch.get_num_threads(), os.environ.get(CHOICE_ENV, ""), use_amx, kind
 
 
-def attention_choice() -> dict:
+def attention_choice(kind: str = "unet") -> dict:
     """``{"kernel": bool, "why": str}`` (with ``kernel_ms`` and ``pytorch_ms`` when measured): which attention
-    :func:`attention_pays` takes here, once per process and thread count."""
-    key = _choice_key()
+    :func:`attention_pays` takes here for layers of ``kind``, once per process and thread count."""
+    if kind not in CHOICE_SHAPES:
+        raise ValueError(f"attention kind {kind!r} is not one of {', '.join(CHOICE_SHAPES)}")
+    key = _choice_key(kind)
     if key in _CHOICES:
         return _CHOICES[key]
     forced = os.environ.get(CHOICE_ENV, "").strip().lower()
@@ -254,20 +271,21 @@ def attention_choice() -> dict:
     else:
         if forced:
             build.notice(f"{CHOICE_ENV}={forced!r} is not one of kernel, pytorch: measuring instead")
-        choice = _cached_measurement()
+        choice = _cached_measurement(kind)
     _CHOICES[key] = choice
     return choice
 
 
-def _cached_measurement() -> dict:
+def _cached_measurement(kind: str = "unet") -> dict:
     from ..machine import read_measurements, record_measurement, this_cpu
 
     path = build.kernel_dir() / CHOICE_FILE
-    entry_key = f"{this_cpu().key} | {_attention_kernel()[1]}"
+    shape = CHOICE_SHAPES[kind]
+    entry_key = f"{this_cpu().key} | {_attention_kernel()[1]}" + ("" if kind == "unet" else f" | {kind} {shape}")
     entry = read_measurements(path).get("attention", {}).get(entry_key)
     source = "measured before"
     if not (isinstance(entry, dict) and all(isinstance(entry.get(f), (int, float)) for f in ("kernel_ms", "pytorch_ms"))):
-        kernel_ms, pytorch_ms = measure_attention()
+        kernel_ms, pytorch_ms = measure_attention() if kind == "unet" else measure_attention(shape=shape)
         entry = {"kernel_ms": round(kernel_ms, 3), "pytorch_ms": round(pytorch_ms, 3), "measured": time.time()}
         record_measurement(path, "attention", entry_key, entry)
         source = "measured now"
@@ -275,13 +293,13 @@ def _cached_measurement() -> dict:
     wins = kernel_ms < pytorch_ms * (1.0 - CHOICE_MIN_GAIN)
     return {"kernel": wins, "kernel_ms": kernel_ms, "pytorch_ms": pytorch_ms,
             "why": f"{source}: {kernel_ms:.1f} ms against PyTorch's {pytorch_ms:.1f} ms at (B, heads, tokens, "
-                   f"head dim) {CHOICE_SHAPE}"}
+                   f"head dim) {shape}"}
 
 
-def measure_attention(repeats: int = 5) -> tuple[float, float]:
+def measure_attention(repeats: int = 5, shape: tuple[int, int, int, int] = CHOICE_SHAPE) -> tuple[float, float]:
     """Median ms of this kernel and of PyTorch's SDPA (with the layer's transposes) on one self-attention of
-    :data:`CHOICE_SHAPE`, alternating, after one call of each."""
-    b, h, n, d = CHOICE_SHAPE
+    ``shape`` (B, heads, tokens, head dim), alternating, after one call of each."""
+    b, h, n, d = shape
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, n, h, d, generator=g).bfloat16().transpose(1, 2) for _ in range(3))
     calls = (lambda: attention_bf16(q, k, v),
@@ -400,3 +418,41 @@ def activation_codes(x: torch.Tensor, inv_scale: float, add: float, top: float) 
     if code != 0:
         raise RuntimeError(f"sdlite's bf16 quantize kernel failed (code {code}) on {tuple(x.shape)}")
     return q
+
+
+def _rows_of(x: torch.Tensor) -> bool:
+    """Whether the per-row kernels take ``x``: as :func:`_quantizes`, and contiguous (rows of its last dimension)."""
+    return _quantizes(x) and x.is_contiguous() and x.shape[-1] > 0
+
+
+def row_codes(x: torch.Tensor, half: float, zero_point: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per-row symmetric codes of a contiguous bf16 CPU tensor (rows: its last dimension): ``scales = max|x| / half``
+    per row (1 where a row is all zeros), fp32, shaped as x without its last dimension, and
+    ``uint8(clamp(x / scale + zero_point + 0.5, 0, 2 zero_point - 1))`` (truncated) in x's shape; None where the
+    kernel does not apply. A non-finite value is a FloatingPointError."""
+    if not _rows_of(x):
+        return None
+    cols = x.shape[-1]
+    q = torch.empty_like(x, dtype=torch.uint8)
+    scales = torch.empty(x.shape[:-1], dtype=torch.float32)
+    code = _QUANT[2](x.data_ptr(), q.data_ptr(), scales.data_ptr(), x.numel() // cols, cols, half, zero_point,
+                     torch.get_num_threads())
+    if code == 3:
+        raise FloatingPointError(f"an int8 layer's input {tuple(x.shape)} holds non-finite values")
+    if code != 0:
+        raise RuntimeError(f"sdlite's bf16 per-row quantize kernel failed (code {code}) on {tuple(x.shape)}")
+    return q, scales
+
+
+def scale_rows(y: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """``y = bf16(y * scales[row] + bias)`` in place, for a contiguous bf16 CPU ``y``, fp32 ``scales`` (one per
+    row) and fp32 ``bias`` (one per column, or None); False (``y`` untouched) where the kernel does not apply."""
+    if not _rows_of(y) or scales.dtype is not torch.float32 or not scales.is_contiguous() \
+            or (bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous())):
+        return False
+    cols = y.shape[-1]
+    code = _QUANT[3](y.data_ptr(), scales.data_ptr(), None if bias is None else bias.data_ptr(), y.numel() // cols,
+                     cols, torch.get_num_threads())
+    if code != 0:
+        raise RuntimeError(f"sdlite's bf16 row-scale kernel failed (code {code}) on {tuple(y.shape)}")
+    return True

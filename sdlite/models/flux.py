@@ -6,7 +6,10 @@ pooled CLIP text and, in dev, the distilled guidance scale. Module names are tho
 single-block projections) are mapped by :mod:`sdlite.weights.flux_keys`.
 
 The network takes the VAE latent (B, 16, H, W) and packs it itself: 2 x 2 patches become tokens of 64 values, with
-ids (0, row, column) per patch, the text tokens ids of zeros (as FluxPipeline builds them). Shapes are written where
+ids (0, row, column) per patch, the text tokens ids of zeros (as FluxPipeline builds them). A latent of an odd side
+(ComfyUI's, of a side that is a multiple of 8 pixels but not of 16; the pipelines draw none) is padded as ComfyUI's
+FLUX pads it (:func:`~sdlite.models.layers.pad_to_patches`), its ids those of the padded grid, the output cropped back;
+a reference latent's too (:func:`reference_ids`). Shapes are written where
 they change: B batch, N image tokens, M text tokens, S = M + N, C width, h heads, D head dim.
 """
 from __future__ import annotations
@@ -17,7 +20,7 @@ from torch import nn
 
 from ..config.flux import FluxConfig
 from ..errors import RequestError
-from .layers import TimestepEmbedding, per_sample, residual, run_blocks, timestep_embedding
+from .layers import TimestepEmbedding, pad_to_patches, per_sample, residual, run_blocks, timestep_embedding
 from .mmdit import NORM_EPS, AdaNorm, FeedForward, attention, gated, layer_norm, modulate
 
 __all__ = ["Flux", "pack_latents", "unpack_latents", "image_ids", "reference_ids", "rope_tables"]
@@ -47,19 +50,26 @@ def image_ids(h: int, w: int, device=None) -> torch.Tensor:
     return ids.reshape(h * w, 3)
 
 
+def _patches(n: int) -> int:
+    """Latent rows (columns) in 2 x 2 patches, a last half patch counted (ComfyUI's ``(n + 1) // 2``)."""
+    return (n + 1) // 2
+
+
 def reference_ids(sizes: list[tuple[int, int]], device=None) -> list[torch.Tensor]:
     """The ids of reference latents of ``sizes`` (h, w) (FLUX.1 Kontext's source images), each (h/2 * w/2, 3):
     first axis 1, then the patch's row and column. The first starts at (0, 0), as FluxKontextPipeline places its one
     image; each further one beside the region the earlier ones cover, as ComfyUI's chained ReferenceLatents are
-    placed (its "offset" method): to the right of it where that keeps the region squarer, else below it."""
+    placed (its "offset" method): to the right of it where that keeps the region squarer, else below it. An odd side
+    (a ComfyUI latent) counts as ComfyUI counts it: the region in latent rows and columns as they are, the grid and
+    the offset in patches rounded up (its padded size)."""
     out, covered_h, covered_w = [], 0, 0
     for h, w in sizes:
         down, right = (0, covered_w) if h + covered_h > w + covered_w else (covered_h, 0)
         covered_h, covered_w = max(covered_h, h + down), max(covered_w, w + right)
-        ids = image_ids(h // 2, w // 2, device)
+        ids = image_ids(_patches(h), _patches(w), device)
         ids[:, 0] = 1
-        ids[:, 1] += down // 2
-        ids[:, 2] += right // 2
+        ids[:, 1] += _patches(down)
+        ids[:, 2] += _patches(right)
         out.append(ids)
     return out
 
@@ -246,13 +256,14 @@ class Flux(nn.Module):
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, pooled_projections: torch.Tensor,
                 guidance: torch.Tensor | float | None = None, references=(), cache=None) -> torch.Tensor:
-        """x (B, 16, H, W) latent (H, W even); t (B,) timesteps as the reference pipeline hands them to the network:
-        the training timestep / 1000, i.e. sigma (one value serves the batch);
-        context (B, M, joint_attention_dim) T5 states; pooled_projections (B, pooled_projection_dim) CLIP's pooled
-        output; ``guidance`` the distilled guidance scale (dev: required; schnell: none); ``references`` latents
-        (1 or B, 16, h_i, w_i) of source images (Kontext's editing): their tokens follow the image's in the sequence
-        with the ids of :func:`reference_ids`, and their outputs are dropped; ``cache`` a step cache's hook on the
-        blocks (:func:`~sdlite.models.layers.run_blocks`; None: none). Returns (B, 16, H, W)."""
+        """x (B, 16, H, W) latent (an odd H or W padded as ComfyUI pads it, the output cropped back); t (B,)
+        timesteps as the reference pipeline hands them to the network: the training timestep / 1000, i.e. sigma (one
+        value serves the batch); context (B, M, joint_attention_dim) T5 states; pooled_projections (B,
+        pooled_projection_dim) CLIP's pooled output; ``guidance`` the distilled guidance scale (dev: required;
+        schnell: none); ``references`` latents (1 or B, 16, h_i, w_i) of source images (Kontext's editing): their
+        tokens follow the image's in the sequence with the ids of :func:`reference_ids`, and their outputs are
+        dropped; ``cache`` a step cache's hook on the blocks (:func:`~sdlite.models.layers.run_blocks`; None: none).
+        Returns (B, 16, H, W)."""
         cfg = self.config
         dtype = self.dtype
         t, guidance = self._check(x, t, context, pooled_projections, guidance)
@@ -261,17 +272,19 @@ class Flux(nn.Module):
         t = t.to(dtype) * 1000
         if guidance is not None:
             guidance = guidance.to(dtype) * 1000
-        tokens = pack_latents(x.to(dtype))                                            # (B, N, 64)
+        rows, cols = _patches(hgt), _patches(wid)
+        tokens = pack_latents(pad_to_patches(x.to(dtype)))                            # (B, N, 64)
         n = tokens.shape[1]
         if references:   # (B, N + R, 64): the image's tokens, then each reference's
-            tokens = torch.cat([tokens, *(pack_latents(ref.to(dtype)).expand(b, -1, -1) for ref in references)], 1)
+            tokens = torch.cat([tokens, *(pack_latents(pad_to_patches(ref.to(dtype))).expand(b, -1, -1)
+                                          for ref in references)], 1)
         h = self.x_embedder(tokens)                                                   # (B, N (+ R), C)
         del tokens
         emb = F.silu(self.time_text_embed(t, guidance, pooled_projections.to(dtype)))  # (B, C)
         c = self.context_embedder(context.to(dtype))                                 # (B, M, C)
         m = c.shape[1]
         ref_ids = reference_ids([tuple(ref.shape[2:]) for ref in references], x.device)
-        ids = torch.cat([torch.zeros(m, 3, device=x.device), image_ids(hgt // 2, wid // 2, x.device), *ref_ids])
+        ids = torch.cat([torch.zeros(m, 3, device=x.device), image_ids(rows, cols, x.device), *ref_ids])
         rope = rope_tables(ids, cfg.axes_dims_rope)                                  # 2 x (S, D)
 
         def first(state):
@@ -292,19 +305,17 @@ class Flux(nn.Module):
         h = h[:, :n]                                                                  # (B, N, C): the image's
         scale, shift = self.norm_out(emb)
         h = self.proj_out(modulate(layer_norm(h), shift, scale))                    # (B, N, 64)
-        return unpack_latents(h, hgt, wid)
+        out = unpack_latents(h, 2 * rows, 2 * cols)                                  # (B, 16, H or H + 1, ...)
+        return out if (2 * rows, 2 * cols) == (hgt, wid) else out[:, :, :hgt, :wid]
 
     def _check_references(self, references, b: int) -> None:
-        """Each reference a (1 or B, 16, h, w) latent with h and w even (a clear error naming the reference)."""
+        """Each reference a (1 or B, 16, h, w) latent (a clear error naming the reference)."""
         for i, ref in enumerate(references):
             if not isinstance(ref, torch.Tensor) or ref.ndim != 4 or ref.shape[0] not in (1, b) \
                     or ref.shape[1] != self.config.latent_channels:
                 shape = list(ref.shape) if isinstance(ref, torch.Tensor) else type(ref).__name__
                 raise RequestError(f"FLUX reference {i + 1} is {shape}: expected a latent (1 or {b}, "
                                    f"{self.config.latent_channels}, height, width)")
-            if ref.shape[2] % 2 or ref.shape[3] % 2:
-                raise RequestError(f"FLUX reference {i + 1} is a {ref.shape[2]}x{ref.shape[3]} latent: its sides "
-                                   "must be even (2x2 patches), i.e. the image a multiple of 16 pixels")
 
     def _check(self, x, t, context, pooled, guidance):
         """The inputs' shapes against the config (a clear error naming the input); timesteps and guidance, one per
@@ -313,10 +324,7 @@ class Flux(nn.Module):
         if x.ndim != 4 or x.shape[1] != cfg.latent_channels:
             raise RequestError(f"FLUX latent has shape {list(x.shape)}: expected (batch, {cfg.latent_channels}, "
                                "height, width)")
-        b, _, hgt, wid = x.shape
-        if hgt % 2 or wid % 2:
-            raise RequestError(f"FLUX latent is {hgt}x{wid}: height and width must be even (2x2 patches), i.e. "
-                               "the image a multiple of 16 pixels")
+        b = x.shape[0]
         if context.ndim != 3 or context.shape[0] != b or context.shape[2] != cfg.joint_attention_dim:
             raise RequestError(f"FLUX context has shape {list(context.shape)}: expected ({b}, tokens, "
                                f"{cfg.joint_attention_dim})")

@@ -1,5 +1,5 @@
 """Building blocks shared by the networks: the UNet's and the VAE's, the transformers' (timestep embeddings, RMSNorm,
-per-sample values) and the text encoders' (RMSNorm).
+per-sample values, ComfyUI's padding of a latent to whole patches) and the text encoders' (RMSNorm).
 
 Module attribute names equal the canonical (diffusers) checkpoint key names, so that loading is a
 key-for-key copy. Shapes are written as comments where they change: B batch, C channels, H/W spatial,
@@ -39,6 +39,16 @@ def run_blocks(first, rest, state: tuple, cache=None) -> tuple:
     if cache is None:
         return rest(first(state))
     return cache(first, rest, state)
+
+
+def pad_to_patches(x: torch.Tensor, patch: int = 2) -> torch.Tensor:
+    """x (B, C, h, w) with h or w not a multiple of ``patch`` made one by wrapping around: the first rows (columns)
+    repeated after the last. ComfyUI's ``pad_to_patch_size`` (circular padding at the bottom and the right), which its
+    DiTs (FLUX.1 and Kontext's references, Z-Image, Qwen-Image) apply to every latent before cutting it into patches,
+    cropping the output back; a ComfyUI latent of a side that is a multiple of 8 pixels but not of 16 has an odd side.
+    x itself when both sides are whole patches."""
+    rows, cols = -x.shape[-2] % patch, -x.shape[-1] % patch
+    return F.pad(x, (0, cols, 0, rows), mode="circular") if rows or cols else x
 
 
 def timestep_embedding(t: torch.Tensor, dim: int, flip_sin_to_cos: bool = True, shift: float = 0.0,

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..config.mmdit import TIME_EMBED_CHANNELS, MMDiTConfig
 from ..errors import RequestError
-from ..kernels import fp32
+from ..kernels import bf16, fp32
 from .layers import RMSNorm, TimestepEmbedding, residual, run_blocks, timestep_embedding
 
 __all__ = ["MMDiT", "sincos_grid"]
@@ -114,13 +114,16 @@ class AdaNorm(nn.Module):
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fp32_kernels: bool) -> torch.Tensor:
     """softmax(q k^T / sqrt(D)) v for q (B, h, L, D), k and v (B, h, L', D): (B, L, h*D). When marked, fp32 on AVX2
-    runs sdlite's kernel (:class:`sdlite.models.layers.Attention`); everything else PyTorch's. Not sdlite's bf16
-    kernel: at SD3's shapes (24 heads of 64 over 1357 tokens, batch 2) PyTorch's bf16 attention measured 0.15 s a call
-    against the kernel's 0.27 s (torch 2.13, a 2-core Xeon with AMX), and the whole SD3.5 Medium transformer step at
-    512^2 12.5 s against 14.7-15.6 s."""
+    runs sdlite's kernel (:class:`sdlite.models.layers.Attention`); bf16 runs sdlite's bf16 kernel where it was
+    measured faster than PyTorch's on this machine at a transformer's shape (:func:`sdlite.kernels.bf16.attention_pays`
+    with ``"dit"``: on a 2-core Zen 4 59 ms against 140 ms at FLUX's (1, 24, 1280, 128), 71 ms against 184 ms at
+    SD3.5's CFG batch (2, 24, 1357, 64); on a 2-core Xeon with AMX, before the kernel's AMX variant, PyTorch's had
+    won at SD3's shapes, 0.15 s against 0.27 s); everything else PyTorch's."""
     out = None
     if fp32_kernels:
         out = fp32.attend(q, k, v)
+    elif q.dtype is torch.bfloat16 and bf16.attention_pays("dit"):
+        out = bf16.attend(q, k, v)
     if out is None:
         b, h, n, d = q.shape
         out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, h * d)

@@ -29,7 +29,7 @@ from torch import nn
 from ..config.qwenimage import QWEN_IMAGE_EPS, QWEN_IMAGE_ROPE_THETA, QWEN_IMAGE_TIME_CHANNELS, QwenImageConfig
 from ..errors import RequestError
 from .flux import pack_latents, unpack_latents
-from .layers import RMSNorm, TimestepEmbedding, per_sample, run_blocks
+from .layers import RMSNorm, TimestepEmbedding, pad_to_patches, per_sample, run_blocks
 from .mmdit import attention
 
 __all__ = ["QwenImage", "rope_table", "image_positions", "timestep_sinusoid", "image_shapes"]
@@ -285,32 +285,39 @@ class QwenImage(nn.Module):
     def forward(self, x: torch.Tensor, t: torch.Tensor | float, context: torch.Tensor,
                 context_mask: torch.Tensor | None = None, references: Sequence[torch.Tensor] = (),
                 cache=None) -> torch.Tensor:
-        """x (B, out_channels, h, w): the sampler's latent (h and w even); t (B,) or one value: the timestep / 1000
-        (sigma); context (B, M, joint_attention_dim) the text encoder's last hidden states; ``context_mask`` (B, M) 1
-        for a token, 0 for a pad (None or all ones: no pads); ``references`` the edit's source latents, each
-        (out_channels, h_i, w_i) or (1 or B, out_channels, h_i, w_i), shared by the batch: their tokens follow the
-        image's as images 1, 2, ... of the sample and are not returned; ``cache`` a step cache's hook on the blocks
-        (:func:`~sdlite.models.layers.run_blocks`). Returns (B, out_channels, h, w)."""
+        """x (B, out_channels, h, w): the sampler's latent; t (B,) or one value: the timestep / 1000 (sigma); context
+        (B, M, joint_attention_dim) the text encoder's last hidden states; ``context_mask`` (B, M) 1 for a token, 0 for
+        a pad (None or all ones: no pads); ``references`` the edit's source latents, each (out_channels, h_i, w_i) or
+        (1 or B, out_channels, h_i, w_i), shared by the batch: their tokens follow the image's as images 1, 2, ... of
+        the sample and are not returned; ``cache`` a step cache's hook on the blocks
+        (:func:`~sdlite.models.layers.run_blocks`). Returns (B, out_channels, h, w).
+
+        An odd h or w (a ComfyUI latent of a side that is a multiple of 8 pixels but not of 16; the pipelines draw
+        none) is padded as ComfyUI pads it (:func:`~sdlite.models.layers.pad_to_patches`), the sources' too, and the
+        output cropped back."""
         cfg = self.config
         c_lat = cfg.latent_channels
-        if x.ndim != 4 or x.shape[1] != c_lat or x.shape[2] % 2 or x.shape[3] % 2:
+        if x.ndim != 4 or x.shape[1] != c_lat:
             raise RequestError(f"Qwen-Image latent has shape {list(x.shape)}: expected (batch, {c_lat}, height, "
-                               "width) with an even height and width")
+                               "width)")
         b, _, hgt, wid = x.shape
-        tokens, shapes = [pack_latents(x)], [(1, hgt // 2, wid // 2)]
+        x = pad_to_patches(x)
+        rows, cols = x.shape[2] // 2, x.shape[3] // 2
+        tokens, shapes = [pack_latents(x)], [(1, rows, cols)]
         for i, ref in enumerate(references):
             ref = ref[None] if ref.ndim == 3 else ref
-            if ref.ndim != 4 or ref.shape[1] != c_lat or ref.shape[0] not in (1, b) or ref.shape[2] % 2 \
-                    or ref.shape[3] % 2:
+            if ref.ndim != 4 or ref.shape[1] != c_lat or ref.shape[0] not in (1, b):
                 raise RequestError(f"Qwen-Image reference {i} has shape {list(ref.shape)}: expected ({c_lat}, height, "
-                                   f"width) or (1 or {b}, {c_lat}, height, width) with an even height and width")
+                                   f"width) or (1 or {b}, {c_lat}, height, width)")
+            ref = pad_to_patches(ref)
             tokens.append(pack_latents(ref.to(x.dtype)).expand(b, -1, -1))
             shapes.append((1, ref.shape[2] // 2, ref.shape[3] // 2))
         if context_mask is not None and bool(context_mask.to(torch.bool).all()):
             context_mask = None   # as the pipelines pass it: no pads, no mask
         out = self.tokens(torch.cat(tokens, dim=1) if len(tokens) > 1 else tokens[0], context, t, [shapes] * b,
                           context_mask, cache)                                       # (B, N + refs, 4 c)
-        return unpack_latents(out[:, :(hgt // 2) * (wid // 2)], hgt, wid)
+        out = unpack_latents(out[:, :rows * cols], 2 * rows, 2 * cols)               # (B, c, h or h + 1, ...)
+        return out if out.shape[2:] == (hgt, wid) else out[:, :, :hgt, :wid]
 
     def tokens(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, timestep: torch.Tensor | float,
                img_shapes, encoder_hidden_states_mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:

@@ -9,7 +9,10 @@ ComfyUI's names (fused ``attention.qkv``, ``x_embedder``, ``final_layer``) are m
 The network takes the VAE latent (B, 16, H, W), a timestep per sample and the captions, and does the work that
 diffusers' model does on its lists itself: 2 x 2 patches become tokens of 64 values, each sequence is padded to a
 multiple of 32 tokens with its learned pad token, samples whose captions differ in length are batched with an attention
-mask over the batch's padding. The order of operations is diffusers', so fp32 results are the same bits.
+mask over the batch's padding. The order of operations is diffusers', so fp32 results are the same bits. A latent of an
+odd side (ComfyUI's, of a side that is a multiple of 8 pixels but not of 16; the pipelines draw none) is padded as
+ComfyUI's NextDiT pads it (:func:`~sdlite.models.layers.pad_to_patches`), its positions those of the padded grid, the
+output cropped back.
 
 Shapes are written where they change: B batch, N image tokens (Np padded), L caption tokens (Lp padded to 32, Lm the
 batch's longest), S joint sequence, C width (dim), h heads, D head dim.
@@ -25,7 +28,8 @@ from torch.nn.utils.rnn import pad_sequence
 
 from ..config.zimage import ZImageConfig
 from ..errors import RequestError
-from .layers import RMSNorm, per_sample, residual, run_blocks, timestep_embedding
+from .layers import RMSNorm, pad_to_patches, per_sample, residual, run_blocks, timestep_embedding
+from .mmdit import attention
 
 __all__ = ["ZImage", "rope_freqs", "image_ids", "caption_ids", "padded_length"]
 
@@ -74,8 +78,8 @@ def rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 
 class Attention(nn.Module):
     """Self-attention over one sequence: q, k, v without bias, each head's queries and keys RMS-normed (``qk_norm``),
-    rotary positions, PyTorch's scaled_dot_product_attention with the batch's padding masked out, an output projection
-    without bias."""
+    rotary positions, attention (:func:`sdlite.models.mmdit.attention`; with a batch's padding, PyTorch's
+    scaled_dot_product_attention with it masked out), an output projection without bias."""
 
     def __init__(self, cfg: ZImageConfig):
         super().__init__()
@@ -99,12 +103,14 @@ class Attention(nn.Module):
         if self.norm_q is not None:
             q, k = self.norm_q(q), self.norm_k(k)
         q, k = rotate(q, freqs), rotate(k, freqs)
-        if mask is not None:
-            mask = mask[:, None, None, :]                                           # (B, 1, 1, S)
-        out = F.scaled_dot_product_attention(q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3),
-                                             attn_mask=mask)                         # (B, h, S, D)
+        q, k, v = q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)   # (B, h, S, D)
+        if mask is None:   # no padding: the transformers' attention (bf16: sdlite's kernel where it was faster)
+            out = attention(q, k, v, False)                                         # (B, S, C)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])   # (B, h, S, D)
+            out = out.permute(0, 2, 1, 3).flatten(2, 3)
         del q, k, v
-        return self.to_out[0](out.permute(0, 2, 1, 3).flatten(2, 3).to(x.dtype))    # (B, S, C)
+        return self.to_out[0](out.to(x.dtype))                                      # (B, S, C)
 
 
 class FeedForward(nn.Module):
@@ -212,10 +218,11 @@ class ZImage(nn.Module):
 
     def forward(self, x: torch.Tensor, t: torch.Tensor | float, context, context_lengths=None,
                 cache=None) -> torch.Tensor:
-        """x (B, 16, H, W) latent (H, W even). ``t`` (B,) or one value: the timestep as ZImagePipeline hands it to
-        the network, ``1 - sigma`` (0 at pure noise, 1 at the clean image). ``context``: the captions, Qwen3's
-        hidden states of each prompt's real tokens, as the pipeline hands them: a list of B tensors (L_i, 2560); or
-        one padded tensor (B, L, 2560) with ``context_lengths`` (B,) the real tokens of each (None: all L are).
+        """x (B, 16, H, W) latent (an odd H or W padded as ComfyUI pads it, the output cropped back). ``t`` (B,) or
+        one value: the timestep as ZImagePipeline hands it to the network, ``1 - sigma`` (0 at pure noise, 1 at the
+        clean image). ``context``: the captions, Qwen3's hidden states of each prompt's real tokens, as the pipeline
+        hands them: a list of B tensors (L_i, 2560); or one padded tensor (B, L, 2560) with ``context_lengths`` (B,)
+        the real tokens of each (None: all L are).
         ``cache``: a step cache's hook on the main layers (:func:`~sdlite.models.layers.run_blocks`; None: none).
         Returns (B, 16, H, W): ``x0 - noise`` (the negated velocity), as diffusers' model returns it."""
         cfg = self.config
@@ -224,7 +231,8 @@ class ZImage(nn.Module):
         t = per_sample(t, x.shape[0], x.device, "Z-Image timesteps")
         b, c, hgt, wid = x.shape
         p, mult = cfg.patch_size, cfg.SEQ_MULTIPLE
-        rows, cols = hgt // p, wid // p
+        x = pad_to_patches(x, p)
+        rows, cols = x.shape[2] // p, x.shape[3] // p
         n = rows * cols
         n_pad = padded_length(n, mult)
         cap_lens = [len(cap) for cap in caps]
@@ -279,7 +287,8 @@ class ZImage(nn.Module):
 
         h, = run_blocks(first, rest, (h,), cache)
         out = self.all_final_layer[cfg.patch_key](h, emb)[:, :n]                    # (B, N, 64)
-        return out.reshape(b, rows, cols, p, p, c).permute(0, 5, 1, 3, 2, 4).reshape(b, c, hgt, wid)
+        out = out.reshape(b, rows, cols, p, p, c).permute(0, 5, 1, 3, 2, 4).reshape(b, c, rows * p, cols * p)
+        return out if (rows * p, cols * p) == (hgt, wid) else out[:, :, :hgt, :wid]
 
     def _captions(self, x: torch.Tensor, context, lengths) -> list[torch.Tensor]:
         """The inputs' shapes against the config (a clear error naming the input); the captions as a list of
@@ -288,10 +297,7 @@ class ZImage(nn.Module):
         if x.ndim != 4 or x.shape[1] != cfg.in_channels:
             raise RequestError(f"Z-Image latent has shape {list(x.shape)}: expected (batch, {cfg.in_channels}, "
                                "height, width)")
-        b, _, hgt, wid = x.shape
-        if hgt % cfg.patch_size or wid % cfg.patch_size:
-            raise RequestError(f"Z-Image latent is {hgt}x{wid}: height and width must be even (2x2 patches), i.e. "
-                               "the image a multiple of 16 pixels")
+        b = x.shape[0]
         if torch.is_tensor(context):
             if context.ndim != 3 or context.shape[0] != b or context.shape[2] != cfg.cap_feat_dim:
                 raise RequestError(f"Z-Image context has shape {list(context.shape)}: expected ({b}, tokens, "

@@ -25,8 +25,9 @@ import torch
 
 from .. import sources
 from ..engine import budget
+from ..engine.lowbit import in_gguf
 from ..engine.memory import ModelManager, check_memory_mode, tune_heap
-from ..engine.precision import choose_precision, stored_as, whole_unet
+from ..engine.precision import STREAMED_WHY, choose_precision, stored_as, whole_unet
 from ..engine import blockcache
 from ..engine.blockcache import BlockCache
 from ..engine.stepcache import StepCache, StepCacheError, cache_infotext
@@ -113,7 +114,7 @@ class Engine(LoadedModel):
         ckpt = path if isinstance(path, Checkpoint) else open_model(path, prediction_type=prediction_type,
                                                                     text_encoders=text_encoders)
         plan = whole_unet(choose_precision(precision, dtype, quantize, device, spec=ckpt.spec),
-                          streams=memory_mode == 0 or weight_dtype is not None)
+                          *_int8_unfit(ckpt, memory_mode, weight_dtype, weight_storage))
         plan = stored_as(plan, weight_storage, ckpt.spec)
         dtype, quantize = plan.dtype, plan.quantize
         # what the family keeps its weights and decodes in (SDXL on a CPU: half-precision weights computed in fp32,
@@ -483,6 +484,21 @@ class Engine(LoadedModel):
 
 
 # --- the loop's small parts around the denoiser -------------------------------------------------------------
+
+def _int8_unfit(ckpt: Checkpoint, memory_mode: int, weight_dtype, weight_storage: str) -> tuple[bool, str]:
+    """(whether the denoiser cannot hold int8 layers here, why): :func:`~sdlite.engine.precision.whole_unet`'s
+    arguments. It cannot while it is streamed (memory mode 0, or weights kept in another dtype) or its weights are
+    kept in fp8; and ``auto`` leaves a GGUF transformer's blocks as the file holds them (int8 layers would hold a
+    byte a weight, more than the 4-6 bits of the formats people pick to save memory)."""
+    if memory_mode == 0 or weight_dtype is not None:
+        return True, STREAMED_WHY
+    if weight_storage != "default":
+        return True, f"the transformer's weights are kept in {weight_storage} (weight storage), not int8"
+    if ckpt.spec.unet is None and in_gguf(ckpt, ckpt.spec.denoiser):
+        return True, ("the transformer's file is a GGUF, whose blocks are kept as the file holds them (int8 layers "
+                      "would hold a byte a weight)")
+    return False, ""
+
 
 def on_device(t: torch.Tensor | None, device) -> torch.Tensor | None:
     return None if t is None else t.to(device)

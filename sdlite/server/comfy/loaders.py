@@ -14,21 +14,21 @@ the sampler's engine is its model's file with the text encoders of its condition
 decodes with (when every VAE input of the prompt comes from VAELoaders naming one file, and the prompt loads one
 model), so a VAEDecode after it finds the same engine, and a queued-again prompt loads nothing.
 
-UNETLoader's fp8 ``weight_dtype`` (``fp8_e4m3fn``, ``fp8_e5m2``) is honoured for FLUX.1, SD3 and Z-Image transformer
-files as ComfyUI stores the model: every Linear weight of the transformer cast to that fp8 type as it loads (torch's
-rounding) and kept so in memory, one byte a weight, converted exactly into the engine's compute dtype layer by layer as
-it runs (:mod:`sdlite.engine.lowbit`). ComfyUI casts the biases, norms and embeddings too; sdlite keeps those (under 0.1 % of
-the bytes) in the compute dtype. ComfyUI on a CPU computes in fp32; sdlite in its engine's precision (bf16 on CPUs
-with native bf16). ``fp8_e4m3fn_fast`` (fp8 matrix products on GPUs that have them, in ComfyUI) is the same storage
-as ``fp8_e4m3fn`` here, on every device. The storage is part of the engine's key: a default engine and an fp8 one of
-the same file are two engines.
+UNETLoader's fp8 ``weight_dtype`` (``fp8_e4m3fn``, ``fp8_e5m2``) is honoured for FLUX.1, SD3, Z-Image and Qwen-Image
+(Qwen-Image-Edit too) transformer files as ComfyUI stores the model: every Linear weight of the transformer cast to
+that fp8 type as it loads (torch's rounding) and kept so in memory, one byte a weight, converted exactly into the
+engine's compute dtype layer by layer as it runs (:mod:`sdlite.engine.lowbit`). ComfyUI casts the biases, norms and
+embeddings too; sdlite keeps those (under 0.1 % of the bytes) in the compute dtype. ComfyUI on a CPU computes in fp32;
+sdlite in its engine's precision (bf16 on CPUs with native bf16). ``fp8_e4m3fn_fast`` (fp8 matrix products on GPUs
+that have them, in ComfyUI) is the same storage as ``fp8_e4m3fn`` here, on every device. The storage is part of the
+engine's key: a default engine and an fp8 one of the same file are two engines.
 
 Refused at validation: text-encoder types other than SD3's, FLUX's, Z-Image's (``lumina2``), FLUX.2 [klein]'s
 (``flux2``) and Qwen-Image's (``qwen_image``: Qwen-Image and Qwen-Image-Edit; sdlite takes separate text-encoder files
 for those families only), a file that is not what its input takes (a VAE given as a text encoder, a FLUX pair without
 T5 or CLIP, a CLIP-G for FLUX, anything but a Qwen LLM for ``lumina2``, ``flux2`` and ``qwen_image``, a Qwen LLM for
-the others), a file that is not a VAE for VAELoader, an fp8 ``weight_dtype`` for a file that is no FLUX, SD3 or
-Z-Image transformer (a UNet's weights stay in the engine's precision) or on a server in memory mode 0 or under
+the others), a file that is not a VAE for VAELoader, an fp8 ``weight_dtype`` for a file that is no FLUX, SD3, Z-Image
+or Qwen-Image transformer (a UNet's weights stay in the engine's precision) or on a server in memory mode 0 or under
 ``--precision int8`` / ``int4``. At run time a combination that does not make a model (a FLUX VAE for an SD 1.5
 checkpoint, CLIP widths that are not the transformer's) is an error naming the nodes, inputs and files.
 """
@@ -183,11 +183,12 @@ def weight_storage(weight_dtype: str) -> str:
 
 
 def _refuse_dtype(values: dict, lists: Lists) -> None:
-    """UNETLoader's fp8 ``weight_dtype``: for a FLUX, SD3 or Z-Image transformer file, on a server whose engines can
-    hold it (not memory mode 0, nor a precision that keeps the weights in int8 / int4)."""
+    """UNETLoader's fp8 ``weight_dtype``: for a FLUX, SD3, Z-Image or Qwen-Image transformer file, on a server whose
+    engines can hold it (not memory mode 0, nor a precision that keeps the weights in int8 / int4)."""
     from ...engine.precision import PrecisionError, check_precision
     from ...weights.flux import is_flux_file
     from ...weights.io import open_checkpoint
+    from ...weights.qwenimage import is_qwenimage_file
     from ...weights.sd3 import is_sd3_file
     from ...weights.zimage import is_zimage_file
 
@@ -200,10 +201,10 @@ def _refuse_dtype(values: dict, lists: Lists) -> None:
             keys = list(store.keys())
     except (CheckpointError, OSError, ValueError) as e:
         raise Refused("unet_name", f"{values['unet_name']!r} cannot be read: {e}") from None
-    if not (is_flux_file(keys) or is_sd3_file(keys) or is_zimage_file(keys)):
-        raise Refused("weight_dtype", f"{value!r}: sdlite keeps fp8 weights for FLUX.1 and SD3 transformers; "
-                      f"{values['unet_name']!r} is neither, nor a Z-Image transformer, the third kind it keeps them "
-                      "for (a UNet's weights stay in the engine's precision): use 'default'")
+    if not (is_flux_file(keys) or is_sd3_file(keys) or is_zimage_file(keys) or is_qwenimage_file(keys)):
+        raise Refused("weight_dtype", f"{value!r}: sdlite keeps fp8 weights for FLUX.1, SD3, Z-Image and Qwen-Image "
+                      f"transformers; {values['unet_name']!r} is none of them (a UNet's weights stay in the engine's "
+                      "precision): use 'default'")
     options = getattr(getattr(lists.server, "engines", None), "load_options", None) or {}
     if options.get("memory_mode", 1) == 0:
         raise Refused("weight_dtype", f"{value!r}: this server runs in memory mode 0, which streams the transformer "
