@@ -24,9 +24,10 @@ round (``--rounds``), medians over the rounds' medians:
 * peak RSS: the process's high-water mark (the random weights built in place, one network at a time in its dtype).
 
 sdlite's networks are prepared as its engine prepares them for the precision (``sdlite.engine.precision.resolve`` for
-the family's spec): ``auto`` (bf16 on a CPU with native bf16: every network in bf16, the VAE channels-last with its
-upsamplers by phases) and ``int8`` (the transformer's block Linears and T5's in int8 per output channel, dequantised
-per call: ``sdlite.engine.lowbit``). diffusers' and transformers' networks run in bf16, as their pipelines do with
+the family's spec): ``bf16`` (every network in bf16, the VAE channels-last with its upsamplers by phases),
+``bf16-int8`` (bf16, with the transformer's block Linears on oneDNN's int8 GEMM, activations per token), ``auto``
+(which of these this CPU takes: bf16-int8 with native bf16 and VNNI or AMX) and ``int8`` (the transformer's block
+Linears and T5's in int8 per output channel, dequantised per call: ``sdlite.engine.lowbit``). diffusers' and transformers' networks run in bf16, as their pipelines do with
 ``torch_dtype=torch.bfloat16``.
 
 The share of peak: the step's FLOPs (``torch.utils.flop_counter`` on the warm-up call: matmuls and attention) over
@@ -60,6 +61,7 @@ THREADS = 2
 PEAK_SHAPE = (4096, 3072, 3072)
 CONFIGS = {"diffusers bf16": dict(engine="diffusers", precision="bf16"),
            "sdlite auto": dict(engine="sdlite", precision="auto"),
+           "sdlite bf16": dict(engine="sdlite", precision="bf16"),
            "sdlite int8": dict(engine="sdlite", precision="int8"),
            # W8A8: the transformer's block Linears on oneDNN's u8 x s8 GEMM (sdlite.engine.quant.Int8Linear)
            "sdlite bf16-int8": dict(engine="sdlite", precision="bf16-int8")}
@@ -436,16 +438,18 @@ def report(raw: dict) -> list[str]:
                                    ("peak RSS, MB", "peak_rss_mb", "{:.0f}")):
                 lines.append(f"| {name} | " + " | ".join(cell(l, key, fmt) for l in labels) + " |")
             shares_bf, shares_i8, gf = [], [], []
+            # the network's work, the same for every configuration: FlopCounterMode counts bf16 matmuls and attention,
+            # not oneDNN's int8 products (bf16-int8's step would count only its attention), so the largest count
+            flops = max((row[l]["step_flops"] for l in labels if row[l].get("step_flops")), default=None)
             for l in labels:
                 r = row[l]
-                if r.get("step_s") and r.get("step_flops"):
-                    rate = r["step_flops"] / r["step_s"] / 1e9
+                if r.get("step_s") and flops:
+                    rate = flops / r["step_s"] / 1e9
                     gf.append(f"{rate:.0f}")
                     shares_bf.append(f"{rate / peak['bf16']:.0%}")
                     shares_i8.append(f"{rate / peak['int8']:.0%}")
                 else:
                     gf.append("-"), shares_bf.append("-"), shares_i8.append("-")
-            flops = next((row[l]["step_flops"] for l in labels if row[l].get("step_flops")), None)
             lines += [f"| step GFLOP/s ({flops / 1e9:.0f} GFLOP a step) | " + " | ".join(gf) + " |" if flops else
                       "| step GFLOP/s | " + " | ".join(gf) + " |",
                       "| step, share of the bf16 peak | " + " | ".join(shares_bf) + " |",
@@ -472,6 +476,7 @@ def main() -> int:
     ap.add_argument("--md", default=None, help="write the report here (default: print it)")
     ap.add_argument("--peak", action="store_true", help="measure and print the GEMM peaks alone")
     ap.add_argument("--profile", action="store_true", help="torch.profiler on both engines' step (bench/dit_profile.py)")
+    ap.add_argument("--profile-precision", default="auto", help="sdlite's precision under --profile (default auto)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -486,7 +491,7 @@ def main() -> int:
         configs(m, 1, 1)
     if args.profile:
         from dit_profile import profile_main
-        return profile_main(models, args.depth, args.sizes)
+        return profile_main(models, args.depth, args.sizes, args.profile_precision)
     labels = [c for c in args.configs.split(",") if c]
     if unknown := [c for c in labels if c not in CONFIGS]:
         raise SystemExit(f"unknown configuration {unknown[0]!r}: expected {', '.join(CONFIGS)}")

@@ -122,12 +122,12 @@ def _tables(wall: float, prof, label: str) -> dict:
     return dict(wall=wall, self_total=self_total, groups=dict(by_group), ranges=ranges, ops=ops[:25])
 
 
-def profile_pair(model: str, depth: int, size: int, log) -> dict:
+def profile_pair(model: str, depth: int, size: int, log, sdlite_precision: str = "auto") -> dict:
     from dit import Networks, configs
 
     m = configs(model, depth, 1)
     pair = {}
-    for engine, precision in (("sdlite", "auto"), ("diffusers", "bf16")):
+    for engine, precision in (("sdlite", sdlite_precision), ("diffusers", "bf16")):
         nets = Networks(model, m, engine, precision)
         nets.load("transformer")
         _ranges(nets.transformer, engine)
@@ -241,19 +241,22 @@ def render(results: dict, int8_rows: list[str]) -> list[str]:
     return lines
 
 
-def profile_main(models, depth: int, sizes: str) -> int:
+def profile_main(models, depth: int, sizes: str, precision: str = "auto") -> int:
     torch.set_num_threads(2)
     _wrap_rope()
     size = int(sizes.split(",")[0])
     log = lambda msg: print(msg, flush=True)
     import os
     load0 = os.getloadavg()
-    results = {m: profile_pair(m, depth, size, log) for m in models}
-    int8_rows = int8_breakdown(log)
-    text = [f"Profile: `python bench/dit.py --profile --models {','.join(models)} --depth {depth} --sizes {size}`, "
+    results = {m: profile_pair(m, depth, size, log, precision) for m in models}
+    int8_rows = int8_breakdown(log) if precision == "auto" else []   # why weight-only int8 did not pay
+    option = "" if precision == "auto" else f" --profile-precision {precision}"
+    text = [f"Profile: `python bench/dit.py --profile{option} --models {','.join(models)} --depth {depth} "
+            f"--sizes {size}`, sdlite at --precision {precision}, "
             f"{size}^2, load average {', '.join(f'{x:.2f}' for x in load0)} at the start, "
             f"{', '.join(f'{x:.2f}' for x in os.getloadavg())} at the end.", "", *render(results, int8_rows)]
-    (HERE / "dit_profile.md").write_text("\n".join(text) + "\n")
+    name = "dit_profile.md" if precision == "auto" else f"dit_profile-{precision}.md"
+    (HERE / name).write_text("\n".join(text) + "\n")
     print("\n".join(text))
     return 0
 

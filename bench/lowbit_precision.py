@@ -203,10 +203,7 @@ def _resident() -> dict:
 def memory(family: str, work: Path, blocks: tuple[int, ...]) -> dict:
     """Each precision's process after ``Engine.load`` (memory mode 1): the transformer's bytes as held, the process's
     anonymous memory and mapped file pages, and its peak RSS so far (which counts the file pages the load touched)."""
-    blocks = blocks or DEFAULT_BLOCKS[family]
-    folder = work / f"{family}-{'-'.join(map(str, blocks))}-bench"
-    if not (folder / "model_index.json").exists():
-        build(family, folder, blocks)
+    folder, blocks, _ = bench_folder(family, work, blocks)
     rows = {}
     for p in PRECISIONS:
         out = work / f"{family}-{p}-memory.json"
@@ -227,15 +224,34 @@ def _psnr(a, b) -> float:
     return 10 * np.log10(255 ** 2 / mse) if mse else float("inf")
 
 
-def quality(family: str, seeds: int, steps: int, size: int, work: Path, blocks: tuple[int, ...]) -> dict:
-    import numpy as np
-
+def bench_folder(family: str, work: Path, blocks: tuple[int, ...]) -> tuple[Path, tuple[int, ...], int | None]:
+    """(the bench model's folder under ``work``, built there unless it is already, its blocks, its transformer's
+    parameters when built now)."""
     blocks = blocks or DEFAULT_BLOCKS[family]
     folder = work / f"{family}-{'-'.join(map(str, blocks))}-bench"
     params = None
     if not (folder / "model_index.json").exists():
         params = build(family, folder, blocks)
         print(f"{family}: built {folder.name} ({params / 1e9:.2f}B transformer parameters)", flush=True)
+    return folder, blocks, params
+
+
+def against(run: dict, ref: dict, seeds: int) -> dict:
+    """One run's images and final latents against another's, seed by seed: PSNR min and mean, the latents' relative
+    L2 error mean and max."""
+    import numpy as np
+
+    psnrs = [_psnr(run["pixels"][i], ref["pixels"][i]) for i in range(seeds)]
+    rel = [float(np.linalg.norm(run["latents"][i] - ref["latents"][i]) / np.linalg.norm(ref["latents"][i]))
+           for i in range(seeds)]
+    return dict(psnr_min=min(psnrs), psnr_mean=float(np.mean(psnrs)), latent_rel_mean=float(np.mean(rel)),
+                latent_rel_max=max(rel))
+
+
+def quality(family: str, seeds: int, steps: int, size: int, work: Path, blocks: tuple[int, ...]) -> dict:
+    import numpy as np
+
+    folder, blocks, params = bench_folder(family, work, blocks)
     runs = {}
     for p in QUALITY_PRECISIONS:
         out = work / f"{family}-{p}.npz"
@@ -254,18 +270,14 @@ def quality(family: str, seeds: int, steps: int, size: int, work: Path, blocks: 
         row = {k: m[k] for k in ("precision", "dtype", "load_s", "generate_s", "transformer_bytes",
                                  "peak_rss_after_load", "peak_rss")}
         if p != "exact":
-            psnrs = [_psnr(m["pixels"][i], exact["pixels"][i]) for i in range(seeds)]
-            rel = [float(np.linalg.norm(m["latents"][i] - exact["latents"][i]) / np.linalg.norm(exact["latents"][i]))
-                   for i in range(seeds)]
-            row.update(psnr_min=min(psnrs), psnr_mean=float(np.mean(psnrs)), latent_rel_mean=float(np.mean(rel)),
-                       latent_rel_max=max(rel))
+            row.update(against(m, exact, seeds))
             if p.startswith("gguf-"):   # against the bf16 run of the same dense values
-                vs_bf16 = [_psnr(m["pixels"][i], runs["bf16"]["pixels"][i]) for i in range(seeds)]
-                row.update(psnr_vs_bf16_min=min(vs_bf16), psnr_vs_bf16_mean=float(np.mean(vs_bf16)))
-                print(f"{family} {p}: against bf16, PSNR min {min(vs_bf16):.2f} dB, mean {np.mean(vs_bf16):.2f} dB",
-                      flush=True)
-            print(f"{family} {p}: PSNR min {min(psnrs):.2f} dB, mean {np.mean(psnrs):.2f} dB; latents relative "
-                  f"error mean {np.mean(rel):.4f}, max {max(rel):.4f}", flush=True)
+                vs_bf16 = against(m, runs["bf16"], seeds)
+                row.update(psnr_vs_bf16_min=vs_bf16["psnr_min"], psnr_vs_bf16_mean=vs_bf16["psnr_mean"])
+                print(f"{family} {p}: against bf16, PSNR min {vs_bf16['psnr_min']:.2f} dB, mean "
+                      f"{vs_bf16['psnr_mean']:.2f} dB", flush=True)
+            print(f"{family} {p}: PSNR min {row['psnr_min']:.2f} dB, mean {row['psnr_mean']:.2f} dB; latents relative "
+                  f"error mean {row['latent_rel_mean']:.4f}, max {row['latent_rel_max']:.4f}", flush=True)
         result["precisions"][p] = row
     return result
 

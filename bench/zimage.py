@@ -91,7 +91,8 @@ CONFIGS = {
     "sdlite auto mode1": dict(engine="sdlite", files="folder", precision="auto", memory_mode=1),
     "sdlite auto mode0": dict(engine="sdlite", files="folder", precision="auto", memory_mode=0),
     "sdlite auto mode1 split": dict(engine="sdlite", files="split", precision="auto", memory_mode=1),
-    "sdlite int8 mode1": dict(engine="sdlite", files="folder", precision="int8", memory_mode=1),   # W8A8 (oneDNN)
+    "sdlite int8 mode1": dict(engine="sdlite", files="folder", precision="int8", memory_mode=1),   # weight-only
+    "sdlite bf16-int8 mode1": dict(engine="sdlite", files="folder", precision="bf16-int8", memory_mode=1),  # W8A8
     EXACT: dict(engine="sdlite", files="folder", precision="exact", memory_mode=0),   # with --exact
     "sd.cpp bf16": dict(engine="sdcpp", files="split"),
 }
