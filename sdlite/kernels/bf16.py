@@ -19,6 +19,9 @@ two plain products (no bias), then one pass for ``(value + b) * gelu(gate + b)``
 arithmetic (and so the same codes) as PyTorch's fp32 operations; None where they do not apply. :func:`row_codes` and
 :func:`scale_rows` do the same with one scale per row (a transformer's tokens): the codes in one pass, and the int8
 product's rows scaled back (and biased) in place in one more.
+
+:func:`rope` is the rotary embedding of the transformers' queries and keys (:func:`sdlite.models.layers.rotate_pairs`'s
+arithmetic) in one pass, written into a strided output (a slice of the joint sequence).
 """
 from __future__ import annotations
 
@@ -103,6 +106,10 @@ def _function():
     scale_rows.restype = ctypes.c_int
     scale_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     _QUANT[:] = [minmax, codes, rows, scale_rows]
+    rope = lib.sdl_rope_bf16
+    rope.restype = ctypes.c_int
+    rope.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int]
+    _ROPE[0] = rope
     return fn
 
 
@@ -159,6 +166,7 @@ def status() -> str:
 _READY = False
 _GEGLU: list = [None]
 _QUANT: list = [None, None, None, None]
+_ROPE: list = [None]
 # the range of the last tensor a kernel wrote in this thread, found while writing it, as .entry = (tensor, its
 # version, min, max, non-finite)
 _KNOWN = threading.local()
@@ -456,3 +464,36 @@ def scale_rows(y: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None)
     if code != 0:
         raise RuntimeError(f"sdlite's bf16 row-scale kernel failed (code {code}) on {tuple(y.shape)}")
     return True
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The rotary embedding of x (B, S, h, D) bf16 on the CPU: each channel pair (x0, x1) ->
+    (x0 cos - x1 sin, x1 cos + x0 sin), in fp32 and rounded to bf16 once, with ``cos`` and ``sin`` (S, D) or (B, S, D)
+    fp32 repeating each pair's value twice; written into ``out`` (x's shape, any strides along B, S, h; may be x
+    itself) or a new tensor, which is returned. None (nothing written) where the kernel does not apply: another dtype
+    or device, strides it does not take, autograd, kernels off or unavailable here."""
+    if not enabled or x.dtype is not torch.bfloat16 or x.device.type != "cpu" or x.dim() != 4 \
+            or (x.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        return None
+    b, s, h, d = x.shape
+    tables = []
+    for t in (cos, sin):
+        if t.dtype is not torch.float32 or t.device.type != "cpu" or t.shape[-2:] != (s, d) or t.dim() not in (2, 3) \
+                or (t.dim() == 3 and t.shape[0] not in (1, b)) or t.stride(-1) != 1:
+            return None
+        tables.append(t if t.dim() == 3 else t.unsqueeze(0))
+    if cos.stride() != sin.stride() or d % 2 or d > 1024 or x.stride(3) != 1 or min(b, s, h) < 1:
+        return None
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    elif out.shape != x.shape or out.dtype is not x.dtype or out.device != x.device or out.stride(3) != 1:
+        return None
+    if not _usable():
+        return None
+    c, sn = tables
+    table_strides = (ctypes.c_int64 * 2)(0 if c.shape[0] == 1 else c.stride(0), c.stride(1))
+    code = _ROPE[0](x.data_ptr(), c.data_ptr(), sn.data_ptr(), out.data_ptr(), b, s, h, d, _strides(x), table_strides,
+                    _strides(out), torch.get_num_threads())
+    if code != 0:
+        raise RuntimeError(f"sdlite's bf16 rotary-embedding kernel failed (code {code}) on {tuple(x.shape)}")
+    return out

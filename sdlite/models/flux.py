@@ -20,7 +20,8 @@ from torch import nn
 
 from ..config.flux import FluxConfig
 from ..errors import RequestError
-from .layers import TimestepEmbedding, pad_to_patches, per_sample, residual, run_blocks, timestep_embedding
+from .layers import (TimestepEmbedding, pad_to_patches, per_sample, residual, rotate_joined, rotate_pairs, run_blocks,
+                     timestep_embedding)
 from .mmdit import NORM_EPS, AdaNorm, FeedForward, attention, gated, layer_norm, modulate
 
 __all__ = ["Flux", "pack_latents", "unpack_latents", "image_ids", "reference_ids", "rope_tables"]
@@ -88,12 +89,7 @@ def rope_tables(ids: torch.Tensor, axes: tuple[int, ...]) -> tuple[torch.Tensor,
     return torch.cat(cos, dim=-1), torch.cat(sin, dim=-1)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The rotary embedding on x (B, S, h, D): each channel pair (x0, x1) -> (x0 cos - x1 sin, x1 cos + x0 sin),
-    computed in fp32 and returned in x's dtype."""
-    x0, x1 = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
-    turned = torch.stack([-x1, x0], dim=-1).flatten(3)
-    return (x.float() * cos[None, :, None] + turned.float() * sin[None, :, None]).to(x.dtype)
+rotate = rotate_pairs   # the rotary embedding on x (B, S, h, D) with rope_tables' (cos, sin)
 
 
 class QKNorm(nn.Module):
@@ -144,11 +140,12 @@ class FluxAttention(nn.Module):
         q = self._split(self.to_q, x, self.norm_q)
         k = self._split(self.to_k, x, self.norm_k)
         v = self._split(self.to_v, x, None)
-        if c is not None:
-            q = torch.cat([self._split(self.add_q_proj, c, self.norm_added_q), q], dim=1)   # (B, S, h, D)
-            k = torch.cat([self._split(self.add_k_proj, c, self.norm_added_k), k], dim=1)
+        if c is None:
+            q, k = rotate(q, *rope), rotate(k, *rope)
+        else:                                                                       # (B, S, h, D): [text, image]
+            q = rotate_joined([self._split(self.add_q_proj, c, self.norm_added_q), q], *rope)
+            k = rotate_joined([self._split(self.add_k_proj, c, self.norm_added_k), k], *rope)
             v = torch.cat([self._split(self.add_v_proj, c, None), v], dim=1)
-        q, k = rotate(q, *rope), rotate(k, *rope)
         out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.fp32_kernels)  # (B, S, C)
         del q, k, v
         if c is None:

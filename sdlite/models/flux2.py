@@ -31,7 +31,7 @@ from torch import nn
 from ..config.flux2 import REFERENCE_TIME_STEP, Flux2Config
 from ..errors import RequestError
 from .flux import rotate
-from .layers import per_sample, residual, run_blocks, timestep_embedding
+from .layers import per_sample, residual, rotate_joined, run_blocks, timestep_embedding
 from .mmdit import attention, gated, modulate
 
 __all__ = ["Flux2", "pack", "unpack", "image_ids", "text_ids", "rope_tables"]
@@ -203,10 +203,9 @@ class JointAttention(nn.Module):
         q = self.norm_q(_heads(self.to_q(x), d))                                    # (B, N, h, D)
         k = self.norm_k(_heads(self.to_k(x), d))
         v = _heads(self.to_v(x), d)
-        q = torch.cat([self.norm_added_q(_heads(self.add_q_proj(c), d)), q], dim=1)   # (B, S, h, D)
-        k = torch.cat([self.norm_added_k(_heads(self.add_k_proj(c), d)), k], dim=1)
+        q = rotate_joined([self.norm_added_q(_heads(self.add_q_proj(c), d)), q], *rope)   # (B, S, h, D)
+        k = rotate_joined([self.norm_added_k(_heads(self.add_k_proj(c), d)), k], *rope)
         v = torch.cat([_heads(self.add_v_proj(c), d), v], dim=1)
-        q, k = rotate(q, *rope), rotate(k, *rope)
         out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.fp32_kernels)  # (B, S, C)
         del q, k, v
         m = c.shape[1]

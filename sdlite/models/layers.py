@@ -1,5 +1,6 @@
 """Building blocks shared by the networks: the UNet's and the VAE's, the transformers' (timestep embeddings, RMSNorm,
-per-sample values, ComfyUI's padding of a latent to whole patches) and the text encoders' (RMSNorm).
+per-sample values, ComfyUI's padding of a latent to whole patches, the rotary embedding of channel pairs) and the text
+encoders' (RMSNorm).
 
 Module attribute names equal the canonical (diffusers) checkpoint key names, so that loading is a
 key-for-key copy. Shapes are written as comments where they change: B batch, C channels, H/W spatial,
@@ -15,7 +16,7 @@ from torch import nn
 
 from ..errors import RequestError
 from ..kernels import fp32
-from ..kernels.bf16 import attend, attention_pays
+from ..kernels.bf16 import attend, attention_pays, rope
 
 
 def norm_silu(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -75,6 +76,46 @@ def per_sample(value, b: int, device, what: str) -> torch.Tensor:
     if tuple(value.shape) != (b,):
         raise RequestError(f"{what} have shape {list(value.shape)}: expected ({b},) or a single value")
     return value
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding on x (B, S, h, D) of FLUX.1 and the transformers after it: each channel pair (x0, x1) ->
+    (x0 cos - x1 sin, x1 cos + x0 sin), with ``cos`` and ``sin`` (S, D) or (B, S, D) float32 repeating each pair's
+    value twice; computed in fp32 as ``x * cos + (-x1, x0) * sin`` and returned in x's dtype. bf16 runs sdlite's kernel
+    (one pass, the same arithmetic and so the same bits) where it applies."""
+    out = rope(x, cos, sin)
+    if out is not None:
+        return out
+    x0, x1 = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    turned = torch.stack([-x1, x0], dim=-1).flatten(3)
+    cos, sin = (t[None, :, None] if t.dim() == 2 else t[:, :, None] for t in (cos, sin))
+    return (x.float() * cos + turned.float() * sin).to(x.dtype)
+
+
+def rotate_joined(parts: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`rotate_pairs` of the sequence that ``parts`` (B, S_i, h, D) make joined along S (cos and sin cover the
+    whole of it). bf16 on sdlite's kernel writes each part's rotation straight into its slice of the joined tensor;
+    elsewhere the parts are joined, then rotated."""
+    first = parts[0]
+    if first.dtype is torch.bfloat16 and first.device.type == "cpu":
+        b, _, h, d = first.shape
+        out = torch.empty(b, sum(p.shape[1] for p in parts), h, d, dtype=first.dtype)
+        at = 0
+        for part in parts:
+            n = part.shape[1]
+            if rope(part, cos[..., at:at + n, :], sin[..., at:at + n, :], out[:, at:at + n]) is None:
+                break
+            at += n
+        else:
+            return out
+    return rotate_pairs(torch.cat(parts, dim=1), cos, sin)
+
+
+def pair_tables(factors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Complex rotary factors (..., S, D/2) as :func:`rotate_pairs`' tables: their real and imaginary parts, each
+    repeated for the two channels of its pair, (..., S, D) float32."""
+    return (factors.real.repeat_interleave(2, dim=-1).contiguous(),
+            factors.imag.repeat_interleave(2, dim=-1).contiguous())
 
 
 class RMSNorm(nn.Module):

@@ -29,7 +29,8 @@ from torch import nn
 from ..config.qwenimage import QWEN_IMAGE_EPS, QWEN_IMAGE_ROPE_THETA, QWEN_IMAGE_TIME_CHANNELS, QwenImageConfig
 from ..errors import RequestError
 from .flux import pack_latents, unpack_latents
-from .layers import RMSNorm, TimestepEmbedding, pad_to_patches, per_sample, run_blocks
+from .layers import (RMSNorm, TimestepEmbedding, pad_to_patches, pair_tables, per_sample, rotate_joined, rotate_pairs,
+                     run_blocks)
 from .mmdit import attention
 
 __all__ = ["QwenImage", "rope_table", "image_positions", "timestep_sinusoid", "image_shapes"]
@@ -67,6 +68,8 @@ def rope_table(positions: torch.Tensor, axes: Sequence[int]) -> torch.Tensor:
 def _rotate(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """The rotary embedding on x (B, S, h, D), its channel pairs (x0, x1) as complex numbers times ``table`` (S, D/2),
     in float32 and back to x's dtype."""
+    if isinstance(table, tuple):
+        return rotate_pairs(x, *table)
     turned = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2)) * table[:, None]
     return torch.view_as_real(turned).flatten(3).type_as(x)
 
@@ -146,15 +149,19 @@ class JointAttention(nn.Module):
         self.to_add_out = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None):
-        """x (B, N, C) image tokens, c (B, M, C) text tokens, rope (S, D/2) of [text, image], mask (B, 1, 1, S)
+        """x (B, N, C) image tokens, c (B, M, C) text tokens, rope (S, D/2) complex of [text, image] (bf16: its
+        (cos, sin) tables, :func:`~sdlite.models.layers.pair_tables`), mask (B, 1, 1, S)
         booleans or None -> (image (B, N, C), text (B, M, C))."""
         d = self.head_dim
-        q = torch.cat([self.norm_added_q(self.add_q_proj(c).unflatten(-1, (-1, d))),
-                       self.norm_q(self.to_q(x).unflatten(-1, (-1, d)))], dim=1)    # (B, S, h, D)
-        k = torch.cat([self.norm_added_k(self.add_k_proj(c).unflatten(-1, (-1, d))),
-                       self.norm_k(self.to_k(x).unflatten(-1, (-1, d)))], dim=1)
+        q = [self.norm_added_q(self.add_q_proj(c).unflatten(-1, (-1, d))),
+             self.norm_q(self.to_q(x).unflatten(-1, (-1, d)))]                      # [text, image] (B, *, h, D)
+        k = [self.norm_added_k(self.add_k_proj(c).unflatten(-1, (-1, d))),
+             self.norm_k(self.to_k(x).unflatten(-1, (-1, d)))]
+        if isinstance(rope, tuple):                       # bf16 tables: rotated into the joined sequence
+            q, k = rotate_joined(q, *rope), rotate_joined(k, *rope)                  # (B, S, h, D)
+        else:
+            q, k = _rotate(torch.cat(q, dim=1), rope), _rotate(torch.cat(k, dim=1), rope)
         v = torch.cat([self.add_v_proj(c).unflatten(-1, (-1, d)), self.to_v(x).unflatten(-1, (-1, d))], dim=1)
-        q, k = _rotate(q, rope), _rotate(k, rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)            # (B, h, S, D)
         if mask is None:
             out = attention(q, k, v, self.fp32_kernels)                              # (B, S, C)
@@ -373,6 +380,8 @@ class QwenImage(nn.Module):
         start = max(max(s[1] // 2, s[2] // 2) for s in shapes)
         text = torch.arange(start, start + m, device=device)[:, None].expand(m, 3)
         rope = rope_table(torch.cat([text, *positions]), cfg.axes_dims_rope)         # (S, D/2)
+        if self.dtype is torch.bfloat16 and device.type == "cpu":
+            rope = pair_tables(rope)                      # sdlite's rotary kernel's (cos, sin), (S, D) each
         if mask is not None:
             if tuple(mask.shape) != (b, m):
                 raise RequestError(f"Qwen-Image context mask has shape {list(mask.shape)}: expected ({b}, {m})")

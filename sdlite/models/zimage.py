@@ -28,7 +28,8 @@ from torch.nn.utils.rnn import pad_sequence
 
 from ..config.zimage import ZImageConfig
 from ..errors import RequestError
-from .layers import RMSNorm, pad_to_patches, per_sample, residual, run_blocks, timestep_embedding
+from .layers import (RMSNorm, pad_to_patches, pair_tables, per_sample, residual, rotate_pairs, run_blocks,
+                     timestep_embedding)
 from .mmdit import attention
 
 __all__ = ["ZImage", "rope_freqs", "image_ids", "caption_ids", "padded_length"]
@@ -69,11 +70,20 @@ def rope_freqs(ids: torch.Tensor, axes: Sequence[int], theta: float) -> torch.Te
     return torch.cat(out, dim=-1)
 
 
-def rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, freqs) -> torch.Tensor:
     """The rotary embedding on x (B, S, h, D): each channel pair as a complex number times its factor (B, S, D/2),
-    in fp32 and returned in x's dtype."""
+    in fp32 and returned in x's dtype; ``freqs`` as :func:`_tables` made them for bf16 (real and imaginary parts
+    repeated per pair: sdlite's kernel, the same products)."""
+    if isinstance(freqs, tuple):
+        return rotate_pairs(x, *freqs)
     pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))          # (B, S, h, D/2)
     return torch.view_as_real(pairs * freqs.unsqueeze(2)).flatten(3).type_as(x)
+
+
+def _tables(freqs: torch.Tensor, dtype: torch.dtype):
+    """The factors as the blocks take them: for bf16 on a CPU the pair tables sdlite's rotary kernel reads
+    (:func:`~sdlite.models.layers.pair_tables`), made once a call; else the complex factors as they are."""
+    return pair_tables(freqs) if dtype is torch.bfloat16 and freqs.device.type == "cpu" else freqs
 
 
 class Attention(nn.Module):
@@ -251,8 +261,10 @@ class ZImage(nn.Module):
         h = torch.where(real[:, None], h, self.x_pad_token).view(b, n_pad, -1)     # (B, Np, C)
         x_freqs = torch.stack([rope_freqs(image_ids(rows, cols, n_pad, lp + 1, x.device), cfg.axes_dims,
                                           cfg.rope_theta) for lp in cap_pads])       # (B, Np, D/2)
+        refiner_freqs = _tables(x_freqs, dtype)
         for block in self.noise_refiner:
-            h = block(h, None, x_freqs, emb)
+            h = block(h, None, refiner_freqs, emb)
+        del refiner_freqs
 
         # caption tokens: the same padding, with the caption's pad token
         padded = [torch.cat([cap, cap[-1:].repeat(lp - n_cap, 1)]) for cap, n_cap, lp in zip(caps, cap_lens, cap_pads)]
@@ -265,14 +277,17 @@ class ZImage(nn.Module):
         cap_freqs = pad_sequence([rope_freqs(caption_ids(lp, x.device), cfg.axes_dims, cfg.rope_theta)
                                   for lp in cap_pads], batch_first=True)            # (B, Lm, D/2)
         cap_mask = _mask(cap_pads, x.device)
+        refiner_freqs = _tables(cap_freqs, dtype)
         for block in self.context_refiner:
-            cap = block(cap, cap_mask, cap_freqs)
+            cap = block(cap, cap_mask, refiner_freqs)
+        del refiner_freqs
 
         # the joint sequence [image, caption] of each sample, the batch padded to the longest
         h = pad_sequence([torch.cat([h[i], cap[i, :lp]]) for i, lp in enumerate(cap_pads)], batch_first=True)
         freqs = pad_sequence([torch.cat([x_freqs[i], cap_freqs[i, :lp]]) for i, lp in enumerate(cap_pads)],
                              batch_first=True)                                       # (B, S, D/2)
         del cap, x_freqs, cap_freqs
+        freqs = _tables(freqs, dtype)
         mask = _mask([n_pad + lp for lp in cap_pads], x.device)
 
         def first(state):

@@ -1,0 +1,154 @@
+"""sdlite's bf16 rotary-embedding kernel (``sdl_rope_bf16``, ``sdlite.kernels.bf16.rope``) and the helpers the
+transformers call (``sdlite.models.layers.rotate_pairs``, ``rotate_joined``, ``pair_tables``): the same bits as
+diffusers' ``apply_rotary_emb`` (FLUX.1's real form), wherever the output lands (strided, a slice of the joined
+sequence, in place); used exactly where it applies. The transformers' bf16 forward through it is checked against
+diffusers' bit for bit by test_flux_model, test_zimage_model and test_qwenimage_model (``test_bf16_is_bit_exact_too``
+and the like)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers.models.embeddings import apply_rotary_emb
+
+from sdlite.kernels import bf16 as kernels
+from sdlite.kernels import build
+from sdlite.models.layers import pair_tables, rotate_joined, rotate_pairs
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+RUNS_HERE = kernels.cpu_problem() is None and build.compiler() is not None and not build.disabled()
+
+
+def _tables(s: int, d: int, batch: int | None = None, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (S, D) or (B, S, D), each pair's value repeated, of random angles up to a few thousand radians
+    (FLUX.1's positions times its frequencies)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (s, d // 2) if batch is None else (batch, s, d // 2)
+    angles = torch.rand(shape, generator=g) * torch.logspace(0, -3.5, d // 2) * 3000
+    return angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)
+
+
+def _tokens(*shape: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 3).bfloat16()
+
+
+def _diffusers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """diffusers' FLUX.1 rotation of x (B, S, h, D) (its ``sequence_dim=1`` layout), per sample for (B, S, D)
+    tables."""
+    if cos.dim() == 2:
+        return apply_rotary_emb(x, (cos, sin), use_real=True, use_real_unbind_dim=-1, sequence_dim=1)
+    return torch.cat([_diffusers(x[i:i + 1], cos[i], sin[i]) for i in range(x.shape[0])])
+
+
+# (B, S, h, D): FLUX.1's joint sequence at 512^2, SD3-wide heads, a head dim with a 16-lane tail (56), the smallest pair
+SHAPES = [(1, 1280, 24, 128), (2, 333, 3, 64), (2, 77, 5, 56), (3, 9, 1, 2)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("batch_tables", [False, True])
+def test_rotation_equals_diffusers_bit_for_bit(shape, batch_tables):
+    b, s, h, d = shape
+    x = _tokens(*shape)
+    cos, sin = _tables(s, d, b if batch_tables else None)
+    got = rotate_pairs(x, cos, sin)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    assert torch.equal(got, _diffusers(x, cos, sin))
+    assert (kernels.rope(x, cos, sin) is not None) == RUNS_HERE, kernels.status()
+
+
+def test_fp32_and_the_pytorch_path_match_diffusers_too(monkeypatch):
+    """fp32 (the exact path) never reaches the kernel; with the kernel off, bf16's PyTorch operations give the same
+    bits as the kernel does."""
+    x = _tokens(2, 50, 3, 64)
+    cos, sin = _tables(50, 64)
+    assert kernels.rope(x.float(), cos, sin) is None
+    assert torch.equal(rotate_pairs(x.float(), cos, sin), _diffusers(x.float(), cos, sin))
+    with_kernel = rotate_pairs(x, cos, sin)
+    monkeypatch.setattr(kernels, "enabled", False)
+    assert kernels.rope(x, cos, sin) is None
+    assert torch.equal(rotate_pairs(x, cos, sin), with_kernel)
+
+
+def test_threads_split_the_rows_without_changing_a_bit():
+    x = _tokens(2, 700, 6, 128)
+    cos, sin = _tables(700, 128)
+    one = rotate_pairs(x, cos, sin)
+    torch.set_num_threads(2)
+    try:
+        two = rotate_pairs(x, cos, sin)
+    finally:
+        torch.set_num_threads(1)
+    assert torch.equal(one, two) and torch.equal(one, _diffusers(x, cos, sin))
+
+
+def test_output_lands_where_its_strides_say():
+    """A transposed input, an output that is a slice of a longer sequence, the input itself: each the same bits."""
+    x = _tokens(2, 100, 4, 64)
+    cos, sin = _tables(100, 64)
+    want = _diffusers(x, cos, sin)
+    strided = x.transpose(1, 2).contiguous().transpose(1, 2)               # (B, S, h, D) viewed from (B, h, S, D)
+    assert not strided.is_contiguous() and torch.equal(rotate_pairs(strided, cos, sin), want)
+    if RUNS_HERE:
+        joined = torch.full((2, 130, 4, 64), 7.0, dtype=torch.bfloat16)
+        assert kernels.rope(x, cos, sin, joined[:, 30:]) is not None
+        assert torch.equal(joined[:, 30:], want) and joined[:, :30].eq(7).all()   # the rest untouched
+        same = x.clone()
+        assert kernels.rope(same, cos, sin, same) is same and torch.equal(same, want)
+
+
+def test_joined_parts_equal_the_joined_sequence_rotated():
+    """FLUX.1's double block: the text and image parts rotated into one (B, S, h, D) tensor, as the joined sequence
+    rotated whole (and the same through PyTorch for fp32)."""
+    text, image = _tokens(2, 40, 3, 64, seed=2), _tokens(2, 90, 3, 64, seed=3)
+    cos, sin = _tables(130, 64)
+    for dtype in (torch.bfloat16, torch.float32):
+        parts = [text.to(dtype), image.to(dtype)]
+        got = rotate_joined(parts, cos, sin)
+        assert got.dtype == dtype and torch.equal(got, _diffusers(torch.cat(parts, dim=1), cos, sin))
+
+
+def test_complex_factors_as_pair_tables_match_the_complex_product():
+    """Z-Image's and Qwen-Image's complex factors as pair tables: the rotation equals the complex product (their
+    fp32 references' form) to within the bf16 rounding of the result."""
+    g = torch.Generator().manual_seed(4)
+    angles = torch.rand(2, 60, 32, generator=g) * 200
+    factors = torch.polar(torch.ones_like(angles), angles)                 # (B, S, D/2) complex64
+    x = _tokens(2, 60, 3, 64)
+    got = rotate_pairs(x, *pair_tables(factors))
+    exact = torch.view_as_real(torch.view_as_complex(x.double().reshape(2, 60, 3, 32, 2))
+                               * factors.to(torch.complex128)[:, :, None]).flatten(3)
+    step = exact.abs().clamp_min(1e-30) * 2.0 ** -8                        # bf16's spacing, relative
+    assert ((got.double() - exact).abs() <= step).all()
+
+
+def test_refused_where_it_does_not_apply():
+    x = _tokens(1, 8, 2, 16)
+    cos, sin = _tables(8, 16)
+    assert kernels.rope(x, cos.double(), sin.double()) is None             # tables not fp32
+    assert kernels.rope(x, cos[:4], sin[:4]) is None                        # tables for another length
+    assert kernels.rope(_tokens(1, 8, 2, 15), cos[:, :15], sin[:, :15]) is None   # no whole pairs
+    assert kernels.rope(x, cos, sin, torch.empty(1, 8, 2, 16)) is None      # an fp32 output
+    graded = x.float().requires_grad_()
+    assert kernels.rope(graded.bfloat16(), cos, sin) is None                # autograd: PyTorch's
+
+
+def test_flux_bf16_velocity_is_the_same_with_the_kernel_as_without(monkeypatch):
+    """FLUX.1 in bf16 (its double blocks rotating text and image into one tensor, its single blocks in place): the
+    same velocity bit for bit with the kernel as with PyTorch's operations (FLUX.1's bf16 differs from diffusers'
+    elsewhere, its attention kernel: test_flux_model checks that it stays close)."""
+    from sdlite.config.flux import FluxConfig
+    from sdlite.models.flux import Flux
+
+    torch.manual_seed(0)
+    net = Flux(FluxConfig(num_layers=2, num_single_layers=2, attention_head_dim=32, num_attention_heads=2,
+                          joint_attention_dim=32, pooled_projection_dim=24, axes_dims_rope=(8, 12, 12),
+                          guidance_embeds=True)).eval().bfloat16()
+    g = torch.Generator().manual_seed(2)
+    x, ctx, pooled = torch.randn(1, 16, 8, 10, generator=g), torch.randn(1, 5, 32, generator=g), \
+        torch.randn(1, 24, generator=g)
+    with torch.no_grad():
+        on = net(x, torch.tensor([0.5]), ctx, pooled, 3.5)
+        monkeypatch.setattr(kernels, "enabled", False)
+        off = net(x, torch.tensor([0.5]), ctx, pooled, 3.5)
+    assert on.dtype == torch.bfloat16 and torch.equal(on, off)
