@@ -214,7 +214,9 @@ class Networks:
         self.model, self.m, self.engine = model, m, engine
         bf16 = torch.bfloat16
         if engine == "sdlite":
+            from sdlite.engine.memory import tune_heap
             from sdlite.engine.precision import resolve
+            tune_heap()   # as sdlite's Engine does when it starts: activations stay in the heap between steps
             plan = resolve(precision, "cpu", spec=m["spec"])
             self.plan = plan
             self.label = plan.label
@@ -246,6 +248,9 @@ class Networks:
                 from sdlite.engine.memory import channels_last
                 from sdlite.engine.subpixel import phase_upsample_model
                 net = channels_last(phase_upsample_model(net))
+        if self.engine == "sdlite":
+            from sdlite.engine.memory import trim_heap
+            trim_heap()   # as sdlite's Engine does after loading a network (its quantising's temporaries)
         setattr(self, which, net)
         return net
 

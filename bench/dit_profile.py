@@ -93,6 +93,7 @@ def _wrap_rope():
                 return fn(*a, **k)
         return inner
     sflux.rotate = wrapped(sflux.rotate, "sdlite/rope (rotate, fp32)")
+    sflux.rotate_joined = wrapped(sflux.rotate_joined, "sdlite/rope (rotate_joined: [text, image] rotated into one)")
     dflux.apply_rotary_emb = wrapped(dflux.apply_rotary_emb, "diffusers/rope (apply_rotary_emb)")
 
 

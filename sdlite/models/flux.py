@@ -200,7 +200,9 @@ class SingleBlock(nn.Module):
         """h (B, S, C)."""
         shift, scale, gate = self.norm(emb)
         hn = modulate(layer_norm(h), shift, scale)
-        mlp = F.gelu(self.proj_mlp(hn), approximate="tanh")                         # (B, S, 4C)
+        mlp = self.proj_mlp(hn)                                                     # (B, S, 4C)
+        mlp = F.gelu(mlp, approximate="tanh") if torch.is_grad_enabled() else \
+            torch.ops.aten.gelu_(mlp, approximate="tanh")                           # the same values, in place
         a = self.attn(hn, rope)                                                     # (B, S, C)
         del hn
         out = self.proj_out(torch.cat([a, mlp], dim=2))
