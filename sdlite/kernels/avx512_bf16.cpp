@@ -5,6 +5,7 @@
 // sdl_minmax_bf16, sdl_quantize_u8_bf16: an int8 layer's bf16 input, its range and its uint8 codes (bf16-int8).
 // sdl_quantize_rows_u8_bf16, sdl_scale_rows_bf16: the same with one scale per row (a transformer's tokens).
 // sdl_rope_bf16: the rotary embedding of a transformer's queries or keys, in one pass, into a strided output.
+// sdl_rms_scale_bf16: an RMS norm's scaling by its rows' factors and its weight, in one pass.
 //
 // Attention: out = softmax(q k^T * scale) v for each (batch, head), without a mask, computed block by block with the running
 // ("online") softmax of FlashAttention (Dao et al., 2022), so the N x M scores never exist at once. Products are bf16
@@ -691,6 +692,63 @@ extern "C" int sdl_rope_bf16(const uint16_t* x, const float* cos, const float* s
     const int used = split_threads(rows * D, threads);
     return sdl::parallel_parts(rows, used, [&](int64_t b, int64_t e) {
         rope_rows(a, b, e);
+        return 0;
+    });
+}
+
+// --- the RMS norm's scaling ----------------------------------------------------------------------------------------------
+//
+// diffusers' RMSNorm in bf16 (sdlite.models.layers.RMSNorm) makes six passes: x in fp32, squared, the mean (its
+// variance, which PyTorch's summation order fixes: computed by PyTorch still, to keep its bits), then x * rsqrt(variance
+// + eps) in fp32, rounded to bf16, times the bf16 weight and rounded again. This is the last three in one pass, with the
+// same roundings: y = bf16(float(bf16(float(x) * r)) * float(w)) for each row's r.
+
+namespace {
+
+struct RmsScale {
+    const uint16_t* x;
+    const float* r;
+    const uint16_t* w;
+    uint16_t* out;
+    int64_t n1, n2, D;
+    int64_t xs[3], rs[3], os[3];   // strides (elements) over the three leading dimensions
+};
+
+inline __m512 round_bf16(__m512 v) { return widen((__m256i)_mm512_cvtneps_pbh(v)); }
+
+void rms_scale_rows(const RmsScale& a, int64_t r0, int64_t r1) {
+    const int64_t full = a.D & ~15;
+    const __mmask16 tail = lanes((int)(a.D - full));
+    for (int64_t row = r0; row < r1; ++row) {
+        const int64_t i0 = row / (a.n1 * a.n2), i1 = row / a.n2 % a.n1, i2 = row % a.n2;
+        const uint16_t* xr = a.x + i0 * a.xs[0] + i1 * a.xs[1] + i2 * a.xs[2];
+        uint16_t* yr = a.out + i0 * a.os[0] + i1 * a.os[1] + i2 * a.os[2];
+        const __m512 r = _mm512_set1_ps(a.r[i0 * a.rs[0] + i1 * a.rs[1] + i2 * a.rs[2]]);
+        for (int64_t d = 0; d < full; d += 16) {
+            const __m512 y = _mm512_mul_ps(round_bf16(_mm512_mul_ps(load_bf16(xr + d), r)), load_bf16(a.w + d));
+            _mm256_storeu_si256((__m256i*)(yr + d), (__m256i)_mm512_cvtneps_pbh(y));
+        }
+        if (full < a.D) {
+            const __m512 y = _mm512_mul_ps(round_bf16(_mm512_mul_ps(load_bf16_masked(xr + full, tail), r)),
+                                           load_bf16_masked(a.w + full, tail));
+            _mm256_mask_storeu_epi16(yr + full, tail, (__m256i)_mm512_cvtneps_pbh(y));
+        }
+    }
+}
+
+}  // namespace
+
+// out = bf16(float(bf16(float(x) * r)) * float(w)) for x and out (n0, n1, n2, D) bf16 with the given strides (D
+// contiguous), r (n0, n1, n2) fp32 (one per row, strides rs), w (D) bf16. Returns 0, or 1 for bad sizes.
+extern "C" int sdl_rms_scale_bf16(const uint16_t* x, const float* r, const uint16_t* w, uint16_t* out, int64_t n0,
+                                  int64_t n1, int64_t n2, int64_t D, const int64_t* xs, const int64_t* rs,
+                                  const int64_t* os, int threads) {
+    if (n0 < 1 || n1 < 1 || n2 < 1 || D < 1) return 1;
+    RmsScale a{x, r, w, out, n1, n2, D, {xs[0], xs[1], xs[2]}, {rs[0], rs[1], rs[2]}, {os[0], os[1], os[2]}};
+    const int64_t rows = n0 * n1 * n2;
+    const int used = split_threads(rows * D, threads);
+    return sdl::parallel_parts(rows, used, [&](int64_t b, int64_t e) {
+        rms_scale_rows(a, b, e);
         return 0;
     });
 }

@@ -21,7 +21,8 @@ arithmetic (and so the same codes) as PyTorch's fp32 operations; None where they
 product's rows scaled back (and biased) in place in one more.
 
 :func:`rope` is the rotary embedding of the transformers' queries and keys (:func:`sdlite.models.layers.rotate_pairs`'s
-arithmetic) in one pass, written into a strided output (a slice of the joint sequence).
+arithmetic) in one pass, written into a strided output (a slice of the joint sequence). :func:`rms_scale` is an RMS
+norm's last three passes in one (:class:`sdlite.models.layers.RMSNorm`'s roundings).
 """
 from __future__ import annotations
 
@@ -110,6 +111,10 @@ def _function():
     rope.restype = ctypes.c_int
     rope.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int]
     _ROPE[0] = rope
+    rms = lib.sdl_rms_scale_bf16
+    rms.restype = ctypes.c_int
+    rms.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int]
+    _ROPE[1] = rms
     return fn
 
 
@@ -166,7 +171,7 @@ def status() -> str:
 _READY = False
 _GEGLU: list = [None]
 _QUANT: list = [None, None, None, None]
-_ROPE: list = [None]
+_ROPE: list = [None, None]   # the rotary embedding, the RMS norm's scaling
 # the range of the last tensor a kernel wrote in this thread, found while writing it, as .entry = (tensor, its
 # version, min, max, non-finite)
 _KNOWN = threading.local()
@@ -496,4 +501,38 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tenso
                     _strides(out), torch.get_num_threads())
     if code != 0:
         raise RuntimeError(f"sdlite's bf16 rotary-embedding kernel failed (code {code}) on {tuple(x.shape)}")
+    return out
+
+
+def _leading3(t: torch.Tensor) -> tuple[tuple[int, int, int], tuple[int, int, int]] | None:
+    """``t``'s sizes and strides over all but its last dimension as three (leading ones of size 1 added); None for
+    more than three."""
+    if t.dim() > 4:
+        return None
+    sizes, strides = [1, 1, 1] + list(t.shape[:-1]), [0, 0, 0] + list(t.stride()[:-1])
+    return tuple(sizes[-3:]), tuple(strides[-3:])
+
+
+def rms_scale(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``(x * r).to(bf16) * weight`` for x (..., D) bf16 (up to 4 dimensions, D contiguous), r (..., 1) fp32 (one
+    factor per row: an RMS norm's ``rsqrt(variance + eps)``) and weight (D,) bf16, as PyTorch's three operations round
+    it, in one pass; the result has x's strides. None where the kernel does not apply."""
+    if not enabled or x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or x.device.type != "cpu" \
+            or r.dtype is not torch.float32 or x.dim() < 1 or x.stride(-1) != 1 or weight.shape != x.shape[-1:] \
+            or not weight.is_contiguous() or r.shape != x.shape[:-1] + (1,) or torch.compiler.is_compiling() \
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return None
+    lead, lead_r = _leading3(x), _leading3(r)
+    if lead is None or lead_r is None or x.numel() == 0 or not _usable():
+        return None
+    out = torch.empty_like(x)                                  # x's strides where x is dense, else contiguous
+    if out.stride(-1) != 1:
+        return None
+    (n0, n1, n2), xs = lead
+    os_ = _leading3(out)[1]
+    code = _ROPE[1](x.data_ptr(), r.data_ptr(), weight.data_ptr(), out.data_ptr(), n0, n1, n2, x.shape[-1],
+                    (ctypes.c_int64 * 3)(*xs), (ctypes.c_int64 * 3)(*lead_r[1]), (ctypes.c_int64 * 3)(*os_),
+                    torch.get_num_threads())
+    if code != 0:
+        raise RuntimeError(f"sdlite's bf16 RMS-scale kernel failed (code {code}) on {tuple(x.shape)}")
     return out

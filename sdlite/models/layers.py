@@ -16,7 +16,7 @@ from torch import nn
 
 from ..errors import RequestError
 from ..kernels import fp32
-from ..kernels.bf16 import attend, attention_pays, rope
+from ..kernels.bf16 import attend, attention_pays, rms_scale, rope
 
 
 def norm_silu(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -121,7 +121,8 @@ def pair_tables(factors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class RMSNorm(nn.Module):
     """RMS normalisation with a learned scale, no mean and no bias: the mean square in fp32, a half-precision scale
     applied in its own dtype (diffusers' RMSNorm and transformers' T5LayerNorm, op for op): SD3's qk norms, Z-Image's
-    norms and T5's layer norms."""
+    norms and T5's layer norms. In bf16 the scaling after the mean square runs on sdlite's kernel where it applies
+    (:func:`sdlite.kernels.bf16.rms_scale`: one pass for three, the same bits)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -130,6 +131,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)      # (..., 1)
+        if x.dtype is torch.bfloat16:   # bf16: the rest in one pass on sdlite's kernel, the same roundings
+            out = rms_scale(x, torch.rsqrt(variance + self.eps), self.weight)
+            if out is not None:
+                return out
         x = x * torch.rsqrt(variance + self.eps)                          # fp32 (promoted)
         if self.weight.dtype in (torch.float16, torch.bfloat16):
             x = x.to(self.weight.dtype)

@@ -1,7 +1,12 @@
-"""sdlite's bf16 rotary-embedding kernel (``sdl_rope_bf16``, ``sdlite.kernels.bf16.rope``) and the helpers the
-transformers call (``sdlite.models.layers.rotate_pairs``, ``rotate_joined``, ``pair_tables``): the same bits as
-diffusers' ``apply_rotary_emb`` (FLUX.1's real form), wherever the output lands (strided, a slice of the joined
-sequence, in place); used exactly where it applies. The transformers' bf16 forward through it is checked against
+"""sdlite's bf16 kernels for the transformers' elementwise work, against diffusers' own functions bit for bit:
+
+* the rotary embedding (``sdl_rope_bf16``, ``sdlite.kernels.bf16.rope``) and the helpers the transformers call
+  (``sdlite.models.layers.rotate_pairs``, ``rotate_joined``, ``pair_tables``) against diffusers' ``apply_rotary_emb``
+  (FLUX.1's real form), wherever the output lands (strided, a slice of the joined sequence, in place);
+* the RMS norm's scaling (``sdl_rms_scale_bf16``, ``sdlite.kernels.bf16.rms_scale``) through
+  ``sdlite.models.layers.RMSNorm`` against diffusers' ``RMSNorm``;
+
+each used exactly where it applies. The transformers' bf16 forward through it is checked against
 diffusers' bit for bit by test_flux_model, test_zimage_model and test_qwenimage_model (``test_bf16_is_bit_exact_too``
 and the like)."""
 from __future__ import annotations
@@ -9,10 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
 
 from sdlite.kernels import bf16 as kernels
 from sdlite.kernels import build
-from sdlite.models.layers import pair_tables, rotate_joined, rotate_pairs
+from sdlite.models.layers import RMSNorm, pair_tables, rotate_joined, rotate_pairs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -152,3 +158,56 @@ def test_flux_bf16_velocity_is_the_same_with_the_kernel_as_without(monkeypatch):
         monkeypatch.setattr(kernels, "enabled", False)
         off = net(x, torch.tensor([0.5]), ctx, pooled, 3.5)
     assert on.dtype == torch.bfloat16 and torch.equal(on, off)
+
+
+
+def _norms(dim: int, eps: float = 1e-6, seed: int = 6) -> tuple[RMSNorm, DiffusersRMSNorm]:
+    """sdlite's and diffusers' RMS norm with the same random bf16 weight."""
+    g = torch.Generator().manual_seed(seed)
+    ours, ref = RMSNorm(dim, eps), DiffusersRMSNorm(dim, eps)
+    with torch.no_grad():
+        ours.weight.copy_(torch.randn(dim, generator=g) * 0.5 + 1)
+        ref.weight.copy_(ours.weight)
+    return ours.bfloat16().eval(), ref.bfloat16().eval()
+
+
+# SD3's per-head q/k norm on the heads' transposed view, Z-Image's 3840-wide tokens, a tail of 8, one row
+NORM_INPUTS = [((2, 300, 24, 64), (1, 2)), ((1, 130, 3840), None), ((3, 7, 5, 56), (1, 2)), ((1, 40), None)]
+
+
+@pytest.mark.parametrize("shape,swap", NORM_INPUTS, ids=lambda v: "x".join(map(str, v)) if v else "plain")
+def test_rms_norm_equals_diffusers_bit_for_bit(shape, swap):
+    ours, ref = _norms(shape[-1])
+    x = _tokens(*shape, seed=7)
+    if swap:
+        x = x.transpose(*swap)
+    with torch.no_grad():
+        got, want = ours(x), ref(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want) and got.stride() == want.stride()
+    r = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert (kernels.rms_scale(x, r, ours.weight.detach()) is not None) == RUNS_HERE, kernels.status()
+
+
+def test_rms_norm_threads_and_other_dtypes(monkeypatch):
+    """Two threads give one thread's bits; fp32 (exact) and an fp32 weight under a bf16 input (promoted to fp32, as
+    diffusers promotes it) stay on PyTorch's operations; with the kernel off, the same bits."""
+    ours, ref = _norms(128)
+    x = _tokens(4, 500, 128, seed=8)
+    with torch.no_grad():
+        one = ours(x)
+        torch.set_num_threads(2)
+        try:
+            two = ours(x)
+        finally:
+            torch.set_num_threads(1)
+        assert torch.equal(one, two)
+        r = torch.ones(4, 500, 1)
+        assert kernels.rms_scale(x.float(), r, ours.weight) is None
+        assert kernels.rms_scale(x, r, ours.weight.float()) is None
+        wide = RMSNorm(128, 1e-6)                                            # fp32 weight, bf16 input
+        wide.weight.data.copy_(ours.weight.float())
+        ref_wide = DiffusersRMSNorm(128, 1e-6)
+        ref_wide.weight.data.copy_(ours.weight.float())
+        assert wide(x).dtype == torch.float32 and torch.equal(wide(x), ref_wide(x))
+        monkeypatch.setattr(kernels, "enabled", False)
+        assert torch.equal(ours(x), one) and torch.equal(ref(x), one)
