@@ -167,6 +167,21 @@ def test_mode_0_decodes_in_tiles(model_dir, monkeypatch):
     assert (low - full).abs().max().item() < 1e-4
 
 
+def test_automatic_tiles_by_mode_and_dtype(model_dir):
+    """Above 768 px the decoder works in 512 px tiles, but memory mode 1 (all resident, fastest) with a bf16 decoder
+    on a CPU decodes whole up to 1024 px (3.5x faster there, about 1.3 GB more at 1024^2); the latent sides in latent
+    pixels."""
+    import sdlite.families.loaded as loaded
+
+    exact1, bf16_1, bf16_2 = (Engine.load(model_dir, memory_mode=mode, precision="exact") for mode in (1, 1, 2))
+    for engine in (bf16_1, bf16_2):   # a bf16 decoder as the bf16 precisions load it (not every CPU runs them)
+        engine.models.vae_dtype = torch.bfloat16
+    for side, exact, fast, balanced in ((96, 0, 0, 0), (97, 64, 0, 64), (128, 64, 0, 64), (129, 64, 64, 64)):
+        assert exact1.decode_tile(side, 64) == exact and bf16_1.decode_tile(64, side) == fast \
+            and bf16_2.decode_tile(side, side) == balanced, side
+    assert loaded.FAST_BF16_TILE_ABOVE == 128 and loaded.AUTO_TILE == 64
+
+
 def test_tiled_decode_with_streamed_weights(model_dir):
     """fp16 weights stream block by block; tiled decoding calls the VAE's layers one by one, so it gets a whole
     copy for the duration: the same image as the untiled, streamed decode."""

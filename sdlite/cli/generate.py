@@ -390,7 +390,7 @@ def add_shared_arguments(g) -> None:
                    help="(older form of --precision) UNet weights: none, int8, int8-bf16 or bf16")
     g.add_argument("--vae-tile", type=int, default=None,
                    help="decode in tiles of this many image pixels (0 = never; default: tiles of 512 above 768 px, "
-                        "in memory mode 0 tiles of 256 above 256 px)")
+                        "above 1024 px in memory mode 1 with a bf16 VAE, in memory mode 0 tiles of 256 above 256 px)")
     g.add_argument("--vae-decoder", metavar="taesd|vae|PATH", default=None,
                    help="decode the images with a TAESD (the tiny autoencoder) instead of the VAE: much faster, a "
                         "little less detail. PATH: a diffusers AutoencoderTiny folder, a taesd_decoder / "
