@@ -613,8 +613,9 @@ def body(raw: dict, h: str) -> list[str]:
              f"Machine: {meta['machine']}", "",
              f"Command: `{meta['command']}`, run {meta['date']}: {meta.get('wall_s', 0) / 60:.0f} min; load average "
              f"(1, 5, 15 min) {', '.join(f'{x:.2f}' for x in meta['loadavg_start'])} at the start, "
-             f"{', '.join(f'{x:.2f}' for x in meta.get('loadavg_end', meta['loadavg_start']))} at the end; other "
-             "engineers' tests ran on the machine at the same time, so the times are noisy."
+             f"{', '.join(f'{x:.2f}' for x in meta.get('loadavg_end', meta['loadavg_start']))} at the end"
+             + ("; the load was above the 2 cores (other work on the machine), so the times are noisy."
+                if max(meta['loadavg_start'][0], meta.get('loadavg_end', meta['loadavg_start'])[0]) > 2.5 else ".")
              + (f" {meta['note']}" if meta.get("note") else ""), "",
              "| measure | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
     for name, key, kind in (("runs (ok / run)", None, None), ("import + load to ready, s", "ready", "s"),
