@@ -103,6 +103,20 @@ def test_row_codes_and_scales_equal_pytorch(bits, monkeypatch):
     assert ((decoded - x.float()).abs() <= scales.unsqueeze(-1) * 0.5001).all()
 
 
+def test_a_strided_input_gets_the_same_codes(monkeypatch):
+    """An int8 layer's input sliced from a longer sequence at batch 2 (SD3's attention output per stream) reaches the
+    per-row kernel (copied once) where this CPU runs it, with the codes PyTorch's arithmetic gives."""
+    joint = torch.cat([_tokens(), _tokens(1)], dim=1)                      # (2, 74, 100)
+    part = joint[:, 10:47]
+    assert not part.is_contiguous()
+    assert (kernels.row_codes(part, 127.0, 128.0) is not None) == (kernels.row_codes(part.contiguous(), 127.0, 128.0)
+                                                                   is not None)
+    q, scales, _ = quantize_rows(part)
+    monkeypatch.setattr(kernels, "enabled", False)
+    q_ref, scales_ref, _ = quantize_rows(part)
+    assert torch.equal(q, q_ref) and torch.equal(scales, scales_ref) and q.shape == part.shape
+
+
 def test_row_scaling_equals_pytorch(monkeypatch):
     y = _tokens(1)
     scales, bias = torch.rand(2, 37) + 0.5, torch.randn(100)

@@ -289,10 +289,7 @@ def quantize_rows(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.T
     cached = not torch.is_grad_enabled() and not x.is_inference()
     if cached and last is not None and last[0] is x and last[1] == x._version and last[2] == (bits, "rows"):
         return last[3]
-    # bf16: sdlite's kernel, else None; a strided input (a slice of the joint sequence, batch > 1) copied for it first,
-    # one pass where PyTorch's arithmetic takes six
-    rows = x if x.is_contiguous() or x.dtype is not torch.bfloat16 else x.contiguous()
-    found = kernels.row_codes(rows, half, float(zero_point))
+    found = kernels.row_codes(x, half, float(zero_point))               # bf16: sdlite's kernel, else None
     if found is None:
         xf = x.float()
         if not bool(torch.isfinite(xf).all()):

@@ -649,23 +649,32 @@ inline __m512 rotate_pairs(__m512 x, __m512 c, __m512 s) {
     return _mm512_add_ps(a, b);
 }
 
+// A row of a tensor with three leading dimensions (n0, n1, n2) before its contiguous last one: row r's indices, and
+// its offset (elements) under given strides.
+struct Row3 {
+    int64_t i0, i1, i2;
+    Row3(int64_t r, int64_t n1, int64_t n2) : i0(r / (n1 * n2)), i1(r / n2 % n1), i2(r % n2) {}
+    int64_t at(const int64_t* st) const { return i0 * st[0] + i1 * st[1] + i2 * st[2]; }
+};
+
 struct Rope {
     const uint16_t* x;
     const float *cos, *sin;
     uint16_t* out;
     int64_t S, H, D;
-    int64_t xs[3], ts[2], os[3];   // strides (elements): x and out over (batch, token, head), tables over (batch, token)
+    // strides (elements): x and out over (batch, token, head), the tables over (batch, token, -: 0)
+    int64_t xs[3], ts[3], os[3];
 };
 
 void rope_rows(const Rope& a, int64_t r0, int64_t r1) {
     const int64_t full = a.D & ~15;
     const __mmask16 tail = lanes((int)(a.D - full));
     for (int64_t r = r0; r < r1; ++r) {
-        const int64_t b = r / (a.S * a.H), s = r / a.H % a.S, h = r % a.H;
-        const uint16_t* xr = a.x + b * a.xs[0] + s * a.xs[1] + h * a.xs[2];
-        const float* cr = a.cos + b * a.ts[0] + s * a.ts[1];
-        const float* sr = a.sin + b * a.ts[0] + s * a.ts[1];
-        uint16_t* yr = a.out + b * a.os[0] + s * a.os[1] + h * a.os[2];
+        const Row3 idx(r, a.S, a.H);
+        const uint16_t* xr = a.x + idx.at(a.xs);
+        const float* cr = a.cos + idx.at(a.ts);
+        const float* sr = a.sin + idx.at(a.ts);
+        uint16_t* yr = a.out + idx.at(a.os);
         for (int64_t d = 0; d < full; d += 16) {
             const __m512 y = rotate_pairs(load_bf16(xr + d), _mm512_loadu_ps(cr + d), _mm512_loadu_ps(sr + d));
             _mm256_storeu_si256((__m256i*)(yr + d), (__m256i)_mm512_cvtneps_pbh(y));
@@ -687,7 +696,7 @@ extern "C" int sdl_rope_bf16(const uint16_t* x, const float* cos, const float* s
                              int64_t S, int64_t H, int64_t D, const int64_t* xs, const int64_t* ts, const int64_t* os,
                              int threads) {
     if (B < 1 || S < 1 || H < 1 || D < 2 || D % 2 || D > 1024) return 1;
-    Rope a{x, cos, sin, out, S, H, D, {xs[0], xs[1], xs[2]}, {ts[0], ts[1]}, {os[0], os[1], os[2]}};
+    Rope a{x, cos, sin, out, S, H, D, {xs[0], xs[1], xs[2]}, {ts[0], ts[1], 0}, {os[0], os[1], os[2]}};
     const int64_t rows = B * S * H;
     const int used = split_threads(rows * D, threads);
     return sdl::parallel_parts(rows, used, [&](int64_t b, int64_t e) {
@@ -720,10 +729,10 @@ void rms_scale_rows(const RmsScale& a, int64_t r0, int64_t r1) {
     const int64_t full = a.D & ~15;
     const __mmask16 tail = lanes((int)(a.D - full));
     for (int64_t row = r0; row < r1; ++row) {
-        const int64_t i0 = row / (a.n1 * a.n2), i1 = row / a.n2 % a.n1, i2 = row % a.n2;
-        const uint16_t* xr = a.x + i0 * a.xs[0] + i1 * a.xs[1] + i2 * a.xs[2];
-        uint16_t* yr = a.out + i0 * a.os[0] + i1 * a.os[1] + i2 * a.os[2];
-        const __m512 r = _mm512_set1_ps(a.r[i0 * a.rs[0] + i1 * a.rs[1] + i2 * a.rs[2]]);
+        const Row3 idx(row, a.n1, a.n2);
+        const uint16_t* xr = a.x + idx.at(a.xs);
+        uint16_t* yr = a.out + idx.at(a.os);
+        const __m512 r = _mm512_set1_ps(a.r[idx.at(a.rs)]);
         for (int64_t d = 0; d < full; d += 16) {
             const __m512 y = _mm512_mul_ps(round_bf16(_mm512_mul_ps(load_bf16(xr + d), r)), load_bf16(a.w + d));
             _mm256_storeu_si256((__m256i*)(yr + d), (__m256i)_mm512_cvtneps_pbh(y));

@@ -110,11 +110,11 @@ def _function():
     rope = lib.sdl_rope_bf16
     rope.restype = ctypes.c_int
     rope.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int]
-    _ROPE[0] = rope
+    _ROW_OPS[0] = rope
     rms = lib.sdl_rms_scale_bf16
     rms.restype = ctypes.c_int
     rms.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int]
-    _ROPE[1] = rms
+    _ROW_OPS[1] = rms
     return fn
 
 
@@ -171,7 +171,7 @@ def status() -> str:
 _READY = False
 _GEGLU: list = [None]
 _QUANT: list = [None, None, None, None]
-_ROPE: list = [None, None]   # the rotary embedding, the RMS norm's scaling
+_ROW_OPS: list = [None, None]   # the transformers' row kernels: the rotary embedding, the RMS norm's scaling
 # the range of the last tensor a kernel wrote in this thread, found while writing it, as .entry = (tensor, its
 # version, min, max, non-finite)
 _KNOWN = threading.local()
@@ -442,7 +442,10 @@ def row_codes(x: torch.Tensor, half: float, zero_point: float) -> tuple[torch.Te
     """Per-row symmetric codes of a contiguous bf16 CPU tensor (rows: its last dimension): ``scales = max|x| / half``
     per row (1 where a row is all zeros), fp32, shaped as x without its last dimension, and
     ``uint8(clamp(x / scale + zero_point + 0.5, 0, 2 zero_point - 1))`` (truncated) in x's shape; None where the
-    kernel does not apply. A non-finite value is a FloatingPointError."""
+    kernel does not apply. A strided input (a slice of a transformer's joint sequence at batch > 1) is copied once for
+    the kernel: one pass where PyTorch's arithmetic takes six. A non-finite value is a FloatingPointError."""
+    if not x.is_contiguous() and x.dtype is torch.bfloat16 and x.device.type == "cpu" and enabled and _usable():
+        x = x.contiguous()
     if not _rows_of(x):
         return None
     cols = x.shape[-1]
@@ -497,7 +500,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tenso
         return None
     c, sn = tables
     table_strides = (ctypes.c_int64 * 2)(0 if c.shape[0] == 1 else c.stride(0), c.stride(1))
-    code = _ROPE[0](x.data_ptr(), c.data_ptr(), sn.data_ptr(), out.data_ptr(), b, s, h, d, _strides(x), table_strides,
+    code = _ROW_OPS[0](x.data_ptr(), c.data_ptr(), sn.data_ptr(), out.data_ptr(), b, s, h, d, _strides(x), table_strides,
                     _strides(out), torch.get_num_threads())
     if code != 0:
         raise RuntimeError(f"sdlite's bf16 rotary-embedding kernel failed (code {code}) on {tuple(x.shape)}")
@@ -530,7 +533,7 @@ def rms_scale(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor) -> torch.T
         return None
     (n0, n1, n2), xs = lead
     os_ = _leading3(out)[1]
-    code = _ROPE[1](x.data_ptr(), r.data_ptr(), weight.data_ptr(), out.data_ptr(), n0, n1, n2, x.shape[-1],
+    code = _ROW_OPS[1](x.data_ptr(), r.data_ptr(), weight.data_ptr(), out.data_ptr(), n0, n1, n2, x.shape[-1],
                     (ctypes.c_int64 * 3)(*xs), (ctypes.c_int64 * 3)(*lead_r[1]), (ctypes.c_int64 * 3)(*os_),
                     torch.get_num_threads())
     if code != 0:

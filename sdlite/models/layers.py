@@ -131,11 +131,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)      # (..., 1)
+        factor = torch.rsqrt(variance + self.eps)
         if x.dtype is torch.bfloat16:   # bf16: the rest in one pass on sdlite's kernel, the same roundings
-            out = rms_scale(x, torch.rsqrt(variance + self.eps), self.weight)
+            out = rms_scale(x, factor, self.weight)
             if out is not None:
                 return out
-        x = x * torch.rsqrt(variance + self.eps)                          # fp32 (promoted)
+        x = x * factor                                                    # fp32 (promoted)
         if self.weight.dtype in (torch.float16, torch.bfloat16):
             x = x.to(self.weight.dtype)
         return x * self.weight
