@@ -27,7 +27,7 @@ Each matrix is ``randn * 0.02`` (bench/sd3.py's ``_random_items``: norms 1 and 0
   ``Qwen2.5-VL-7B-Instruct-Q4_K_M.gguf`` (every matrix Q4_K, the token embedding included, vectors F32) and
   ``mmproj-Qwen2.5-VL-7B-Instruct-f16.gguf`` (F16 matrices). The gguf package has no numpy Q4_K quantiser
   (``gguf.quants.quantize`` raises NotImplementedError for Q4_K), so the Q4_K tensors are random Q4_K blocks
-  (bench/flux.py's ``_q4_k``: random nibbles, 6-bit scales and mins, fp16 super-block scales of about 6e-5), not a
+  (bench/ggufs.py's ``q4_k_blocks``: random nibbles, 6-bit scales and mins, fp16 super-block scales of about 6e-5), not a
   quantisation of the bf16 weights: the same shapes and storage, other values.
 
 The run: one 1024^2 source picture (a drawn landscape: sky, clouds, sun, hills, a lake, trees, a house), the
@@ -52,7 +52,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +62,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(ROOT))
 
+from ggufs import write_gguf  # noqa: E402
 from sd3 import _atomic, _link, _random_items  # noqa: E402
 
 from sdlite.config.qwen import QWEN2_5_VL_7B  # noqa: E402
@@ -153,47 +153,6 @@ def _write_st(path: Path, items) -> None:
             t = make().to(dtype).contiguous()
             assert tuple(t.shape) == tuple(shape), key
             f.write(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def _q4_k(rows: int, cols: int, seed: str) -> np.ndarray:
-    """Random Q4_K rows (bench/flux.py's): per 256 values fp16 d and dmin, 12 bytes of 6-bit scales and mins, 128
-    bytes of nibbles."""
-    rng = np.random.default_rng(zlib.crc32(seed.encode()))
-    blocks = rng.integers(0, 256, size=(rows * cols // 256, 144), dtype=np.uint8)
-    for at in (0, 2):
-        blocks[:, at:at + 2] = (rng.uniform(0.5, 1.5, blocks.shape[0]) * 6e-5).astype(np.float16) \
-            .view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(rows, -1)
-
-
-def _write_gguf(path: Path, arch: str, items, kind, fields=None) -> None:
-    """A GGUF file of (name, shape, make) items, each tensor in ``kind(name, shape)`` ("Q4_K", "F16", "F32"), written
-    one at a time (the file is never held in memory whole)."""
-    import gguf
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(path), arch=arch)
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    if fields is not None:
-        fields(writer)
-    kinds = [kind(n, s) for n, s, _ in items]
-    for (name, shape, _), k in zip(items, kinds):
-        if k == "Q4_K":
-            byte_shape = (shape[0], shape[1] // 256 * 144)
-            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), math.prod(byte_shape),
-                                   raw_dtype=gguf.GGMLQuantizationType.Q4_K)
-        else:
-            dt = np.dtype(np.float16 if k == "F16" else np.float32)
-            writer.add_tensor_info(name, shape, dt, math.prod(shape) * dt.itemsize)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for (name, shape, make), k in zip(items, kinds):
-        if k == "Q4_K":
-            writer.write_tensor_data(_q4_k(shape[0], shape[1], name))
-        else:
-            writer.write_tensor_data(make().to(torch.float16 if k == "F16" else torch.float32).numpy())
-    writer.close()
 
 
 def _gguf_fields_text(text):
@@ -305,7 +264,7 @@ def build(nets: dict, log=print) -> dict:
         state = {k.removeprefix("model.visual."): make() for k, _, _, make in vis}
         tensors = llama_cpp_vision_tensors(state)
         del state
-        _write_gguf(mmproj.with_suffix(".tmp"), "clip", [(n, tuple(t.shape), (lambda t=t: t)) for n, t in
+        write_gguf(mmproj.with_suffix(".tmp"), "clip", [(n, tuple(t.shape), (lambda t=t: t)) for n, t in
                                                         tensors.items()],
                     lambda n, s: "F16" if len(s) > 1 else "F32", _gguf_fields_tower(nets["vision"]))
         os.rename(mmproj.with_suffix(".tmp"), mmproj)
@@ -371,7 +330,7 @@ def build(nets: dict, log=print) -> dict:
     def fill_gguf(tmp: Path):
         log(f"writing the GGUF files ({tag})")
         t1 = time.perf_counter()
-        _write_gguf(tmp / "diffusion_models" / GGUF["transformer"], "qwen_image",
+        write_gguf(tmp / "diffusion_models" / GGUF["transformer"], "qwen_image",
                     [(k, s, m) for k, s, _, m in t_items],
                     lambda n, s: "F32" if len(s) == 1 else
                     ("Q4_K" if n.startswith("transformer_blocks.") and len(s) == 2 and s[1] % 256 == 0 else "F16"))
@@ -380,7 +339,7 @@ def build(nets: dict, log=print) -> dict:
             name = llama_cpp_name(k.removeprefix("model.language_model."))
             assert name, k
             items.append((name, s, m))
-        _write_gguf(tmp / "text_encoders" / GGUF["text"], "qwen2vl", items,
+        write_gguf(tmp / "text_encoders" / GGUF["text"], "qwen2vl", items,
                     lambda n, s: "Q4_K" if len(s) == 2 and s[1] % 256 == 0 else "F32", _gguf_fields_text(text))
         _link(mmproj, tmp / "text_encoders" / GGUF["mmproj"])
         _link(wan_vae, tmp / "vae" / GGUF["vae"])

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ggufs import write_gguf
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 CACHE = HERE / "cache" / "flux-schnell"
@@ -56,48 +58,6 @@ CONFIGS = {
 
 
 # --- the files ---------------------------------------------------------------------------------------------------
-
-def _q8_0(rows: int, cols: int, rng) -> np.ndarray:
-    """Random Q8_0 rows: per 32 values an fp16 scale and 32 int8s."""
-    blocks = np.empty((rows * cols // 32, 34), np.uint8)
-    blocks[:, 2:] = rng.integers(-127, 128, size=(blocks.shape[0], 32), dtype=np.int8).view(np.uint8)
-    d = (rng.uniform(0.5, 1.5, blocks.shape[0]) * 0.02 * 3 / 127).astype(np.float16)
-    blocks[:, :2] = d.view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(rows, -1)
-
-
-def _q4_k(rows: int, cols: int, rng) -> np.ndarray:
-    """Random Q4_K rows: per 256 values fp16 d and dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles."""
-    blocks = rng.integers(0, 256, size=(rows * cols // 256, 144), dtype=np.uint8)
-    for at in (0, 2):
-        blocks[:, at:at + 2] = (rng.uniform(0.5, 1.5, blocks.shape[0]) * 6e-5).astype(np.float16) \
-            .view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(rows, -1)
-
-
-def _write_gguf(path: Path, arch: str, tensors: list[tuple[str, tuple[int, ...], str]], make) -> None:
-    """A GGUF file of ``tensors`` ((name, shape, "F32" | "F16" | ggml type)), each made by ``make(name, shape,
-    kind)`` as it is written (the file is never held in memory whole)."""
-    import gguf
-
-    writer = gguf.GGUFWriter(str(path), arch=arch)
-    sizes = {"Q8_0": (32, 34), "Q4_K": (256, 144)}
-    for name, shape, kind in tensors:
-        if kind in sizes:
-            block, nbytes = sizes[kind]
-            byte_shape = (shape[0], shape[1] // block * nbytes)
-            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)),
-                                   raw_dtype=gguf.GGMLQuantizationType[kind])
-        else:
-            dtype = np.dtype(np.float32 if kind == "F32" else np.float16)
-            writer.add_tensor_info(name, shape, dtype, int(np.prod(shape)) * dtype.itemsize)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for name, shape, kind in tensors:
-        writer.write_tensor_data(make(name, shape, kind))
-    writer.close()
-
 
 def _kind(name: str, shape, qtype: str) -> str:
     block = {"Q8_0": 32, "Q4_K": 256}[qtype]
@@ -133,11 +93,9 @@ def build() -> None:
         if path.is_file():
             continue
         rng = np.random.default_rng(0)
-        maker = _q8_0 if qtype == "Q8_0" else _q4_k
-        tensors = [(n, s, _kind(n, s, qtype)) for n, s in sorted(bfl.items())]
         print(f"writing {path.name} ...", flush=True)
-        _write_gguf(path, "flux", tensors,
-                    lambda n, s, k: maker(s[0], s[1], rng) if k == qtype else _plain(n, s, rng))
+        write_gguf(path, "flux", [(n, s, lambda n=n, s=s: _plain(n, s, rng)) for n, s in sorted(bfl.items())],
+                   lambda n, s, qtype=qtype: _kind(n, s, qtype))
     t5_path = CACHE / FILES["t5"]
     if not t5_path.is_file():
         import gguf
@@ -151,11 +109,10 @@ def build() -> None:
             if k == "encoder.embed_tokens.weight":
                 continue
             name = names.get_name(k.removesuffix(".weight")) + ".weight"
-            kind = "F32" if "attn_rel_b" in name or len(s) == 1 else "Q8_0"
-            tensors.append((name, s, kind))
+            tensors.append((name, s, lambda name=name, s=s: _plain(name, s, rng)))
         print(f"writing {t5_path.name} ...", flush=True)
-        _write_gguf(t5_path, "t5encoder", tensors,
-                    lambda n, s, k: _q8_0(s[0], s[1], rng) if k == "Q8_0" else _plain(n, s, rng))
+        write_gguf(t5_path, "t5encoder", tensors,
+                   lambda n, s: "F32" if "attn_rel_b" in n or len(s) == 1 else "Q8_0")
     clip_path = CACHE / FILES["clip_l"]
     if not clip_path.is_file():
         shared = SHARED / "text_encoder" / "model.safetensors"

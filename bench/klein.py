@@ -20,7 +20,10 @@ are the same:
   ``sdlite.weights.flux2_keys.flux2_to_original``, ``qwen_3_4b.safetensors`` (the folder's text encoder file) and
   ``flux2-vae.safetensors`` in BFL's / LDM names via ``sdlite.weights.flux2_vae_keys.flux2_vae_to_original``), read
   by sdlite (``Engine.load(transformer, text_encoders=[qwen, vae])``) and by stable-diffusion.cpp
-  (``diffusion_model_path``, ``llm_path``, ``vae_path``: stable-diffusion-cpp-python from ``make setup-sdcpp``).
+  (``diffusion_model_path``, ``llm_path``, ``vae_path``: stable-diffusion-cpp-python from ``make setup-sdcpp``);
+* GGUF (``gguf-<tag>/``: the transformer in BFL's names as city96's tools lay out a Q4_K file, arch ``flux2``, the
+  blocks' matrices Q4_K, other matrices F16, vectors F32; Qwen3 in llama.cpp's names, every matrix Q4_K; the same
+  VAE file), read by sdlite and stable-diffusion.cpp alike; the Q4_K blocks are random codes (bench/ggufs.py).
 
 klein reads Qwen3's hidden states 9, 18 and 27, so ``--text-layers`` is at least 27 (the release has 36);
 ``--double-layers`` / ``--single-layers`` keep fewer transformer blocks at the released widths. Every engine runs
@@ -58,6 +61,7 @@ sys.path.insert(0, str(HERE))   # bench/zimage.py, bench/sd3.py, bench/sdxl.py, 
 sys.path.insert(1, str(ROOT))   # sdlite, tests/
 
 import zimage  # noqa: E402
+from ggufs import city96_q4_k, quantisable, qwen3_fields, write_gguf  # noqa: E402
 from sd3 import (  # noqa: E402,F401 (psnr: quality's global)
     SHARD_BYTES, _atomic, _check_disk, _Files, _link, _nbytes, _random_items, _write_file, _write_weights, psnr,
 )
@@ -98,6 +102,9 @@ CONFIGS = {
     "sdlite bf16-int8 mode1": dict(engine="sdlite", files="folder", precision="bf16-int8", memory_mode=1),  # W8A8
     EXACT: dict(engine="sdlite", files="folder", precision="exact", memory_mode=0),   # with --exact
     "sd.cpp bf16": dict(engine="sdcpp", files="split"),
+    "sdlite gguf mode1": dict(engine="sdlite", files="gguf", precision="auto", memory_mode=1),
+    "sdlite gguf mode0": dict(engine="sdlite", files="gguf", precision="auto", memory_mode=0),
+    "sd.cpp q4_k": dict(engine="sdcpp", files="gguf"),
 }
 DEFAULT = [k for k in CONFIGS if k != EXACT]
 
@@ -175,6 +182,7 @@ def build(root: Path, nets: dict, shard_bytes: int = SHARD_BYTES, log=print) -> 
 
     from sdlite.weights.flux2_keys import flux2_to_original
     from sdlite.weights.flux2_vae_keys import flux2_vae_to_original
+    from sdlite.weights.qwen_keys import llama_cpp_name
     from tests.test_qwen import QWEN3_CHAT_TEMPLATE
 
     t0 = time.perf_counter()
@@ -241,10 +249,26 @@ def build(root: Path, nets: dict, shard_bytes: int = SHARD_BYTES, log=print) -> 
         _link(stores["text_encoder"] / "model.safetensors", tmp / split_names["text"])
         _link(vae_file, tmp / split_names["vae"])
 
+    def fill_gguf(tmp: Path):   # as bench/zimage.py's: city96's layout (arch flux2), llama.cpp's Qwen3, random Q4_K
+        t1 = time.perf_counter()
+        log(f"writing {gguf_names['transformer']} and {gguf_names['text']} ({tag})")
+        write_gguf(tmp / gguf_names["transformer"], "flux2", [(k, s, m) for k, s, _, m in _Files(bfl).items(None)],
+                   lambda n, s: city96_q4_k(n, s, ("double_blocks.", "single_blocks.")))
+        write_gguf(tmp / gguf_names["text"], "qwen3",
+                   [(llama_cpp_name(k.removeprefix("model.")), s, m)
+                    for k, s, _, m in _Files(stores["text_encoder"] / "model.safetensors").items(None)],
+                   lambda n, s: "Q4_K" if quantisable(s, "Q4_K") else "F32", qwen3_fields(nets["text"]))
+        _link(vae_file, tmp / gguf_names["vae"])
+        log(f"  GGUF files: {time.perf_counter() - t1:.0f} s")
+
+    gguf_names = {"transformer": split_names["transformer"].replace(".safetensors", "-Q4_K.gguf"),
+                  "text": f"Qwen3-{'8B' if model == '9b' else '4B'}-Q4_K.gguf", "vae": split_names["vae"]}
     folder = _atomic(root / f"flux2-klein-{tag}", fill_folder)
     split = _atomic(root / f"split-{tag}", fill_split)
-    log(f"files ready in {time.perf_counter() - t0:.0f} s: {folder.name}/, {split.name}/")
-    return {"folder": folder, "split": {k: split / v for k, v in split_names.items()}, "params": params}
+    gguf = _atomic(root / f"gguf-{tag}", fill_gguf)
+    log(f"files ready in {time.perf_counter() - t0:.0f} s: {folder.name}/, {split.name}/, {gguf.name}/")
+    return {"folder": folder, "split": {k: split / v for k, v in split_names.items()},
+            "gguf": {k: gguf / v for k, v in gguf_names.items()}, "params": params}
 
 
 # --- the runs: bench/zimage.py's children with klein's pipeline ----------------------------------------------------
@@ -315,10 +339,13 @@ def body(raw: dict, h: str) -> list[str]:
         f"{'a temporary folder' if meta.get('tiny') else '`bench/cache/klein/`'} as a diffusers "
         "`Flux2KleinPipeline` folder (read by diffusers and by sdlite) and as ComfyUI's split files "
         f"(`{'`, `'.join(v.removesuffix('.safetensors') for v in split.values())}`: read by sdlite's `split` row and "
-        f"by stable-diffusion.cpp). {meta['steps']} Euler steps, cfg 1 (klein is guidance-distilled), seed {SEED}, "
+        "by stable-diffusion.cpp), and as GGUF (the blocks' matrices Q4_K, the rest F16/F32, arch `flux2`; Qwen3 in "
+        "llama.cpp's names, every matrix Q4_K; random Q4_K codes, not a quantisation of the bf16 weights: read by "
+        f"sdlite's `gguf` rows and sd.cpp's `q4_k` row). {meta['steps']} Euler steps, cfg 1 (klein is guidance-distilled), seed {SEED}, "
         f"{THREADS} threads, each configuration and size in a fresh process, after its files were read into the page "
         "cache where they fit. Step times are each engine's own per-step callbacks (medians); stable-diffusion.cpp's "
-        "text encoding and decode are its log's. Ratios are against diffusers bf16 in the same run (lower is better). "
+        "text encoding and decode are its log's. Ratios are against diffusers bf16 in the same run and, `x sd.cpp`, "
+        "for sdlite on the split or GGUF files against stable-diffusion.cpp on the same files (lower is better). "
         f"stable-diffusion-cpp-python {meta.get('sdcpp_version') or 'not installed'}; OpenVINO GenAI: not installed "
         "in this project (no row).", "",
         f"Machine: {meta['machine']}", "",

@@ -213,13 +213,13 @@ def _write_weights(folder: Path, stem: str, items, shard_bytes: int) -> None:
 
 
 class _Files:
-    """The tensors of a component folder's safetensors files, read one at a time."""
+    """The tensors of a component folder's safetensors files (or of one file), read one at a time."""
 
     def __init__(self, folder: Path):
         from safetensors import safe_open
 
-        self.where = {k: h for p in sorted(folder.glob("*.safetensors")) for h in [safe_open(str(p), "pt")]
-                      for k in h.keys()}
+        files = [folder] if folder.is_file() else sorted(folder.glob("*.safetensors"))   # or one file
+        self.where = {k: h for p in files for h in [safe_open(str(p), "pt")] for k in h.keys()}
         self.shapes = {k: tuple(h.get_slice(k).get_shape()) for k, h in self.where.items()}
 
     def __getitem__(self, key: str) -> torch.Tensor:

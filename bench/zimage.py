@@ -17,7 +17,12 @@ links wherever the bytes are the same:
   ``sdlite.weights.zimage_keys.zimage_to_comfy``, ``qwen_3_4b.safetensors`` (the same file as the folder's text
   encoder) and ``ae.safetensors`` in LDM names), read by sdlite (``Engine.load(transformer, text_encoders=[qwen,
   ae])``) and by stable-diffusion.cpp (``diffusion_model_path``, ``llm_path``, ``vae_path``: stable-diffusion-cpp-python
-  from ``make setup-sdcpp``).
+  from ``make setup-sdcpp``);
+* GGUF (``gguf-L<n>-T<m>/``: ``z_image_turbo-Q4_K.gguf`` as city96's tools lay out a Q4_K file, arch ``lumina2``, the
+  joint blocks' matrices Q4_K, other matrices F16, vectors F32; ``Qwen3-4B-Q4_K.gguf`` in llama.cpp's names, every
+  matrix Q4_K, the token embedding included; the same ``ae.safetensors``), read by sdlite and stable-diffusion.cpp
+  alike. The Q4_K blocks are random codes (bench/ggufs.py: the gguf package cannot quantise to Q4_K), not a
+  quantisation of the bf16 weights: the shapes and bytes of a Q4_K file, other values.
 
 The released model in bf16 is 12.3 GB of transformer and 8.0 GB of Qwen3: on a 24 GB machine a whole pipeline held in
 memory (diffusers, sdlite memory mode 1, sd.cpp) does not fit beside anything. ``--layers N`` keeps N of the 30 joint
@@ -62,6 +67,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))   # bench/sd3.py, bench/sdxl.py, bench/startup.py, bench/run.py
 sys.path.insert(1, str(ROOT))   # sdlite, tests/
 
+from ggufs import city96_q4_k, quantisable, qwen3_fields, write_gguf  # noqa: E402
 from sd3 import (  # noqa: E402
     SHARD_BYTES, _atomic, _check_disk, _Files, _link, _nbytes, _random_items, _write_file, _write_weights, psnr,
 )
@@ -82,12 +88,14 @@ SIZES = (512, 1024)
 TINY_PX = {512: 64, 1024: 128}
 CHILD_TIMEOUT_S = 3 * 3600
 SPLIT = {"transformer": "z_image_turbo_bf16.safetensors", "text": "qwen_3_4b.safetensors", "vae": "ae.safetensors"}
+GGUF = {"transformer": "z_image_turbo-Q4_K.gguf", "text": "Qwen3-4B-Q4_K.gguf", "vae": "ae.safetensors"}
 REF = "diffusers bf16"
 EXACT = "sdlite exact mode0"
 
 # label -> what runs: the engine, the files it reads ("folder": the diffusers folder, "split": ComfyUI's files)
 CONFIGS = {
     REF: dict(engine="diffusers", files="folder"),
+    "diffusers bf16 text first": dict(engine="diffusers", files="folder", text_first=True),
     "sdlite auto mode1": dict(engine="sdlite", files="folder", precision="auto", memory_mode=1),
     "sdlite auto mode0": dict(engine="sdlite", files="folder", precision="auto", memory_mode=0),
     "sdlite auto mode1 split": dict(engine="sdlite", files="split", precision="auto", memory_mode=1),
@@ -95,8 +103,11 @@ CONFIGS = {
     "sdlite bf16-int8 mode1": dict(engine="sdlite", files="folder", precision="bf16-int8", memory_mode=1),  # W8A8
     EXACT: dict(engine="sdlite", files="folder", precision="exact", memory_mode=0),   # with --exact
     "sd.cpp bf16": dict(engine="sdcpp", files="split"),
+    "sdlite gguf mode1": dict(engine="sdlite", files="gguf", precision="auto", memory_mode=1),
+    "sdlite gguf mode0": dict(engine="sdlite", files="gguf", precision="auto", memory_mode=0),
+    "sd.cpp q4_k": dict(engine="sdcpp", files="gguf"),
 }
-DEFAULT = [k for k in CONFIGS if k != EXACT]
+DEFAULT = [k for k in CONFIGS if k != EXACT and not CONFIGS[k].get("text_first")]   # text first: by --only
 
 # the tiny model of --tiny: tests/test_zimage_pipeline.py's structure, with 2 + 2 refiners and heads 128 wide as
 # released (a ComfyUI file cannot say its rotary axes: sdlite takes the release's, which need those heads)
@@ -171,6 +182,7 @@ def build(root: Path, nets: dict, shard_bytes: int = SHARD_BYTES, log=print) -> 
     import diffusers
     from transformers import Qwen2TokenizerFast
 
+    from sdlite.weights.qwen_keys import llama_cpp_name
     from sdlite.weights.vae_keys import vae_to_original
     from sdlite.weights.zimage_keys import zimage_to_comfy
     from tests.test_qwen import QWEN3_CHAT_TEMPLATE
@@ -212,7 +224,8 @@ def build(root: Path, nets: dict, shard_bytes: int = SHARD_BYTES, log=print) -> 
         log(f"writing {comfy.name} (ComfyUI's names, {_nbytes(items) / 1e9:.2f} GB)")
         _single(comfy, items)
     vae = _Files(stores["vae"])
-    ae = _single(parts_dir / "ae.safetensors", _converted(vae, vae_to_original(vae.where)))
+    # BFL's ae.safetensors as published: LDM names without a prefix (sd.cpp adds its own first_stage_model.)
+    ae = _single(parts_dir / "ae.safetensors", _converted(vae, vae_to_original(vae.where, prefix="")))
 
     def fill_folder(tmp: Path):
         for sub, store in (("transformer", stores["transformer"]), ("text_encoder", stores["text_encoder"]),
@@ -236,10 +249,24 @@ def build(root: Path, nets: dict, shard_bytes: int = SHARD_BYTES, log=print) -> 
         _link(stores["text_encoder"] / "model.safetensors", tmp / SPLIT["text"])
         _link(ae, tmp / SPLIT["vae"])
 
+    def fill_gguf(tmp: Path):
+        t = time.perf_counter()
+        log(f"writing {GGUF['transformer']} and {GGUF['text']} ({tag})")
+        write_gguf(tmp / GGUF["transformer"], "lumina2", [(k, s, m) for k, s, _, m in _Files(comfy).items(None)],
+                   lambda n, s: city96_q4_k(n, s, ("layers.",)))   # the joint blocks
+        write_gguf(tmp / GGUF["text"], "qwen3",
+                   [(llama_cpp_name(k.removeprefix("model.")), s, m)
+                    for k, s, _, m in _Files(stores["text_encoder"] / "model.safetensors").items(None)],
+                   lambda n, s: "Q4_K" if quantisable(s, "Q4_K") else "F32", qwen3_fields(nets["text"]))
+        _link(ae, tmp / GGUF["vae"])
+        log(f"  GGUF files: {time.perf_counter() - t:.0f} s")
+
     folder = _atomic(root / f"z-image-turbo-{tag}", fill_folder)
     split = _atomic(root / f"split-{tag}", fill_split)
-    log(f"files ready in {time.perf_counter() - t0:.0f} s: {folder.name}/, {split.name}/")
-    return {"folder": folder, "split": {k: split / v for k, v in SPLIT.items()}, "params": params}
+    gguf = _atomic(root / f"gguf-{tag}", fill_gguf)
+    log(f"files ready in {time.perf_counter() - t0:.0f} s: {folder.name}/, {split.name}/, {gguf.name}/")
+    return {"folder": folder, "split": {k: split / v for k, v in SPLIT.items()},
+            "gguf": {k: gguf / v for k, v in GGUF.items()}, "params": params}
 
 
 # --- the runs ----------------------------------------------------------------------------------------------------
@@ -280,10 +307,13 @@ try:
         import diffusers, transformers
         from diffusers import ZImagePipeline
         out["versions"] = {m.__name__: m.__version__ for m in (diffusers, transformers, torch)}
-        pipe = ZImagePipeline.from_pretrained(cfg["folder"], dtype=torch.bfloat16, local_files_only=True)
+        # text_first: the text encoder alone (no transformer, no VAE), then freed and the rest loaded, as a whole
+        # released pipeline (12.3 GB of transformer beside 8 GB of Qwen3) does not fit in 24 GB with its activations
+        first = dict(transformer=None, vae=None) if cfg.get("text_first") else {}
+        pipe = ZImagePipeline.from_pretrained(cfg["folder"], dtype=torch.bfloat16, local_files_only=True, **first)
         pipe.set_progress_bar_config(disable=True)
         out["resolved"] = {n: str(getattr(pipe, n).dtype).removeprefix("torch.")
-                           for n in ("transformer", "text_encoder", "vae")}
+                           for n in ("transformer", "text_encoder", "vae") if getattr(pipe, n) is not None}
         marks, encode = {}, pipe.encode_prompt
         def timed_encode(*a, **k):
             t = now(); r = encode(*a, **k); marks.update(text_end=now(), text=now() - t); return r
@@ -293,19 +323,35 @@ try:
             def step_end(p, i, t, kw):
                 ends.append(now()); held["latents"] = kw["latents"]; return kw
             t0 = now()
-            img = pipe(prompt=cfg["prompt"], height=size, width=size, num_inference_steps=steps, guidance_scale=0.0,
+            call, reload_s = pipe, 0.0
+            if first:
+                import gc
+                embeds, _ = pipe.encode_prompt(cfg["prompt"], do_classifier_free_guidance=False)
+                pipe.text_encoder = None
+                gc.collect()
+                t = now()
+                call = type(pipe).from_pretrained(cfg["folder"], text_encoder=None, tokenizer=None,
+                                                  dtype=torch.bfloat16, local_files_only=True)
+                call.set_progress_bar_config(disable=True)
+                reload_s = now() - t
+                out["ready_s"] += reload_s   # loading, not generating
+                out["resolved"].update({n: str(getattr(call, n).dtype).removeprefix("torch.")
+                                        for n in ("transformer", "vae")})
+                marks["text_end"] = now()
+            args = dict(prompt=cfg["prompt"]) if not first else dict(prompt=None, prompt_embeds=embeds)
+            img = call(**args, height=size, width=size, num_inference_steps=steps, guidance_scale=0.0,
                        generator=torch.Generator().manual_seed(cfg["seed"]), callback_on_step_end=step_end,
                        output_type="np").images[0]
             t1 = now()
             timing = {"text": marks["text"], "steps": durations(marks["text_end"], ends), "decode": t1 - ends[-1],
-                      "total": t1 - t0}
+                      "total": t1 - t0 - reload_s}
             return timing, np.round(np.clip(img, 0, 1) * 255).astype(np.uint8), held["latents"].float()
     else:
         from sdlite.pipeline import Engine, Request
         if cfg["files"] == "folder":
             engine = Engine.load(cfg["folder"], precision=cfg["precision"], memory_mode=cfg["memory_mode"])
         else:
-            f = cfg["split"]
+            f = cfg[cfg["files"]]
             engine = Engine.load(f["transformer"], text_encoders=[f["text"], f["vae"]], precision=cfg["precision"],
                                  memory_mode=cfg["memory_mode"])
         m = engine.models
@@ -348,7 +394,7 @@ if "llm_path" not in inspect.signature(StableDiffusion.__init__).parameters:
     out["skipped"] = (f"stable-diffusion-cpp-python {out['versions']['stable-diffusion-cpp-python']} takes no "
                       "llm_path (Z-Image's Qwen3 text encoder)")
     report(); sys.exit(0)
-f = cfg["split"]
+f = cfg[cfg["files"]]
 try:
     sd = StableDiffusion(diffusion_model_path=f["transformer"], llm_path=f["text"], vae_path=f["vae"],
                          n_threads=cfg["threads"], verbose=True)   # verbose: its log gives text and decode times
@@ -419,12 +465,12 @@ def run_child(label: str, size: int, px: int, files: dict, steps: int, artifacts
     c = CONFIGS[label]
     python = SDCPP_PYTHON if c["engine"] == "sdcpp" else Path(sys.executable)
     cfg = {**c, "label": label, "size": px, "steps": steps, "prompt": PROMPT, "seed": SEED, "threads": THREADS,
-           "folder": str(files["folder"]), "split": {k: str(v) for k, v in files["split"].items()},
-           "artifacts": str(artifacts), "slug": slug(label, size)}
+           "folder": str(files["folder"]), "artifacts": str(artifacts), "slug": slug(label, size),
+           **{layout: {k: str(v) for k, v in files[layout].items()} for layout in ("split", "gguf") if layout in files}}
     if c["files"] == "folder":
         paths, transformer = [files["folder"]], files["folder"] / "transformer"
     else:
-        paths, transformer = list(files["split"].values()), files["split"]["transformer"]
+        paths, transformer = list(files[c["files"]].values()), files[c["files"]]["transformer"]
     t = time.perf_counter()
     warm = _warm(paths, transformer)
     warm_s = time.perf_counter() - t
@@ -480,8 +526,10 @@ def quality(artifacts: Path, sizes) -> dict:
     difference, the latents' relative error."""
     out = {}
     for size in sizes:
-        refs = {name: np.load(f) for name in (REF, EXACT) if (f := artifacts / f"{slug(name, size)}.npz").is_file()}
-        for label in [k for k in CONFIGS if CONFIGS[k]["engine"] == "sdlite"]:
+        names = [k for k in CONFIGS if CONFIGS[k]["engine"] == "diffusers"] + [EXACT]
+        refs = {name: np.load(f) for name in names if (f := artifacts / f"{slug(name, size)}.npz").is_file()}
+        # not the GGUF rows: their Q4_K codes are random, other weights than the bf16 files' (bench/ggufs.py)
+        for label in [k for k in CONFIGS if CONFIGS[k]["engine"] == "sdlite" and CONFIGS[k]["files"] != "gguf"]:
             f = artifacts / f"{slug(label, size)}.npz"
             if not f.is_file():
                 continue
@@ -569,6 +617,18 @@ def size_table(raw: dict, size: str) -> list[str]:
             ("decode, s", lambda r: r["decode"], "s"),
             (f"whole {steps}-step image, s", lambda r: r["total"], "s"),
             ("peak RSS, MB", lambda r: r["peak_rss_mb"], "mb"))
+    # ratios against diffusers (its whole pipeline, else its text-first row) and, for sdlite on the split or GGUF
+    # files, against stable-diffusion.cpp on the same files
+    ref = next((k for k in CONFIGS if CONFIGS[k]["engine"] == "diffusers" and "error" not in res.get(k, {"error": 1})),
+               None)
+    sdcpp = {CONFIGS[k]["files"]: k for k in labels if CONFIGS[k]["engine"] == "sdcpp" and "error" not in res[k]}
+
+    def ratio(v, other, get, what=""):
+        try:
+            return f"{v / get(res[other]):.2f}x{what}"
+        except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError):
+            return None
+
     for name, get, kind in rows:
         cells = []
         for label in labels:
@@ -577,13 +637,11 @@ def size_table(raw: dict, size: str) -> list[str]:
             except (KeyError, IndexError, TypeError, ValueError):
                 cells.append("failed" if "error" in res[label] else "-")
                 continue
-            cell = _fmt(v, kind)
-            if label != REF:
-                try:
-                    cell += f" ({v / get(res[REF]):.2f}x)"
-                except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError):
-                    pass
-            cells.append(cell)
+            ratios = [ratio(v, ref, get) if ref and label != ref else None]
+            if CONFIGS[label]["engine"] == "sdlite" and CONFIGS[label]["files"] in sdcpp:
+                ratios.append(ratio(v, sdcpp[CONFIGS[label]["files"]], get, " sd.cpp"))
+            ratios = [r for r in ratios if r]
+            cells.append(_fmt(v, kind) + (f" ({', '.join(ratios)})" if ratios else ""))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
@@ -633,11 +691,17 @@ def body(raw: dict, h: str) -> list[str]:
         f"{_depth(meta)}; random bf16 weights built by `bench/zimage.py` into "
         f"{'a temporary folder' if meta.get('tiny') else '`bench/cache/zimage/`'} as a diffusers "
         "`ZImagePipeline` folder (read by diffusers and by sdlite) and as ComfyUI's split files "
-        "(`z_image_turbo_bf16`, `qwen_3_4b`, `ae`: read by sdlite's `split` row and by stable-diffusion.cpp). "
+        "(`z_image_turbo_bf16`, `qwen_3_4b`, `ae`: read by sdlite's `split` row and by stable-diffusion.cpp), and "
+        "as GGUF (`z_image_turbo-Q4_K.gguf`: the joint blocks' matrices Q4_K, the rest F16/F32; `Qwen3-4B-Q4_K.gguf` "
+        "in llama.cpp's names, every matrix Q4_K; random Q4_K codes, not a quantisation of the bf16 weights: read "
+        "by sdlite's `gguf` rows and by sd.cpp's `q4_k` row). "
         f"{meta['steps']} Euler steps, cfg 1 (diffusers' `guidance_scale` 0) as the Turbo runs, seed {SEED}, "
         f"{THREADS} threads, each configuration and size in a fresh process, after its files were read into the page "
         "cache where they fit. Step times are each engine's own per-step callbacks (medians); stable-diffusion.cpp's "
-        "text encoding and decode are its log's. Ratios are against diffusers bf16 in the same run (lower is better). "
+        "text encoding and decode are its log's. Ratios are against diffusers bf16 in the same run (its whole "
+        "pipeline, else its `text first` row: the text encoder loaded alone and freed before the transformer and the "
+        "VAE are), and for sdlite on the split or GGUF files `x sd.cpp` against stable-diffusion.cpp on the same files "
+        "(lower is better). "
         f"stable-diffusion-cpp-python {meta.get('sdcpp_version') or 'not installed'}.", "",
         f"Machine: {meta['machine']}", "",
         f"Command: `{meta['command']}`, run {meta['date']}: {meta.get('wall_s', 0) / 60:.0f} min, load average "
