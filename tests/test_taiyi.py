@@ -255,9 +255,10 @@ def test_bilingual_clip_architecture_loads_as_declared(tmp_path):
 
 @pytest.fixture(scope="module")
 def taiyi_full(sd15_folder, tmp_path_factory):
-    """A full-size Taiyi-shaped folder written by diffusers' save_pretrained: the session's SD 1.5 UNet, VAE and
-    scheduler (random weights at the real shapes) with a random BertModel at Taiyi's shape and a 21128-token
-    vocabulary (ours, padded with [unused] tokens), plus vocab.txt as Taiyi ships it."""
+    """A full-size Taiyi-shaped folder as diffusers writes it: ``model_index.json`` from the pipeline's own
+    ``save_config``, a random BertModel at Taiyi's shape saved by ``save_pretrained`` with a 21128-token vocabulary
+    (ours, padded with [unused] tokens) and vocab.txt as Taiyi ships it; the UNet, VAE and scheduler are the
+    session's SD 1.5 ones (random weights at the real shapes), linked rather than written again (3.6 GB)."""
     from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 
     tmp = tmp_path_factory.mktemp("taiyi_full")
@@ -270,9 +271,14 @@ def taiyi_full(sd15_folder, tmp_path_factory):
         unet=UNet2DConditionModel.from_pretrained(sd15_folder / "unet"),
         scheduler=PNDMScheduler.from_pretrained(sd15_folder / "scheduler"), safety_checker=None,
         feature_extractor=None, requires_safety_checker=False)
-    pipe.save_pretrained(tmp / "taiyi")
-    write_vocab(tmp / "taiyi" / "tokenizer", vocab)
-    yield pipe, tmp / "taiyi"
+    folder = tmp / "taiyi"
+    pipe.save_config(folder)
+    pipe.text_encoder.save_pretrained(folder / "text_encoder")
+    pipe.tokenizer.save_pretrained(folder / "tokenizer")
+    write_vocab(folder / "tokenizer", vocab)
+    for part in ("unet", "vae", "scheduler"):
+        (folder / part).symlink_to(sd15_folder / part, target_is_directory=True)
+    yield pipe, folder
     del pipe
 
 
