@@ -107,6 +107,7 @@ CONFIGS = {
     "sd.cpp q4_k": dict(engine="sdcpp", files="gguf"),
 }
 DEFAULT = [k for k in CONFIGS if k != EXACT]
+LAYOUTS = ("folder", "split", "gguf")   # what build writes: all three, or those the chosen rows read
 
 # the tiny model of --tiny: 128-wide heads and 32 latent channels as released (a BFL file cannot say its rotary
 # axes: sdlite takes the release's, which need those heads), Qwen3 32 wide with 28 layers (hidden states 9, 18, 27),
@@ -174,7 +175,7 @@ def _vae_items(module) -> list:
             for k, s, d, make in items]
 
 
-def build(root: Path, nets: dict, shard_bytes: int = SHARD_BYTES, log=print) -> dict:
+def build(root: Path, nets: dict, shard_bytes: int = SHARD_BYTES, log=print, layouts=LAYOUTS) -> dict:
     """The diffusers folder and the split files of ``nets`` under ``root`` (each part written once, per depth):
     {"folder": path, "split": {"transformer"|"text"|"vae": path}, "params": {part: count}}."""
     import diffusers
@@ -217,8 +218,8 @@ def build(root: Path, nets: dict, shard_bytes: int = SHARD_BYTES, log=print) -> 
         return _atomic(parts_dir / names[name], fill)
 
     stores = {name: part(name) for name in ("transformer", "text_encoder", "vae")}
-    bfl = parts_dir / f"{names['transformer']}-bfl.safetensors"
-    if not bfl.is_file():
+    bfl = parts_dir / f"{names['transformer']}-bfl.safetensors"   # the split and GGUF layouts' source
+    if not bfl.is_file() and {"split", "gguf"} & set(layouts):
         src = _Files(stores["transformer"])
         items = _converted(src, flux2_to_original(src.where))
         _check_disk(parts_dir, _nbytes(items), bfl.name)
@@ -263,12 +264,17 @@ def build(root: Path, nets: dict, shard_bytes: int = SHARD_BYTES, log=print) -> 
 
     gguf_names = {"transformer": split_names["transformer"].replace(".safetensors", "-Q4_K.gguf"),
                   "text": f"Qwen3-{'8B' if model == '9b' else '4B'}-Q4_K.gguf", "vae": split_names["vae"]}
-    folder = _atomic(root / f"flux2-klein-{tag}", fill_folder)
-    split = _atomic(root / f"split-{tag}", fill_split)
-    gguf = _atomic(root / f"gguf-{tag}", fill_gguf)
-    log(f"files ready in {time.perf_counter() - t0:.0f} s: {folder.name}/, {split.name}/, {gguf.name}/")
-    return {"folder": folder, "split": {k: split / v for k, v in split_names.items()},
-            "gguf": {k: gguf / v for k, v in gguf_names.items()}, "params": params}
+    files = {"params": params}
+    if "folder" in layouts:
+        files["folder"] = _atomic(root / f"flux2-klein-{tag}", fill_folder)
+    if "split" in layouts:
+        split = _atomic(root / f"split-{tag}", fill_split)
+        files["split"] = {k: split / v for k, v in split_names.items()}
+    if "gguf" in layouts:
+        gguf = _atomic(root / f"gguf-{tag}", fill_gguf)
+        files["gguf"] = {k: gguf / v for k, v in gguf_names.items()}
+    log(f"files ready in {time.perf_counter() - t0:.0f} s: " + ", ".join(f"{k}-{tag}" for k in layouts))
+    return files
 
 
 # --- the runs: bench/zimage.py's children with klein's pipeline ----------------------------------------------------
@@ -516,10 +522,14 @@ def main() -> int:
         write_reports(raw, REPORT, ROOT / "BENCHMARKS.md")
         return 0
     nets = networks(args.model, args.double_layers, args.single_layers, args.text_layers)
-    files = build(CACHE, nets, log=lambda m: print(m, flush=True))
+    labels = [k for k in CONFIGS if (k in wanted if wanted else (k in DEFAULT or (args.exact and k == EXACT)))]
+    # klein 9B's three layouts are about 60 GB: only those the chosen rows read are written (all with --build-only
+    # unless --only names rows)
+    layouts = tuple(x for x in LAYOUTS if any(CONFIGS[k]["files"] == x for k in labels)) \
+        if wanted or not args.build_only else LAYOUTS
+    files = build(CACHE, nets, log=lambda m: print(m, flush=True), layouts=layouts)
     if args.build_only:
         return 0
-    labels = [k for k in CONFIGS if (k in wanted if wanted else (k in DEFAULT or (args.exact and k == EXACT)))]
     meta = _meta_record(args, nets, files)
     raw = {"results": {}}
     if wanted and RAW.is_file():

@@ -465,7 +465,7 @@ def run_child(label: str, size: int, px: int, files: dict, steps: int, artifacts
     c = CONFIGS[label]
     python = SDCPP_PYTHON if c["engine"] == "sdcpp" else Path(sys.executable)
     cfg = {**c, "label": label, "size": px, "steps": steps, "prompt": PROMPT, "seed": SEED, "threads": THREADS,
-           "folder": str(files["folder"]), "artifacts": str(artifacts), "slug": slug(label, size),
+           "folder": str(files.get("folder", "")), "artifacts": str(artifacts), "slug": slug(label, size),
            **{layout: {k: str(v) for k, v in files[layout].items()} for layout in ("split", "gguf") if layout in files}}
     if c["files"] == "folder":
         paths, transformer = [files["folder"]], files["folder"] / "transformer"

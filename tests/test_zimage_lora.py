@@ -137,3 +137,38 @@ def test_refusals_name_the_key(zimage, tmp_path):
         with pytest.raises(L.LoraError, match=message):
             engine.generate(_request(steps=1, batch_size=1, loras=((path, 1.0),)))
     assert np.array_equal(_pixels(engine.generate(_request(steps=1, batch_size=1)).images), before)
+
+
+def test_default_precision_int8_layers_take_the_lora(zimage):
+    """Under ``auto``, where the CPU computes in bf16 and int8, the transformer's Linears are W8A8 layers with
+    per-token activations: a LoRA's layer is then the file's weight plus the update, quantized again, and computes
+    bit for bit what the layer of the bf16 transformer with the LoRA merged, then quantized, computes. On leaving,
+    the original layers are back and the image is the one before. Where auto chose no int8 (a CPU without native
+    bf16 and VNNI), its plan says so."""
+    from sdlite.engine.quant import Int8Linear, quantize_model
+    from sdlite.loader import open_model
+
+    _, _, files, tmp = zimage
+    engine = Engine.load(tmp / "z-image")
+    if engine.precision.quantize != "bf16-int8":
+        assert engine.precision.requested == "auto" and engine.precision.name != "bf16-int8", engine.precision
+        assert engine.precision.reason, "auto says why it chose no int8"
+        return
+    transformer = engine.models.get("transformer")
+    chosen = {n: m for n, m in transformer.named_modules() if isinstance(m, Int8Linear)}
+    assert any(".attention.to_q" in n for n in chosen) and all(m.per_token for m in chosen.values())
+    reference = open_model(tmp / "z-image").load("transformer", torch.bfloat16)
+    L.merge(reference, [(files["peft"], WEIGHT)], "transformer", keep_originals=False)
+    reference = quantize_model(reference, "bf16-int8")
+    before = _pixels(engine.generate(_request(steps=1, batch_size=1)).images)
+    g = torch.Generator().manual_seed(3)
+    with L.engine_with_loras(engine, [(files["peft"], WEIGHT)]):
+        merged = engine.models.get("transformer")
+        for name, original in chosen.items():
+            layer, want = merged.get_submodule(name), reference.get_submodule(name)
+            assert layer is not original and isinstance(layer, Int8Linear) and layer.per_token, name
+            probe = torch.randn(2, 5, original.in_features, generator=g).to(torch.bfloat16)
+            with torch.no_grad():
+                assert torch.equal(layer(probe), want(probe)), name
+    assert all(transformer.get_submodule(n) is m for n, m in chosen.items()), "the original layers are back"
+    assert np.array_equal(_pixels(engine.generate(_request(steps=1, batch_size=1)).images), before)
