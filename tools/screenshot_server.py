@@ -2,7 +2,7 @@
 
 Starts ``sdlite serve`` (the shipped demo model unless --model is given) on a free loopback port, opens the page
 in Debian's chromium (headless, through Playwright), generates a few images so the history is not empty, and
-saves a screenshot of the window. Offline: nothing but the loopback server is reached.
+saves a screenshot of the whole page at the window's width. Offline: nothing but the loopback server is reached.
 
     .venv/bin/python tools/screenshot_server.py [--model PATH] [--output docs/server_page.png]
 """
@@ -90,7 +90,8 @@ def main() -> int:
                     if page.locator("#error").is_visible():
                         raise SystemExit("the page shows an error: " + page.locator("#error").text_content())
                 page.locator("#prompt").blur()
-                png = page.screenshot()
+                page.evaluate("window.scrollTo(0, 0)")   # clicking Generate scrolled the form's end into view
+                png = page.screenshot(full_page=True)   # the whole page: the form is taller than the window
                 browser.close()
         except BaseException:
             log.seek(0)
@@ -105,7 +106,7 @@ def main() -> int:
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     image.save(out, optimize=True)
-    print(f"{out} ({out.stat().st_size // 1024} KB, {width}x{height})")
+    print(f"{out} ({out.stat().st_size // 1024} KB, {image.width}x{image.height})")
     return 0
 
 
