@@ -176,8 +176,9 @@ def _vae_items(module) -> list:
 
 
 def build(root: Path, nets: dict, shard_bytes: int = SHARD_BYTES, log=print, layouts=LAYOUTS) -> dict:
-    """The diffusers folder and the split files of ``nets`` under ``root`` (each part written once, per depth):
-    {"folder": path, "split": {"transformer"|"text"|"vae": path}, "params": {part: count}}."""
+    """The diffusers folder, the split files and the GGUF files of ``nets`` under ``root``, those of ``layouts``
+    alone (each part written once, per depth): {"folder": path, "split" | "gguf": {"transformer"|"text"|"vae":
+    path}, "params": {part: count}}."""
     import diffusers
     from transformers import Qwen2TokenizerFast
 
@@ -218,15 +219,17 @@ def build(root: Path, nets: dict, shard_bytes: int = SHARD_BYTES, log=print, lay
         return _atomic(parts_dir / names[name], fill)
 
     stores = {name: part(name) for name in ("transformer", "text_encoder", "vae")}
-    bfl = parts_dir / f"{names['transformer']}-bfl.safetensors"   # the split and GGUF layouts' source
-    if not bfl.is_file() and {"split", "gguf"} & set(layouts):
+    bfl = parts_dir / f"{names['transformer']}-bfl.safetensors"   # the split and GGUF layouts' sources
+    originals = bool({"split", "gguf"} & set(layouts))
+    if not bfl.is_file() and originals:
         src = _Files(stores["transformer"])
         items = _converted(src, flux2_to_original(src.where))
         _check_disk(parts_dir, _nbytes(items), bfl.name)
         log(f"writing {bfl.name} (BFL's names, {_nbytes(items) / 1e9:.2f} GB)")
         _single(bfl, items)
     vae = _Files(stores["vae"])
-    vae_file = _single(parts_dir / "flux2-vae.safetensors", _converted(vae, flux2_vae_to_original(vae.where)))
+    vae_file = _single(parts_dir / "flux2-vae.safetensors", _converted(vae, flux2_vae_to_original(vae.where))) \
+        if originals else None
 
     def fill_folder(tmp: Path):
         for sub, store in (("transformer", stores["transformer"]), ("text_encoder", stores["text_encoder"]),
@@ -264,16 +267,15 @@ def build(root: Path, nets: dict, shard_bytes: int = SHARD_BYTES, log=print, lay
 
     gguf_names = {"transformer": split_names["transformer"].replace(".safetensors", "-Q4_K.gguf"),
                   "text": f"Qwen3-{'8B' if model == '9b' else '4B'}-Q4_K.gguf", "vae": split_names["vae"]}
-    files = {"params": params}
+    files, made = {"params": params}, []
     if "folder" in layouts:
         files["folder"] = _atomic(root / f"flux2-klein-{tag}", fill_folder)
-    if "split" in layouts:
-        split = _atomic(root / f"split-{tag}", fill_split)
-        files["split"] = {k: split / v for k, v in split_names.items()}
-    if "gguf" in layouts:
-        gguf = _atomic(root / f"gguf-{tag}", fill_gguf)
-        files["gguf"] = {k: gguf / v for k, v in gguf_names.items()}
-    log(f"files ready in {time.perf_counter() - t0:.0f} s: " + ", ".join(f"{k}-{tag}" for k in layouts))
+        made.append(files["folder"])
+    for layout, fill, file_names in (("split", fill_split, split_names), ("gguf", fill_gguf, gguf_names)):
+        if layout in layouts:
+            made.append(_atomic(root / f"{layout}-{tag}", fill))
+            files[layout] = {k: made[-1] / v for k, v in file_names.items()}
+    log(f"files ready in {time.perf_counter() - t0:.0f} s: " + ", ".join(f"{p.name}/" for p in made))
     return files
 
 
