@@ -131,6 +131,7 @@ def profile_pair(model: str, depth: int, size: int, log, sdlite_precision: str =
     for engine, precision in (("sdlite", sdlite_precision), ("diffusers", "bf16")):
         nets = Networks(model, m, engine, precision)
         nets.load("transformer")
+        nets.settle()
         _ranges(nets.transformer, engine)
         pair[engine] = nets
     inp = pair["sdlite"].inputs(size)

@@ -2,7 +2,8 @@
 (issue 55: "the default's error is within diffusers bf16's own error against fp32").
 
     python bench/dit_quality.py [--family flux|sd3] [--seeds 4] [--steps 4] [--size 256] [--blocks 2,4]
-                                [--precisions exact,bf16,bf16-int8,...] [--work DIR] [--json PATH] [--md PATH]
+                                [--precisions exact,bf16,bf16-int8,...] [--t5-layers N] [--work DIR] [--json PATH]
+                                [--md PATH]
 
 The model is bench/lowbit_precision.py's: a diffusers folder whose transformer has the released widths and few blocks
 (FLUX.1-schnell 3072 wide, 24 heads, 2 double + 4 single blocks by default; SD3.5 Large 2432 wide, 38 heads, 4 joint
@@ -14,6 +15,9 @@ Rows (``--precisions``):
 * ``exact``, ``bf16``, ``bf16-int8``: ``sdlite.Engine.load(folder, precision=...)``;
 * ``bf16-int8-per-call``: bf16-int8 with one activation scale per call instead of per token (what bf16-int8 was before
   per-token scales; kept here to measure what they changed);
+* ``bf16-int8-t5-bf16``: bf16-int8 with T5 left in bf16 (what bf16-int8 was before T5's block Linears took int8: the
+  difference is T5's int8 share); with ``--t5-layers N`` the T5 is one at T5-XXL's widths with N layers, so its int8
+  error is that of a real width;
 * ``diffusers-fp32``, ``diffusers-bf16``: diffusers' pipeline from the same folder in that dtype, one generator per
   image seeded 0..n-1 (sdlite's seeds). ``diffusers-fp32`` against sdlite's ``exact`` checks the comparison itself
   (the same bits, so +inf dB); ``diffusers-bf16`` against it is the bar a faster default is held to.
@@ -40,7 +44,7 @@ sys.path.insert(0, str(HERE))
 from lowbit_precision import _load_average, against, bench_folder  # noqa: E402
 from parity import cpu_name  # noqa: E402
 
-ROWS = ("exact", "diffusers-fp32", "diffusers-bf16", "bf16", "bf16-int8", "bf16-int8-per-call")
+ROWS = ("exact", "diffusers-fp32", "diffusers-bf16", "bf16", "bf16-int8", "bf16-int8-per-call", "bf16-int8-t5-bf16")
 PROMPT = "a lighthouse on a cliff at dawn"
 
 
@@ -54,8 +58,12 @@ def run_sdlite(folder: Path, precision: str, seeds: int, steps: int, size: int, 
 
     if precision == "bf16-int8-per-call":
         plain = quant._bf16_int8_layer
-        quant._bf16_int8_layer = lambda layer, split, stored_as=None, per_token=False: plain(layer, split, stored_as)
-    engine = Engine.load(folder, precision=precision.removesuffix("-per-call"))
+        quant._bf16_int8_layer = lambda layer, split, stored_as=None, per_token=False, outliers=None: \
+            plain(layer, split, stored_as)
+    if precision == "bf16-int8-t5-bf16":
+        from sdlite.engine.memory import ModelManager
+        ModelManager._t5_int8 = lambda self, name: False
+    engine = Engine.load(folder, precision=precision.removesuffix("-per-call").removesuffix("-t5-bf16"))
     start = time.perf_counter()
     result = engine.generate(Request(prompt=PROMPT, steps=steps, cfg_scale=1.0, sampler="euler", seed=0, width=size,
                                      height=size, batch_size=seeds))
@@ -94,10 +102,10 @@ def run_diffusers(folder: Path, dtype_name: str, seeds: int, steps: int, size: i
 
 
 def quality(family: str, rows: list[str], seeds: int, steps: int, size: int, work: Path,
-            blocks: tuple[int, ...]) -> dict:
+            blocks: tuple[int, ...], t5_layers: int = 0) -> dict:
     import numpy as np
 
-    folder, blocks, _ = bench_folder(family, work, blocks)
+    folder, blocks, _ = bench_folder(family, work, blocks, t5_layers)
     runs = {}
     for row in rows:
         out = work / f"{family}-{row}-{seeds}x{size}-{steps}.npz"
@@ -108,7 +116,7 @@ def quality(family: str, rows: list[str], seeds: int, steps: int, size: int, wor
         print(f"{family} {row}: {seeds} images in {runs[row]['generate_s']:.1f} s", flush=True)
     exact = runs["exact"]
     result = {"family": family, "seeds": seeds, "steps": steps, "size": size, "blocks": list(blocks),
-              "load_average": _load_average(), "rows": {}}
+              "t5_layers": t5_layers, "load_average": _load_average(), "rows": {}}
     for row, m in runs.items():
         entry = {"label": m["label"], "generate_s": m["generate_s"], "peak_rss": m["peak_rss"]}
         if row != "exact":
@@ -127,8 +135,9 @@ def quality(family: str, rows: list[str], seeds: int, steps: int, size: int, wor
 
 def markdown(result: dict) -> str:
     q = result
-    lines = [f"## {q['family']}: blocks {q['blocks']}, {q['seeds']} seeds, {q['size']}x{q['size']}, {q['steps']} steps "
-             f"(load average {q.get('load_average')})", "",
+    t5 = f", T5 {q['t5_layers']} layers at T5-XXL's widths" if q.get("t5_layers") else ""
+    lines = [f"## {q['family']}: blocks {q['blocks']}{t5}, {q['seeds']} seeds, {q['size']}x{q['size']}, {q['steps']} "
+             f"steps (load average {q.get('load_average')})", "",
              "| row | PSNR vs exact, min / mean (dB) | latents rel. error, mean / max | generate |", "|---|---|---|---|"]
     for row, e in q["rows"].items():
         cells = "-- | --" if row == "exact" else (f"{e['psnr_min']:.2f} / {e['psnr_mean']:.2f} | "
@@ -151,6 +160,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--size", type=int, default=256)
     ap.add_argument("--blocks", default=None, help="FLUX: double,single (default 2,4); SD3.5: joint (default 4)")
+    ap.add_argument("--t5-layers", type=int, default=0,
+                    help="a T5 at T5-XXL's widths with this many layers (default: the tests' tiny T5)")
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=HERE / "dit_quality.json")
     ap.add_argument("--md", type=Path, default=None)
@@ -171,10 +182,10 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="dit-quality-"))
     work.mkdir(parents=True, exist_ok=True)
     blocks = tuple(int(b) for b in args.blocks.split(",")) if args.blocks else None
-    result = quality(args.family, rows, args.seeds, args.steps, args.size, work, blocks)
+    result = quality(args.family, rows, args.seeds, args.steps, args.size, work, blocks, args.t5_layers)
     result["machine"] = f"{platform.processor() or platform.machine()}, {cpu_name()}"
     results = json.loads(args.json.read_text()) if args.json.exists() else {}
-    results[f"{args.family}-{args.size}"] = result
+    results[f"{args.family}-{args.size}" + (f"-t5x{args.t5_layers}" if args.t5_layers else "")] = result
     args.json.write_text(json.dumps(results, indent=1))
     text = markdown(result)
     if args.md:

@@ -100,8 +100,10 @@ def kernels(tokens: int, repeat: int) -> dict:
 
 # -- quality ---------------------------------------------------------------------------------------------------------
 
-def build(family: str, folder: Path, blocks: tuple[int, ...]) -> int:
-    """The bench's model (module docstring) saved in bf16 at ``folder``; returns the transformer's parameters."""
+def build(family: str, folder: Path, blocks: tuple[int, ...], t5_layers: int = 0) -> int:
+    """The bench's model (module docstring) saved in bf16 at ``folder``; returns the transformer's parameters.
+    ``t5_layers``: its T5 at T5-XXL's widths with that many layers (transformers' own initialisation; the
+    transformer's text input 4096 wide), instead of the tests' tiny one."""
     import torch
 
     tmp = folder.parent / f"{folder.name}-parts"
@@ -114,7 +116,8 @@ def build(family: str, folder: Path, blocks: tuple[int, ...]) -> int:
         torch.manual_seed(0)
         pipe.transformer = FluxTransformer2DModel(
             patch_size=1, in_channels=64, num_layers=blocks[0], num_single_layers=blocks[1], attention_head_dim=128,
-            num_attention_heads=24, joint_attention_dim=T5_WIDTH, pooled_projection_dim=32, guidance_embeds=False,
+            num_attention_heads=24, joint_attention_dim=4096 if t5_layers else T5_WIDTH, pooled_projection_dim=32,
+            guidance_embeds=False,
             axes_dims_rope=(16, 56, 56)).eval()
     else:
         from diffusers import SD3Transformer2DModel
@@ -125,9 +128,19 @@ def build(family: str, folder: Path, blocks: tuple[int, ...]) -> int:
         torch.manual_seed(0)
         pipe.transformer = SD3Transformer2DModel(
             sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=blocks[0], attention_head_dim=64,
-            num_attention_heads=38, joint_attention_dim=T5_WIDTH, caption_projection_dim=2432,
+            num_attention_heads=38, joint_attention_dim=4096 if t5_layers else T5_WIDTH, caption_projection_dim=2432,
             pooled_projection_dim=TEXT_L.projection_dim + TEXT_G.projection_dim, pos_embed_max_size=192,
             qk_norm="rms_norm").eval()
+    if t5_layers:
+        import dataclasses
+
+        from transformers import T5Config, T5EncoderModel
+
+        from sdlite.config.t5 import T5_XXL
+
+        cfg = dataclasses.replace(T5_XXL, num_layers=t5_layers).to_transformers()
+        t5 = T5EncoderModel(T5Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "torch_dtype")}))
+        setattr(pipe, "text_encoder_2" if family == "flux" else "text_encoder_3", t5.eval())
     pipe.to(torch.bfloat16).save_pretrained(folder)
     return sum(p.numel() for p in pipe.transformer.parameters())
 
@@ -224,14 +237,15 @@ def _psnr(a, b) -> float:
     return 10 * np.log10(255 ** 2 / mse) if mse else float("inf")
 
 
-def bench_folder(family: str, work: Path, blocks: tuple[int, ...]) -> tuple[Path, tuple[int, ...], int | None]:
+def bench_folder(family: str, work: Path, blocks: tuple[int, ...],
+                 t5_layers: int = 0) -> tuple[Path, tuple[int, ...], int | None]:
     """(the bench model's folder under ``work``, built there unless it is already, its blocks, its transformer's
-    parameters when built now)."""
+    parameters when built now); ``t5_layers`` as :func:`build`'s."""
     blocks = blocks or DEFAULT_BLOCKS[family]
-    folder = work / f"{family}-{'-'.join(map(str, blocks))}-bench"
+    folder = work / f"{family}-{'-'.join(map(str, blocks))}{f'-t5x{t5_layers}' if t5_layers else ''}-bench"
     params = None
     if not (folder / "model_index.json").exists():
-        params = build(family, folder, blocks)
+        params = build(family, folder, blocks, t5_layers)
         print(f"{family}: built {folder.name} ({params / 1e9:.2f}B transformer parameters)", flush=True)
     return folder, blocks, params
 

@@ -30,7 +30,7 @@ from ..models.layers import Downsample, ResnetBlock, Upsample
 from ..models.flux import DoubleBlock, SingleBlock
 from ..models.flux2 import DoubleBlock as Flux2DoubleBlock, SingleBlock as Flux2SingleBlock
 from ..weights.quants import QuantizedTensor
-from .lowbit import FP8_MODES, check_low_bit_mode, load_low_bit, load_quantized, quantized_linears
+from .lowbit import FP8_MODES, check_low_bit_mode, in_gguf, load_low_bit, load_quantized, quantized_linears
 from ..models.mmdit import JointBlock
 from ..config.qwen import QwenConfig
 from ..config.t5 import T5Config
@@ -452,7 +452,8 @@ class ModelManager:
         # the UNet's int8 layers, or under bf16-int8 a transformer's block Linears (a GGUF file's dequantised, then
         # quantised: int8 compute, no per-call dequantising)
         quantized = self.quantize != "none" and (name == "unet" or (
-            self.quantize == "bf16-int8" and name == "transformer" and name == self.denoiser))
+            self.quantize == "bf16-int8" and name == "transformer" and name == self.denoiser)
+            or self._t5_int8(name))
         # GGUF weights in a block format stay in it where the dense network would be large (a transformer, T5, an LLM
         # encoder): dequantised layer by layer as they run. Other networks' are dequantised as they load (and prepacked)
         low_bit = quantized_linears(self.ckpt, name) if self.keeps_blocks(name) and not quantized else {}
@@ -480,6 +481,14 @@ class ModelManager:
         if self.channels_last and name == "unet" and shape_packs(self.device, self.dtype_of(name)):
             module = shape_pack_model(module)   # its bf16 1x1 convolutions' weights packed per input shape
         return self._kernels(name, module)
+
+    def _t5_int8(self, name: str) -> bool:
+        """Whether bf16-int8 makes network ``name``'s block Linears int8: T5 loaded whole from a dense file (per-token
+        activations, outlier columns in float: :func:`sdlite.engine.quant.t5_int8_targets`). A GGUF T5 keeps its
+        blocks (less memory), a streamed one (memory mode 0) stays bf16, as a streamed transformer does."""
+        return (self.quantize == "bf16-int8" and name in TEXT_ENCODERS and self._is_t5(name)
+                and torch.device(self.device).type == "cpu" and self.dtype_of(name) == torch.bfloat16
+                and self.ckpt is not None and not in_gguf(self.ckpt, name))
 
     def _phase_upsamples(self, dtype: torch.dtype) -> bool:
         """Whether a decoder computing in ``dtype`` here upsamples by phases (:mod:`sdlite.engine.subpixel`): under

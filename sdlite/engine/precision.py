@@ -32,9 +32,11 @@ OpenVINO's PERFORMANCE / ACCURACY execution modes:
   UNet's 320-640 channel shapes here, against ~1050 GFLOP/s for bf16, which already runs at this CPU's peak. Needs
   native bf16 and VNNI or AMX (exact 8-bit products). On a transformer (FLUX.1, SD3, Z-Image, FLUX.2 [klein],
   Qwen-Image) the same layers are the Linear layers of its blocks (:func:`sdlite.engine.quant.transformer_int8_targets`:
-  attention projections and MLPs; not the per-block modulation Linears, not the text encoders), quantised as the file
-  loads (a GGUF file's blocks dequantised first): W8A8 on oneDNN's u8 x s8 GEMM, the activations scaled per token
-  (:func:`sdlite.engine.quant.quantize_rows`). Memory mode 0 is refused with it, as for a UNet. ``auto``'s choice for a
+  attention projections and MLPs; not the per-block modulation Linears), quantised as the file loads (a GGUF file's
+  blocks dequantised first): W8A8 on oneDNN's u8 x s8 GEMM, the activations scaled per token
+  (:func:`sdlite.engine.quant.quantize_rows`). T5 (SD3's and FLUX.1's, loaded whole from a dense file) takes the same
+  on its blocks' Linears, with an input's outlier columns computed apart in float (LLM.int8()'s decomposition:
+  :meth:`sdlite.engine.quant.Int8Linear._outlier_columns`); CLIP and the LLM encoders (Qwen) stay bf16. Memory mode 0 is refused with it, as for a UNet. ``auto``'s choice for a
   transformer too (below): docs/precision.md gives its speed and its error against exact beside diffusers' own bf16's,
   measured on random weights, which lack the outlier channels trained transformers have.
 * ``int8`` / ``int8-bf16`` -- the UNet's Linear and Conv2d layers in int8 (:mod:`sdlite.engine.quant`), the rest
@@ -97,9 +99,9 @@ PRECISIONS = {
             "int8, dequantised per layer; compute as int8's (not for UNets)",
     "int8-bf16": "UNet Linear in int8, its convolutions in bf16, the rest fp32",
     "bf16-int8": "bf16 (as bf16) with the UNet's 3x3 convolutions and transformer Linear layers in int8; a DiT's "
-                 "(FLUX, SD3, Z-Image, klein, Qwen-Image) block Linears in int8 (W8A8, 8-bit activations per tensor: "
-                 "FLUX.1 step 0.62x bf16's on a Zen 4, not auto's choice there; see docs/precision.md) (needs native "
-                 "bf16 and VNNI/AMX on a CPU)",
+                 "(FLUX, SD3, Z-Image, klein, Qwen-Image) block Linears and T5's in int8 (W8A8, 8-bit activations "
+                 "per token; T5's outlier columns in float; see docs/precision.md) (needs native bf16 and VNNI/AMX "
+                 "on a CPU)",
     "fp16": "fp16 compute on a GPU (the SDXL VAE in fp32)",
 }
 PRECISION_CHOICES = tuple(PRECISIONS)

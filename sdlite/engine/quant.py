@@ -139,6 +139,13 @@ KEEP_FP32 = ("conv_in", "conv_out", "time_embedding", "add_embedding")
 MIN_CHANNELS = 16
 # the containers of a transformer block's modulation Linears that are not an AdaNorm (transformer_int8_targets)
 MODULATION_NAMES = ("img_mod", "txt_mod", "adaLN_modulation")
+# bf16-int8 on T5: the input columns whose largest magnitude is over OUTLIER_RATIO times the median column's are
+# computed apart in float, at most one column in OUTLIER_SHARE (LLM.int8()'s mixed-precision decomposition, Dettmers
+# et al. 2022, with a threshold relative to the input instead of its absolute 6.0: T5's activations have no set scale)
+OUTLIER_RATIO = 6.0
+OUTLIER_SHARE = 64
+# stored weights that quantize_weight takes converted (its row maxima have no fp8 kernels)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # int8 activation ranges: 0..255, or 0..127 where u8 x s8 pairs are summed in a saturating int16 (no VNNI)
 ACTIVATION_BITS = (8, 7)
 # input shapes an int8 1x1 convolution keeps a weight packed for (Int8Conv2d._packed_for)
@@ -323,12 +330,19 @@ class Int8Linear(nn.Module):
     """``nn.Linear`` with int8 weights on oneDNN's u8 x s8 GEMM; the output has the input's dtype (fp32/bf16)."""
 
     def __init__(self, linear: nn.Linear, activation_bits: int = 8, split: bool = False,
-                 stored_as: torch.dtype | None = None, per_token: bool = False):
+                 stored_as: torch.dtype | None = None, per_token: bool = False, outliers: float | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.activation_bits = check_activation_bits(activation_bits)
         self.per_token = per_token   # activations: one scale per token (quantize_rows), else one per call
+        if outliers is not None and (not per_token or split or not outliers > 0):
+            raise QuantizeError(f"outlier columns ({outliers!r}) need a positive threshold, per-token activations "
+                                "and an unsplit layer")
+        self.outliers = outliers     # the ratio over the typical column that sets a column apart (_outlier_columns)
         q, scale = quantize_weight(linear.weight, stored_as)
+        # the outlier columns' weights are read from the codes (the packed layout below is opaque), kept transposed
+        # so that a column's weights are one row
+        self.register_buffer("codes", q.t().contiguous() if outliers is not None else None, persistent=False)
         self.held_as = stored_as or linear.weight.dtype    # the float dtype the codes were made from (requantize)
         self.register_buffer("weight_scale", scale)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
@@ -350,13 +364,36 @@ class Int8Linear(nn.Module):
             out = torch.cat(self.halves(x), dim=-1)
             return out if self.bias is None else out.add_(self.bias)
         if self.per_token:
-            q, scales, zero_point = quantize_rows(x, self.activation_bits)
+            apart = self._outlier_columns(x) if self.outliers is not None else None
+            rest = x if apart is None else x.index_fill(-1, apart, 0)
+            q, scales, zero_point = quantize_rows(rest, self.activation_bits)
             y = torch.ops.onednn.qlinear_pointwise(q, 1.0, zero_point, self.packed_weight, self.weight_scale,
                                                    _ZERO_POINT, None, 1.0, 0, _out_dtype(x), "none", [], "")
-            return scale_rows(y, scales, self.bias)
+            if apart is None:
+                return scale_rows(y, scales, self.bias)
+            # the outlier columns' share in fp32: their inputs as they are, their weights from the codes
+            columns = self.codes.index_select(0, apart).float().mul_(self.weight_scale)
+            extra = x.index_select(-1, apart).float() @ columns
+            return y.float().mul_(scales.unsqueeze(-1)).add_(extra if self.bias is None else extra.add_(self.bias)) \
+                .to(y.dtype)
         q, scale, zero_point = quantize_activation(x, self.activation_bits)
         return torch.ops.onednn.qlinear_pointwise(q, scale, zero_point, self.packed_weight, self.weight_scale,
                                                   _ZERO_POINT, self.bias, 1.0, 0, _out_dtype(x), "none", [], "")
+
+    def _outlier_columns(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The indices of ``x``'s input columns whose largest magnitude over the tokens is over :attr:`outliers`
+        times the median column's (the largest :data:`OUTLIER_SHARE`-th of the columns where more are), or None where
+        there is none (then the layer runs as without outlier columns). A token's codes share one scale, set by its
+        largest value: a few hidden features far above the rest, which trained T5s carry, would leave the others a
+        few of its 255 steps; computed apart, they cost a float product over those columns alone."""
+        peak = x.reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
+        if not bool(torch.isfinite(peak).all()):
+            raise FloatingPointError(f"an int8 layer's input {tuple(x.shape)} holds non-finite values")
+        apart = torch.nonzero(peak > self.outliers * peak.median()).squeeze(1)
+        most = max(1, self.in_features // OUTLIER_SHARE)
+        if apart.numel() > most:
+            apart = torch.topk(peak, most).indices
+        return apart if apart.numel() else None
 
     def halves(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The products with the first and the second half of the output features, without the bias, each
@@ -377,7 +414,9 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel, "
-                f"{self.activation_bits}-bit activations{' per token' if self.per_token else ''} (oneDNN)")
+                f"{self.activation_bits}-bit activations{' per token' if self.per_token else ''} (oneDNN)"
+                + (f", outlier columns (over {self.outliers:g}x the median peak) in float" if self.outliers is not None
+                   else ""))
 
 
 class Int8Conv2d(nn.Module):
@@ -479,7 +518,8 @@ def requantize(layer: nn.Module, weight: torch.Tensor) -> nn.Module:
         shell.bias = nn.Parameter(layer.bias, requires_grad=False)   # already fp32: taken as it is
     held = None if layer.held_as == torch.float32 else layer.held_as
     if isinstance(layer, Int8Linear):
-        return Int8Linear(shell, layer.activation_bits, split=layer.split, stored_as=held, per_token=layer.per_token)
+        return Int8Linear(shell, layer.activation_bits, split=layer.split, stored_as=held, per_token=layer.per_token,
+                          outliers=layer.outliers)
     return Int8Conv2d(shell, layer.activation_bits, stored_as=held)
 
 
@@ -568,9 +608,13 @@ def quantize_model(module: nn.Module, mode: str, keep: tuple[str, ...] = KEEP_FP
             raise QuantizeError(f"quantize mode {mode!r} runs on the CPU only, but {name or 'the model'} is on "
                                 f"{t.device} (load the model on the CPU, with its weights, before quantizing)")
     if mode == "bf16-int8":
-        per_token = is_transformer(module)
-        for name, layer, split in bf16_int8_targets(module):
-            module.set_submodule(name, _bf16_int8_layer(layer, split, per_token=per_token))
+        per_token, outliers = _activation_scheme(module)
+        targets = bf16_int8_targets(module)
+        targets.reverse()
+        while targets:   # each float layer let go as its int8 one takes its place (T5-XXL's are 9.5 GB in bf16)
+            name, layer, split = targets.pop()
+            module.set_submodule(name, _bf16_int8_layer(layer, split, per_token=per_token, outliers=outliers))
+            del layer
         return module
     _rest_to_fp32(module)
     linear_as, conv_as = _PLAN[mode]
@@ -596,6 +640,8 @@ def bf16_int8_targets(module: nn.Module) -> list[tuple[str, nn.Module, bool]]:
 
     if is_transformer(module):
         return transformer_int8_targets(module)
+    if is_t5(module):
+        return t5_int8_targets(module)
     found = []
     for owner_name, owner in module.named_modules():
         prefix = owner_name + "." if owner_name else ""
@@ -626,6 +672,30 @@ def is_transformer(module: nn.Module) -> bool:
     from ..models.zimage import ZImage
 
     return isinstance(module, (MMDiT, Flux, ZImage, Flux2, QwenImage))
+
+
+def is_t5(module: nn.Module) -> bool:
+    """Whether ``module`` is sdlite's T5 encoder (SD3's and FLUX.1's third / second text encoder)."""
+    from ..models.t5 import T5Encoder
+
+    return isinstance(module, T5Encoder)
+
+
+def t5_int8_targets(module: nn.Module) -> list[tuple[str, nn.Module, bool]]:
+    """The layers ``bf16-int8`` makes int8 in a T5 encoder, as (name, layer, False): every ``nn.Linear`` of its blocks
+    (the attention's q, k, v, o and the feed-forward's wi_0, wi_1 / wi and wo: all of its products but the
+    attention's own). Their activations are scaled per token, and an input's outlier columns are computed apart in
+    float (:meth:`Int8Linear._outlier_columns`)."""
+    return [(f"encoder.block.{name}", layer, False) for name, layer in module.encoder.block.named_modules()
+            if type(layer) is nn.Linear and min(layer.in_features, layer.out_features) >= MIN_CHANNELS]
+
+
+def _activation_scheme(module: nn.Module) -> tuple[bool, float | None]:
+    """How ``bf16-int8`` scales the activations of ``module``'s int8 Linears: (per token, outlier threshold). A
+    diffusion transformer's per token; T5's per token with its outlier columns apart; a UNet's per call."""
+    if is_t5(module):
+        return True, OUTLIER_RATIO
+    return is_transformer(module), None
 
 
 def _modulates(name: str, parent: nn.Module) -> bool:
@@ -659,11 +729,12 @@ def transformer_int8_targets(module: nn.Module) -> list[tuple[str, nn.Module, bo
 
 
 def _bf16_int8_layer(layer: nn.Module, split: bool, stored_as: torch.dtype | None = None,
-                     per_token: bool = False) -> nn.Module:
+                     per_token: bool = False, outliers: float | None = None) -> nn.Module:
     """One of :func:`bf16_int8_targets`' layers made int8 (8-bit activations; a GEGLU projection split in halves;
-    ``per_token``: a transformer's Linear, its activations scaled per token)."""
+    ``per_token``: a transformer's Linear, its activations scaled per token; ``outliers``: the threshold above which
+    an input column is computed apart in float)."""
     if split or per_token:
-        return Int8Linear(layer, 8, split=split, stored_as=stored_as, per_token=per_token)
+        return Int8Linear(layer, 8, split=split, stored_as=stored_as, per_token=per_token, outliers=outliers)
     return _CONVERTERS["int8", type(layer)](layer, 8, stored_as=stored_as)
 
 
@@ -677,17 +748,23 @@ def load_bf16_int8(ckpt, component: str, dtype: torch.dtype = torch.bfloat16) ->
     _check_bf16_int8()
     module = ckpt.build_empty(component)
     targets = bf16_int8_targets(module)
-    per_token = is_transformer(module)
+    per_token, outliers = _activation_scheme(module)
     deferred = frozenset(f"{name}.weight" for name, _, _ in targets)
     module = ckpt.load_into(module, component, dtype, "cpu", defer=deferred)
     read = 0
-    for name, layer, split in targets:
+    targets.reverse()
+    while targets:   # each layer let go once quantised (a GGUF or fp8 file's weights are converted copies)
+        name, layer, split = targets.pop()
         stored = ckpt.tensor(component, f"{name}.weight")
         if not torch.is_tensor(stored):                        # a GGUF block format: dequantised into dtype
             stored = stored.dequantize(dtype)
+        elif stored.dtype in FP8_DTYPES:                        # fp8 (ComfyUI's fp8 files): exact in dtype
+            stored = stored.to(dtype)
         layer.weight = nn.Parameter(stored, requires_grad=False)
-        module.set_submodule(name, _bf16_int8_layer(layer, split, stored_as=dtype, per_token=per_token))
+        module.set_submodule(name, _bf16_int8_layer(layer, split, stored_as=dtype, per_token=per_token,
+                                                    outliers=outliers))
         read += stored.numel() * stored.element_size()
+        del layer, stored
         if read > RELEASE_EVERY:
             ckpt.release_pages()
             read = 0

@@ -143,8 +143,9 @@ class T5DenseGatedGelu(nn.Module):
 def _wo_dtype(wo: nn.Module, h: torch.Tensor) -> torch.Tensor:
     """The dtype ``wo`` takes its input in: its weight's (float32 under fp16, :func:`param_dtype`); for a weight kept
     in a GGUF block format (dequantised per call into its input's dtype) the same rule, float32 under fp16."""
-    if wo.weight.is_floating_point():
-        return wo.weight.dtype
+    weight = getattr(wo, "weight", None)     # an int8 layer (bf16-int8) has none: it takes its input's dtype
+    if weight is not None and weight.is_floating_point():
+        return weight.dtype
     return torch.float32 if h.dtype == torch.float16 else h.dtype
 
 
