@@ -21,8 +21,8 @@ from torch import nn
 
 from sdlite.config.t5 import T5Config
 from sdlite.engine.cpu import bf16_int8_problem
-from sdlite.engine.quant import (OUTLIER_SHARE, OUTLIER_RATIO, Int8Linear, QuantizeError, bf16_int8_targets,
-                                 quantize_model, requantize)
+from sdlite.engine.quant import (OUTLIER_RATIO, OUTLIER_SHARE, Int8Linear, QuantizeError, bf16_int8_targets,
+                                 outlier_columns, quantize_model, quantize_rows_apart, requantize)
 from sdlite.models.t5 import T5Encoder
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -104,8 +104,8 @@ def test_outlier_columns_are_computed_apart():
     apart = Int8Linear(linear, 8, stored_as=torch.bfloat16, per_token=True, outliers=OUTLIER_RATIO)
     alone = Int8Linear(linear, 8, stored_as=torch.bfloat16, per_token=True)
     xs, want = exact[True]
-    assert torch.equal(apart._outlier_columns(xs.bfloat16()).sort().values, loud)
-    assert apart._outlier_columns(exact[False][0].bfloat16()) is None   # a plain input: the plain path
+    assert torch.equal(outlier_columns(xs.bfloat16(), OUTLIER_RATIO).sort().values, loud)
+    assert outlier_columns(exact[False][0].bfloat16(), OUTLIER_RATIO) is None   # a plain input: the plain path
     errors = {name: _relative(layer(xs.bfloat16()), want) for name, layer in (("apart", apart), ("alone", alone))}
     quiet = _relative(apart(exact[False][0].bfloat16()), exact[False][1])
     print(f"outlier columns: {errors}, no outliers {quiet:.4f}")
@@ -113,19 +113,15 @@ def test_outlier_columns_are_computed_apart():
 
 
 def test_at_most_one_column_in_share_is_computed_apart():
-    if _int8(T5Encoder(SMALL)) is None:
-        return
     g = torch.Generator().manual_seed(4)
-    layer = Int8Linear(nn.Linear(256, 32).bfloat16(), 8, stored_as=torch.bfloat16, per_token=True,
-                       outliers=OUTLIER_RATIO)
     x = torch.randn(8, 256, generator=g)
     x[:, :40] = torch.arange(1, 41) * 10.0           # 40 loud columns, the loudest last
-    taken = layer._outlier_columns(x.bfloat16())
+    taken = outlier_columns(x.bfloat16(), OUTLIER_RATIO)
     most = 256 // OUTLIER_SHARE
     assert taken.numel() == most and set(taken.tolist()) == set(range(40 - most, 40))
     x[0, 5] = float("inf")
     with pytest.raises(FloatingPointError, match="non-finite"):
-        layer._outlier_columns(x.bfloat16())
+        outlier_columns(x.bfloat16(), OUTLIER_RATIO)
 
 
 def test_against_transformers_fp32():
@@ -209,3 +205,16 @@ def test_an_fp8_t5_is_quantised_from_its_fp8_values(flux, tmp_path):
     assert isinstance(layer, Int8Linear) and torch.equal(layer.weight_scale, want_scale)
     assert torch.equal(layer.codes, want_codes.t())
     assert engine.generate(_request()).images[0].size == (_request().width, _request().height)
+
+
+def test_an_input_read_by_several_layers_is_searched_and_coded_once():
+    """T5's q, k and v (and wi_0, wi_1) read one input: the second layer takes the first one's outlier columns and
+    codes; the input changed in place is searched again."""
+    x = torch.randn(2, 16, 256, generator=torch.Generator().manual_seed(6)).bfloat16()
+    x[..., 9] *= 80
+    with torch.no_grad():
+        first = quantize_rows_apart(x, 8, OUTLIER_RATIO)
+        assert quantize_rows_apart(x, 8, OUTLIER_RATIO) is first and first[3].tolist() == [9]
+        x[..., 9] /= 80
+        again = quantize_rows_apart(x, 8, OUTLIER_RATIO)
+    assert again is not first and again[3] is None

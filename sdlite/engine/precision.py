@@ -36,7 +36,7 @@ OpenVINO's PERFORMANCE / ACCURACY execution modes:
   blocks dequantised first): W8A8 on oneDNN's u8 x s8 GEMM, the activations scaled per token
   (:func:`sdlite.engine.quant.quantize_rows`). T5 (SD3's and FLUX.1's, loaded whole from a dense file) takes the same
   on its blocks' Linears, with an input's outlier columns computed apart in float (LLM.int8()'s decomposition:
-  :meth:`sdlite.engine.quant.Int8Linear._outlier_columns`); CLIP and the LLM encoders (Qwen) stay bf16. Memory mode 0 is refused with it, as for a UNet. ``auto``'s choice for a
+  :func:`sdlite.engine.quant.outlier_columns`); CLIP and the LLM encoders (Qwen) stay bf16. Memory mode 0 is refused with it, as for a UNet. ``auto``'s choice for a
   transformer too (below): docs/precision.md gives its speed and its error against exact beside diffusers' own bf16's,
   measured on random weights, which lack the outlier channels trained transformers have.
 * ``int8`` / ``int8-bf16`` -- the UNet's Linear and Conv2d layers in int8 (:mod:`sdlite.engine.quant`), the rest

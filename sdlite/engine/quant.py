@@ -139,13 +139,10 @@ KEEP_FP32 = ("conv_in", "conv_out", "time_embedding", "add_embedding")
 MIN_CHANNELS = 16
 # the containers of a transformer block's modulation Linears that are not an AdaNorm (transformer_int8_targets)
 MODULATION_NAMES = ("img_mod", "txt_mod", "adaLN_modulation")
-# bf16-int8 on T5: the input columns whose largest magnitude is over OUTLIER_RATIO times the median column's are
-# computed apart in float, at most one column in OUTLIER_SHARE (LLM.int8()'s mixed-precision decomposition, Dettmers
-# et al. 2022, with a threshold relative to the input instead of its absolute 6.0: T5's activations have no set scale)
+# bf16-int8 on T5: input columns peaking over OUTLIER_RATIO x the median column's computed apart in float, at most 1 in
+# OUTLIER_SHARE (LLM.int8()'s decomposition, Dettmers et al. 2022, relative: T5's activations have no set scale)
 OUTLIER_RATIO = 6.0
 OUTLIER_SHARE = 64
-# stored weights that quantize_weight takes converted (its row maxima have no fp8 kernels)
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # int8 activation ranges: 0..255, or 0..127 where u8 x s8 pairs are summed in a saturating int16 (no VNNI)
 ACTIVATION_BITS = (8, 7)
 # input shapes an int8 1x1 convolution keeps a weight packed for (Int8Conv2d._packed_for)
@@ -241,10 +238,26 @@ def check_activation_bits(bits) -> int:
     return bits
 
 
-# the last activation quantized in this thread, with its codes, as .entry = (tensor, version, bits, result): an
+# the last activation quantized in this thread, with its codes, as .entry = (tensor, version, key, result): an
 # attention's to_q, to_k and to_v read the same input, which is then quantized once. The tensor itself is held (so its
-# memory cannot be reused by another) and its version counter compared (so an in-place change is seen).
+# memory cannot be reused by another) and its version counter compared (so an in-place change is seen); never with
+# autograd, nor for an inference-mode tensor, which has no version counter
 _LAST = threading.local()
+
+
+def _recall(x: torch.Tensor, key):
+    """What :func:`_remember` kept for ``x`` under ``key``, where ``x`` is the last input quantized here, unchanged."""
+    if torch.is_grad_enabled() or x.is_inference():
+        return None
+    last = getattr(_LAST, "entry", None)
+    if last is not None and last[0] is x and last[1] == x._version and last[2] == key:
+        return last[3]
+    return None
+
+
+def _remember(x: torch.Tensor, key, result) -> None:
+    if not torch.is_grad_enabled() and not x.is_inference():
+        _LAST.entry = (x, x._version, key, result)
 
 
 def quantize_activation(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, float, int]:
@@ -254,11 +267,9 @@ def quantize_activation(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, f
     docstring). The range always holds 0, so zero padding stays exact. Returns (uint8 q, scale, zero_point).
     """
     top = float((1 << check_activation_bits(bits)) - 1)
-    last = getattr(_LAST, "entry", None)
-    # an inference-mode tensor has no version counter: never cached (an in-place change could not be seen)
-    cached = not torch.is_grad_enabled() and not x.is_inference()
-    if cached and last is not None and last[0] is x and last[1] == x._version and last[2] == bits:
-        return last[3]
+    kept = _recall(x, bits)
+    if kept is not None:
+        return kept
     source = x
     found = kernels.activation_range(x)                                     # bf16: sdlite's kernel, else None
     if found is None:
@@ -276,8 +287,7 @@ def quantize_activation(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, f
     q = kernels.activation_codes(x, 1.0 / scale, zero_point + 0.5, top)
     if q is None:
         q = (x * (1.0 / scale)).add_(zero_point + 0.5).clamp_(0.0, top).to(torch.uint8)
-    if cached:
-        _LAST.entry = (source, source._version, bits, (q, scale, zero_point))
+    _remember(source, bits, (q, scale, zero_point))
     return q, scale, zero_point
 
 
@@ -292,10 +302,9 @@ def quantize_rows(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.T
     one scale per tensor would; the product's rows are scaled back by :func:`scale_rows`."""
     zero_point = 1 << (check_activation_bits(bits) - 1)
     half = float(zero_point - 1)
-    last = getattr(_LAST, "entry", None)
-    cached = not torch.is_grad_enabled() and not x.is_inference()
-    if cached and last is not None and last[0] is x and last[1] == x._version and last[2] == (bits, "rows"):
-        return last[3]
+    kept = _recall(x, (bits, "rows"))
+    if kept is not None:
+        return kept
     found = kernels.row_codes(x, half, float(zero_point))               # bf16: sdlite's kernel, else None
     if found is None:
         xf = x.float()
@@ -306,8 +315,35 @@ def quantize_rows(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.T
         q = (xf * (1.0 / scales).unsqueeze(-1)).add_(zero_point + 0.5).clamp_(0.0, 2.0 * zero_point - 1)
         found = q.to(torch.uint8), scales
     result = (*found, zero_point)
-    if cached:
-        _LAST.entry = (x, x._version, (bits, "rows"), result)
+    _remember(x, (bits, "rows"), result)
+    return result
+
+
+def outlier_columns(x: torch.Tensor, ratio: float) -> torch.Tensor | None:
+    """The indices of ``x``'s columns (its last dimension) whose largest magnitude over the rows is over ``ratio``
+    times the median column's (the largest :data:`OUTLIER_SHARE`-th of the columns where more are), or None. A few
+    hidden features far above the rest (trained T5s carry them) would set every token's one scale."""
+    peak = x.reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
+    if not bool(torch.isfinite(peak).all()):
+        raise FloatingPointError(f"an int8 layer's input {tuple(x.shape)} holds non-finite values")
+    apart = torch.nonzero(peak > ratio * peak.median()).squeeze(1)
+    most = max(1, x.shape[-1] // OUTLIER_SHARE)
+    if apart.numel() > most:
+        apart = torch.topk(peak, most).indices
+    return apart if apart.numel() else None
+
+
+def quantize_rows_apart(x: torch.Tensor, bits: int, ratio: float):
+    """:func:`quantize_rows` of ``x`` with its :func:`outlier_columns` zeroed, and their indices (None where there is
+    none, and then ``x``'s own codes): (q, scales, zero point, indices). An input several layers read (T5's q, k and v;
+    wi_0 and wi_1) is searched and quantized once."""
+    key = (bits, "rows apart", ratio)
+    kept = _recall(x, key)
+    if kept is not None:
+        return kept
+    apart = outlier_columns(x, ratio)
+    result = (*quantize_rows(x if apart is None else x.index_fill(-1, apart, 0), bits), apart)
+    _remember(x, key, result)
     return result
 
 
@@ -338,7 +374,7 @@ class Int8Linear(nn.Module):
         if outliers is not None and (not per_token or split or not outliers > 0):
             raise QuantizeError(f"outlier columns ({outliers!r}) need a positive threshold, per-token activations "
                                 "and an unsplit layer")
-        self.outliers = outliers     # the ratio over the typical column that sets a column apart (_outlier_columns)
+        self.outliers = outliers     # the ratio over the typical column that sets a column apart (outlier_columns)
         q, scale = quantize_weight(linear.weight, stored_as)
         # the outlier columns' weights are read from the codes (the packed layout below is opaque), kept transposed
         # so that a column's weights are one row
@@ -364,9 +400,10 @@ class Int8Linear(nn.Module):
             out = torch.cat(self.halves(x), dim=-1)
             return out if self.bias is None else out.add_(self.bias)
         if self.per_token:
-            apart = self._outlier_columns(x) if self.outliers is not None else None
-            rest = x if apart is None else x.index_fill(-1, apart, 0)
-            q, scales, zero_point = quantize_rows(rest, self.activation_bits)
+            if self.outliers is None:
+                (q, scales, zero_point), apart = quantize_rows(x, self.activation_bits), None
+            else:
+                q, scales, zero_point, apart = quantize_rows_apart(x, self.activation_bits, self.outliers)
             y = torch.ops.onednn.qlinear_pointwise(q, 1.0, zero_point, self.packed_weight, self.weight_scale,
                                                    _ZERO_POINT, None, 1.0, 0, _out_dtype(x), "none", [], "")
             if apart is None:
@@ -379,21 +416,6 @@ class Int8Linear(nn.Module):
         q, scale, zero_point = quantize_activation(x, self.activation_bits)
         return torch.ops.onednn.qlinear_pointwise(q, scale, zero_point, self.packed_weight, self.weight_scale,
                                                   _ZERO_POINT, self.bias, 1.0, 0, _out_dtype(x), "none", [], "")
-
-    def _outlier_columns(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The indices of ``x``'s input columns whose largest magnitude over the tokens is over :attr:`outliers`
-        times the median column's (the largest :data:`OUTLIER_SHARE`-th of the columns where more are), or None where
-        there is none (then the layer runs as without outlier columns). A token's codes share one scale, set by its
-        largest value: a few hidden features far above the rest, which trained T5s carry, would leave the others a
-        few of its 255 steps; computed apart, they cost a float product over those columns alone."""
-        peak = x.reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
-        if not bool(torch.isfinite(peak).all()):
-            raise FloatingPointError(f"an int8 layer's input {tuple(x.shape)} holds non-finite values")
-        apart = torch.nonzero(peak > self.outliers * peak.median()).squeeze(1)
-        most = max(1, self.in_features // OUTLIER_SHARE)
-        if apart.numel() > most:
-            apart = torch.topk(peak, most).indices
-        return apart if apart.numel() else None
 
     def halves(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The products with the first and the second half of the output features, without the bias, each
@@ -683,9 +705,7 @@ def is_t5(module: nn.Module) -> bool:
 
 def t5_int8_targets(module: nn.Module) -> list[tuple[str, nn.Module, bool]]:
     """The layers ``bf16-int8`` makes int8 in a T5 encoder, as (name, layer, False): every ``nn.Linear`` of its blocks
-    (the attention's q, k, v, o and the feed-forward's wi_0, wi_1 / wi and wo: all of its products but the
-    attention's own). Their activations are scaled per token, and an input's outlier columns are computed apart in
-    float (:meth:`Int8Linear._outlier_columns`)."""
+    (q, k, v, o, wi_0, wi_1 / wi, wo: all of its products but the attention's own)."""
     return [(f"encoder.block.{name}", layer, False) for name, layer in module.encoder.block.named_modules()
             if type(layer) is nn.Linear and min(layer.in_features, layer.out_features) >= MIN_CHANNELS]
 
@@ -758,7 +778,7 @@ def load_bf16_int8(ckpt, component: str, dtype: torch.dtype = torch.bfloat16) ->
         stored = ckpt.tensor(component, f"{name}.weight")
         if not torch.is_tensor(stored):                        # a GGUF block format: dequantised into dtype
             stored = stored.dequantize(dtype)
-        elif stored.dtype in FP8_DTYPES:                        # fp8 (ComfyUI's fp8 files): exact in dtype
+        elif stored.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):   # exact in dtype (torch has no fp8 maxima)
             stored = stored.to(dtype)
         layer.weight = nn.Parameter(stored, requires_grad=False)
         module.set_submodule(name, _bf16_int8_layer(layer, split, stored_as=dtype, per_token=per_token,
