@@ -67,7 +67,7 @@ test: setup
 	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(BIN)/python -m pytest -q -ra \
 		tests/test_cpu.py tests/test_quant.py tests/test_packing.py tests/test_sdxl_engine_paths.py \
 		tests/test_winograd.py tests/test_conditioning.py tests/test_precision.py tests/test_kernels.py \
-		tests/test_kernels_fp32.py tests/test_dit_int8.py tests/test_transformer_kernels.py \
+		tests/test_kernels_fp32.py tests/test_dit_int8.py tests/test_transformer_kernels.py tests/test_dequant_kernel.py \
 		tests/test_taesd.py::test_bf16_runs_fused_convolutions_close_to_the_unfused_and_to_diffusers
 
 # one image from the shipped demo model, no download: prints where the PNG is

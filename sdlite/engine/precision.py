@@ -381,6 +381,8 @@ def precision_report(cpu: CPUInfo | None = None) -> list[str]:
     if chosen == "fp32-fast":
         from ..kernels import fp32 as fp32_kernels
         lines.append(f"  fp32-fast attention and GEGLU: {fp32_kernels.status()}")
+    from ..kernels import dequant
+    lines.append(f"  GGUF / int8 / int4 weights decoded by: {dequant.status()}")
     for name, what in PRECISIONS.items():
         if name == "auto":
             continue

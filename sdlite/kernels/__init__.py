@@ -10,4 +10,6 @@ CPU without the instructions a kernel needs, PyTorch's own kernel runs instead a
 * :mod:`sdlite.kernels.bf16` (``avx512_bf16.cpp``): fused attention and the GEGLU epilogue for AVX512-BF16 CPUs,
   used by every attention layer and GEGLU that computes in bf16 (the ``bf16`` precision; ``auto`` on such CPUs).
   Never on the ``exact`` (fp32) path.
+* :mod:`sdlite.kernels.dequant` (``dequant.cpp``): GGUF's block types and sdlite's int8 / int4 ones decoded in one
+  pass, for AVX2 CPUs; the same bits as the PyTorch decoders, so every precision (``exact`` too) uses it.
 """

@@ -5,8 +5,9 @@ ggml's quantised block formats: a tensor's values, in row-major order (PyTorch's
 values, and each block is a fixed number of bytes holding small integers and one or more fp16 scales. A
 :class:`QuantizedTensor` keeps those bytes as they are (a ``uint8`` tensor, which may view a memory-mapped file),
 with the ggml type and the tensor's logical shape in PyTorch's order (``(out_features, in_features)`` for a Linear
-weight), and turns them into floats only when asked (:meth:`QuantizedTensor.dequantize`, vectorised in torch: one
-pass of tensor operations over all blocks at once).
+weight), and turns them into floats only when asked (:meth:`QuantizedTensor.dequantize`: one pass in C over the blocks
+where :mod:`sdlite.kernels.dequant` runs, else the PyTorch decoders below, vectorised over chunks of blocks; the same
+bits either way).
 
 The block layouts are ggml's (``ggml-common.h``; ``QK_K`` = 256 values in the "K" super-blocks). Every decoder
 computes in float32 in the same order of operations as ggml's reference ``dequantize_row_*`` functions, so the
@@ -60,6 +61,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import CheckpointError
+from ..kernels import dequant
 
 __all__ = ["QuantizedTensor", "QuantizedTensorError", "GGMLType", "GGML_TYPES", "ggml_type", "SUPPORTED_TYPES",
            "int8_rows_type", "int4_groups_type", "quantize_int8_rows", "quantize_int4_groups", "INT4_GROUP",
@@ -469,6 +471,8 @@ class QuantizedTensor:
             return self.data.view(t.plain).view(self.shape).to(dtype, copy=True)
         blocks = self.data.view(-1, t.type_size)
         out = torch.empty(blocks.shape[0], t.block_size, dtype=dtype, device=self.device)
+        if dequant.decode(t.name, t.block_size, t.type_size, self.data, out):  # one pass in C, the same bits
+            return out.view(self.shape)
         step = max(1, CHUNK_VALUES // t.block_size)
         for start in range(0, blocks.shape[0], step):  # a few thousand blocks at a time, each chunk vectorised
             out[start:start + step] = t.decode(blocks[start:start + step])
