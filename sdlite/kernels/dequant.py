@@ -29,8 +29,13 @@ REQUIRED = ("avx2",)
 KINDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
          "Q6_K": 14, "I8_ROW": 1000}
 I4_GROUP_KIND = 1001
-# below this many values one thread decodes (starting the team costs more than the work)
-MIN_PARALLEL_VALUES = 1 << 16
+#: threads :func:`decode` asks the kernel for. One: the caller's. A tensor decoded on more threads (OpenMP's, or
+#: Python's with ctypes letting go of the GIL) was twice as fast, but left more of the C heap resident after the
+#: output was freed: a GGUF FLUX.2 klein streamed in memory mode 0 peaked at 1.2-1.7 GB (eight of ten processes over
+#: 1.5 GB) against 1.22 GB in each of three with one thread and 1.2-1.45 GB with the PyTorch decoders; how the other
+#: threads hold the heap was not found. One thread still decodes a Q4_K weight several times faster than the PyTorch
+#: decoders (bench/dequant.py).
+THREADS = 1
 
 
 def cpu_problem(cpu=None) -> str | None:
@@ -84,7 +89,6 @@ def decode(name: str, block_size: int, type_size: int, data: torch.Tensor, out: 
     lib = _library()
     if isinstance(lib, str):
         return False
-    threads = 1 if out.numel() < MIN_PARALLEL_VALUES else torch.get_num_threads()
     status = lib.sdl_dequant(data.data_ptr(), number, block_size, type_size, blocks, out.data_ptr(),
-                             int(out.dtype == torch.bfloat16), threads)
+                             int(out.dtype == torch.bfloat16), THREADS)
     return status == 0

@@ -4,7 +4,6 @@
 #include <stdint.h>
 
 #include <algorithm>
-#include <vector>
 
 namespace sdl {
 
@@ -22,15 +21,19 @@ void parallel(int threads, F fn) {
     for (int t = omp_get_thread_num(); t < threads; t += omp_get_num_threads()) fn(t);
 }
 
-// Runs fn(begin, end) -> status over [0, items) cut into contiguous parts, one per thread (at most one per item);
-// returns the first nonzero status, else 0.
+// the most threads parallel_parts uses
+constexpr int MAX_PARTS = 256;
+
+// Runs fn(begin, end) -> status over [0, items) cut into contiguous parts, one per thread (at most one per item and
+// MAX_PARTS in all); returns the first nonzero status, else 0. It allocates nothing on the heap: a kernel's call
+// leaves the C heap as it found it.
 template <class F>
 int parallel_parts(int64_t items, int threads, F fn) {
-    threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, items));
-    std::vector<int> status(threads, 0);
+    threads = (int)std::max<int64_t>(1, std::min<int64_t>(std::min(threads, MAX_PARTS), items));
+    int status[MAX_PARTS] = {0};
     parallel(threads, [&](int t) { status[t] = fn(items * t / threads, items * (t + 1) / threads); });
-    for (int s : status)
-        if (s) return s;
+    for (int t = 0; t < threads; t++)
+        if (status[t]) return status[t];
     return 0;
 }
 
