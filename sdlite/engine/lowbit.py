@@ -32,7 +32,9 @@ _weight_int8pack_mm, per-channel int8     7.95 s           5.4 s (*)        197 
 in the tokens). The 2-thread columns ran while a test suite used both cores (load average 3): the short
 multi-threaded dequantising ops suffer most from that, hence 1 thread's lower numbers. The int8 kernel is 9-90x
 slower than dequantise-then-matmul, so it is not used; dequantising is a small part of a layer's time in fp32 and
-15-50 % of it in bf16, whose AMX matmul is fast.
+15-50 % of it in bf16, whose AMX matmul is fast. (Those dequantising times are the PyTorch decoders'; the weight is
+now decoded by :mod:`sdlite.kernels.dequant` in one pass where it runs, the same bits several times faster:
+``bench/dequant.py``.)
 
 The ``int8`` and ``int4`` precisions of a transformer (:func:`load_quantized`) use the same layer over weights
 quantised as a dense file loads, in sdlite's two types (:mod:`sdlite.weights.quants`): I8_ROW (int8, one fp32 scale
