@@ -10,8 +10,8 @@ are medians of ``--repeat`` calls after a warm-up. The C heap is tuned as the en
 (``sdlite.engine.memory.tune_heap``), so each call's fresh output comes from the heap as in a sampling loop, not from
 new pages. Random weights: GGUF types as random codes with finite fp16 scales, I8_ROW and I4_G64 quantised from a
 Gaussian matrix. The default shape is FLUX.1's and klein's fused q/k/v projection (3072 -> 9216); ``--tokens`` 1536
-is a 512^2 FLUX.1 step's 1024 image and 512 text tokens. Both decoders give the same bits (tests/test_dequant_kernel.py),
-checked again here on each weight.
+is a 512^2 FLUX.1 step's 1024 image and 512 text tokens. Both decoders give the same bits
+(tests/test_dequant_kernel.py), checked again here on each weight.
 """
 from __future__ import annotations
 

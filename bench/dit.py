@@ -60,6 +60,8 @@ sys.path.insert(1, str(ROOT))
 THREADS = 2
 PEAK_SHAPE = (4096, 3072, 3072)
 CONFIGS = {"diffusers bf16": dict(engine="diffusers", precision="bf16"),
+           # what a CPU without native bf16 runs diffusers in (its bf16 is emulated there: 5-10x slower)
+           "diffusers fp32": dict(engine="diffusers", precision="fp32"),
            "sdlite auto": dict(engine="sdlite", precision="auto"),
            "sdlite bf16": dict(engine="sdlite", precision="bf16"),
            "sdlite int8": dict(engine="sdlite", precision="int8"),
@@ -73,18 +75,24 @@ FLUX_TEXT_TOKENS, SD3_TEXT_TOKENS, SD3_CONTEXT = 256, 256, 77 + 256
 # --- the GEMM peak ---------------------------------------------------------------------------------------------------
 
 def gemm_peak(repeat: int = 5) -> dict:
-    """Best GFLOP/s of a bf16 torch.matmul and GOP/s of an int8 torch._int_mm over PEAK_SHAPE (M, K, N)."""
+    """Best GFLOP/s of a bf16 torch.matmul and GOP/s of an int8 torch._int_mm over PEAK_SHAPE (M, K, N). Where bf16
+    is not native (an AVX2 CPU, or the AVX2 cap: emulated, one thread, minutes a product) the float products are
+    fp32, and ``dtype`` says so; the keys keep their names."""
+    from sdlite.engine.precision import bf16_support
+    from sdlite.machine import this_cpu
+
     m, k, n = PEAK_SHAPE
     ops = 2 * m * k * n
-    out = {}
-    a, b = torch.randn(m, k).bfloat16(), torch.randn(k, n).bfloat16()
+    dtype = torch.bfloat16 if bf16_support(this_cpu()) == "native" else torch.float32
+    out = {"dtype": "bf16" if dtype is torch.bfloat16 else "fp32"}
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
     qa, qb = torch.randint(-127, 127, (m, k), dtype=torch.int8), torch.randint(-127, 127, (k, n), dtype=torch.int8)
     for name, fn in (("bf16", lambda: torch.matmul(a, b)), ("int8", lambda: torch._int_mm(qa, qb))):
         fn()
         best = min(_timed(fn) for _ in range(repeat))
         out[name] = ops / best / 1e9
     # the weight as nn.Linear stores it, (N, K), as F.linear multiplies: the transposed operand
-    w = torch.randn(n, k).bfloat16()
+    w = torch.randn(n, k).to(dtype)
     torch.nn.functional.linear(a, w)
     out["bf16_linear"] = ops / min(_timed(lambda: torch.nn.functional.linear(a, w)) for _ in range(repeat)) / 1e9
     out["bf16_matmul"] = out["bf16"]
@@ -221,8 +229,9 @@ class Networks:
             t5_dtype = plan.t5_dtype or plan.text_dtype
             self.dtypes = dict(transformer=plan.dtype, t5=t5_dtype, vae=plan.vae_dtype)
         else:
-            self.plan, self.label = None, "bf16"
-            self.dtypes = dict(transformer=bf16, t5=bf16, vae=bf16)
+            self.plan, self.label = None, precision
+            dtype = torch.float32 if precision == "fp32" else bf16
+            self.dtypes = dict(transformer=dtype, t5=dtype, vae=dtype)
         self.transformer = None
         self.t5 = None
         self.vae = None
@@ -251,6 +260,9 @@ class Networks:
                 net = channels_last(phase_upsample_model(net))
         if self.engine == "sdlite":
             from sdlite.engine.memory import trim_heap
+            if self.plan.fp32_kernels and which != "t5":   # fp32-fast: as the engine marks its networks
+                from sdlite.kernels.fp32 import use_fp32_kernels
+                use_fp32_kernels(net)
             trim_heap()   # as sdlite's Engine does after loading a network (its quantising's temporaries)
         setattr(self, which, net)
         return net
@@ -415,14 +427,15 @@ def summarize(raw: dict) -> dict:
 
 def report(raw: dict) -> list[str]:
     meta, peak = raw["meta"], raw["peak"]
+    fl = peak.get("dtype", "bf16")   # the float products of the peak: fp32 where bf16 is not native
     flags = meta["cpu"]["flags"]
     has = ", ".join(f for f, v in flags.items() if v) or "none"
     lacks = ", ".join(f for f, v in flags.items() if not v) or "none"
     lines = [f"Machine: {meta['machine']}", "",
              f"CPU flags: has {has}; lacks {lacks}. Measured GEMM peak (2 threads, {'x'.join(map(str, PEAK_SHAPE))}, "
-             f"best of 5): bf16 `torch.matmul` {peak['bf16_matmul']:.0f} GFLOP/s, bf16 `F.linear` (weight (N, K)) "
+             f"best of 5): {fl} `torch.matmul` {peak['bf16_matmul']:.0f} GFLOP/s, {fl} `F.linear` (weight (N, K)) "
              f"{peak['bf16_linear']:.0f} GFLOP/s, int8 `torch._int_mm` {peak['int8']:.0f} GOP/s "
-             f"({peak['int8'] / peak['bf16']:.2f}x the better bf16, which the shares below use).", "",
+             f"({peak['int8'] / peak['bf16']:.2f}x the better {fl}, which the shares below use).", "",
              f"Command: `{meta['command']}`, run {meta['date']}, {meta['wall_s'] / 60:.0f} min; load average "
              f"(1, 5, 15 min) {', '.join(f'{x:.2f}' for x in meta['loadavg_start'])} at the start, "
              f"{', '.join(f'{x:.2f}' for x in meta['loadavg_end'])} at the end. {meta['rounds']} rounds, the "
@@ -436,7 +449,9 @@ def report(raw: dict) -> list[str]:
                   f"layers; batch {m['batch']}, {m['tokens']} T5 tokens, {m['steps']} steps.", ""]
         for size, row in sizes.items():
             labels = list(row)
-            ref = row.get(REF, {})
+            # the ratios' anchor: diffusers bf16, else the other diffusers row (fp32, under the AVX2 cap)
+            ref_label = REF if REF in row else next((l for l in labels if l.startswith("diffusers")), REF)
+            ref = row.get(ref_label, {})
             lines += [f"{size}x{size}:", "", "| measure | " + " | ".join(f"{l} ({row[l]['precision']})" for l in labels)
                       + " |", "|---|" + "---|" * len(labels)]
 
@@ -445,7 +460,7 @@ def report(raw: dict) -> list[str]:
                 if v is None:
                     return "-"
                 s = fmt.format(v)
-                if label != REF and ref.get(key):
+                if label != ref_label and ref.get(key):
                     s += f" ({v / ref[key]:.2f}x)"
                 return s
 
@@ -469,7 +484,7 @@ def report(raw: dict) -> list[str]:
                     gf.append("-"), shares_bf.append("-"), shares_i8.append("-")
             lines += [f"| step GFLOP/s ({flops / 1e9:.0f} GFLOP a step) | " + " | ".join(gf) + " |" if flops else
                       "| step GFLOP/s | " + " | ".join(gf) + " |",
-                      "| step, share of the bf16 peak | " + " | ".join(shares_bf) + " |",
+                      f"| step, share of the {fl} peak | " + " | ".join(shares_bf) + " |",
                       "| step, share of the int8 peak | " + " | ".join(shares_i8) + " |", ""]
             errs = [f"- {l}: {e}" for l in labels for e in row[l]["errors"]]
             if errs:

@@ -352,3 +352,32 @@ def test_fp32_fast_demo_image_is_exacts_within_fp32_rounding(monkeypatch):
     value = _psnr(np.asarray(a.images[0]), np.asarray(b.images[0]))
     print(f"demo 256^2, fp32-fast against exact: {value:.1f} dB")
     assert value >= 60.0
+
+
+def test_transformers_attention_runs_it_up_to_head_dim_64_when_marked(monkeypatch):
+    """fp32-fast marks a transformer too (SD3/SD3.5, FLUX.1, FLUX.2, Qwen-Image): its attention runs the kernel at
+    SD3's head dim 64 and keeps PyTorch's at FLUX's 128, where PyTorch's was measured faster (mmdit's
+    FP32_KERNEL_MAX_HEAD_DIM); unmarked, PyTorch's bits."""
+    from types import SimpleNamespace
+
+    from sdlite.engine.memory import ModelManager
+    from sdlite.models import mmdit
+    from sdlite.models.flux import FluxAttention
+
+    calls = []
+    real = kf.attend
+    monkeypatch.setattr(kf, "attend", lambda *a: calls.append(a[0].shape[-1]) or real(*a))
+    for d in (64, 128):
+        q, k, v = _qkv(1, 4, 300, 300, d, seed=d)
+        sdpa = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(1, 300, 4 * d)
+        assert torch.equal(mmdit.attention(q, k, v, False), sdpa)
+        fast = mmdit.attention(q, k, v, True)
+        if d == 64 and RUNS_HERE:
+            assert not torch.equal(fast, sdpa) and _snr(fast, _reference(q, k, v)) > 120
+        else:
+            assert torch.equal(fast, sdpa)
+    assert calls == [64]
+    for on in (False, True):
+        layer = nn.Sequential(FluxAttention(128, 2, True))
+        ModelManager._kernels(SimpleNamespace(fp32_kernels=on), "transformer", layer)
+        assert layer[0].fp32_kernels is on

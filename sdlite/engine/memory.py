@@ -427,8 +427,8 @@ class ModelManager:
 
     def _kernels(self, name: str, module: nn.Module) -> nn.Module:
         """``module`` (network ``name``) with its attention and GEGLU marked for sdlite's fp32 kernels where the
-        precision asks for them (the UNet, the VAE and a ControlNet beside the UNet)."""
-        if self.fp32_kernels and name in ("unet", "vae", "controlnet"):
+        precision asks for them (the UNet or a transformer's attention, the VAE and a ControlNet beside the UNet)."""
+        if self.fp32_kernels and name in ("unet", "transformer", "vae", "controlnet"):
             use_fp32_kernels(module)
         return module
 

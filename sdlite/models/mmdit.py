@@ -112,15 +112,22 @@ class AdaNorm(nn.Module):
         return self.linear(emb).chunk(self.parts, dim=1)
 
 
+# fp32-fast runs a transformer's attention on sdlite's AVX2 kernel up to this head dim. Under the AVX2 cap on a 2-core
+# Zen 4, medians of 5 (ms, kernel against PyTorch's SDPA): SD3.5's CFG batch (2, 24, 1357, 64) 156 against 181, at
+# 1024^2 (2, 24, 4429, 64) 1713 against 2278; FLUX.1's head dim 128 (1, 24, 1536, 128) 206 against 214, at 1024^2
+# (1, 24, 4352, 128) 1719 against 1602: PyTorch's keeps 128
+FP32_KERNEL_MAX_HEAD_DIM = 64
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fp32_kernels: bool) -> torch.Tensor:
     """softmax(q k^T / sqrt(D)) v for q (B, h, L, D), k and v (B, h, L', D): (B, L, h*D). When marked, fp32 on AVX2
-    runs sdlite's kernel (:class:`sdlite.models.layers.Attention`); bf16 runs sdlite's bf16 kernel where it was
-    measured faster than PyTorch's on this machine at a transformer's shape (:func:`sdlite.kernels.bf16.attention_pays`
-    with ``"dit"``: on a 2-core Zen 4 59 ms against 140 ms at FLUX's (1, 24, 1280, 128), 71 ms against 184 ms at
-    SD3.5's CFG batch (2, 24, 1357, 64); on a 2-core Xeon with AMX, before the kernel's AMX variant, PyTorch's had
-    won at SD3's shapes, 0.15 s against 0.27 s); everything else PyTorch's."""
+    runs sdlite's kernel up to :data:`FP32_KERNEL_MAX_HEAD_DIM` (:class:`sdlite.models.layers.Attention`); bf16 runs
+    sdlite's bf16 kernel where it was measured faster than PyTorch's on this machine at a transformer's shape
+    (:func:`sdlite.kernels.bf16.attention_pays` with ``"dit"``: on a 2-core Zen 4 59 ms against 140 ms at FLUX's
+    (1, 24, 1280, 128), 71 ms against 184 ms at SD3.5's CFG batch (2, 24, 1357, 64); on a 2-core Xeon with AMX, before
+    the kernel's AMX variant, PyTorch's had won at SD3's shapes, 0.15 s against 0.27 s); everything else PyTorch's."""
     out = None
-    if fp32_kernels:
+    if fp32_kernels and q.shape[-1] <= FP32_KERNEL_MAX_HEAD_DIM:
         out = fp32.attend(q, k, v)
     elif q.dtype is torch.bfloat16 and bf16.attention_pays("dit"):
         out = bf16.attend(q, k, v)
