@@ -53,12 +53,10 @@ def _same_bits(got: torch.Tensor, ref: torch.Tensor) -> None:
     assert torch.equal(got[~nan].view(BITS[ref.dtype]), ref[~nan].view(BITS[ref.dtype]))
 
 
-def _kernel(name, raw, dtype, block_size=None, type_size=None) -> torch.Tensor:
-    t = GGML_TYPES.get(name)
-    block_size = block_size or t.block_size
-    type_size = type_size or t.type_size
-    out = torch.full((raw.numel() // type_size, block_size), 7.0, dtype=dtype)
-    assert dequant.decode(name, block_size, type_size, raw.reshape(-1), out) is RUNS_HERE
+def _kernel(name, raw, dtype) -> torch.Tensor:
+    t = GGML_TYPES[name]
+    out = torch.full((raw.shape[0], t.block_size), 7.0, dtype=dtype)
+    assert dequant.decode(name, t.block_size, t.type_size, raw.reshape(-1), out) is RUNS_HERE
     return out
 
 
@@ -66,14 +64,14 @@ def _kernel(name, raw, dtype, block_size=None, type_size=None) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_ggml_type_decodes_to_the_pytorch_decoders_bits(name, dtype):
     t = GGML_TYPES[name]
-    raw = _random_blocks(name, 3001 if t.block_size == 32 else 801)  # parallel, uneven parts
+    raw = _random_blocks(name, 3001 if t.block_size == 32 else 801)
     ref = _torch_decode(t, raw, dtype)
     if not RUNS_HERE:  # refused, and the PyTorch decoders give the values
         assert not dequant.decode(name, t.block_size, t.type_size, raw.reshape(-1), torch.empty_like(ref))
         _same_bits(QuantizedTensor(raw.reshape(-1), name, tuple(ref.shape)).dequantize(dtype), ref)
         return
     _same_bits(_kernel(name, raw, dtype), ref)
-    # one block, one thread; and the scales' NaN and infinities as they come
+    # one block; and the scales' NaN and infinities as they come (thread counts: the next test)
     _same_bits(_kernel(name, raw[:1], dtype), ref[:1])
     wild = _random_blocks(name, 2000, seed=1, finite=False)
     _same_bits(_kernel(name, wild, dtype), _torch_decode(t, wild, dtype))

@@ -55,10 +55,6 @@ def _library():
     return lib
 
 
-def available() -> bool:
-    return not isinstance(_library(), str)
-
-
 def status() -> str:
     """For ``sdlite info --system``: whether GGUF / int8 / int4 weights decode on sdlite's kernel here."""
     got = _library()
