@@ -75,9 +75,10 @@ def check_precision_option(args, device: str) -> str:
 
 def add_compile_option(parser) -> None:
     parser.add_argument("--compile", action="store_true",
-                        help="run the UNet through torch.compile: the first run of an image shape compiles (about a "
-                             "minute for SD 1.5), later processes find it in the user's cache folder; eager, with one "
-                             "line saying why, where it cannot. Opt-in: it measured no faster than eager on a CPU")
+                        help="run the denoiser (the UNet or a transformer) through torch.compile: the first run of "
+                             "an image shape compiles (about a minute), later processes find it in the user's cache "
+                             "folder; eager, with one line saying why, where it cannot. Opt-in: on a CPU it measured "
+                             "no faster than eager, or a few per cent (SD3.5)")
 
 
 def add_precision_option(parser) -> None:

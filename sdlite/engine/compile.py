@@ -1,4 +1,5 @@
-"""Graph compilation of the UNet with ``torch.compile`` (Inductor), per input shape, cached on disk. Opt-in.
+"""Graph compilation of the denoiser (a UNet or a transformer) with ``torch.compile`` (Inductor), per input shape,
+cached on disk. Opt-in.
 
 :class:`Compiled` runs a network's ``forward`` through ``torch.compile(..., dynamic=False)``: one graph per input
 shape (a new size or batch compiles again), the network's weights graph *inputs*, not constants. Inductor's on-disk
@@ -12,10 +13,13 @@ across checkpoints of one architecture).
 
 Where compiling does not apply, the network runs eager, with one line on stderr that says why
 (``sdlite: --compile: ...; running eager``): no C++ compiler (Inductor's CPU backend builds its kernels with its
-``cpp.cxx`` setting: ``$CXX``, else ``g++``), memory mode 0 (the UNet's weights are streamed block by block by forward
+``cpp.cxx`` setting: ``$CXX``, else ``g++``), memory mode 0 (the denoiser's weights are streamed block by block by forward
 hooks, which swap its parameters while it runs), weights stored in another dtype and up-cast block by block (the same
 hooks), the int8 UNet (its dynamic activation scales are read with ``.item()``: a graph break at every layer). A
-compile that fails while running falls back to eager the same way, never a crash. Prepacked fp32 weights
+compile that fails while running falls back to eager the same way, never a crash. Text encoders and VAEs run eager.
+A transformer's int8 and low-bit Linears (``bf16-int8``'s oneDNN layers, a GGUF file's blocks, the ``int8`` / ``int4``
+precisions) run eager inside its graph (:func:`eager_layers`), and Inductor rounds each bf16 operation as eager does
+(:data:`EMULATE_PRECISION_CASTS`). Prepacked fp32 weights
 (:mod:`sdlite.engine.packing`, the ``exact`` precision's default on AVX-512 CPUs) cannot be compiled unfrozen
 (Inductor's oneDNN lowering asserts that a packed weight is a graph constant): a UNet that will be compiled is built
 with plain weights instead; the Winograd convolutions compile as they are.
@@ -46,6 +50,28 @@ second process (warm cache)                            3.48 s                3.4
 * Steps timed one run after the other misled: a first run measured 3.9 s eager, then 12 s compiled in both
   processes, because other work took the cores while the compiled steps ran (eager steps timed after the compile
   were as slow, 12.6 s). ``bench/compile.py`` alternates them for that reason.
+
+The transformers (``python bench/compile_dit.py``; FLUX.1-schnell (1 double + 2 single blocks) and SD3.5 Medium (1
+joint block) at the released widths, random weights, as ``bf16-int8`` (``auto`` on CPUs with native bf16 and
+VNNI/AMX) and ``bf16`` prepare them; the same 2-core Zen 4; eager and compiled steps alternating, medians of 6 over a
+first and a second process; bench/compile_dit.md):
+
+=========================  =====================  =====================  =====================================
+                           FLUX.1 512^2 / 1024^2  SD3.5 512^2 / 1024^2   compile: first / second process
+=========================  =====================  =====================  =====================================
+bf16-int8: compiled step   1.03x / 0.99x          0.94x / 0.93x          28-54 s / 5.6-7.1 s (17-23 graphs)
+bf16: compiled step        0.99x / 1.00x          0.96x / 0.96x          28-40 s / 3.0-3.5 s (one graph)
+=========================  =====================  =====================  =====================================
+
+* FLUX.1 gains nothing: its step is the int8 or bf16 GEMMs and the attention kernel, which the graph calls as eager
+  does; SD3.5's 4-7 % is its smaller products' share of norms, modulation and gates, which Inductor fuses. A warm
+  compile pays back after some 25-35 steps at 1024^2, 150-270 at 512^2 (SD3.5; one block: the saving and Dynamo's
+  tracing both grow with the depth). So it stays opt-in for the transformers too.
+* In ``bf16-int8`` each int8 Linear is a graph break (:func:`eager_layers`): 17 graphs for one SD3.5 block, 23 for
+  FLUX.1's three, each compiled once per process shape (identical blocks hit the FX graph cache).
+* Accuracy, the step's output (relative L2, sigma 0.5): compiled against eager 3-6e-3 in bf16 (bf16's own distance
+  from fp32: 8e-3-1.3e-2), 5e-3 (SD3.5) and 2e-2 (FLUX.1) in bf16-int8, where a changed rounding moves some
+  activations' int8 codes; compiled and eager are the same distance from fp32 (to 2 digits) in every row.
 
 Freezing (``torch._inductor.config.freezing``) is **off**, measured and checked:
 
@@ -81,6 +107,12 @@ INDUCTOR_DIR = "inductor"
 # ninth shape eager, silently
 RECOMPILE_LIMIT = 64
 FREEZING = False
+# the networks that compile: the denoisers (a UNet, or a transformer: FLUX.1, SD3/3.5, Z-Image, FLUX.2, Qwen-Image)
+COMPILED = ("unet", "transformer")
+# Inductor keeps a fused chain of bf16 operations in fp32 unless told to round each step as eager does; with it the
+# compiled transformer's bf16 output is eager's within rounding (0.6 % relative at FLUX.1's widths), without it 21 %
+# away, all of it from ``t.to(bf16) * 1000`` (750 rounds to 752 in eager bf16, as in diffusers; fp32 keeps 750)
+EMULATE_PRECISION_CASTS = True
 PREFIX = "sdlite: --compile:"
 
 
@@ -121,6 +153,7 @@ def configure() -> Path:
     import torch._inductor.config
 
     torch._inductor.config.fx_graph_cache = True
+    torch._inductor.config.emulate_precision_casts = EMULATE_PRECISION_CASTS
     torch._functorch.config.enable_autograd_cache = True
     dynamo = torch._dynamo.config
     if dynamo.recompile_limit < RECOMPILE_LIMIT:
@@ -195,6 +228,7 @@ class Compiled:
 
     def __call__(self, *args, **kwargs):
         if self.failed is None:
+            eager_layers(self.module)   # a LoRA may have put new int8 layers in since the last call
             try:
                 return self._fn(*args, **kwargs)
             except Exception as e:
@@ -208,6 +242,33 @@ class Compiled:
         return getattr(self.module, name)
 
 
+def eager_layers(module: nn.Module) -> int:
+    """Mark ``module``'s int8 and low-bit Linears (:class:`~sdlite.engine.quant.Int8Linear`: oneDNN's opaque packed
+    weight, per-token codes by sdlite's kernels; :class:`~sdlite.engine.lowbit.LowBitLinear`: GGUF / int8 / int4 codes
+    decoded per call) to run eager inside a compiled graph: Dynamo breaks the graph around each, and Inductor compiles
+    what lies between them (norms, modulation, rotary embedding, attention, gates, residuals). Traced, an Int8Linear
+    fails Inductor's oneDNN lowering (an AssertionError: the packed weight is not a graph constant). Each layer is
+    marked once (its ``forward`` replaced by the disabled one); returns how many were marked now."""
+    from .lowbit import LowBitLinear
+    from .quant import Int8Linear
+
+    marked = 0
+    for m in module.modules():
+        if isinstance(m, (Int8Linear, LowBitLinear)) and "forward" not in vars(m):
+            m.forward = torch.compiler.disable(m.forward, recursive=True)
+            marked += 1
+    return marked
+
+
+def _prepare_kernels(module: nn.Module, name: str) -> None:
+    """Build and load sdlite's bf16 kernels and settle the attention choice of ``name``'s kind before tracing (a
+    trace measures nothing: it takes the choice already made, so a first call that is compiled would otherwise run
+    PyTorch's attention where the kernel was measured faster)."""
+    if any(p.dtype == torch.bfloat16 for p in module.parameters()):
+        from ..kernels import bf16 as kernels
+        kernels.prepare("unet" if name == "unet" else "dit")
+
+
 def compiled(module: nn.Module, name: str = "unet", method: str = "forward"):
     """``module.<method>`` compiled (a :class:`Compiled`), or the eager method where compiling is unavailable
     here (one line on stderr says why)."""
@@ -216,27 +277,26 @@ def compiled(module: nn.Module, name: str = "unet", method: str = "forward"):
         notice(f"{problem}; running eager")
         return getattr(module, method)
     configure()
-    if any(p.dtype == torch.bfloat16 for p in module.parameters()):
-        from ..kernels import bf16 as kernels
-        kernels.prepare()   # built and loaded before tracing, so the graphs call them (custom operators)
+    _prepare_kernels(module, name)   # built and loaded before tracing, so the graphs call them (custom operators)
     return Compiled(module, name, method)
 
 
 def blocker(manager, name: str, module: nn.Module | None = None) -> str | None:
     """Why network ``name`` of ``manager`` (a :class:`~sdlite.engine.memory.ModelManager`; ``module``: as built)
     runs eager however compiling is set (None: it can be compiled)."""
-    if name != "unet":
-        return f"only the UNet is compiled, not the {name}"
+    if name not in COMPILED:
+        return f"only the denoiser (a UNet or a transformer) is compiled, not the {name}"
+    what = "UNet" if name == "unet" else "transformer"
     if module is not None and any(isinstance(m, (PackedConv2d, PackedLinear)) for m in module.modules()):
-        return ("the UNet's weights are prepacked for oneDNN (prepack=True), which Inductor takes only as constants "
-                "of a frozen graph")
+        return (f"the {what}'s weights are prepacked for oneDNN (prepack=True), which Inductor takes only as "
+                "constants of a frozen graph")
     if manager._streams_from_file(name):
-        return ("memory mode 0 streams the UNet's weights block by block with forward hooks, which swap its "
+        return (f"memory mode 0 streams the {what}'s weights block by block with forward hooks, which swap its "
                 "parameters while it runs: a compiled graph cannot follow them")
     if manager._streams(name):
-        return (f"the UNet's weights are kept in {manager.weight_dtype} and up-cast block by block by forward hooks, "
-                "which a compiled graph cannot follow")
-    if manager.quantize != "none":
+        return (f"the {what}'s weights are kept in {manager.weight_dtype} and up-cast block by block by forward "
+                "hooks, which a compiled graph cannot follow")
+    if name == "unet" and manager.quantize != "none":
         return (f"the {manager.quantize} UNet reads its dynamic activation scales with .item(): a graph break at every "
                 "layer")
     return None
@@ -261,5 +321,6 @@ def runner_for(manager, name: str, module: nn.Module):
         notice(f"{why}; running eager")
         return module
     configure()  # before the first compile
+    _prepare_kernels(module, name)
     held = manager._compiled[name] = Compiled(module, name)
     return held

@@ -234,12 +234,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | 
     return attention_bf16(q, k, v)
 
 
-def prepare() -> bool:
-    """Build and load the kernel now, if it applies here, and settle :func:`attention_pays` (before torch.compile
-    traces a model that uses it)."""
+def prepare(kind: str = "unet") -> bool:
+    """Build and load the kernel now, if it applies here, and settle :func:`attention_pays` for ``kind`` (before
+    torch.compile traces a model that uses it)."""
     if not available():
         return False
-    attention_pays()
+    attention_pays(kind)
     return True
 
 
