@@ -97,10 +97,10 @@ class Engine(LoadedModel):
         ``prepack`` whether fp32 CPU weights are reordered once for oneDNN (:mod:`sdlite.engine.packing`; None:
         where that applies and this CPU gains from it, as :func:`sdlite.engine.cpu.default_prepack` decides);
         ``winograd`` whether the UNet's and VAE's large-map 3x3 convolutions run by Winograd's F(2x2, 3x3)
-        (:mod:`sdlite.engine.winograd`; None: wherever the compute is fp32 on a CPU); ``compile`` whether the UNet
-        runs through ``torch.compile`` (:mod:`sdlite.engine.compile`: per input shape, cached on disk; eager, with one
-        line on stderr saying why, where it does not apply); ``text_encoders`` the files of the text encoders a
-        single-file SD3 model lacks (:func:`sdlite.loader.open_model`); ``weight_storage`` how a transformer's (FLUX,
+        (:mod:`sdlite.engine.winograd`; None: wherever the compute is fp32 on a CPU); ``compile`` whether the
+        denoiser (the UNet or a transformer) runs through ``torch.compile`` (:mod:`sdlite.engine.compile`: per input
+        shape, cached on disk; eager, with one line on stderr saying why, where it does not apply);
+        ``text_encoders`` the files of the text encoders a single-file SD3 model lacks (:func:`sdlite.loader.open_model`); ``weight_storage`` how a transformer's (FLUX,
         SD3) Linear weights are kept: ``default`` (as the precision says), ``fp8_e4m3fn`` or ``fp8_e5m2`` (ComfyUI's
         UNETLoader ``weight_dtype``: one byte a weight, converted into the compute dtype layer by layer as they run;
         :func:`sdlite.engine.precision.stored_as`).
