@@ -164,8 +164,8 @@ def main() -> int:
         print(json.dumps(child(json.loads(args.child))))
         return 0
     from run import machine
-    raw = {"command": ("python bench/compile_dit.py " + shlex.join(sys.argv[1:])).strip(), "date": time.strftime("%Y-%m-%d"),
-           "loadavg_start": [round(v, 2) for v in os.getloadavg()], "machine": f"Machine: {machine()}", "rows": []}
+    raw = {"command": ("python bench/compile_dit.py " + shlex.join(sys.argv[1:])).strip(),
+           "date": time.strftime("%Y-%m-%d"), "loadavg_start": [round(v, 2) for v in os.getloadavg()], "machine": f"Machine: {machine()}", "rows": []}
     for model in args.models.split(","):
         for precision in args.precisions.split(","):
             for size in (int(s) for s in args.sizes.split(",")):
