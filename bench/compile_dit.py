@@ -130,8 +130,8 @@ def summarize(cold: dict, warm: dict) -> dict:
 def report(raw: dict) -> list[str]:
     lines = [f"Command: `{raw['command']}`, run {raw['date']}; load average {raw['loadavg_start']} at the start, "
              f"{raw['loadavg_end']} at the end. {raw['machine']}", "",
-             "| model, size | precision | eager step, s | compiled step, s | ratio | compile: first process / second, s "
-             "| steps to pay back a warm compile | compiled vs eager / eager vs fp32 / compiled vs fp32 (rel. L2) "
+             "| model, size | precision | eager step, s | compiled step, s | ratio "
+             "| compile: first process / second, s | steps to pay back a warm compile | compiled vs eager / eager vs fp32 / compiled vs fp32 (rel. L2) "
              "| graphs |", "|---|---|---|---|---|---|---|---|---|"]
     for row in raw["rows"]:
         cold, warm = row["cold"], row["warm"]
@@ -165,7 +165,8 @@ def main() -> int:
         return 0
     from run import machine
     raw = {"command": ("python bench/compile_dit.py " + shlex.join(sys.argv[1:])).strip(),
-           "date": time.strftime("%Y-%m-%d"), "loadavg_start": [round(v, 2) for v in os.getloadavg()], "machine": f"Machine: {machine()}", "rows": []}
+           "date": time.strftime("%Y-%m-%d"), "loadavg_start": [round(v, 2) for v in os.getloadavg()],
+           "machine": f"Machine: {machine()}", "rows": []}
     for model in args.models.split(","):
         for precision in args.precisions.split(","):
             for size in (int(s) for s in args.sizes.split(",")):
