@@ -111,7 +111,8 @@ FREEZING = False
 COMPILED = ("unet", "transformer")
 # Inductor keeps a fused chain of bf16 operations in fp32 unless told to round each step as eager does; with it the
 # compiled transformer's bf16 output is eager's within rounding (0.6 % relative at FLUX.1's widths), without it 21 %
-# away, all of it from ``t.to(bf16) * 1000`` (750 rounds to 752 in eager bf16, as in diffusers; fp32 keeps 750)
+# away, all of it from ``t.to(bf16) * 1000`` (750 rounds to 752 in eager bf16, as in diffusers; fp32 keeps 750).
+# The UNet's figures in the module's text were measured before this was set; fp32 graphs are not affected
 EMULATE_PRECISION_CASTS = True
 PREFIX = "sdlite: --compile:"
 
