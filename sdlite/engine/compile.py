@@ -14,8 +14,8 @@ across checkpoints of one architecture).
 Where compiling does not apply, the network runs eager, with one line on stderr that says why
 (``sdlite: --compile: ...; running eager``): no C++ compiler (Inductor's CPU backend builds its kernels with its
 ``cpp.cxx`` setting: ``$CXX``, else ``g++``), memory mode 0 (the denoiser's weights are streamed block by block by
-forward hooks, which swap its parameters while it runs), weights stored in another dtype and up-cast block by block (the same
-hooks), the int8 UNet (its dynamic activation scales are read with ``.item()``: a graph break at every layer). A
+forward hooks, which swap its parameters while it runs), weights stored in another dtype and up-cast block by block
+(the same hooks), the int8 UNet (its dynamic activation scales are read with ``.item()``: a graph break at every layer). A
 compile that fails while running falls back to eager the same way, never a crash. Text encoders and VAEs run eager.
 A transformer's int8 and low-bit Linears (``bf16-int8``'s oneDNN layers, a GGUF file's blocks, the ``int8`` / ``int4``
 precisions) run eager inside its graph (:func:`eager_layers`), and Inductor rounds each bf16 operation as eager does
