@@ -219,11 +219,19 @@ def build(root: Path, nets: dict, shard_bytes: int = SHARD_BYTES, log=print, lay
         return _atomic(parts_dir / names[name], fill)
 
     stores = {name: part(name) for name in ("transformer", "text_encoder", "vae")}
-    bfl = parts_dir / f"{names['transformer']}-bfl.safetensors"   # the split and GGUF layouts' sources
+    bfl = parts_dir / f"{names['transformer']}-bfl.safetensors"   # the split layout's transformer file
     originals = bool({"split", "gguf"} & set(layouts))
-    if not bfl.is_file() and originals:
+
+    def bfl_items() -> list:
+        """The transformer's tensors in BFL's names: the file where it was written, else converted as they are read
+        (the GGUF layout alone needs no copy: at the 9B's size it would be 18 GB more of disk)."""
+        if bfl.is_file():
+            return _Files(bfl).items(None)
         src = _Files(stores["transformer"])
-        items = _converted(src, flux2_to_original(src.where))
+        return _converted(src, flux2_to_original(src.where))
+
+    if not bfl.is_file() and "split" in layouts:
+        items = bfl_items()
         _check_disk(parts_dir, _nbytes(items), bfl.name)
         log(f"writing {bfl.name} (BFL's names, {_nbytes(items) / 1e9:.2f} GB)")
         _single(bfl, items)
@@ -256,7 +264,7 @@ def build(root: Path, nets: dict, shard_bytes: int = SHARD_BYTES, log=print, lay
     def fill_gguf(tmp: Path):   # as bench/zimage.py's: city96's layout (arch flux2), llama.cpp's Qwen3, random Q4_K
         t1 = time.perf_counter()
         log(f"writing {gguf_names['transformer']} and {gguf_names['text']} ({tag})")
-        write_gguf(tmp / gguf_names["transformer"], "flux2", [(k, s, m) for k, s, _, m in _Files(bfl).items(None)],
+        write_gguf(tmp / gguf_names["transformer"], "flux2", [(k, s, m) for k, s, _, m in bfl_items()],
                    lambda n, s: city96_q4_k(n, s, ("double_blocks.", "single_blocks.")))
         write_gguf(tmp / gguf_names["text"], "qwen3",
                    [(llama_cpp_name(k.removeprefix("model.")), s, m)
