@@ -15,11 +15,11 @@ Where compiling does not apply, the network runs eager, with one line on stderr 
 (``sdlite: --compile: ...; running eager``): no C++ compiler (Inductor's CPU backend builds its kernels with its
 ``cpp.cxx`` setting: ``$CXX``, else ``g++``), memory mode 0 (the denoiser's weights are streamed block by block by
 forward hooks, which swap its parameters while it runs), weights stored in another dtype and up-cast block by block
-(the same hooks), the int8 UNet (its dynamic activation scales are read with ``.item()``: a graph break at every layer). A
-compile that fails while running falls back to eager the same way, never a crash. Text encoders and VAEs run eager.
-A transformer's int8 and low-bit Linears (``bf16-int8``'s oneDNN layers, a GGUF file's blocks, the ``int8`` / ``int4``
-precisions) run eager inside its graph (:func:`eager_layers`), and Inductor rounds each bf16 operation as eager does
-(:data:`EMULATE_PRECISION_CASTS`). Prepacked fp32 weights
+(the same hooks), the int8 UNet (its dynamic activation scales are read with ``.item()``: a graph break at every
+layer). A compile that fails while running falls back to eager the same way, never a crash. Text encoders and VAEs
+run eager. A transformer's int8 and low-bit Linears (``bf16-int8``'s oneDNN layers, a GGUF file's blocks, the ``int8``
+/ ``int4`` precisions) run eager inside its graph (:func:`eager_layers`), and Inductor rounds each bf16 operation as
+eager does (:data:`EMULATE_PRECISION_CASTS`). Prepacked fp32 weights
 (:mod:`sdlite.engine.packing`, the ``exact`` precision's default on AVX-512 CPUs) cannot be compiled unfrozen
 (Inductor's oneDNN lowering asserts that a packed weight is a graph constant): a UNet that will be compiled is built
 with plain weights instead; the Winograd convolutions compile as they are.
@@ -270,6 +270,14 @@ def _prepare_kernels(module: nn.Module, name: str) -> None:
         kernels.prepare("unet" if name == "unet" else "dit")
 
 
+def _start(module: nn.Module, name: str, method: str = "forward") -> Compiled:
+    """A :class:`Compiled` of ``module``, after Inductor's caches are set (:func:`configure`) and sdlite's bf16
+    kernels are built and loaded, so that the graphs call them (custom operators)."""
+    configure()
+    _prepare_kernels(module, name)
+    return Compiled(module, name, method)
+
+
 def compiled(module: nn.Module, name: str = "unet", method: str = "forward"):
     """``module.<method>`` compiled (a :class:`Compiled`), or the eager method where compiling is unavailable
     here (one line on stderr says why)."""
@@ -277,9 +285,7 @@ def compiled(module: nn.Module, name: str = "unet", method: str = "forward"):
     if problem is not None:
         notice(f"{problem}; running eager")
         return getattr(module, method)
-    configure()
-    _prepare_kernels(module, name)   # built and loaded before tracing, so the graphs call them (custom operators)
-    return Compiled(module, name, method)
+    return _start(module, name, method)
 
 
 def blocker(manager, name: str, module: nn.Module | None = None) -> str | None:
@@ -321,7 +327,5 @@ def runner_for(manager, name: str, module: nn.Module):
     if why is not None:
         notice(f"{why}; running eager")
         return module
-    configure()  # before the first compile
-    _prepare_kernels(module, name)
-    held = manager._compiled[name] = Compiled(module, name)
+    held = manager._compiled[name] = _start(module, name)
     return held

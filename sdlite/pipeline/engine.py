@@ -101,7 +101,8 @@ class Engine(LoadedModel):
         denoiser (the UNet or a transformer) runs through ``torch.compile`` (:mod:`sdlite.engine.compile`: per input
         shape, cached on disk; eager, with one line on stderr saying why, where it does not apply);
         ``text_encoders`` the files of the text encoders a single-file SD3 model lacks
-        (:func:`sdlite.loader.open_model`); ``weight_storage`` how a transformer's (FLUX, SD3) Linear weights are kept: ``default`` (as the precision says), ``fp8_e4m3fn`` or ``fp8_e5m2`` (ComfyUI's
+        (:func:`sdlite.loader.open_model`); ``weight_storage`` how a transformer's (FLUX, SD3) Linear weights are
+        kept: ``default`` (as the precision says), ``fp8_e4m3fn`` or ``fp8_e5m2`` (ComfyUI's
         UNETLoader ``weight_dtype``: one byte a weight, converted into the compute dtype layer by layer as they run;
         :func:`sdlite.engine.precision.stored_as`).
         """
