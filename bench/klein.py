@@ -27,8 +27,9 @@ are the same:
 
 klein reads Qwen3's hidden states 9, 18 and 27, so ``--text-layers`` is at least 27 (the release has 36);
 ``--double-layers`` / ``--single-layers`` keep fewer transformer blocks at the released widths. Every engine runs
-the same depth and the report says which; the sd.cpp rows run at the released depth only. Each configuration runs in
-its own fresh process with 2 threads (bench/zimage.py's ``run_child``): load, then one generation (the prompt,
+the same depth and the report says which; the sd.cpp rows need Qwen3 whole (stable-diffusion.cpp builds it as
+released; the transformer's blocks it counts from the file). Each configuration runs in its own fresh process with 2
+threads (bench/zimage.py's ``run_child``): load, then one generation (the prompt,
 Euler, ``--steps`` steps (4, the distilled model's), cfg 1: klein is guidance-distilled, seed 42) at each size.
 Raw figures to bench/klein.json, the report to bench/klein.md and the section "FLUX.2 [klein]" of BENCHMARKS.md
 between its markers. OpenVINO GenAI has no FLUX.2 pipeline here (it is not installed in this project), so it has no
@@ -306,10 +307,10 @@ SDCPP_CHILD = zimage.SDCPP_CHILD.replace("(Z-Image's Qwen3 text encoder)", "(kle
 
 def sdcpp_skip(nets: dict, tiny: bool) -> str | None:
     """Why the sd.cpp rows cannot run here, or None."""
-    if tiny or not released(nets):
-        return ("stable-diffusion.cpp builds FLUX.2's transformer at the released shapes (its block counts from the "
-                "file, but Qwen3's hidden layers and the text width as released): the benchmark runs it at the "
-                "released depth only (--double-layers, --single-layers and --text-layers unset)")
+    if tiny or nets["text"] != MODELS[nets["model"]]["text"]:
+        return ("stable-diffusion.cpp builds Qwen3 with the released layer count and widths whatever the file holds "
+                "(the transformer's block counts it reads from the file): the sd.cpp rows need Qwen3 whole "
+                "(--text-layers unset) and the released widths")
     if not SDCPP_PYTHON.is_file():
         return f"{SDCPP_PYTHON.relative_to(ROOT)} is missing (make setup-sdcpp builds it)"
     return None
