@@ -1,6 +1,8 @@
 """Qwen-Image-Edit-2509 (Edit Plus): sdlite's memory and speed against diffusers bf16 (``QwenImageEditPlusPipeline``)
 on the same random weights at the released widths, from three kinds of files: a diffusers folder (bf16), ComfyUI's
-fp8 split files and GGUF (a city96-style transformer, a llama.cpp Qwen2.5-VL encoder and its mmproj vision tower).
+fp8 split files and GGUF (a city96-style transformer, a llama.cpp Qwen2.5-VL encoder and its mmproj vision tower);
+and against stable-diffusion.cpp on the GGUF files (``sd.cpp q4_k``: stable-diffusion-cpp-python from ``make
+setup-sdcpp``, which counts the transformer's blocks and the encoder's layers from the files).
 
     python bench/edit.py [--blocks 2] [--text-layers 2] [--depths 2:2,4:4] [--only LABEL,...] [--repeat 1]
                          [--build-only] [--report-only] [--clean] [--note TEXT]
@@ -64,6 +66,7 @@ sys.path.insert(1, str(ROOT))
 
 from ggufs import write_gguf  # noqa: E402
 from sd3 import _atomic, _link, _random_items  # noqa: E402
+from zimage import SDCPP_PYTHON, sdcpp_log_times  # noqa: E402
 
 from sdlite.config.qwen import QWEN2_5_VL_7B  # noqa: E402
 from sdlite.config.qwen_vision import QWEN25_VL_7B_VISION  # noqa: E402
@@ -83,7 +86,7 @@ FP8 = {"transformer": "qwen_image_edit_2509_fp8_e4m3fn.safetensors", "text": "qw
        "vae": "qwen_image_vae.safetensors"}
 GGUF = {"transformer": "qwen-image-edit-2509-Q4_K_M.gguf", "text": "Qwen2.5-VL-7B-Instruct-Q4_K_M.gguf",
         "mmproj": "mmproj-Qwen2.5-VL-7B-Instruct-f16.gguf", "vae": "qwen_image_vae.safetensors"}
-REF = "diffusers bf16"
+REF, SDCPP = "diffusers bf16", "sd.cpp q4_k"
 CONFIGS = {
     REF: dict(engine="diffusers", files="folder"),
     "sdlite folder mode1": dict(engine="sdlite", files="folder", memory_mode=1),
@@ -92,6 +95,7 @@ CONFIGS = {
     "sdlite fp8 mode0": dict(engine="sdlite", files="fp8", memory_mode=0),
     "sdlite gguf mode1": dict(engine="sdlite", files="gguf", memory_mode=1),
     "sdlite gguf mode0": dict(engine="sdlite", files="gguf", memory_mode=0),
+    SDCPP: dict(engine="sdcpp", files="gguf"),
 }
 DEPTH_CONFIGS = ("sdlite fp8 mode0", "sdlite gguf mode0")
 
@@ -361,7 +365,7 @@ def build(nets: dict, log=print) -> dict:
 
 # --- the child -----------------------------------------------------------------------------------------------------
 
-CHILD = r"""
+_PRELUDE = r"""
 import json, os, sys, time
 cfg = json.loads(sys.argv[1])
 now = time.perf_counter
@@ -380,7 +384,9 @@ def failed(what, e):
     traceback.print_exc()
     out["error"] = f"{what} failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
     report(); sys.exit(0)
+"""
 
+CHILD = _PRELUDE + r"""
 import numpy as np
 import torch
 from PIL import Image
@@ -468,6 +474,42 @@ Image.fromarray(image).save(os.path.join(cfg["artifacts"], cfg["slug"] + ".png")
 report()
 """
 
+# stable-diffusion.cpp on the GGUF files: its log's text, source-encode and decode times replace the estimates here
+SDCPP_CHILD = _PRELUDE + r"""
+from importlib.metadata import version
+from PIL import Image
+from stable_diffusion_cpp import StableDiffusion
+out["versions"] = {"stable-diffusion-cpp-python": version("stable-diffusion-cpp-python")}
+f = cfg["sdcpp"]
+try:
+    sd = StableDiffusion(diffusion_model_path=f["transformer"], llm_path=f["text"], llm_vision_path=f["mmproj"],
+                         vae_path=f["vae"], n_threads=cfg["threads"], verbose=True)
+except Exception as e:
+    failed("loading", e)
+out["ready_s"] = now() - t_start
+out["rss_ready_mb"] = peak_mb()
+calls = []
+t0 = now()
+try:
+    images = sd.generate_image(prompt=cfg["prompt"], negative_prompt=cfg["negative"],
+                               ref_images=[Image.open(cfg["source"]).convert("RGB")], cfg_scale=cfg["cfg"],
+                               sample_method="euler", sample_steps=cfg["steps"], seed=cfg["seed"],
+                               width=cfg["size"], height=cfg["size"],
+                               progress_callback=lambda step, n, t: calls.append((step, n, t, now())))
+except Exception as e:
+    failed("the generation", e)
+t1 = now()
+sampling = [c for c in calls if c[1] == cfg["steps"]][-cfg["steps"]:]
+out.update(total=t1 - t0, steps=[c[2] for c in sampling])
+if sampling:
+    out["text"] = sampling[0][3] - sampling[0][2] - t0   # all before the first step, until the log says better
+    out["decode"] = t1 - sampling[-1][3]
+if not images:
+    failed("the generation", RuntimeError("generate_image returned no image"))
+images[0].save(os.path.join(cfg["artifacts"], cfg["slug"] + ".png"))
+report()
+"""
+
 
 def _meminfo_mb() -> dict:
     return {ln.split(":")[0]: int(ln.split()[1]) / 1024 for ln in open("/proc/meminfo")}
@@ -482,13 +524,18 @@ def run_child(label: str, files: dict, artifacts: Path, timeout_s: float, log=pr
     if c["files"] in ("fp8", "gguf"):
         f = files[c["files"]]
         cfg["split"] = {"transformer": str(f["transformer"]), "text": [str(p) for p in f["text"]]}
+    if c["engine"] == "sdcpp":
+        text, mmproj, vae = files["gguf"]["text"]
+        cfg["sdcpp"] = {"transformer": str(files["gguf"]["transformer"]), "text": str(text), "mmproj": str(mmproj),
+                        "vae": str(vae)}
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "PYTHONPATH": str(ROOT)}
     load_before = os.getloadavg()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         start = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(cfg)], stdout=out, stderr=err, env=env,
-                                cwd=str(ROOT))
+        sdcpp = c["engine"] == "sdcpp"
+        proc = subprocess.Popen([str(SDCPP_PYTHON) if sdcpp else sys.executable, "-c", SDCPP_CHILD if sdcpp else CHILD,
+                                 json.dumps(cfg)], stdout=out, stderr=err, env=env, cwd=str(ROOT))
         stopped = None
         while proc.poll() is None:
             mem = _meminfo_mb()
@@ -505,6 +552,8 @@ def run_child(label: str, files: dict, artifacts: Path, timeout_s: float, log=pr
         stdout, stderr = [(f.seek(0), f.read())[1] for f in (out, err)]
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     res = json.loads(lines[-1].split(" ", 1)[1]) if lines else {}
+    if c["engine"] == "sdcpp":
+        res.update(sdcpp_log_times(stderr))
     if stopped:
         res["error"] = stopped
     elif proc.returncode or not lines:
@@ -547,12 +596,15 @@ def body(raw: dict, h: str) -> list[str]:
     ref = s.get(REF, {})
     fmt = lambda v, kind: "-" if v is None else (f"{v / 1024:.2f}" if kind == "gb" else f"{v:.1f}")
 
+    sdcpp = s.get(SDCPP, {})
+
     def cell(k, key, kind="s"):
         v = s[k].get(key)
         txt = fmt(v, kind)
-        if k != REF and v is not None and ref.get(key):
-            txt += f" ({v / ref[key]:.2f}x)"
-        return txt
+        ratios = [f"{v / ref[key]:.2f}x" for _ in [0] if k != REF and v is not None and ref.get(key)]
+        if CONFIGS[k]["files"] == "gguf" and k != SDCPP and v is not None and sdcpp.get(key):
+            ratios.append(f"{v / sdcpp[key]:.2f}x sd.cpp")   # the same files
+        return txt + (f" ({', '.join(ratios)})" if ratios else "")
 
     lines = [f"{h} Qwen-Image-Edit", "",
              f"Qwen-Image-Edit-2509 (Edit Plus) at a REDUCED depth, the released widths: the transformer with "
@@ -587,7 +639,16 @@ def body(raw: dict, h: str) -> list[str]:
             lines.append(f"| {name} | " + " | ".join(f"{s[k]['ok']} / {s[k]['runs']}" for k in labels) + " |")
         else:
             lines.append(f"| {name} | " + " | ".join(cell(k, key, kind) for k in labels) + " |")
-    lines += ["", "Ratios in parentheses are against diffusers bf16 (lower is better). Resolved: " + "; ".join(
+    if SDCPP in s:
+        version = next((r["versions"]["stable-diffusion-cpp-python"] for r in res[SDCPP] if r.get("versions")), "?")
+        lines += ["", f"{SDCPP}: stable-diffusion.cpp (stable-diffusion-cpp-python {version}, "
+                  "built from source with GGML_NATIVE by `make setup-sdcpp`) on the same GGUF files (transformer, "
+                  "encoder, mmproj tower, VAE), Euler, the same cfg, steps and size; its text, source-encode and "
+                  "decode times are its log's. It runs the Edit Plus prompt, but gives the vision tower the source at "
+                  "up to 560^2 pixels where the pipeline (and sdlite) give 384^2, about twice the tower's tokens; its "
+                  "CFG has no norm rescale (the same two passes a step). It draws its noise with its own generator."]
+    lines += ["", "Ratios in parentheses are against diffusers bf16 and, `x sd.cpp`, for the GGUF rows against "
+              "stable-diffusion.cpp on the same files (lower is better). Resolved: " + "; ".join(
         f"{k}: {', '.join(f'{a}={v}' for a, v in s[k]['resolved'].items())}" for k in labels if s[k]["resolved"])
         + "."]
     errors = [f"- {k}: {s[k]['error']}" for k in labels if s[k]["error"]]

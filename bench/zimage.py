@@ -422,17 +422,18 @@ if not images:
 report()
 """
 
-_SDCPP_LOG = (("text", re.compile(r"get_learned_condition completed, taking (\d+) ms"), 1e-3),
-              ("decode", re.compile(r"decode_first_stage completed, taking ([\d.]+)\s*s"), 1.0))
+# its log gives "taking 1234 ms" in some versions and "taking 1.23s" in others (0.4.7)
+_SDCPP_LOG = {"text": "get_learned_condition", "vae_encode": "encode_first_stage", "decode": "decode_first_stage"}
 
 
 def sdcpp_log_times(stderr: str) -> dict:
-    """stable-diffusion.cpp's own text-encoding and decode times from its log (the last of each)."""
+    """stable-diffusion.cpp's own text-encoding, VAE-encode and decode times from its log (the last of each)."""
     out = {}
-    for key, pattern, scale in _SDCPP_LOG:
-        found = pattern.findall(stderr)
+    for key, stage in _SDCPP_LOG.items():
+        found = re.findall(stage + r" completed, taking ([\d.]+)\s*(ms|s)\b", stderr)
         if found:
-            out[key] = float(found[-1]) * scale
+            value, unit = found[-1]
+            out[key] = float(value) * (1e-3 if unit == "ms" else 1.0)
     return out
 
 
