@@ -5,6 +5,8 @@
   (FLUX.1's real form), wherever the output lands (strided, a slice of the joined sequence, in place);
 * the RMS norm's scaling (``sdl_rms_scale_bf16``, ``sdlite.kernels.bf16.rms_scale``) through
   ``sdlite.models.layers.RMSNorm`` against diffusers' ``RMSNorm``;
+* the attention of a batch of captions of different lengths (``sdlite.models.mmdit.padded_attention``: each sample's
+  own keys on the attention kernel) against PyTorch's masked SDPA;
 
 each used exactly where it applies. The transformers' bf16 forward through it is checked against
 diffusers' bit for bit by test_flux_model, test_zimage_model and test_qwenimage_model (``test_bf16_is_bit_exact_too``
@@ -211,3 +213,38 @@ def test_rms_norm_threads_and_other_dtypes(monkeypatch):
         assert wide(x).dtype == torch.float32 and torch.equal(wide(x), ref_wide(x))
         monkeypatch.setattr(kernels, "enabled", False)
         assert torch.equal(ours(x), one) and torch.equal(ref(x), one)
+
+
+@pytest.mark.parametrize("pays", [True, False], ids=["kernel", "pytorch"])
+def test_padded_attention_is_masked_attention(monkeypatch, pays):
+    """Captions of different lengths in one batch (Qwen-Image's true CFG, Z-Image's): ``mmdit.padded_attention``
+    gives each sample its own real keys. Where sdlite's kernel runs (bf16, measured to pay) that is the masked
+    softmax's arithmetic without the mask: as near fp32's masked attention as PyTorch's masked SDPA is, and the pad
+    keys' values change nothing (with them unmasked the output moves far). Elsewhere it is PyTorch's masked SDPA,
+    bit for bit."""
+    import torch.nn.functional as F
+
+    from sdlite.models.mmdit import padded_attention
+
+    monkeypatch.setattr(kernels, "attention_pays", lambda kind="unet": pays)
+    b, h, s, d = 2, 4, 700, 64
+    q, k, v = (_tokens(b, s, h, d, seed=i).transpose(1, 2) for i in range(3))   # (B, h, S, D) views, as the models'
+    keep = torch.ones(b, s, dtype=torch.bool)
+    keep[1, 40:52] = False                                                        # the second caption's pads
+
+    def masked(dtype, k=k, v=v, mask=keep):
+        out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask[:, None, None, :])
+        return out.transpose(1, 2).reshape(b, s, h * d)
+
+    got = padded_attention(q, k, v, keep)
+    if not (pays and RUNS_HERE):
+        assert torch.equal(got, masked(torch.bfloat16))
+        return
+    exact = masked(torch.float32)
+    rel = lambda x: ((x.float() - exact).norm() / exact.norm()).item()   # noqa: E731
+    assert rel(got) <= 1.5 * rel(masked(torch.bfloat16)) and rel(got) < 1e-2, (rel(got), rel(masked(torch.bfloat16)))
+    k2, v2 = k.clone(), v.clone()
+    k2[1, :, 40:52], v2[1, :, 40:52] = 30.0, 100.0
+    assert torch.equal(padded_attention(q, k2, v2, keep), got)
+    unmasked = masked(torch.float32, k2, v2, torch.ones_like(keep))
+    assert ((unmasked - exact).norm() / exact.norm()).item() > 0.1

@@ -31,7 +31,7 @@ from ..errors import RequestError
 from .flux import pack_latents, unpack_latents
 from .layers import (RMSNorm, TimestepEmbedding, pad_to_patches, pair_tables, per_sample, rotate_joined, rotate_pairs,
                      run_blocks)
-from .mmdit import attention
+from .mmdit import attention, padded_attention
 
 __all__ = ["QwenImage", "rope_table", "image_positions", "timestep_sinusoid", "image_shapes"]
 
@@ -166,8 +166,7 @@ class JointAttention(nn.Module):
         if mask is None:
             out = attention(q, k, v, self.fp32_kernels)                              # (B, S, C)
         else:
-            b, h, s, _ = q.shape
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, s, h * d)
+            out = padded_attention(q, k, v, mask[:, 0, 0])
         del q, k, v
         m = c.shape[1]
         return self.to_out[0](out[:, m:]), self.to_add_out(out[:, :m])

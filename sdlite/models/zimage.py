@@ -30,7 +30,7 @@ from ..config.zimage import ZImageConfig
 from ..errors import RequestError
 from .layers import (RMSNorm, pad_to_patches, pair_tables, per_sample, residual, rotate_pairs, run_blocks,
                      timestep_embedding)
-from .mmdit import attention
+from .mmdit import attention, padded_attention
 
 __all__ = ["ZImage", "rope_freqs", "image_ids", "caption_ids", "padded_length"]
 
@@ -116,9 +116,8 @@ class Attention(nn.Module):
         q, k, v = q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)   # (B, h, S, D)
         if mask is None:   # no padding: the transformers' attention (bf16: sdlite's kernel where it was faster)
             out = attention(q, k, v, False)                                         # (B, S, C)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])   # (B, h, S, D)
-            out = out.permute(0, 2, 1, 3).flatten(2, 3)
+        else:   # captions of different lengths: each sample's own keys (mmdit.padded_attention)
+            out = padded_attention(q, k, v, mask)                                   # (B, S, C)
         del q, k, v
         return self.to_out[0](out.to(x.dtype))                                      # (B, S, C)
 
