@@ -47,6 +47,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import shutil
 import statistics
 import struct
@@ -733,7 +734,7 @@ def main() -> int:
     script = "bench/edit.py"
     meta = raw.get("meta", {})
     meta.update(date=time.strftime("%Y-%m-%d"), machine=machine(cpu_facts()), main_tag=main_files["tag"],
-                command="python " + " ".join([script, *sys.argv[1:]]), loadavg_start=os.getloadavg(), note=args.note)
+                command="python " + shlex.join([script, *sys.argv[1:]]), loadavg_start=os.getloadavg(), note=args.note)
     meta.setdefault("depth", {}).update({f["tag"]: {"blocks": n["transformer"].num_layers,
                                                    "text_layers": n["text"].num_hidden_layers}
                                          for f, n in [(main_files, main_nets), *zip(depth_files, depth_nets)]})
