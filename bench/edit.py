@@ -525,7 +525,8 @@ def run_child(label: str, files: dict, artifacts: Path, timeout_s: float, log=pr
     if c["files"] in ("fp8", "gguf"):
         f = files[c["files"]]
         cfg["split"] = {"transformer": str(f["transformer"]), "text": [str(p) for p in f["text"]]}
-    if c["engine"] == "sdcpp":
+    sdcpp = c["engine"] == "sdcpp"
+    if sdcpp:
         text, mmproj, vae = files["gguf"]["text"]
         cfg["sdcpp"] = {"transformer": str(files["gguf"]["transformer"]), "text": str(text), "mmproj": str(mmproj),
                         "vae": str(vae)}
@@ -534,7 +535,6 @@ def run_child(label: str, files: dict, artifacts: Path, timeout_s: float, log=pr
     load_before = os.getloadavg()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         start = time.perf_counter()
-        sdcpp = c["engine"] == "sdcpp"
         proc = subprocess.Popen([str(SDCPP_PYTHON) if sdcpp else sys.executable, "-c", SDCPP_CHILD if sdcpp else CHILD,
                                  json.dumps(cfg)], stdout=out, stderr=err, env=env, cwd=str(ROOT))
         stopped = None
@@ -553,7 +553,7 @@ def run_child(label: str, files: dict, artifacts: Path, timeout_s: float, log=pr
         stdout, stderr = [(f.seek(0), f.read())[1] for f in (out, err)]
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     res = json.loads(lines[-1].split(" ", 1)[1]) if lines else {}
-    if c["engine"] == "sdcpp":
+    if sdcpp:
         res.update(sdcpp_log_times(stderr))
     if stopped:
         res["error"] = stopped
@@ -602,7 +602,9 @@ def body(raw: dict, h: str) -> list[str]:
     def cell(k, key, kind="s"):
         v = s[k].get(key)
         txt = fmt(v, kind)
-        ratios = [f"{v / ref[key]:.2f}x" for _ in [0] if k != REF and v is not None and ref.get(key)]
+        ratios = []
+        if k != REF and v is not None and ref.get(key):
+            ratios.append(f"{v / ref[key]:.2f}x")
         if CONFIGS[k]["files"] == "gguf" and k != SDCPP and v is not None and sdcpp.get(key):
             ratios.append(f"{v / sdcpp[key]:.2f}x sd.cpp")   # the same files
         return txt + (f" ({', '.join(ratios)})" if ratios else "")
